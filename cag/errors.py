@@ -1,0 +1,55 @@
+"""Named user-facing errors. Each maps once to a CLI exit code and an HTTP status.
+
+Exit codes: 1 user error (bad input, unknown name, corrupt snapshot ...), 2 command-line usage
+(typer's own), 3 refused because the corpus is stale under the `refuse` policy, 4 busy (lock held).
+"""
+
+from __future__ import annotations
+
+
+class CagError(Exception):
+    exit_code = 1
+    http_status = 400
+    code = "bad_request"
+
+
+class BadInput(CagError):
+    """Input the user can fix: empty question, unreadable document, unsupported option."""
+
+
+class NotFound(CagError):
+    http_status = 404
+    code = "not_found"
+
+
+class TooLarge(CagError):
+    """Knowledge or question that does not fit the context window."""
+
+    http_status = 413
+    code = "too_large"
+
+
+class ModelError(CagError):
+    """A model that cannot be loaded or is not supported (e.g. sliding-window attention)."""
+
+    http_status = 400
+    code = "model_error"
+
+
+class SnapshotCorrupt(CagError):
+    """A snapshot file that fails verification: truncated, tampered with, or built for another key."""
+
+    http_status = 500
+    code = "snapshot_corrupt"
+
+
+class StaleRefused(CagError):
+    exit_code = 3
+    http_status = 409
+    code = "stale"
+
+
+class Busy(CagError):
+    exit_code = 4
+    http_status = 429
+    code = "busy"

@@ -1,0 +1,92 @@
+"""Decode loop: one token per forward over a preallocated cache, explicit positions, greedy by default."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    max_tokens: int = 128
+    temperature: float = 0.0  # 0 = greedy (exact, the default everywhere)
+    top_p: float = 1.0
+    seed: int | None = None
+
+
+def stop_ids(model, tokenizer) -> set[int]:
+    ids: set[int] = set()
+    for src in (getattr(model.generation_config, "eos_token_id", None), tokenizer.eos_token_id):
+        if isinstance(src, int):
+            ids.add(src)
+        elif src:
+            ids.update(src)
+    for tok in ("<|im_end|>", "<|eot_id|>", "<|endoftext|>", "<end_of_turn>"):
+        tid = tokenizer.convert_tokens_to_ids(tok)
+        if isinstance(tid, int) and tid != tokenizer.unk_token_id:
+            ids.add(tid)
+    return ids
+
+
+def _pick(logits: torch.Tensor, cfg: DecodeConfig, gen: torch.Generator | None) -> int:
+    if cfg.temperature <= 0:
+        return int(torch.argmax(logits))
+    probs = torch.softmax(logits.float() / cfg.temperature, dim=-1)  # (V,)
+    if cfg.top_p < 1.0:
+        sorted_p, order = torch.sort(probs, descending=True)
+        keep = torch.cumsum(sorted_p, 0) - sorted_p < cfg.top_p
+        probs = torch.zeros_like(probs).scatter(0, order[keep], sorted_p[keep])
+    return int(torch.multinomial(probs, 1, generator=gen))
+
+
+@torch.inference_mode()
+def decode(
+    model,
+    cache,
+    logits: torch.Tensor,
+    pos: int,
+    cfg: DecodeConfig,
+    stops: set[int],
+    should_stop: Callable[[], bool] | None = None,
+) -> Iterator[int]:
+    """Yield generated token ids. `logits` (V,) are those of the last prompt token at pos-1."""
+    gen = torch.Generator().manual_seed(cfg.seed) if cfg.seed is not None and cfg.temperature > 0 else None
+    for i in range(cfg.max_tokens):
+        tok = _pick(logits, cfg, gen)
+        if tok in stops:
+            return
+        yield tok
+        if i + 1 == cfg.max_tokens or (should_stop and should_stop()):
+            return
+        p = torch.tensor([pos])  # (1,)
+        logits = model(
+            input_ids=torch.tensor([[tok]]),
+            past_key_values=cache,
+            cache_position=p,
+            position_ids=p.unsqueeze(0),
+            use_cache=True,
+        ).logits[0, -1]
+        pos += 1
+
+
+class TextStream:
+    """Turns token ids into text increments; holds back a trailing partial UTF-8 character."""
+
+    def __init__(self, tokenizer):
+        self.tok = tokenizer
+        self.ids: list[int] = []
+        self.sent = ""
+
+    def push(self, tok: int) -> str:
+        self.ids.append(tok)
+        text = self.tok.decode(self.ids, skip_special_tokens=True)
+        if text.endswith("\ufffd"):
+            return ""
+        piece, self.sent = text[len(self.sent) :], text
+        return piece
+
+    @property
+    def text(self) -> str:
+        return self.tok.decode(self.ids, skip_special_tokens=True)

@@ -1,0 +1,87 @@
+"""KV cache plumbing: chunked prefill, cache <-> tensors, trim. All transformers cache API use lives here.
+
+One preallocated `StaticCache` per request buffer, sized n_prefix + question_room + answer_room:
+each layer holds keys/values of shape (1, H_kv, max_len, D), written in place, so decoding never
+concatenates or copies the prefix. Every forward passes `cache_position` AND `position_ids`
+explicitly: with `cache_position` alone a restored static cache decodes differently.
+
+Ingest, the no-cache baseline and the cached path all use a cache of the same max_len, so their
+prefix forwards are the same operations: with float32 snapshots the cached answer equals the
+uncached one bit for bit; with float16 snapshots they differ only by storage rounding.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+from transformers import StaticCache
+
+KV = list[tuple[torch.Tensor, torch.Tensor]]  # per layer: keys, values, each (1, H_kv, T, D)
+
+
+def new_cache(model, max_len: int) -> StaticCache:
+    return StaticCache(config=model.config, max_cache_len=max_len)
+
+
+@torch.inference_mode()
+def prefill(
+    model,
+    cache: StaticCache,
+    ids: Sequence[int],
+    start: int,
+    chunk: int = 512,
+    on_progress: Callable[[int], None] | None = None,
+) -> torch.Tensor:
+    """Run ids through the model at positions start.. in chunks; return last-position logits (V,)."""
+    if start + len(ids) > max_len(cache):
+        raise ValueError(f"prefill past the cache: {start}+{len(ids)} > {max_len(cache)}")
+    set_length(cache, start)
+    logits = None
+    for s in range(0, len(ids), chunk):
+        piece = torch.tensor([list(ids[s : s + chunk])], dtype=torch.long)  # (1, T)
+        pos = torch.arange(start + s, start + s + piece.shape[1])  # (T,)
+        out = model(
+            input_ids=piece,
+            past_key_values=cache,
+            cache_position=pos,
+            position_ids=pos.unsqueeze(0),
+            use_cache=True,
+            logits_to_keep=1,  # (1, 1, V): skips a (T, V) projection per chunk
+        )
+        logits = out.logits[0, -1]
+        if on_progress:
+            on_progress(piece.shape[1])
+    return logits
+
+
+def max_len(cache: StaticCache) -> int:
+    return cache.layers[0].max_cache_len
+
+
+def set_length(cache: StaticCache, n: int) -> None:
+    """trim_to: the next write lands at position n. Slots >= n hold stale values that the
+    causal mask built from cache_position never lets a query see."""
+    for layer in cache.layers:
+        layer.cumulative_length.fill_(n)
+
+
+def export(cache: StaticCache, n: int) -> KV:
+    """Views of the first n positions of every layer: (1, H_kv, n, D)."""
+    return [(layer.keys[:, :, :n], layer.values[:, :, :n]) for layer in cache.layers]
+
+
+def load_into(cache: StaticCache, kv: KV, dtype: torch.dtype) -> None:
+    """Copy a snapshot's tensors (any storage dtype) into a fresh cache of the model's dtype."""
+    for layer, (k, v) in zip(cache.layers, kv, strict=True):
+        if not layer.is_initialized:
+            layer.lazy_initialization(k[:, :, :0].to(dtype), v[:, :, :0].to(dtype))
+        layer.keys[:, :, : k.shape[2]].copy_(k)  # casts fp16 -> model dtype in the copy
+        layer.values[:, :, : v.shape[2]].copy_(v)
+    set_length(cache, kv[0][0].shape[2] if kv else 0)
+
+
+def kv_shape_ok(kv: KV, n_layers: int, n_kv_heads: int, head_dim: int, n_tokens: int) -> bool:
+    return len(kv) == n_layers and all(
+        t.shape == (1, n_kv_heads, n_tokens, head_dim) for pair in kv for t in pair
+    )

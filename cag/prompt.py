@@ -1,0 +1,90 @@
+r"""The only place text is laid out: the knowledge prefix and the question suffix.
+
+Prompt = head + doc_1 + ... + doc_n + mid | question + tail
+         \______________ prefix ________/   \___ suffix ___/
+
+head/mid/tail come from the model's own chat template, rendered once with marker strings and
+split at the markers, so any chat model gets its native layout. Each piece is tokenized on its
+own and the token ids concatenated: a document's token span then depends only on the documents
+before it, which is what incremental refresh needs. Document text is tokenized with
+`split_special_tokens=True`: a "<|im_end|>" inside a document is plain text, never a control token.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+PROMPT_VERSION = 1
+INSTRUCTION = (
+    "You answer questions using only the knowledge below. "
+    "Answer briefly, with the exact words of the knowledge where possible. "
+    "If the knowledge does not contain the answer, say you do not know."
+)
+_K = "\x00KNOWLEDGE\x00"
+_Q = "\x00QUESTION\x00"
+
+
+@dataclass(frozen=True)
+class Layout:
+    head: str
+    mid: str
+    tail: str
+
+    def as_dict(self) -> dict:
+        return {"version": PROMPT_VERSION, "head": self.head, "mid": self.mid, "tail": self.tail}
+
+
+@dataclass
+class Prefix:
+    ids: list[int]
+    spans: list[tuple[str, int, int]] = field(default_factory=list)  # (doc name, start, end) token spans
+
+
+def layout_for(tokenizer) -> Layout:
+    """Split the model's chat template at marker strings; plain-text layout when it has none."""
+    system = f"{INSTRUCTION}\n\n<knowledge>\n{_K}</knowledge>"
+    if getattr(tokenizer, "chat_template", None):
+        attempts = (
+            [{"role": "system", "content": system}, {"role": "user", "content": _Q}],
+            # templates without a system role: knowledge goes in the user turn
+            [{"role": "user", "content": f"{system}\n\nQuestion: {_Q}"}],
+        )
+        for messages in attempts:
+            try:
+                text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            except Exception:
+                continue
+            if isinstance(text, str) and text.count(_K) == 1 and text.count(_Q) == 1 and text.index(_K) < text.index(_Q):
+                head, rest = text.split(_K)
+                mid, tail = rest.split(_Q)
+                return Layout(head, mid, tail)
+    return Layout(f"{system.split(_K)[0]}", "</knowledge>\n\nQuestion: ", "\nAnswer:")
+
+
+def document_text(name: str, text: str) -> str:
+    return f'<document name="{name}">\n{text.strip()}\n</document>\n'
+
+
+def encode_text(tokenizer, text: str) -> list[int]:
+    """User text: special-token strings stay plain text."""
+    return tokenizer(text, add_special_tokens=False, split_special_tokens=True)["input_ids"]
+
+
+def encode_template(tokenizer, text: str) -> list[int]:
+    """Our own template pieces: special-token strings are control tokens."""
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def build_prefix(tokenizer, layout: Layout, docs: list[tuple[str, str]]) -> Prefix:
+    ids = encode_template(tokenizer, layout.head)
+    spans = []
+    for name, text in docs:
+        start = len(ids)
+        ids += encode_text(tokenizer, document_text(name, text))
+        spans.append((name, start, len(ids)))
+    ids += encode_template(tokenizer, layout.mid)
+    return Prefix(ids, spans)
+
+
+def build_suffix(tokenizer, layout: Layout, question: str) -> list[int]:
+    return encode_text(tokenizer, question.strip()) + encode_template(tokenizer, layout.tail)

@@ -1,0 +1,209 @@
+"""The `cag` command line. Each command parses, calls the engine, prints; errors are one line.
+
+Exit codes: 0 ok, 1 user error, 2 usage error, 3 stale corpus refused (--on-stale refuse),
+4 busy (another ingest holds the corpus lock).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import sys
+import time
+from typing import Annotated, Optional
+
+import typer
+
+from cag.config import get_settings
+from cag.errors import CagError
+
+app = typer.Typer(
+    help="Cache-augmented generation: prefill a knowledge corpus once, answer questions from its KV snapshot.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+
+JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON object (for scripts).")]
+ModelOpt = Annotated[Optional[str], typer.Option("--model", help="Model: the embedded default, a Hugging Face folder or hub id. Env: CAG_MODEL.")]
+
+
+def _engine(model: str | None = None, **overrides):
+    from cag.engine import Engine
+
+    return Engine(get_settings(model=model, **overrides))
+
+
+def handle_errors(fn):
+    """User errors become one line on stderr and a documented exit code, never a traceback."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except CagError as e:
+            typer.echo(f"error: {e}", err=True)
+            raise typer.Exit(e.exit_code) from None
+        except KeyboardInterrupt:
+            typer.echo("interrupted", err=True)
+            raise typer.Exit(130) from None
+
+    return wrapper
+
+
+def _emit(obj: dict) -> None:
+    typer.echo(json.dumps(obj, ensure_ascii=False))
+
+
+def _human_bytes(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if n < 1024 or unit == "GB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def _age(ts: float | None) -> str:
+    if not ts:
+        return "never"
+    s = time.time() - ts
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if s >= size:
+            return f"{s / size:.0f}{unit} ago"
+    return f"{s:.0f}s ago"
+
+
+class _TqdmReporter:
+    """Estimate line and a tokens progress bar (tokens, tokens/s, ETA), drawn only on a terminal."""
+
+    def __init__(self, quiet: bool):
+        self.quiet, self.bar = quiet, None
+
+    def estimate(self, n_tokens: int, n_bytes: int, reused: int) -> None:
+        if not self.quiet:
+            extra = f", reusing {reused} cached tokens" if reused else ""
+            typer.echo(f"knowledge: {n_tokens} tokens -> snapshot ~{_human_bytes(n_bytes)} "
+                       f"(2 x layers x kv_heads x head_dim x bytes x tokens){extra}", err=True)
+
+    def progress(self, total: int):
+        from tqdm import tqdm
+
+        self.bar = tqdm(total=total, unit="tok", unit_scale=True, desc="prefill", file=sys.stderr,
+                        disable=self.quiet or not sys.stderr.isatty(), dynamic_ncols=True)
+        return self.bar.update
+
+    def done(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+@app.command()
+@handle_errors
+def ingest(
+    path: Annotated[str, typer.Argument(help="Folder (recursive) or file: .txt .md .html .pdf; or the name of a known corpus to refresh.")],
+    name: Annotated[Optional[str], typer.Option(help="Corpus name (default: the folder or file name).")] = None,
+    model: ModelOpt = None,
+    force: Annotated[bool, typer.Option("--force", help="Rebuild from scratch even when a snapshot could be reused.")] = False,
+    ttl: Annotated[Optional[float], typer.Option(help="Seconds after which the snapshot counts as stale.")] = None,
+    json_: JsonOpt = False,
+):
+    """Prefill a corpus once and save its KV cache as a snapshot (incremental when documents changed)."""
+    engine = _engine(model)
+    r = engine.ingest(path, name=name, force=force, ttl_s=ttl, reporter=_TqdmReporter(quiet=json_))
+    if json_:
+        _emit(r.to_dict())
+        return
+    for s in r.skipped:
+        typer.echo(f"skipped: {s}", err=True)
+    if r.status == "fresh":
+        typer.echo(f"{r.corpus}: up to date (snapshot {r.snapshot[:12]}, {r.n_tokens} tokens, {r.n_documents} documents)")
+    else:
+        tps = r.prefilled_tokens / (r.prefill_ms / 1e3) if r.prefill_ms else 0
+        typer.echo(f"{r.corpus}: {r.status} snapshot {r.snapshot[:12]}: {r.n_documents} documents, {r.n_tokens} tokens "
+                   f"({r.reused_tokens} reused, {r.prefilled_tokens} prefilled in {r.prefill_ms / 1e3:.1f} s, {tps:.0f} tok/s), "
+                   f"{_human_bytes(r.bytes)}")
+
+
+@app.command()
+@handle_errors
+def ask(
+    corpus: Annotated[str, typer.Argument(help="Corpus name (see `cag list`).")],
+    question: Annotated[str, typer.Argument(help="The question.")],
+    mode: Annotated[str, typer.Option(help="cag: from the snapshot; full: whole knowledge in the prompt, no cache; rag: BM25 top-k passages.")] = "cag",
+    max_tokens: Annotated[Optional[int], typer.Option(help="Answer length limit in tokens (clamped to CAG_ANSWER_ROOM).")] = None,
+    k: Annotated[int, typer.Option(help="rag mode: passages to retrieve.")] = 3,
+    retriever: Annotated[str, typer.Option(help="rag mode: bm25 or dense.")] = "bm25",
+    on_stale: Annotated[str, typer.Option(help="serve (warn), refuse (exit 3) or refresh first.")] = "serve",
+    stream: Annotated[bool, typer.Option("--stream", help="Print tokens as they are generated.")] = False,
+    model: ModelOpt = None,
+    json_: JsonOpt = False,
+):
+    """Answer a question from a corpus."""
+    engine = _engine(model)
+    on_text = None
+    if stream and not json_:
+        def on_text(piece: str) -> None:
+            typer.echo(piece, nl=False)
+            sys.stdout.flush()
+    a = engine.ask(corpus, question, mode=mode, max_tokens=max_tokens, on_text=on_text, on_stale=on_stale,
+                   k=k, retriever=retriever)
+    if a.stale:
+        typer.echo(f"warning: corpus {corpus!r} is stale: {'; '.join(a.stale_reasons)}", err=True)
+    if json_:
+        _emit(a.to_dict())
+        return
+    if stream:
+        typer.echo("")
+    else:
+        typer.echo(a.answer)
+    typer.echo(f"[{a.mode}] prompt {a.prompt_tokens} tok ({a.cached_tokens} cached), answer {a.completion_tokens} tok; "
+               f"load {a.load_ms:.0f} ms, ttft {a.ttft_ms:.0f} ms, total {a.total_ms:.0f} ms", err=True)
+
+
+def _status_lines(s) -> list[str]:
+    state = "STALE" if s.stale else "fresh"
+    snap = s.snapshot[:12] if s.snapshot else "-"
+    lines = [f"{s.name}: {state}, snapshot {snap}, {s.n_documents} docs, {s.n_tokens} tokens, "
+             f"{_human_bytes(s.bytes)}, model {s.model}, built {_age(s.created)}, last used {_age(s.last_used)}",
+             f"  source: {s.source}"]
+    lines += [f"  stale: {r}" for r in s.reasons]
+    return lines
+
+
+@app.command("list")
+@handle_errors
+def list_(model: ModelOpt = None, json_: JsonOpt = False):
+    """List corpora with their snapshots, sizes, token counts, model and freshness."""
+    items = _engine(model).list()
+    if json_:
+        _emit({"corpora": [s.to_dict() for s in items]})
+        return
+    if not items:
+        typer.echo("no corpora yet: `cag ingest PATH`")
+    for s in items:
+        typer.echo(_status_lines(s)[0])
+
+
+@app.command()
+@handle_errors
+def status(
+    corpus: Annotated[Optional[str], typer.Argument(help="Corpus name; all corpora when omitted.")] = None,
+    model: ModelOpt = None,
+    json_: JsonOpt = False,
+):
+    """Freshness of one corpus (or all), with one line per reason it is stale."""
+    engine = _engine(model)
+    items = [engine.status(corpus)] if corpus else engine.list()
+    if json_:
+        _emit(items[0].to_dict() if corpus else {"corpora": [s.to_dict() for s in items]})
+        return
+    for s in items:
+        typer.echo("\n".join(_status_lines(s)))
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()

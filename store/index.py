@@ -1,0 +1,139 @@
+"""The SQLite index: corpora, documents, snapshots, the documents inside each snapshot, queries.
+
+WAL mode with a busy timeout so queries can log while an ingest writes. Schema changes are
+numbered migrations recorded in `PRAGMA user_version`. Every change of state is one transaction.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+from contextlib import contextmanager
+from pathlib import Path
+
+import sqlite_utils
+
+
+def _m1(db: sqlite_utils.Database) -> None:
+    db["corpora"].create(
+        {"name": str, "source": str, "model": str, "ttl_s": float, "current_snapshot": str,
+         "invalidated": str, "created": float, "updated": float},
+        pk="name",
+    )
+    db["documents"].create(
+        {"corpus": str, "path": str, "content_hash": str, "size": int, "mtime": float, "ordinal": int},
+        pk=("corpus", "path"),
+    )
+    db["snapshots"].create(
+        {"key": str, "digest": str, "corpus": str, "model": str, "model_fingerprint": str,
+         "tokenizer_fingerprint": str, "n_tokens": int, "n_documents": int, "bytes": int,
+         "dtype": str, "path": str, "status": str, "created": float, "last_used": float,
+         "prefill_ms": float, "reused_tokens": int},
+        pk="digest",
+    )
+    db["snapshots"].create_index(["corpus"])
+    db["snapshot_documents"].create(
+        {"snapshot": str, "path": str, "content_hash": str, "start": int, "end": int, "ordinal": int},
+        pk=("snapshot", "path"),
+    )
+    db["queries"].create(
+        {"id": int, "corpus": str, "snapshot": str, "question": str, "answer": str, "mode": str,
+         "prompt_tokens": int, "cached_tokens": int, "completion_tokens": int, "load_ms": float,
+         "ttft_ms": float, "total_ms": float, "created": float},
+        pk="id",
+    )
+
+
+MIGRATIONS = [_m1]
+
+
+class Index:
+    def __init__(self, path: Path):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.db = sqlite_utils.Database(path)
+        self.db.execute("PRAGMA busy_timeout = 10000")
+        self.db.enable_wal()
+        self._migrate()
+
+    def _migrate(self) -> None:
+        with self.atomic():
+            version = self.db.execute("PRAGMA user_version").fetchone()[0]
+            for i, step in enumerate(MIGRATIONS[version:], start=version + 1):
+                step(self.db)
+                self.db.execute(f"PRAGMA user_version = {i}")
+
+    @contextmanager
+    def atomic(self):
+        """One transaction (BEGIN IMMEDIATE: writers queue on the busy timeout, never interleave)."""
+        conn = self.db.conn
+        if conn.in_transaction:
+            yield
+            return
+        conn.execute("BEGIN IMMEDIATE")
+        try:
+            yield
+        except BaseException:
+            conn.execute("ROLLBACK")
+            raise
+        conn.execute("COMMIT")
+
+    # -- corpora -------------------------------------------------------------------------------
+    def corpus(self, name: str) -> dict | None:
+        rows = list(self.db["corpora"].rows_where("name = ?", [name]))
+        return rows[0] if rows else None
+
+    def corpora(self) -> list[dict]:
+        return list(self.db["corpora"].rows_where(order_by="name"))
+
+    def documents(self, corpus: str) -> list[dict]:
+        return list(self.db["documents"].rows_where("corpus = ?", [corpus], order_by="ordinal"))
+
+    def snapshot(self, digest: str) -> dict | None:
+        rows = list(self.db["snapshots"].rows_where("digest = ?", [digest]))
+        return rows[0] if rows else None
+
+    def snapshots(self, corpus: str | None = None) -> list[dict]:
+        if corpus is None:
+            return list(self.db["snapshots"].rows_where(order_by="created"))
+        return list(self.db["snapshots"].rows_where("corpus = ?", [corpus], order_by="created"))
+
+    def snapshot_documents(self, digest: str) -> list[dict]:
+        return list(self.db["snapshot_documents"].rows_where("snapshot = ?", [digest], order_by="ordinal"))
+
+    def publish(self, corpus: dict, documents: list[dict], snapshot: dict, spans: Iterable[dict]) -> None:
+        """Record a ready snapshot and make it the corpus's current one, all in one transaction."""
+        now = time.time()
+        with self.atomic():
+            old = self.corpus(corpus["name"])
+            row = dict(corpus, updated=now, current_snapshot=snapshot["digest"], invalidated=None)
+            row.setdefault("created", old["created"] if old else now)
+            self.db["corpora"].upsert(row, pk="name")
+            self.db["documents"].delete_where("corpus = ?", [corpus["name"]])
+            self.db["documents"].insert_all(
+                [dict(d, corpus=corpus["name"], ordinal=i) for i, d in enumerate(documents)]
+            )
+            if old and old.get("current_snapshot") and old["current_snapshot"] != snapshot["digest"]:
+                self.db["snapshots"].update(old["current_snapshot"], {"status": "superseded"})
+            self.db["snapshots"].upsert(dict(snapshot, status="ready"), pk="digest")
+            self.db["snapshot_documents"].delete_where("snapshot = ?", [snapshot["digest"]])
+            self.db["snapshot_documents"].insert_all(
+                [dict(s, snapshot=snapshot["digest"], ordinal=i) for i, s in enumerate(spans)]
+            )
+
+    def touch_snapshot(self, digest: str) -> None:
+        with self.atomic():
+            self.db["snapshots"].update(digest, {"last_used": time.time()})
+
+    def set_snapshot_status(self, digest: str, status: str) -> None:
+        with self.atomic():
+            self.db["snapshots"].update(digest, {"status": status})
+
+    def log_query(self, row: dict) -> None:
+        with self.atomic():
+            self.db["queries"].insert(dict(row, created=time.time()))
+            if row.get("snapshot") and row.get("mode") == "cag":
+                self.db["snapshots"].update(row["snapshot"], {"last_used": time.time()})
+
+    def queries(self, corpus: str | None = None, limit: int = 100) -> list[dict]:
+        where, args = ("corpus = ?", [corpus]) if corpus else (None, None)
+        return list(self.db["queries"].rows_where(where, args, order_by="id desc", limit=limit))

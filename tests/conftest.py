@@ -1,0 +1,119 @@
+"""Shared fixtures.
+
+Tier 1: a tiny random LlamaForCausalLM (2 layers, GQA 4:2) with a byte-level BPE tokenizer trained
+in-process, saved as a normal Hugging Face folder, so it loads through the same `--model PATH`
+code as any user model. Tier 2 (`real` marker): the embedded SmolLM2-135M, materialized once per
+test session into a shared models folder.
+
+Every test runs with CAG_HOME in its own temp dir: no test writes to a real home.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+HANDBOOK = REPO / "corpora" / "handbook"
+DATASETS = Path(os.environ.get("CAG_DATASETS", REPO.parent / "shared" / "datasets"))
+
+CHATML = (
+    "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+
+def _train_tokenizer(texts: list[str]):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=600,
+        special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),  # any byte encodes: no unknown tokens
+    )
+    tok.train_from_iterator(texts, trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token="<|im_end|>", bos_token="<|endoftext|>",
+        pad_token="<|endoftext|>", unk_token="<|endoftext|>", chat_template=CHATML,
+    )
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> Path:
+    """A tiny random chat model saved as a Hugging Face folder (~1 MB), built in a second."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    texts = [p.read_text() for p in sorted(HANDBOOK.glob("*.md"))] + ["What is the answer? The answer is 42."]
+    tok = _train_tokenizer(texts)
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
+        tie_word_embeddings=True, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+    )
+    model = LlamaForCausalLM(config)
+    out = tmp_path_factory.mktemp("tiny-model")
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="session")
+def models_dir(tmp_path_factory) -> Path:
+    """Where the embedded model is materialized once for the whole session (CAG_MODELS_DIR)."""
+    shared = os.environ.get("CAG_TEST_MODELS_DIR")
+    return Path(shared) if shared else tmp_path_factory.mktemp("models")
+
+
+@pytest.fixture(autouse=True)
+def cag_home(tmp_path, monkeypatch, models_dir) -> Path:
+    home = tmp_path / "cag-home"
+    monkeypatch.setenv("CAG_HOME", str(home))
+    monkeypatch.setenv("CAG_MODELS_DIR", str(models_dir))
+    for var in ("CAG_MODEL", "CAG_KV_DTYPE", "CAG_API_KEYS", "CAG_TTL_S"):
+        monkeypatch.delenv(var, raising=False)
+    return home
+
+
+@pytest.fixture
+def tiny_engine(tiny_model_dir, monkeypatch):
+    from cag.config import get_settings
+    from cag.engine import Engine
+
+    monkeypatch.setenv("CAG_MODEL", str(tiny_model_dir))
+    return Engine(get_settings())
+
+
+@pytest.fixture(scope="session")
+def real_lm(models_dir):
+    from cag.config import DEFAULT_MODEL
+    from cag.model import load_model
+
+    return load_model(DEFAULT_MODEL, models_dir)
+
+
+@pytest.fixture
+def real_engine(real_lm, monkeypatch):
+    from cag.config import get_settings
+    from cag.engine import Engine
+
+    return Engine(get_settings(), lm=real_lm)
+
+
+@pytest.fixture
+def small_corpus(tmp_path) -> Path:
+    """Three short documents written for the tests."""
+    root = tmp_path / "corpus"
+    root.mkdir()
+    (root / "a.md").write_text("# Lighthouse\nThe lighthouse keeper is Mara Voss. She lights the lamp at dusk.\n")
+    (root / "b.txt").write_text("The ferry leaves the harbour at 7:15 every weekday and returns at 18:40.\n")
+    (root / "c.md").write_text("The bakery on Quay Street sells rye bread on Tuesdays only.\n")
+    return root
