@@ -65,6 +65,7 @@ class Answer:
     load_ms: float
     ttft_ms: float
     total_ms: float
+    retrieval_ms: float = 0.0  # rag mode only
     token_ids: list[int] = field(default_factory=list, repr=False)
     passages: list[dict] = field(default_factory=list, repr=False)  # rag mode: what was retrieved
 
@@ -119,6 +120,7 @@ class Engine:
         self._lm_lock = threading.Lock()
         self._resident: OrderedDict[str, _Resident] = OrderedDict()
         self._res_lock = threading.Lock()
+        self.stats = {"snapshot_hits": 0, "snapshot_loads": 0}  # resident-cache counters for /metrics
 
     # -- model ---------------------------------------------------------------------------------
     @property
@@ -372,10 +374,12 @@ class Engine:
             res = self._resident.get(digest)
             if res is not None:
                 self._resident.move_to_end(digest)
+                self.stats["snapshot_hits"] += 1
                 if res.free:
                     return res, res.free.pop()
         if res is None:
             res = self._load(digest)
+            self.stats["snapshot_loads"] += 1
         cache = kv.new_cache(self.lm.model, res.max_len)
         kv.load_into(cache, res.snap.kv, self.lm.dtype)
         return res, cache

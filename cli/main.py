@@ -201,6 +201,12 @@ def status(
         typer.echo("\n".join(_status_lines(s)))
 
 
+# Commands that live in their own modules register here (one line each).
+# [serve]
+# [compare]
+# [freshness]
+
+
 def main() -> None:
     app()
 
