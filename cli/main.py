@@ -202,8 +202,11 @@ def status(
 
 
 # Commands that live in their own modules register here (one line each).
-# [serve]
-# [compare]
+from cli.serve_cmd import serve  # noqa: E402
+app.command()(serve)
+from cli.compare_cmd import compare  # noqa: E402
+
+app.command()(compare)
 # [freshness]
 
 

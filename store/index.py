@@ -39,7 +39,7 @@ def _m1(db: sqlite_utils.Database) -> None:
     db["queries"].create(
         {"id": int, "corpus": str, "snapshot": str, "question": str, "answer": str, "mode": str,
          "prompt_tokens": int, "cached_tokens": int, "completion_tokens": int, "load_ms": float,
-         "ttft_ms": float, "total_ms": float, "created": float},
+         "ttft_ms": float, "total_ms": float, "retrieval_ms": float, "created": float},
         pk="id",
     )
 

@@ -56,6 +56,7 @@ def tiny_model_dir(tmp_path_factory) -> Path:
     config = LlamaConfig(
         vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
+        initializer_range=0.3,  # larger than default so a random model gives varied, input-dependent tokens
         tie_word_embeddings=True, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
         pad_token_id=tok.pad_token_id,
     )

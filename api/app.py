@@ -1,0 +1,87 @@
+"""The FastAPI app: `create_app(settings)` wires the engine, routes, errors and middleware.
+
+The lifespan starts loading the model in a thread and returns at once: the server answers from
+the first moment, `/health` with 503 until the model is loaded, then 200; routes that need the
+model answer 503 (not_ready) until then.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI
+from fastapi.middleware.cors import CORSMiddleware
+from fastapi.openapi.utils import get_openapi
+
+import cag
+from cag.config import Settings, get_settings
+from cag.engine import Engine
+
+from . import errors, openai_compat, routes
+from .middleware import Auth, BodyLimit, RequestMetrics
+from .runner import ClientGone
+from .service import Service
+from .settings import ApiSettings
+
+log = logging.getLogger("cag.api")
+
+DESCRIPTION = """Cache-augmented generation over HTTP: each corpus is prefilled once into a KV snapshot;
+a question costs loading the snapshot (resident in memory after the first), the question's tokens and
+the answer's. Native route `POST /v1/ask`; OpenAI-compatible `POST /v1/chat/completions` and
+`GET /v1/models` (a model is a corpus). Errors use the OpenAI shape `{"error": {"message", "type", "code"}}`."""
+
+
+def create_app(settings: ApiSettings | None = None, cag_settings: Settings | None = None,
+               engine: Engine | None = None) -> FastAPI:
+    """settings: the HTTP layer's (CAG_API_KEYS, limits ...); cag_settings: the engine's
+    (CAG_MODEL, CAG_HOME ...), both from the environment when omitted. An `engine` may be passed
+    (tests, embedding); its index is then served through per-thread SQLite connections."""
+    settings = settings or ApiSettings()
+    engine = engine or Engine(cag_settings or get_settings())
+    service = Service(settings, engine)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        app.state.loader = asyncio.create_task(asyncio.to_thread(service.load))
+        try:
+            yield
+        finally:
+            service.close()
+
+    app = FastAPI(title="cag", version=cag.__version__, description=DESCRIPTION, lifespan=lifespan)
+    app.state.service = service
+    errors.install(app)
+
+    @app.exception_handler(ClientGone)
+    async def _gone(request, e):  # nobody reads this; the status shows in logs and metrics
+        return errors.error_response(499, "client closed the request", "client_closed")
+
+    app.include_router(routes.router)
+    app.include_router(openai_compat.router)
+
+    # added innermost first: CORS > metrics > auth > body limit > routes
+    app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
+    app.add_middleware(Auth, keys=settings.keys)
+    app.add_middleware(RequestMetrics, metrics=service.metrics, routes_app=app)
+    if settings.origins:
+        app.add_middleware(CORSMiddleware, allow_origins=settings.origins, allow_methods=["GET", "POST"],
+                           allow_headers=["Authorization", "Content-Type"], max_age=600)
+
+    def openapi() -> dict:
+        if app.openapi_schema:
+            return app.openapi_schema
+        schema = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
+        for ops in schema.get("paths", {}).values():  # validation errors are answered with 400, not 422
+            for op in ops.values():
+                op.get("responses", {}).pop("422", None)
+        if settings.keys:
+            schema.setdefault("components", {}).setdefault("securitySchemes", {})["bearer"] = {
+                "type": "http", "scheme": "bearer", "description": "One of CAG_API_KEYS."}
+            schema["security"] = [{"bearer": []}]
+        app.openapi_schema = schema
+        return schema
+
+    app.openapi = openapi
+    return app

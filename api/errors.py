@@ -1,0 +1,100 @@
+"""Errors as JSON in the OpenAI shape: {"error": {"message", "type", "param", "code"}}.
+
+Engine errors (cag.errors.CagError) carry their own HTTP status and code; the few that only the
+HTTP layer can raise are defined here the same way.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from cag.errors import CagError
+
+log = logging.getLogger("cag.api")
+
+
+class Unauthorized(CagError):
+    http_status = 401
+    code = "invalid_api_key"
+
+
+class QueueFull(CagError):
+    http_status = 429
+    code = "queue_full"
+
+    def __init__(self, message: str, retry_after: int = 1):
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+class NotReady(CagError):
+    http_status = 503
+    code = "not_ready"
+
+
+class Timeout(CagError):
+    http_status = 504
+    code = "timeout"
+
+
+_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+          404: "not_found_error", 405: "invalid_request_error", 409: "conflict_error",
+          413: "invalid_request_error", 429: "rate_limit_error"}
+
+
+def error_body(status: int, message: str, code: str, param: str | None = None) -> dict:
+    kind = _TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+def error_response(status: int, message: str, code: str, headers: dict | None = None,
+                   param: str | None = None) -> JSONResponse:
+    return JSONResponse(error_body(status, message, code, param), status_code=status, headers=headers)
+
+
+def cag_error_response(e: CagError) -> JSONResponse:
+    headers = {}
+    if e.http_status == 429:
+        headers["Retry-After"] = str(getattr(e, "retry_after", 1))
+    if e.http_status == 401:
+        headers["WWW-Authenticate"] = "Bearer"
+    return error_response(e.http_status, str(e), e.code, headers)
+
+
+def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+    errs = exc.errors()
+    if not errs:
+        return "invalid request", None
+    first = errs[0]
+    if tuple(first.get("loc", ())) == ("body",) and first.get("type") == "model_attributes_type":
+        return "the request body must be a JSON object (Content-Type: application/json)", None
+    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    where = ".".join(loc)
+    more = f" (and {len(errs) - 1} more)" if len(errs) > 1 else ""
+    return (f"{where}: {first.get('msg', 'invalid')}" if where else str(first.get("msg", "invalid"))) + more, where or None
+
+
+def install(app: FastAPI) -> None:
+    @app.exception_handler(CagError)
+    async def _cag(request: Request, e: CagError):
+        return cag_error_response(e)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, e: RequestValidationError):
+        message, param = _validation_message(e)
+        return error_response(400, message, "invalid_request", param=param)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, e: StarletteHTTPException):
+        code = {404: "not_found", 405: "method_not_allowed", 413: "too_large"}.get(e.status_code, "http_error")
+        return error_response(e.status_code, str(e.detail), code, headers=getattr(e, "headers", None))
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, e: Exception):
+        log.exception("unexpected error on %s %s", request.method, request.url.path)
+        return error_response(500, "internal server error", "internal_error")

@@ -1,0 +1,81 @@
+"""Prometheus metrics, one registry per app (so several apps in one process never collide).
+
+HTTP: requests by route/method/status, latency histograms by route. Model: tokens by kind
+(prompt, cached = served from a snapshot, completion), time to first token, generations stopped
+early. Engine (read at scrape time): resident snapshot hits and loads, resident bytes, queue.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+if TYPE_CHECKING:
+    from .service import Service
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+_LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 30, 60, 120, 300)
+
+
+def _resident_bytes(engine) -> int:
+    for _ in range(5):  # Engine.resident_bytes iterates its LRU without the lock: retry if it moved
+        try:
+            return engine.resident_bytes
+        except RuntimeError:
+            continue
+    return 0
+
+
+class _EngineCollector:
+    def __init__(self, service: Service):
+        self.service = service
+
+    def collect(self):
+        svc = self.service
+        engine = svc.engine
+        stats = dict(engine.stats)
+        yield CounterMetricFamily("cag_snapshot_hits", "Questions served from a resident (in-memory) snapshot.",
+                                  value=stats.get("snapshot_hits", 0))
+        yield CounterMetricFamily("cag_snapshot_loads", "Snapshot files loaded (resident cache misses).",
+                                  value=stats.get("snapshot_loads", 0))
+        yield GaugeMetricFamily("cag_resident_bytes", "Bytes held by resident snapshots and their buffers (LRU bound: CAG_RESIDENT_BYTES).",
+                                value=_resident_bytes(engine))
+        runner = svc.runner
+        yield GaugeMetricFamily("cag_generations_running", "Generations running on a worker.", value=runner.running)
+        yield GaugeMetricFamily("cag_generations_waiting", "Generations admitted and waiting for a worker.", value=runner.waiting)
+        yield GaugeMetricFamily("cag_model_loaded", "1 once the model is loaded.", value=1 if svc.ready else 0)
+
+
+class Metrics:
+    def __init__(self, service: Service):
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("cag_http_requests", "HTTP requests by route, method and status.",
+                                ["route", "method", "status"], registry=r)
+        self.latency = Histogram("cag_http_request_duration_seconds", "HTTP request latency (streams: until the last byte).",
+                                 ["route"], buckets=_LATENCY, registry=r)
+        self.tokens = Counter("cag_tokens", "Tokens by kind: prompt, cached (served from a snapshot), completion.",
+                              ["kind", "mode"], registry=r)
+        self.answers = Counter("cag_answers", "Answers generated.", ["mode"], registry=r)
+        self.ttft = Histogram("cag_time_to_first_token_seconds", "Time to first token, request start to first token.",
+                              ["mode"], buckets=_LATENCY, registry=r)
+        self.load = Histogram("cag_snapshot_load_seconds", "Getting a snapshot for a question (resident hit or file load).",
+                              buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5),
+                              registry=r)
+        self.stopped = Counter("cag_generations_stopped", "Generations stopped early, by reason.", ["reason"], registry=r)
+        self.jobs = Counter("cag_refresh_jobs", "Refresh jobs finished, by status.", ["status"], registry=r)
+        r.register(_EngineCollector(service))
+
+    def answer(self, a) -> None:
+        self.answers.labels(a.mode).inc()
+        self.tokens.labels("prompt", a.mode).inc(a.prompt_tokens)
+        self.tokens.labels("cached", a.mode).inc(a.cached_tokens)
+        self.tokens.labels("completion", a.mode).inc(a.completion_tokens)
+        self.ttft.labels(a.mode).observe(a.ttft_ms / 1e3)
+        if a.mode == "cag":
+            self.load.observe(a.load_ms / 1e3)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

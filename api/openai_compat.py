@@ -1,0 +1,129 @@
+"""OpenAI-compatible chat completions: `model` names a corpus, the last user message is the question.
+
+Earlier turns and system messages are not part of the prompt: the knowledge prefix is the corpus's
+fixed snapshot, and the question suffix is built by cag.prompt from the question alone.
+Extensions (ignored by OpenAI clients, settable with `extra_body`): `mode`, `on_stale`; the
+response carries a `cag` object with the snapshot, staleness and timings.
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+
+from fastapi import APIRouter, Request
+
+from cag.errors import BadInput
+from cag.generate import DecodeConfig
+
+from .deps import ReadyService
+from .routes import MODEL_ERRORS, finish_reason, stream_errors
+from .schemas import ChatCompletion, ChatMessage, ChatRequest
+from .service import Service
+from .streaming import EventStream, TextTrim, sse
+
+router = APIRouter(tags=["openai"])
+
+
+def question_of(messages: list[ChatMessage]) -> str:
+    for m in reversed(messages):
+        if m.role != "user":
+            continue
+        if isinstance(m.content, str):
+            text = m.content
+        else:
+            text = "\n".join(p.text for p in (m.content or []) if p.type == "text" and p.text)
+        if not text.strip():
+            raise BadInput("the last user message has no text")
+        return text
+    raise BadInput("no user message: the last message with role 'user' is the question")
+
+
+def _extension(a) -> dict:
+    return {"corpus": a.corpus, "mode": a.mode, "snapshot": a.snapshot, "stale": a.stale,
+            "stale_reasons": a.stale_reasons,
+            "timings": {"load_ms": a.load_ms, "ttft_ms": a.ttft_ms, "total_ms": a.total_ms,
+                        "retrieval_ms": a.retrieval_ms}}
+
+
+def _usage(a) -> dict:
+    return {"prompt_tokens": a.prompt_tokens, "completion_tokens": a.completion_tokens,
+            "total_tokens": a.prompt_tokens + a.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": a.cached_tokens}}
+
+
+def _fingerprint(a) -> str | None:
+    return f"cag-{a.snapshot[:16]}" if a.snapshot else None
+
+
+@router.post("/v1/chat/completions", response_model=ChatCompletion, responses=MODEL_ERRORS,
+             summary="OpenAI-compatible chat completion over a corpus")
+async def chat_completions(body: ChatRequest, request: Request, svc: ReadyService):
+    """Greedy (exact) unless `temperature` > 0. `max_completion_tokens` or `max_tokens` are clamped
+    to CAG_ANSWER_ROOM. With `stream: true`: `chat.completion.chunk` events, a usage chunk when
+    `stream_options.include_usage`, then `data: [DONE]`."""
+    question = question_of(body.messages)
+    svc.check_question(question, body.mode)
+    max_tokens = body.max_completion_tokens or body.max_tokens
+    decoding = DecodeConfig(temperature=body.temperature or 0.0, top_p=body.top_p or 1.0, seed=body.seed)
+    engine = svc.engine
+
+    def work(on_text, should_stop):
+        return engine.ask(body.model, question, mode=body.mode, max_tokens=max_tokens,
+                          on_text=on_text if body.stream else None, should_stop=should_stop,
+                          on_stale=body.on_stale, decoding=decoding)
+
+    gen = svc.runner.start(work)
+    cid, created = "chatcmpl-" + secrets.token_hex(12), int(time.time())
+    if not body.stream:
+        try:
+            a = await gen.result(request)
+        finally:
+            gen.close()
+        svc.metrics.answer(a)
+        return {"id": cid, "created": created, "model": body.model, "system_fingerprint": _fingerprint(a),
+                "choices": [{"index": 0, "message": {"role": "assistant", "content": a.answer},
+                             "finish_reason": finish_reason(svc, a, max_tokens)}],
+                "usage": _usage(a), "cag": _extension(a)}
+    try:
+        first = await gen.next(request)
+    except BaseException:
+        gen.close()
+        raise
+    include_usage = bool(body.stream_options and body.stream_options.include_usage)
+    return EventStream(_chunks(svc, gen, first, body.model, cid, created, max_tokens, include_usage), gen)
+
+
+async def _chunks(svc: Service, gen, first, model: str, cid: str, created: int, max_tokens: int | None,
+                  include_usage: bool):
+    def chunk(delta: dict, finish: str | None = None, fingerprint: str | None = None) -> str:
+        c = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": model,
+             "system_fingerprint": fingerprint,
+             "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]}
+        if include_usage:
+            c["usage"] = None
+        return sse(c)
+
+    yield chunk({"role": "assistant", "content": ""})
+    trim, item = TextTrim(), first
+    while True:
+        kind, value = item
+        if kind == "text":
+            if piece := trim.push(value):
+                yield chunk({"content": piece})
+        else:
+            a = value
+            svc.metrics.answer(a)
+            if tail := trim.finish(a.answer):
+                yield chunk({"content": tail})
+            yield chunk({}, finish_reason(svc, a, max_tokens), _fingerprint(a))
+            if include_usage:
+                yield sse({"id": cid, "object": "chat.completion.chunk", "created": created, "model": model,
+                           "system_fingerprint": _fingerprint(a), "choices": [], "usage": _usage(a),
+                           "cag": _extension(a)})
+            break
+        item, error = await stream_errors(gen, None)
+        if error:
+            yield error
+            break
+    yield sse("[DONE]")

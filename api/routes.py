@@ -1,0 +1,190 @@
+"""Native routes: ask, corpora, refresh jobs, health, metrics.
+
+Routes that run the model are `async def` and hand the work to the runner's thread pool
+(api/runner.py); routes that only read the index are plain `def` (FastAPI's threadpool).
+"""
+
+from __future__ import annotations
+
+import logging
+
+from fastapi import APIRouter, Query, Request, Response
+from fastapi.responses import JSONResponse
+
+from cag.engine import Answer
+from cag.errors import CagError, NotFound
+
+from .deps import ReadyService, ServiceDep
+from .errors import error_body
+from .metrics import CONTENT_TYPE
+from .runner import Generation
+from .schemas import (
+    AskRequest, AskResponse, CorpusInfo, CorpusList, ErrorResponse, Health, JobInfo, ModelCard, ModelList,
+)
+from .service import Service
+from .streaming import EventStream, TextTrim, sse
+
+log = logging.getLogger("cag.api")
+
+ERRORS = {
+    400: {"model": ErrorResponse, "description": "Bad input (also request validation errors)."},
+    401: {"model": ErrorResponse, "description": "Missing or invalid API key (when CAG_API_KEYS is set)."},
+    404: {"model": ErrorResponse, "description": "Unknown corpus or job."},
+    413: {"model": ErrorResponse, "description": "Body, question or knowledge too large."},
+    503: {"model": ErrorResponse, "description": "Model not loaded yet."},
+}
+MODEL_ERRORS = {
+    **ERRORS,
+    409: {"model": ErrorResponse, "description": "Corpus is stale and on_stale is refuse."},
+    429: {"model": ErrorResponse, "description": "Queue full; see Retry-After."},
+    504: {"model": ErrorResponse, "description": "Request timeout (CAG_REQUEST_TIMEOUT_S)."},
+}
+
+router = APIRouter()
+
+
+def finish_reason(svc: Service, answer: Answer, requested: int | None) -> str:
+    return "length" if answer.completion_tokens >= svc.effective_max_tokens(requested) else "stop"
+
+
+def ask_response(svc: Service, a: Answer, body: AskRequest) -> dict:
+    out = AskResponse(
+        answer=a.answer, corpus=a.corpus, mode=a.mode, snapshot=a.snapshot, stale=a.stale,
+        stale_reasons=a.stale_reasons, finish_reason=finish_reason(svc, a, body.max_tokens),
+        usage={"prompt_tokens": a.prompt_tokens, "cached_tokens": a.cached_tokens,
+               "completion_tokens": a.completion_tokens},
+        timings={"load_ms": a.load_ms, "ttft_ms": a.ttft_ms, "total_ms": a.total_ms, "retrieval_ms": a.retrieval_ms},
+        token_ids=list(a.token_ids) if body.include_token_ids else None,
+        passages=a.passages or None,
+    )
+    return out.model_dump(exclude_none=True)
+
+
+def start_ask(svc: Service, body: AskRequest) -> Generation:
+    svc.check_question(body.question, body.mode)
+    engine = svc.engine
+
+    def work(on_text, should_stop):
+        return engine.ask(body.corpus, body.question, mode=body.mode, max_tokens=body.max_tokens,
+                          on_text=on_text if body.stream else None, should_stop=should_stop,
+                          on_stale=body.on_stale)
+
+    return svc.runner.start(work)
+
+
+async def stream_errors(gen: Generation, event: str | None):
+    """Await the next event; a failure mid-stream becomes one SSE error event (the status is sent)."""
+    try:
+        return await gen.next(), None
+    except CagError as e:
+        return None, sse(error_body(e.http_status, str(e), e.code), event)
+    except Exception:  # noqa: BLE001 - logged; the client gets the error shape
+        log.exception("generation failed mid-stream")
+        return None, sse(error_body(500, "internal server error", "internal_error"), event)
+
+
+@router.post("/v1/ask", response_model=AskResponse, response_model_exclude_none=True, responses=MODEL_ERRORS,
+             tags=["ask"], summary="Answer a question from a corpus")
+async def ask(body: AskRequest, request: Request, svc: ReadyService):
+    """With `stream: true` the answer comes as server-sent events: `event: token` with `{"text"}`
+    pieces (their concatenation is the answer), then one `event: answer` with the full JSON answer;
+    a failure after the stream started is one `event: error` with the error shape."""
+    gen = start_ask(svc, body)
+    if not body.stream:
+        try:
+            answer = await gen.result(request)
+        finally:
+            gen.close()
+        svc.metrics.answer(answer)
+        return ask_response(svc, answer, body)
+    try:  # errors before the first token (unknown corpus, stale, ...) keep their HTTP status
+        first = await gen.next(request)
+    except BaseException:
+        gen.close()
+        raise
+
+    async def events():
+        trim, item = TextTrim(), first
+        while True:
+            kind, value = item
+            if kind == "text":
+                if piece := trim.push(value):
+                    yield sse({"text": piece}, "token")
+            else:
+                svc.metrics.answer(value)
+                if tail := trim.finish(value.answer):
+                    yield sse({"text": tail}, "token")
+                yield sse(ask_response(svc, value, body), "answer")
+                return
+            item, error = await stream_errors(gen, "error")
+            if error:
+                yield error
+                return
+
+    return EventStream(events(), gen)
+
+
+# -- corpora and models -------------------------------------------------------------------------
+@router.get("/v1/corpora", response_model=CorpusList, responses=ERRORS, tags=["corpora"],
+            summary="Corpora with their snapshots and freshness")
+def list_corpora(svc: ReadyService):
+    return {"corpora": [s.to_dict() for s in svc.engine.list()]}
+
+
+@router.get("/v1/corpora/{name}", response_model=CorpusInfo, responses=ERRORS, tags=["corpora"],
+            summary="One corpus: snapshot, size, freshness (as `cag status` shows it)")
+def corpus_status(name: str, svc: ReadyService):
+    return svc.engine.status(name).to_dict()
+
+
+@router.post("/v1/corpora/{name}/refresh", status_code=202, response_model=JobInfo, responses=ERRORS,
+             tags=["corpora"], summary="Refresh a corpus's snapshot in the background")
+def refresh(name: str, svc: ReadyService, response: Response,
+            force: bool = Query(False, description="Rebuild from scratch instead of reusing unchanged documents.")):
+    """Returns 202 and the job at once; a refresh already running for the corpus is returned
+    instead of starting a second one. Poll `GET /v1/jobs/{id}`."""
+    job, _ = svc.jobs.refresh(name, force=force)
+    response.headers["Location"] = f"/v1/jobs/{job.id}"
+    return job.to_dict()
+
+
+@router.get("/v1/jobs/{job_id}", response_model=JobInfo, responses=ERRORS, tags=["corpora"],
+            summary="Progress and result of a refresh job")
+def job_status(job_id: str, svc: ServiceDep):
+    return svc.jobs.get(job_id).to_dict()
+
+
+@router.get("/v1/models", response_model=ModelList, responses=ERRORS, tags=["openai"],
+            summary="Corpora as OpenAI models (use the id as `model`)")
+def list_models(svc: ReadyService):
+    return {"data": [_card(row) for row in svc.engine.index.corpora()]}
+
+
+@router.get("/v1/models/{model}", response_model=ModelCard, responses=ERRORS, tags=["openai"],
+            summary="One corpus as an OpenAI model")
+def get_model(model: str, svc: ReadyService):
+    row = svc.engine.index.corpus(model)
+    if row is None:
+        raise NotFound(f"unknown model (corpus) {model!r}; GET /v1/models lists them")
+    return _card(row)
+
+
+def _card(row: dict) -> dict:
+    return {"id": row["name"], "created": int(row.get("created") or 0)}
+
+
+# -- operations ---------------------------------------------------------------------------------
+@router.get("/health", response_model=Health, response_model_exclude_none=True, responses={503: {"model": Health, "description": "Loading or failed."}},
+            tags=["operations"], summary="200 once the model is loaded, 503 before (no auth)")
+async def health(svc: ServiceDep):
+    if svc.ready:
+        return {"status": "ok", "model": svc.model_name}
+    if svc.load_error:
+        return JSONResponse({"status": "error", "error": svc.load_error}, status_code=503)
+    return JSONResponse({"status": "loading"}, status_code=503)
+
+
+@router.get("/metrics", response_class=Response, tags=["operations"], summary="Prometheus metrics",
+            responses={200: {"content": {"text/plain": {}}}})
+def metrics(svc: ServiceDep):
+    return Response(svc.metrics.render(), media_type=CONTENT_TYPE)

@@ -1,0 +1,182 @@
+"""Request and response models of the HTTP API (pydantic). Unknown request fields are ignored."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+Mode = Literal["cag", "full", "rag"]
+StalePolicy = Literal["serve", "refuse", "refresh"]
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+# -- /v1/ask -------------------------------------------------------------------------------------
+class AskRequest(_Request):
+    corpus: str = Field(min_length=1, description="Corpus name, as listed by GET /v1/corpora.")
+    question: str = Field(min_length=1, description="The question (limit: CAG_MAX_QUESTION_CHARS characters).")
+    mode: Mode = Field("cag", description="cag: from the snapshot; full: whole corpus in the prompt, no cache; rag: top-k passages.")
+    max_tokens: int | None = Field(None, ge=1, description="Answer length limit; clamped to CAG_ANSWER_ROOM. Default CAG_MAX_TOKENS.")
+    stream: bool = Field(False, description="Server-sent events: `token` events, then one `answer` event.")
+    on_stale: StalePolicy = Field("serve", description="serve (flag it), refuse (409) or refresh first.")
+    include_token_ids: bool = Field(False, description="Add the generated token ids to the answer.")
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    cached_tokens: int = Field(description="Prompt tokens served from the snapshot (not recomputed).")
+    completion_tokens: int
+
+
+class Timings(BaseModel):
+    load_ms: float = Field(description="Getting the snapshot: 0-ish for a resident hit, a file load on a miss.")
+    ttft_ms: float
+    total_ms: float
+    retrieval_ms: float = 0.0
+
+
+class AskResponse(BaseModel):
+    answer: str
+    corpus: str
+    mode: Mode
+    snapshot: str | None
+    stale: bool
+    stale_reasons: list[str]
+    finish_reason: Literal["stop", "length"]
+    usage: Usage
+    timings: Timings
+    token_ids: list[int] | None = None
+    passages: list[dict[str, Any]] | None = None
+
+
+# -- corpora, models, jobs ---------------------------------------------------------------------
+class CorpusInfo(BaseModel):
+    name: str
+    source: str
+    model: str
+    snapshot: str | None
+    n_documents: int
+    n_tokens: int
+    bytes: int
+    created: float | None
+    last_used: float | None
+    stale: bool
+    reasons: list[str]
+
+
+class CorpusList(BaseModel):
+    corpora: list[CorpusInfo]
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "cag"
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class JobInfo(BaseModel):
+    id: str
+    kind: Literal["refresh"] = "refresh"
+    corpus: str
+    status: Literal["queued", "running", "done", "failed"]
+    created: float
+    started: float | None = None
+    finished: float | None = None
+    total_tokens: int = Field(0, description="Tokens to prefill (known once the job has read the corpus).")
+    done_tokens: int = 0
+    reused_tokens: int = Field(0, description="Tokens kept from the previous snapshot.")
+    progress: float = Field(0.0, description="done_tokens / total_tokens, 1.0 when done.")
+    tokens_per_s: float | None = None
+    eta_s: float | None = None
+    result: dict[str, Any] | None = Field(None, description="The ingest result once done.")
+    error: dict[str, Any] | None = None
+
+
+class Health(BaseModel):
+    status: Literal["ok", "loading", "error"]
+    model: str | None = None
+    error: str | None = None
+
+
+# -- OpenAI-compatible chat ----------------------------------------------------------------------
+class ContentPart(_Request):
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(_Request):
+    role: str
+    content: str | list[ContentPart] | None = None
+
+
+class StreamOptions(_Request):
+    include_usage: bool = False
+
+
+class ChatRequest(_Request):
+    model: str = Field(min_length=1, description="The corpus name (GET /v1/models).")
+    messages: list[ChatMessage] = Field(min_length=1, description="The last user message is the question.")
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    temperature: float | None = Field(None, ge=0, le=2, description="Unset or 0: greedy (exact).")
+    top_p: float | None = Field(None, gt=0, le=1)
+    seed: int | None = None
+    n: int | None = Field(None, ge=1, le=1, description="Only 1 is supported.")
+    mode: Mode = Field("cag", description="Extension: cag | full | rag.")
+    on_stale: StalePolicy = Field("serve", description="Extension: serve | refuse | refresh.")
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class Choice(BaseModel):
+    index: int = 0
+    message: AssistantMessage
+    finish_reason: Literal["stop", "length"]
+    logprobs: None = None
+
+
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int
+
+
+class ChatUsage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
+
+
+class ChatCompletion(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    system_fingerprint: str | None = None
+    choices: list[Choice]
+    usage: ChatUsage
+    cag: dict[str, Any] = Field(default_factory=dict, description="Extension: snapshot, staleness, timings.")
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorDetail

@@ -1,0 +1,94 @@
+"""What one app holds: the engine, readiness, the generation runner, refresh jobs and metrics."""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import threading
+from pathlib import Path
+
+from cag.engine import Engine
+from cag.errors import BadInput, TooLarge
+from store.index import Index
+
+from .errors import NotReady
+from .jobs import Jobs
+from .metrics import Metrics
+from .runner import Runner
+from .settings import ApiSettings
+
+log = logging.getLogger("cag.api")
+
+
+class ThreadLocalIndex:
+    """One SQLite connection per thread, behind the Index interface.
+
+    `store.index.Index` holds one `sqlite3` connection, which refuses use from any thread but its
+    creator; the server calls the engine from its thread pool, worker pool and job threads. WAL mode
+    and the busy timeout (set by Index) make the per-thread connections safe side by side.
+    """
+
+    def __init__(self, path: Path):
+        self.path = path
+        self._local = threading.local()
+
+    def _index(self) -> Index:
+        idx = getattr(self._local, "index", None)
+        if idx is None:
+            idx = self._local.index = Index(self.path)
+        return idx
+
+    def __getattr__(self, name: str):
+        return getattr(self._index(), name)
+
+
+class Service:
+    def __init__(self, settings: ApiSettings, engine: Engine):
+        self.settings = settings
+        self.engine = engine
+        if not isinstance(engine.index, ThreadLocalIndex):
+            engine.index = ThreadLocalIndex(engine.settings.index_path)
+        self.ready = False
+        self.load_error: str | None = None
+        self.metrics = Metrics(self)
+        self.runner = Runner(settings.workers, settings.max_queue, settings.request_timeout_s,
+                             on_stop=lambda reason: self.metrics.stopped.labels(reason).inc())
+        self.jobs = Jobs(engine, on_finish=lambda status: self.metrics.jobs.labels(status).inc())
+        self.rag_available = importlib.util.find_spec("rag.answer") is not None
+
+    # -- lifecycle -------------------------------------------------------------------------------
+    def load(self) -> None:
+        """Load the model (seconds); runs in a thread while /health answers 503."""
+        try:
+            lm = self.engine.lm
+            self.engine.layout()
+            self.ready = True
+            log.info("model %s loaded; serving", lm.name)
+        except Exception as e:  # noqa: BLE001 - reported by /health and every route
+            self.load_error = str(e) or type(e).__name__
+            log.error("model failed to load: %s", self.load_error)
+
+    def close(self) -> None:
+        self.runner.shutdown()
+
+    @property
+    def model_name(self) -> str | None:
+        return self.engine.lm.name if self.ready else None  # never triggers a load
+
+    # -- checks ----------------------------------------------------------------------------------
+    def require_ready(self) -> None:
+        if self.load_error:
+            raise NotReady(f"model failed to load: {self.load_error}")
+        if not self.ready:
+            raise NotReady("model is loading; retry when GET /health answers 200")
+
+    def check_question(self, question: str, mode: str) -> None:
+        if len(question) > self.settings.max_question_chars:
+            raise TooLarge(f"question is {len(question)} characters; the limit is "
+                           f"{self.settings.max_question_chars} (CAG_MAX_QUESTION_CHARS)")
+        if mode == "rag" and not self.rag_available:
+            raise BadInput("mode 'rag' is not available in this installation (rag.answer is missing)")
+
+    def effective_max_tokens(self, requested: int | None) -> int:
+        s = self.engine.settings
+        return min(s.max_tokens if requested is None else requested, s.answer_room)

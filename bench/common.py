@@ -1,0 +1,61 @@
+"""Helpers shared by the benchmarks: timing, corpora of a target size, result files."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+RESULTS = REPO / "bench" / "results"
+ESSAYS = Path(os.environ.get("CAG_DATASETS", REPO.parent / "shared" / "datasets")) / "paul_graham_essays_niah" / "PaulGrahamEssays"
+
+
+def machine() -> str:
+    import torch
+
+    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")), platform.processor())
+    return f"{os.cpu_count()} x {cpu}, torch {torch.__version__}, {torch.get_num_threads()} threads"
+
+
+def timed(fn, repeat: int = 3) -> tuple[float, object]:
+    """Median wall time (s) over `repeat` runs, and the last result."""
+    times, out = [], None
+    for _ in range(repeat):
+        t = time.perf_counter()
+        out = fn()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times), out
+
+
+def essay_corpus(folder: Path, n_tokens: int, count) -> Path:
+    """Write whole essays (the last one cut at a line) into folder until about n_tokens."""
+    folder.mkdir(parents=True, exist_ok=True)
+    total = 0
+    for p in sorted(ESSAYS.glob("*.txt")):
+        text = p.read_text()
+        n = count(text)
+        if total + n > n_tokens:
+            kept = []
+            for para in text.split("\n"):  # these essays have line breaks, few blank lines
+                m = count(para + "\n")
+                if total + m > n_tokens:
+                    break
+                kept.append(para)
+                total += m
+            if kept:
+                (folder / p.name).write_text("\n".join(kept))
+            break
+        (folder / p.name).write_text(text)
+        total += n
+    return folder
+
+
+def write(name: str, payload: dict, table: str) -> None:
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / f"{name}.json").write_text(json.dumps(payload, indent=2))
+    (RESULTS / f"{name}.md").write_text(table)
+    print(table)

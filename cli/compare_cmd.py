@@ -1,0 +1,80 @@
+"""`cag compare`: CAG vs no-cache vs RAG on a QA dataset; writes results.jsonl, report.md, report.png."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from cag.errors import BadInput
+from cli.main import JsonOpt, ModelOpt, _emit, _engine, _TqdmReporter, handle_errors
+
+
+def _ints(text: str, what: str) -> list[int]:
+    try:
+        vals = [int(x) for x in text.replace(" ", "").split(",") if x]
+    except ValueError:
+        raise BadInput(f"{what}: expected comma-separated whole numbers, got {text!r}") from None
+    if not vals:
+        raise BadInput(f"{what}: give at least one number")
+    return vals
+
+
+@handle_errors
+def compare(
+    dataset: Annotated[str, typer.Argument(help="squad or hotpot (the shared copies under ../shared/datasets, or "
+                                                "$CAG_DATASETS), or a path: SQuAD JSON, HotpotQA JSON, or a jsonl of "
+                                                "{question, answers, context | doc_ids}.")],
+    format_: Annotated[Optional[str], typer.Option("--format", help="squad, hotpot or jsonl (guessed from DATASET when omitted).")] = None,
+    size_tokens: Annotated[str, typer.Option("--size-tokens", help="Knowledge sizes in tokens, comma-separated; sizes that do not fit the context are reported as skipped.")] = "2000,4000,7000",
+    questions: Annotated[int, typer.Option("--questions", help="Questions per size (cag and rag at --k-main).")] = 50,
+    full_sample: Annotated[int, typer.Option("--full-sample", help="Ask `full` (no cache) on the first N questions per size.")] = 10,
+    modes: Annotated[str, typer.Option("--modes", help="Comma-separated: cag, full, rag-bm25, rag-dense (dense needs the `dense` extra).")] = "cag,full,rag-bm25",
+    k: Annotated[str, typer.Option("--k", help="RAG passages for the k sweep, comma-separated.")] = "1,3,5",
+    k_main: Annotated[int, typer.Option("--k-main", help="RAG passages on every question.")] = 3,
+    k_sample: Annotated[int, typer.Option("--k-sample", help="Run the k sweep on the first N questions per size.")] = 10,
+    max_tokens: Annotated[int, typer.Option("--max-tokens", help="Answer length limit, the same for every mode.")] = 32,
+    seed: Annotated[int, typer.Option("--seed", help="Seed of the document order and the question draw.")] = 0,
+    out: Annotated[Optional[Path], typer.Option("--out", help="Output folder (default: ./compare-<dataset>).")] = None,
+    corpora: Annotated[Optional[Path], typer.Option("--corpora", help="Where each set's documents are written for ingest (default: OUT/corpora).")] = None,
+    docs: Annotated[Optional[Path], typer.Option("--docs", help="jsonl format: the documents folder (default: docs/ next to the file).")] = None,
+    resume: Annotated[bool, typer.Option("--resume", help="Continue a run in OUT: rows already in results.jsonl are skipped.")] = False,
+    model: ModelOpt = None,
+    json_: JsonOpt = False,
+):
+    """Compare CAG, no-cache (full) and RAG on a QA dataset: quality and latency per knowledge size.
+
+    Writes OUT/results.jsonl (one row per question, mode, size and k, appended as it goes: Ctrl-C keeps what is done, --resume continues), OUT/report.md and OUT/report.png.
+    """
+    from compare.report import summary
+    from compare.runner import CompareConfig, run_compare
+
+    label = Path(dataset).stem.split(".")[0] if Path(dataset).exists() else dataset.lower()
+    cfg = CompareConfig(
+        dataset=dataset, format=format_, sizes=_ints(size_tokens, "--size-tokens"), questions=questions,
+        full_sample=full_sample, modes=[m.strip() for m in modes.split(",") if m.strip()], ks=_ints(k, "--k"),
+        k_main=k_main, k_sample=k_sample, max_tokens=max_tokens, seed=seed,
+        out=out or Path(f"compare-{label}"), resume=resume, corpora=corpora, docs=docs,
+    )
+    cfg.validate()
+    engine = _engine(model)
+
+    def log(msg: str) -> None:
+        if not json_:
+            typer.echo(msg, err=True)
+
+    result = run_compare(engine, cfg, log=log, reporter_factory=lambda: _TqdmReporter(quiet=json_))
+    if json_:
+        rows = [json.loads(line) for line in result.results_path.read_text(encoding="utf-8").splitlines() if line.strip()]
+        _emit({"out": str(result.out), "results": str(result.results_path), "report": str(result.out / "report.md"),
+               "png": str(result.out / "report.png"), "rows_written": result.rows_written,
+               "rows_total": result.rows_total, "interrupted": result.interrupted, "notes": result.notes,
+               "sets": [{k: v for k, v in s.__dict__.items() if k != "files"} for s in result.sets],
+               "summary": summary(rows, cfg.k_main)})
+    else:
+        typer.echo(f"{result.rows_written} new rows ({result.rows_total} in all) in {result.results_path}")
+        typer.echo(f"report: {result.out / 'report.md'}, {result.out / 'report.png'}")
+    if result.interrupted:
+        raise typer.Exit(130)

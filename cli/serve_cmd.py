@@ -1,0 +1,44 @@
+"""`cag serve`: the HTTP API (REST + OpenAI-compatible) under uvicorn."""
+
+from __future__ import annotations
+
+from typing import Annotated, Optional
+
+import typer
+
+from cag.config import get_settings
+from cag.errors import CagError
+
+LOOPBACK = {"127.0.0.1", "localhost", "::1"}
+
+
+def serve(
+    host: Annotated[str, typer.Option(help="Interface to bind; loopback by default. Anything else should set CAG_API_KEYS.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="TCP port.")] = 8000,
+    model: Annotated[Optional[str], typer.Option("--model", help="Model: the embedded default, a Hugging Face folder or hub id. Env: CAG_MODEL.")] = None,
+    workers: Annotated[Optional[int], typer.Option(help="Generations running at once. Env: CAG_WORKERS.")] = None,
+    max_queue: Annotated[Optional[int], typer.Option(help="Requests that may wait for a worker; more get 429. Env: CAG_MAX_QUEUE.")] = None,
+    timeout: Annotated[Optional[float], typer.Option(help="Per-request timeout in seconds. Env: CAG_REQUEST_TIMEOUT_S.")] = None,
+    log_level: Annotated[str, typer.Option(help="uvicorn log level: critical, error, warning, info, debug.")] = "info",
+):
+    """Serve the knowledge API: POST /v1/ask, the OpenAI-compatible /v1/chat/completions and /v1/models,
+    corpora and refresh jobs, /health, /metrics, docs at /docs. API keys come from CAG_API_KEYS
+    (comma-separated), never from the command line."""
+    import uvicorn
+
+    from api.app import create_app
+    from api.settings import ApiSettings
+
+    try:
+        api_settings = ApiSettings(**{k: v for k, v in {"workers": workers, "max_queue": max_queue,
+                                                         "request_timeout_s": timeout}.items() if v is not None})
+        app = create_app(api_settings, get_settings(model=model))
+    except CagError as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(e.exit_code) from None
+    if host not in LOOPBACK and not api_settings.keys:
+        typer.echo(f"warning: serving on {host} without CAG_API_KEYS: anyone who can reach it can query and refresh",
+                   err=True)
+    typer.echo(f"cag: serving on http://{host}:{port} (model loads in the background; GET /health turns 200 when ready)",
+               err=True)
+    uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)

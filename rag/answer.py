@@ -1,0 +1,147 @@
+"""The RAG baseline's answer path: chunk, retrieve top-k, lay out, prefill, decode.
+
+Fairness with `cag`/`full` is by construction: the prompt is built with the same
+`build_prefix`/`build_suffix` and the same chat layout, the retrieved passages simply take
+the place of the documents, and decoding goes through the same `Engine._generate` with the
+same DecodeConfig and stop tokens. Put differently, a RAG prompt is exactly the `full` prompt
+of a corpus made only of the retrieved passages:
+
+* passages are listed in corpus order (documents in corpus order, then passage index), not
+  in score order, just as `full` lists whole documents;
+* a passage is named after its document with the passage index before the suffix
+  (``handbook/leave.md`` passage 2 -> ``handbook/leave#2.md``), so a folder holding the
+  passages under those names, asked in `full` mode, gives the same tokens and the same answer
+  (tests/test_rag_answer.py pins this).
+
+Passages are cut with the model's own tokenizer (`DEFAULT_PASSAGE_TOKENS` = 384 tokens,
+no overlap). The chunked passages and the built retriever are cached per corpus content
+(document names + content hashes, tokenizer, passage size, retriever kind), so repeated
+questions do not re-index; an edited document changes the key and the index is rebuilt.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path, PurePosixPath
+
+from cag import kv
+from cag.errors import BadInput, TooLarge
+from cag.generate import DecodeConfig
+from cag.hashing import hash_obj
+from cag.prompt import build_prefix, build_suffix, encode_text
+
+from .chunking import DEFAULT_TARGET_TOKENS, Passage, chunk_documents
+from .retrieve import RETRIEVER_KINDS, RetrieverUnavailable, make_retriever
+
+DEFAULT_PASSAGE_TOKENS = DEFAULT_TARGET_TOKENS  # 384 tokens of the model's tokenizer
+MAX_CACHED_INDEXES = 8
+
+
+@dataclass
+class Index:
+    """A built retriever over one corpus's passages, and what building it cost."""
+
+    key: str
+    passages: list[Passage]
+    retriever: object
+    build_ms: float  # chunking + indexing (dense: + embedding every passage)
+    kind: str
+    passage_tokens: int
+
+
+_indexes: OrderedDict[str, Index] = OrderedDict()
+_indexes_lock = threading.Lock()
+
+
+def passage_name(doc_id: str, index: int) -> str:
+    """``dir/a.md`` passage 2 -> ``dir/a#2.md``: doc id + passage index, suffix kept last."""
+    p = PurePosixPath(doc_id)
+    if not p.suffix:
+        return f"{doc_id}#{index}"
+    return str(p.with_name(f"{p.stem}#{index}{p.suffix}"))
+
+
+def index_key(docs: list[tuple[str, str]], kind: str, passage_tokens: int, tokenizer_fingerprint: str) -> str:
+    """docs: (name, content hash) in corpus order."""
+    return hash_obj({"docs": [list(d) for d in docs], "kind": kind, "passage_tokens": passage_tokens,
+                     "tokenizer": tokenizer_fingerprint})
+
+
+def get_index(engine, docs, kind: str = "bm25", passage_tokens: int = DEFAULT_PASSAGE_TOKENS) -> tuple[Index, bool]:
+    """The retriever for these documents (engine `Document`s), built once per content; (index, was_cached)."""
+    if kind not in RETRIEVER_KINDS:
+        raise BadInput(f"unknown retriever {kind!r}; use one of {', '.join(RETRIEVER_KINDS)}")
+    lm = engine.lm
+    key = index_key([(d.name, d.content_hash) for d in docs], kind, passage_tokens, lm.tokenizer_fingerprint)
+    with _indexes_lock:
+        hit = _indexes.get(key)
+        if hit is not None:
+            _indexes.move_to_end(key)
+            return hit, True
+    t0 = time.perf_counter()
+    tok = lm.tokenizer
+    passages = chunk_documents([(d.name, d.text) for d in docs], lambda s: len(encode_text(tok, s)), passage_tokens)
+    if not passages:
+        raise BadInput("the corpus has no text to retrieve from")
+    try:
+        retriever = make_retriever(kind, passages)
+    except RetrieverUnavailable as e:
+        raise BadInput(str(e)) from None
+    built = Index(key, passages, retriever, (time.perf_counter() - t0) * 1e3, kind, passage_tokens)
+    with _indexes_lock:
+        _indexes[key] = built
+        _indexes.move_to_end(key)
+        while len(_indexes) > MAX_CACHED_INDEXES:
+            _indexes.popitem(last=False)
+    return built, False
+
+
+def clear_indexes() -> None:
+    with _indexes_lock:
+        _indexes.clear()
+
+
+def answer_rag(engine, row: dict, question: str, cfg: DecodeConfig, k: int = 3, retriever: str = "bm25",
+               on_text: Callable[[str], None] | None = None, should_stop: Callable[[], bool] | None = None,
+               reasons: list[str] | None = None, t_start: float | None = None,
+               passage_tokens: int = DEFAULT_PASSAGE_TOKENS):
+    """Answer `question` from the top-k passages of corpus `row`; an `Answer` with mode "rag"."""
+    from cag.engine import Answer  # the engine imports this module lazily; no cycle at import time
+
+    t_start = time.perf_counter() if t_start is None else t_start
+    if k < 1:
+        raise BadInput("k must be at least 1")
+    lm = engine.lm
+    docs, _ = engine.read_corpus(Path(row["source"]), row["name"])
+
+    t0 = time.perf_counter()
+    idx, _cached = get_index(engine, docs, retriever, passage_tokens)
+    hits = idx.retriever.search(question, k)
+    retrieval_ms = (time.perf_counter() - t0) * 1e3
+
+    order = {d.name: i for i, d in enumerate(docs)}
+    chosen = sorted(hits, key=lambda h: (order[h[0].doc_id], h[0].index))  # corpus order, like `full`
+    layout = engine.layout()
+    prefix = build_prefix(lm.tokenizer, layout, [(passage_name(p.doc_id, p.index), p.text) for p, _ in chosen])
+    suffix = build_suffix(lm.tokenizer, layout, question)
+    n = len(prefix.ids)
+    if n + engine.room > lm.max_context:
+        raise TooLarge(f"{len(chosen)} passages are {n} tokens; too large for the model's context of "
+                       f"{lm.max_context} with {engine.room} reserved for question and answer; use a smaller k")
+    cache = kv.new_cache(lm.model, n + engine.room)  # same buffer size as `full` for the same prefix
+    kv.prefill(lm.model, cache, prefix.ids, 0, engine.settings.chunk_tokens)
+    text, ids, ttft = engine._generate(cache, n, suffix, cfg, on_text, should_stop, t_start)
+    reasons = list(reasons or [])
+    ans = Answer(answer=text, mode="rag", corpus=row["name"], snapshot=None, stale=bool(reasons),
+                 stale_reasons=reasons, prompt_tokens=n + len(suffix), cached_tokens=0,
+                 completion_tokens=len(ids), load_ms=0.0, ttft_ms=round(ttft, 2),
+                 total_ms=round((time.perf_counter() - t_start) * 1e3, 2), retrieval_ms=round(retrieval_ms, 2),
+                 token_ids=ids,
+                 passages=[{"doc_id": p.doc_id, "index": p.index, "score": round(s, 4),
+                            "name": passage_name(p.doc_id, p.index), "n_tokens": p.n_tokens} for p, s in hits])
+    engine.log(ans, question)
+    return ans

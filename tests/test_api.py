@@ -1,0 +1,613 @@
+"""The HTTP service on the tiny model: a real `cag serve` process on loopback for the key paths
+(httpx and the official `openai` client), FastAPI's TestClient for limits and error codes.
+
+Nothing of our own stack is mocked: the server runs the real engine on a real HF model folder,
+snapshots on disk and a real SQLite index.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.conftest import REPO
+
+KEY = "test-key-1"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+QUESTIONS = [
+    "When does the ferry leave?",
+    "Who keeps the lighthouse?",
+    "What does the bakery sell on Tuesdays?",
+    "When does the ferry return?",
+    "Where is the bakery?",
+    "Who lights the lamp at dusk?",
+    "Which street is the bakery on?",
+    "What time does the ferry come back on weekdays?",
+]
+DOCS = {
+    "a.md": "# Lighthouse\nThe lighthouse keeper is Mara Voss. She lights the lamp at dusk.\n",
+    "b.txt": "The ferry leaves the harbour at 7:15 every weekday and returns at 18:40.\n",
+    "c.md": "The bakery on Quay Street sells rye bread on Tuesdays only.\n",
+}
+
+
+def _cag_cmd() -> list[str]:
+    exe = shutil.which("cag")
+    return [exe] if exe else [sys.executable, "-m", "cli.main"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_healthy(url: str, proc: subprocess.Popen | None = None, timeout_s: float = 90.0) -> list[int]:
+    """Poll GET /health until 200; returns the statuses seen. Fails fast if the process died."""
+    seen: list[int] = []
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode}")
+        try:
+            r = httpx.get(f"{url}/health", timeout=2)
+            seen.append(r.status_code)
+            if r.status_code == 200:
+                return seen
+        except httpx.TransportError:
+            pass
+        time.sleep(0.05)
+    raise TimeoutError(f"{url}/health not 200 after {timeout_s} s (saw {seen[-5:]})")
+
+
+def parse_sse(lines) -> list[tuple[str | None, str]]:
+    """(event, data) pairs from an iterator of SSE lines."""
+    events, event, data = [], None, []
+    for line in lines:
+        if line == "":
+            if data:
+                events.append((event, "\n".join(data)))
+            event, data = None, []
+        elif line.startswith("event:"):
+            event = line[6:].strip()
+        elif line.startswith("data:"):
+            data.append(line[5:].strip())
+    if data:
+        events.append((event, "\n".join(data)))
+    return events
+
+
+# -- a real `cag serve` process ------------------------------------------------------------------
+@dataclass
+class Server:
+    url: str
+    env: dict
+    home: Path
+    corpus: Path
+    proc: subprocess.Popen
+    log: Path
+
+    def client(self, key: str | None = KEY, **kw) -> httpx.Client:
+        headers = {"Authorization": f"Bearer {key}"} if key else {}
+        return httpx.Client(base_url=self.url, headers=headers, timeout=60, **kw)
+
+    def ask(self, question: str, **body) -> dict:
+        with self.client() as c:
+            r = c.post("/v1/ask", json={"corpus": "notes", "question": question, **body})
+        assert r.status_code == 200, r.text
+        return r.json()
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir, models_dir, tmp_path_factory):
+    root = tmp_path_factory.mktemp("served")
+    corpus = root / "notes"
+    corpus.mkdir()
+    for name, text in DOCS.items():
+        (corpus / name).write_text(text)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CAG_")}
+    env.update(CAG_HOME=str(root / "home"), CAG_MODELS_DIR=str(models_dir), CAG_MODEL=str(tiny_model_dir),
+               CAG_API_KEYS=f"{KEY},test-key-2", CAG_WORKERS="4", CAG_MAX_QUEUE="32", CAG_ANSWER_ROOM="1024")
+    r = subprocess.run([*_cag_cmd(), "ingest", str(corpus), "--json"], env=env, cwd=REPO, capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    port = _free_port()
+    log = root / "server.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen([*_cag_cmd(), "serve", "--port", str(port), "--log-level", "warning"], env=env,
+                                cwd=REPO, stdout=out, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_healthy(url, proc)
+        yield Server(url, env, root / "home", corpus, proc, log)
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        if proc.returncode not in (0, -15):
+            print(log.read_text()[-4000:])
+
+
+def test_health_is_open_and_everything_else_needs_a_key(server):
+    r = httpx.get(f"{server.url}/health")
+    assert r.status_code == 200 and r.json()["status"] == "ok"
+    for method, path in [("GET", "/v1/models"), ("GET", "/v1/corpora"), ("GET", "/metrics"), ("GET", "/docs"),
+                         ("GET", "/openapi.json"), ("POST", "/v1/ask"), ("POST", "/v1/chat/completions"),
+                         ("GET", "/v1/no-such-route")]:
+        for headers in ({}, {"Authorization": "Bearer wrong-key"}, {"Authorization": f"Basic {KEY}"},
+                        {"Authorization": KEY}):
+            r = httpx.request(method, server.url + path, headers=headers, json={})
+            assert r.status_code == 401, (path, headers, r.text)
+            assert r.json()["error"]["code"] == "invalid_api_key"
+            assert r.headers["www-authenticate"] == "Bearer"
+    with server.client("test-key-2") as c:  # any configured key
+        assert c.get("/v1/corpora").status_code == 200
+        assert c.get("/docs").status_code == 200
+        assert "bearer" in c.get("/openapi.json").json()["components"]["securitySchemes"]
+
+    import openai
+
+    bad = openai.OpenAI(base_url=f"{server.url}/v1", api_key="wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        bad.models.list()
+
+
+def test_ask_equals_cag_ask_and_the_engine(server, tiny_model_dir):
+    q = QUESTIONS[0]
+    got = server.ask(q, max_tokens=24, include_token_ids=True)
+    assert got["corpus"] == "notes" and got["mode"] == "cag" and got["stale"] is False
+    assert set(got["usage"]) == {"prompt_tokens", "cached_tokens", "completion_tokens"}
+    assert set(got["timings"]) >= {"load_ms", "ttft_ms", "total_ms"}
+    assert got["usage"]["cached_tokens"] > 0 and got["usage"]["completion_tokens"] == len(got["token_ids"])
+
+    cli = subprocess.run([*_cag_cmd(), "ask", "notes", q, "--max-tokens", "24", "--json"], env=server.env, cwd=REPO,
+                         capture_output=True, text=True, timeout=120)
+    assert cli.returncode == 0, cli.stderr
+    want = json.loads(cli.stdout)
+    assert got["answer"] == want["answer"]
+    for k in ("prompt_tokens", "cached_tokens", "completion_tokens"):
+        assert got["usage"][k] == want[k]
+    assert got["snapshot"] == want["snapshot"]
+
+    from cag.config import Settings
+    from cag.engine import Engine
+
+    engine = Engine(Settings(home=server.home, model=str(tiny_model_dir), answer_room=1024,
+                             models_dir_override=server.env["CAG_MODELS_DIR"]))
+    direct = engine.ask("notes", q, max_tokens=24)
+    assert direct.token_ids == got["token_ids"] and direct.answer == got["answer"]
+
+
+def test_ask_stream_sends_tokens_then_the_answer(server):
+    q = QUESTIONS[1]
+    plain = server.ask(q, max_tokens=20)
+    with server.client() as c, c.stream("POST", "/v1/ask", json={"corpus": "notes", "question": q, "max_tokens": 20,
+                                                                   "stream": True}) as r:
+        assert r.status_code == 200
+        assert r.headers["content-type"].startswith("text/event-stream")
+        events = parse_sse(r.iter_lines())
+    kinds = [e for e, _ in events]
+    assert kinds[-1] == "answer" and set(kinds[:-1]) <= {"token"}
+    final = json.loads(events[-1][1])
+    text = "".join(json.loads(d)["text"] for e, d in events if e == "token")
+    assert text == final["answer"] == plain["answer"]
+    assert final["usage"] == plain["usage"] and set(final["timings"]) >= {"load_ms", "ttft_ms", "total_ms"}
+
+    # errors before the first token keep their HTTP status, also when streaming
+    with server.client() as c:
+        r = c.post("/v1/ask", json={"corpus": "nope", "question": q, "stream": True})
+    assert r.status_code == 404 and r.json()["error"]["code"] == "not_found"
+
+
+def test_chat_completions_with_the_openai_client(server):
+    import openai
+
+    q = QUESTIONS[2]
+    plain = server.ask(q, max_tokens=24)
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key=KEY, max_retries=0)
+    assert "notes" in [m.id for m in client.models.list()]
+    assert client.models.retrieve("notes").id == "notes"
+
+    c = client.chat.completions.create(
+        model="notes", max_tokens=24,
+        messages=[{"role": "system", "content": "Be brief."}, {"role": "user", "content": "ignored earlier turn"},
+                  {"role": "assistant", "content": "ok"}, {"role": "user", "content": q}],
+        extra_body={"unknown_field": {"nested": 1}, "logit_bias": {}},
+    )
+    assert c.object == "chat.completion" and c.model == "notes"
+    assert c.choices[0].message.content == plain["answer"]
+    assert c.choices[0].message.role == "assistant"
+    assert c.choices[0].finish_reason in ("stop", "length")
+    assert c.usage.prompt_tokens == plain["usage"]["prompt_tokens"]
+    assert c.usage.completion_tokens == plain["usage"]["completion_tokens"]
+    assert c.usage.prompt_tokens_details.cached_tokens == plain["usage"]["cached_tokens"] > 0
+
+    stream = client.chat.completions.create(model="notes", max_tokens=24, stream=True,
+                                            stream_options={"include_usage": True},
+                                            messages=[{"role": "user", "content": [{"type": "text", "text": q}]}])
+    chunks = list(stream)
+    text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+    assert text == plain["answer"]
+    assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] in ("stop", "length")
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens == plain["usage"]["cached_tokens"]
+
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="nope", messages=[{"role": "user", "content": q}])
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model="notes", messages=[{"role": "system", "content": "no question"}])
+
+    # raw SSE: the stream ends with data: [DONE]; unknown fields are ignored
+    body = {"model": "notes", "messages": [{"role": "user", "content": q}], "max_tokens": 8, "stream": True,
+            "frequency_penalty": 0, "tools": [], "user": "someone", "whatever": [1, 2]}
+    with server.client() as hc, hc.stream("POST", "/v1/chat/completions", json=body) as r:
+        assert r.status_code == 200
+        events = parse_sse(r.iter_lines())
+    assert events[-1][1] == "[DONE]"
+    first = json.loads(events[0][1])
+    assert first["object"] == "chat.completion.chunk" and first["choices"][0]["delta"]["role"] == "assistant"
+
+
+def test_eight_concurrent_clients_get_their_sequential_answers(server):
+    import openai
+
+    want = {q: server.ask(q, max_tokens=24, include_token_ids=True) for q in QUESTIONS}
+    assert len({w["answer"] for w in want.values()}) >= 4, "the tiny model should answer questions differently"
+    barrier = threading.Barrier(len(QUESTIONS))
+
+    def client(i: int, q: str):
+        barrier.wait()
+        kind = i % 3
+        if kind == 0:
+            a = server.ask(q, max_tokens=24, include_token_ids=True)
+            return a["answer"], a["token_ids"]
+        if kind == 1:
+            with server.client() as c, c.stream("POST", "/v1/ask", json={
+                    "corpus": "notes", "question": q, "max_tokens": 24, "stream": True, "include_token_ids": True}) as r:
+                events = parse_sse(r.iter_lines())
+            final = json.loads(events[-1][1])
+            streamed = "".join(json.loads(d)["text"] for e, d in events if e == "token")
+            assert streamed == final["answer"]
+            return final["answer"], final["token_ids"]
+        oc = openai.OpenAI(base_url=f"{server.url}/v1", api_key=KEY, max_retries=0)
+        c = oc.chat.completions.create(model="notes", max_tokens=24, messages=[{"role": "user", "content": q}])
+        return c.choices[0].message.content, None
+
+    with ThreadPoolExecutor(len(QUESTIONS)) as pool:
+        results = list(pool.map(client, range(len(QUESTIONS)), QUESTIONS))
+    for q, (answer, ids) in zip(QUESTIONS, results):
+        assert answer == want[q]["answer"], q
+        if ids is not None:
+            assert ids == want[q]["token_ids"], q
+
+
+def _stopped(metrics_text: str, reason: str) -> float:
+    for line in metrics_text.splitlines():
+        if line.startswith(f'cag_generations_stopped_total{{reason="{reason}"}}'):
+            return float(line.split()[-1])
+    return 0.0
+
+
+def test_a_client_that_disconnects_stops_its_generation(server):
+    from store.index import Index
+
+    q = "Tell me everything about the lighthouse, the ferry and the bakery."
+    with server.client() as c:
+        before = _stopped(c.get("/metrics").text, "disconnect")
+        with c.stream("POST", "/v1/ask", json={"corpus": "notes", "question": q, "max_tokens": 1000,
+                                               "stream": True}) as r:
+            assert r.status_code == 200
+            for line in r.iter_lines():
+                if line.startswith("data:"):
+                    break  # one token in, hang up
+    index = Index(server.home / "index.db")
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        rows = [row for row in index.queries("notes") if row["question"] == q]
+        if rows:
+            break
+        time.sleep(0.05)
+    assert rows, "the stopped generation should still be logged"
+    assert rows[0]["completion_tokens"] < 1000
+    with server.client() as c:
+        assert _stopped(c.get("/metrics").text, "disconnect") == before + 1
+
+
+def test_metrics_are_prometheus_text(server):
+    server.ask(QUESTIONS[3], max_tokens=4)
+    with server.client() as c:
+        r = c.get("/metrics")
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
+    text = r.text
+    assert 'cag_http_requests_total{method="POST",route="/v1/ask",status="200"}' in text
+    assert 'cag_http_requests_total{method="GET",route="other",status="401"}' in text  # unknown paths: one label
+    assert "cag_http_request_duration_seconds_bucket" in text
+    values = {line.split()[0]: float(line.split()[1]) for line in text.splitlines() if line and not line.startswith("#")}
+    assert values["cag_snapshot_hits_total"] >= 1 and values["cag_snapshot_loads_total"] >= 1
+    assert values["cag_resident_bytes"] > 0 and values["cag_model_loaded"] == 1
+    assert values['cag_tokens_total{kind="cached",mode="cag"}'] > 0
+    assert values['cag_tokens_total{kind="completion",mode="cag"}'] > 0
+
+
+def _steer(case) -> None:
+    """Point half of the valid cases at the real corpus so that they reach the model (with short
+    answers); random names alone only ever meet 404."""
+    if case.path_parameters and any(k in case.path_parameters for k in ("name", "model")):
+        for k in ("name", "model"):
+            if k in case.path_parameters:
+                case.path_parameters[k] = "notes"
+    if isinstance(case.body, dict):
+        for k in ("corpus", "model"):
+            if k in case.body:
+                case.body[k] = "notes"
+        if isinstance(case.body.get("max_tokens"), int) and case.body["max_tokens"] > 8:
+            case.body["max_tokens"] = 8
+        if isinstance(case.body.get("messages"), list):
+            case.body["messages"].append({"role": "user", "content": "What does the fuzzer want?"})
+            case.body.pop("max_completion_tokens", None)
+            case.body["max_tokens"] = min(case.body.get("max_tokens") or 8, 8)
+
+
+def test_fuzz_the_openapi_schema_no_5xx(server):
+    """schemathesis, bounded and derandomized, on loopback: valid and invalid inputs for every
+    operation (half of the valid ones aimed at the real corpus); never a 5xx."""
+    import schemathesis
+    from hypothesis import HealthCheck, given, settings
+    from schemathesis import GenerationMode
+
+    schema = schemathesis.openapi.from_url(f"{server.url}/openapi.json", headers=AUTH)
+    failures, seen = [], {}
+    for result in schema.get_all_operations():
+        op = result.ok()
+        for mode in (GenerationMode.POSITIVE, GenerationMode.NEGATIVE):
+            counter = iter(range(10**6))
+
+            @settings(max_examples=8, deadline=None, derandomize=True, database=None,
+                      suppress_health_check=list(HealthCheck))
+            @given(case=op.as_strategy(generation_mode=mode))
+            def check(case):
+                if mode == GenerationMode.POSITIVE and next(counter) % 2:
+                    _steer(case)
+                resp = case.call(base_url=server.url, headers=AUTH, timeout=60)
+                seen[resp.status_code] = seen.get(resp.status_code, 0) + 1
+                print("FUZZ", mode.value, op.method.upper(), op.path, resp.status_code)
+                if resp.status_code >= 500:
+                    failures.append(f"{op.method.upper()} {op.path} -> {resp.status_code}: {resp.text[:200]} "
+                                    f"body={case.body!r}")
+
+            check()
+    assert sum(seen.values()) > 80 and seen.get(200, 0) > 20 and seen.get(400, 0) > 5, seen
+    assert not failures, "\n".join(failures[:10])
+
+
+# -- in-process: FastAPI's TestClient on the same engine code -------------------------------------
+@pytest.fixture(scope="module")
+def tiny_lm(tiny_model_dir, models_dir):
+    from cag.model import load_model
+
+    return load_model(str(tiny_model_dir), models_dir)
+
+
+@pytest.fixture
+def engine(tiny_lm, tiny_model_dir, small_corpus, monkeypatch):
+    from cag.config import get_settings
+    from cag.engine import Engine
+
+    monkeypatch.setenv("CAG_MODEL", str(tiny_model_dir))
+    e = Engine(get_settings(answer_room=64), lm=tiny_lm)
+    e.ingest(str(small_corpus), name="notes")
+    return e
+
+
+@contextmanager
+def app_client(engine, **settings):
+    from fastapi.testclient import TestClient
+
+    from api.app import create_app
+    from api.settings import ApiSettings
+
+    app = create_app(ApiSettings(**settings), engine=engine)
+    with TestClient(app, raise_server_exceptions=False) as c:
+        deadline = time.monotonic() + 30
+        while c.get("/health").status_code != 200:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        yield c
+
+
+def _err(r, status: int, code: str | None = None) -> dict:
+    assert r.status_code == status, r.text
+    body = r.json()
+    assert set(body["error"]) >= {"message", "type", "code"}, body
+    if code:
+        assert body["error"]["code"] == code, body
+    return body["error"]
+
+
+def test_health_is_503_until_the_model_is_loaded(tiny_model_dir, monkeypatch):
+    from fastapi.testclient import TestClient
+
+    from api.app import create_app
+    from cag.config import get_settings
+    from cag.engine import Engine
+
+    monkeypatch.setenv("CAG_MODEL", str(tiny_model_dir))
+    engine = Engine(get_settings())
+    engine._lm_lock.acquire()  # hold the model load where it starts, to look at the server meanwhile
+    try:
+        with TestClient(create_app(engine=engine)) as c:
+            r = c.get("/health")
+            assert r.status_code == 503 and r.json()["status"] == "loading"
+            _err(c.get("/v1/models"), 503, "not_ready")
+            _err(c.post("/v1/ask", json={"corpus": "x", "question": "y"}), 503, "not_ready")
+            engine._lm_lock.release()
+            assert 503 in wait_healthy_client(c)
+    finally:
+        if engine._lm_lock.locked():
+            engine._lm_lock.release()
+
+    broken = Engine(get_settings(model=str(tiny_model_dir / "missing")))
+    with TestClient(create_app(engine=broken)) as c:
+        deadline = time.monotonic() + 30
+        while (r := c.get("/health")).json()["status"] == "loading":
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        assert r.status_code == 503 and r.json()["status"] == "error"
+        assert "failed to load" in _err(c.get("/v1/corpora"), 503, "not_ready")["message"]
+
+
+def wait_healthy_client(c) -> list[int]:
+    seen, deadline = [], time.monotonic() + 30
+    while time.monotonic() < deadline:
+        seen.append(c.get("/health").status_code)
+        if seen[-1] == 200:
+            return seen
+        time.sleep(0.02)
+    raise TimeoutError(seen)
+
+
+def test_limits_and_validation_errors(engine):
+    with app_client(engine, max_body_bytes=2000, max_question_chars=100) as c:
+        _err(c.post("/v1/ask", content=b"{" + b" " * 3000 + b"}", headers={"content-type": "application/json"}),
+             413, "too_large")
+        chunked = iter([b'{"corpus": "notes", "question": "', b"x" * 2500, b'"}'])  # no Content-Length
+        _err(c.post("/v1/ask", content=chunked, headers={"content-type": "application/json"}), 413, "too_large")
+        _err(c.post("/v1/ask", json={"corpus": "notes", "question": "q" * 101}), 413, "too_large")
+        _err(c.post("/v1/chat/completions", json={"model": "notes", "messages": [{"role": "user", "content": "q" * 101}]}),
+             413, "too_large")
+
+        ok = c.post("/v1/ask", json={"corpus": "notes", "question": "Who keeps the lighthouse?", "max_tokens": 10**6})
+        assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] <= 64  # clamped to answer_room
+
+        cases = [
+            ({"corpus": "notes"}, "question"),
+            ({"corpus": "notes", "question": "q", "mode": "bogus"}, "mode"),
+            ({"corpus": "notes", "question": "q", "max_tokens": 0}, "max_tokens"),
+            ({"corpus": "notes", "question": "q", "on_stale": "maybe"}, "on_stale"),
+            ({"corpus": "notes", "question": ""}, "question"),
+            ({"corpus": "notes", "question": ["not", "text"]}, "question"),
+        ]
+        for body, param in cases:
+            assert _err(c.post("/v1/ask", json=body), 400, "invalid_request")["param"] == param
+        _err(c.post("/v1/ask", json={"corpus": "notes", "question": "   "}), 400, "bad_request")  # engine: empty
+        _err(c.post("/v1/ask", content=b"{not json", headers={"content-type": "application/json"}), 400)
+        _err(c.post("/v1/ask", content=b"corpus=notes", headers={"content-type": "application/x-www-form-urlencoded"}),
+             400)
+        _err(c.post("/v1/ask", json={"corpus": "nope", "question": "q"}), 404, "not_found")
+        chat = {"model": "notes", "messages": [{"role": "user", "content": "q"}]}
+        _err(c.post("/v1/chat/completions", json={**chat, "messages": []}), 400)
+        _err(c.post("/v1/chat/completions", json={**chat, "n": 2}), 400)
+        _err(c.post("/v1/chat/completions", json={**chat, "messages": [{"role": "user", "content": []}]}), 400)
+        _err(c.get("/v1/corpora/nope"), 404, "not_found")
+        _err(c.get("/v1/models/nope"), 404, "not_found")
+        _err(c.get("/v1/jobs/job_nope"), 404, "not_found")
+        _err(c.post("/v1/corpora/nope/refresh"), 404, "not_found")
+        _err(c.get("/v1/no-such-route"), 404, "not_found")
+        _err(c.get("/v1/ask"), 405, "method_not_allowed")
+
+
+def test_a_full_queue_answers_429_with_retry_after(engine):
+    with app_client(engine, workers=1, max_queue=0) as c:
+        barrier = threading.Barrier(12)
+
+        def one(i):
+            barrier.wait()
+            return c.post("/v1/ask", json={"corpus": "notes", "question": QUESTIONS[i % 8], "max_tokens": 64})
+
+        with ThreadPoolExecutor(12) as pool:
+            responses = list(pool.map(one, range(12)))
+        statuses = sorted(r.status_code for r in responses)
+        assert set(statuses) == {200, 429} and statuses.count(200) >= 1, statuses
+        for r in responses:
+            if r.status_code == 429:
+                _err(r, 429, "queue_full")
+                assert int(r.headers["retry-after"]) >= 1
+        # the queue drains: a later request is served again
+        assert c.post("/v1/ask", json={"corpus": "notes", "question": "q", "max_tokens": 2}).status_code == 200
+
+
+def test_the_request_timeout_stops_generation_with_504(engine):
+    from store.index import Index
+
+    with app_client(engine, request_timeout_s=0.02) as c:
+        q = "A question that will not finish in 20 ms?"
+        _err(c.post("/v1/ask", json={"corpus": "notes", "question": q, "max_tokens": 64}), 504, "timeout")
+        index = Index(engine.settings.index_path)
+        deadline = time.monotonic() + 20
+        while not (rows := [r for r in index.queries("notes") if r["question"] == q]):
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        assert rows[0]["completion_tokens"] < 64
+        assert _stopped(c.get("/metrics").text, "timeout") >= 1
+
+
+def test_stale_corpus_refuse_409_then_refresh_job(engine, small_corpus):
+    with app_client(engine) as c:
+        (small_corpus / "c.md").write_text("The bakery on Quay Street now sells rye bread every day.\n")
+        status = c.get("/v1/corpora/notes").json()
+        assert status["stale"] is True and status["reasons"]
+        body = {"corpus": "notes", "question": "What does the bakery sell?", "max_tokens": 4}
+        _err(c.post("/v1/ask", json={**body, "on_stale": "refuse"}), 409, "stale")
+        served = c.post("/v1/ask", json=body).json()  # default policy: serve, flagged
+        assert served["stale"] is True and served["stale_reasons"]
+
+        r = c.post("/v1/corpora/notes/refresh")
+        assert r.status_code == 202
+        job = r.json()
+        assert r.headers["location"] == f"/v1/jobs/{job['id']}" and job["corpus"] == "notes"
+        deadline = time.monotonic() + 60
+        while job["status"] in ("queued", "running"):
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+            job = c.get(f"/v1/jobs/{job['id']}").json()
+        assert job["status"] == "done", job
+        assert job["progress"] == 1.0 and job["result"]["status"] == "refreshed"
+        assert job["reused_tokens"] > 0 and job["done_tokens"] == job["total_tokens"] > 0  # only c.md re-prefilled
+        assert c.get("/v1/corpora/notes").json()["stale"] is False
+        fresh = c.post("/v1/ask", json={**body, "on_stale": "refuse"})
+        assert fresh.status_code == 200 and fresh.json()["stale"] is False
+        assert "cag_refresh_jobs_total{status=\"done\"} 1.0" in c.get("/metrics").text
+
+
+def test_cors_is_off_unless_configured(engine):
+    preflight = {"Origin": "https://app.example", "Access-Control-Request-Method": "POST",
+                 "Access-Control-Request-Headers": "authorization,content-type"}
+    with app_client(engine) as c:
+        r = c.get("/v1/corpora", headers={"Origin": "https://app.example"})
+        assert r.status_code == 200 and "access-control-allow-origin" not in r.headers
+        assert "access-control-allow-origin" not in c.options("/v1/ask", headers=preflight).headers
+    with app_client(engine, cors_origins="https://app.example", api_keys=KEY) as c:
+        r = c.options("/v1/ask", headers=preflight)  # preflight needs no key
+        assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "https://app.example"
+        r = c.get("/v1/corpora", headers={"Origin": "https://app.example", **AUTH})
+        assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "https://app.example"
+        r = c.get("/v1/corpora", headers={"Origin": "https://evil.example", **AUTH})
+        assert "access-control-allow-origin" not in r.headers
+
+
+def test_full_mode_and_openapi_docs(engine):
+    with app_client(engine) as c:
+        full = c.post("/v1/ask", json={"corpus": "notes", "question": "Who keeps the lighthouse?", "mode": "full",
+                                       "max_tokens": 6})
+        assert full.status_code == 200 and full.json()["usage"]["cached_tokens"] == 0
+        assert full.json()["timings"]["load_ms"] == 0
+        assert c.get("/docs").status_code == 200
+        spec = c.get("/openapi.json").json()
+        assert {"/v1/ask", "/v1/chat/completions", "/v1/models", "/v1/corpora", "/v1/corpora/{name}",
+                "/v1/corpora/{name}/refresh", "/v1/jobs/{job_id}", "/health", "/metrics"} <= set(spec["paths"])
+        assert "422" not in spec["paths"]["/v1/ask"]["post"]["responses"]

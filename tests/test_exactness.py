@@ -1,0 +1,100 @@
+"""The exactness invariant on the tiny model: cached answer == uncached answer, token for token,
+for several questions in a row on one loaded snapshot, which is never modified by a question."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from cag import kv
+from cag.config import get_settings
+from cag.engine import Engine
+
+QUESTIONS = [
+    "Who keeps the lighthouse?",
+    "When does the ferry leave?",
+    "What does the bakery sell on Tuesdays?",
+    "Who keeps the lighthouse?",  # asked again: must not see the previous questions
+]
+
+
+def test_cag_equals_full_for_questions_in_a_row(tiny_model_dir, small_corpus, monkeypatch):
+    """float32 snapshots: bit-identical state, so identical tokens even on a chaotic random model.
+    (float16, the default, is pinned token-for-token on the real model in test_real.py.)"""
+    monkeypatch.setenv("CAG_MODEL", str(tiny_model_dir))
+    monkeypatch.setenv("CAG_KV_DTYPE", "float32")
+    engine = Engine(get_settings())
+    engine.ingest(str(small_corpus))
+    cached = [engine.ask("corpus", q, max_tokens=24).token_ids for q in QUESTIONS]
+    full = [engine.ask("corpus", q, max_tokens=24, mode="full").token_ids for q in QUESTIONS]
+    assert all(len(ids) == 24 for ids in cached)  # long enough to mean something
+    assert cached == full
+    assert cached[0] == cached[3]
+    assert len({tuple(ids) for ids in cached[:3]}) > 1  # different questions, different answers
+
+
+def test_float16_snapshot_is_the_float32_state_rounded(tiny_model_dir, small_corpus, monkeypatch):
+    from store import snapshots
+
+    paths = {}
+    for dtype in ("float32", "float16"):
+        monkeypatch.setenv("CAG_MODEL", str(tiny_model_dir))
+        monkeypatch.setenv("CAG_KV_DTYPE", dtype)
+        paths[dtype] = Path(Engine(get_settings()).ingest(str(small_corpus)).path)
+    s32, s16 = (snapshots.load(paths[d]) for d in ("float32", "float16"))
+    assert s16.kv[0][0].dtype == torch.float16 and s32.kv[0][0].dtype == torch.float32
+    for (k32, v32), (k16, v16) in zip(s32.kv, s16.kv):
+        assert torch.equal(k32.half(), k16) and torch.equal(v32.half(), v16)
+    assert paths["float32"].stat().st_size > 1.9 * paths["float16"].stat().st_size
+
+
+def test_each_question_alone_equals_in_a_row(tiny_engine, small_corpus):
+    tiny_engine.ingest(str(small_corpus))
+    in_a_row = [tiny_engine.ask("corpus", q, max_tokens=16).token_ids for q in QUESTIONS[:3]]
+    alone = []
+    for q in QUESTIONS[:3]:
+        tiny_engine._evict()  # drop the resident snapshot: load from the file again
+        alone.append(tiny_engine.ask("corpus", q, max_tokens=16).token_ids)
+    assert in_a_row == alone
+
+
+def test_asking_never_mutates_the_loaded_snapshot(tiny_engine, small_corpus):
+    tiny_engine.ingest(str(small_corpus))
+    tiny_engine.ask("corpus", "warm up", max_tokens=4)
+    (res,) = tiny_engine._resident.values()
+    before = [(k.clone(), v.clone()) for k, v in res.snap.kv]
+    buf = res.free[0]
+    prefix_before = [(k.clone(), v.clone()) for k, v in kv.export(buf, res.snap.n_tokens)]
+    for q in QUESTIONS:
+        tiny_engine.ask("corpus", q, max_tokens=8)
+    for (k0, v0), (k1, v1) in zip(before, res.snap.kv):
+        assert torch.equal(k0, k1) and torch.equal(v0, v1)
+    for (k0, v0), (k1, v1) in zip(prefix_before, kv.export(buf, res.snap.n_tokens)):
+        assert torch.equal(k0, k1) and torch.equal(v0, v1)
+
+
+def test_matches_transformers_generate(tiny_engine, small_corpus):
+    """An independent reference: HF generate with its own DynamicCache on the same prompt ids."""
+    from cag.prompt import build_prefix, build_suffix
+
+    tiny_engine.ingest(str(small_corpus))
+    ans = tiny_engine.ask("corpus", QUESTIONS[1], max_tokens=12)
+    lm = tiny_engine.lm
+    docs, _ = tiny_engine.read_corpus(small_corpus, "corpus")
+    ids = build_prefix(lm.tokenizer, tiny_engine.layout(), [(d.name, d.text) for d in docs]).ids
+    ids += build_suffix(lm.tokenizer, tiny_engine.layout(), QUESTIONS[1])
+    out = lm.model.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False, min_new_tokens=12)
+    assert out[0, len(ids):].tolist()[: len(ans.token_ids)] == ans.token_ids
+
+
+def test_prefill_chunking_does_not_change_the_answer(tiny_model_dir, small_corpus, monkeypatch):
+    monkeypatch.setenv("CAG_MODEL", str(tiny_model_dir))
+    answers = []
+    for chunk in (7, 512):
+        monkeypatch.setenv("CAG_CHUNK_TOKENS", str(chunk))
+        monkeypatch.setenv("CAG_HOME", str(small_corpus.parent / f"home-{chunk}"))
+        engine = Engine(get_settings())
+        engine.ingest(str(small_corpus))
+        answers.append(engine.ask("corpus", QUESTIONS[0], max_tokens=16).token_ids)
+    assert answers[0] == answers[1]

@@ -1,0 +1,41 @@
+"""Tier 2: the real embedded SmolLM2-135M on corpora/handbook (float16 snapshots, the default)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from .conftest import HANDBOOK
+
+pytestmark = pytest.mark.real
+
+QUESTIONS = [json.loads(line)["question"] for line in (HANDBOOK / "questions.jsonl").read_text().splitlines()[:4]]
+
+
+def test_real_model_cag_equals_full_token_for_token(real_engine):
+    r = real_engine.ingest(str(HANDBOOK))
+    assert 2000 <= r.n_tokens <= 4000 and r.skipped == ["questions.jsonl"]
+    cached = [real_engine.ask("handbook", q, max_tokens=24) for q in QUESTIONS]
+    full = [real_engine.ask("handbook", q, max_tokens=24, mode="full") for q in QUESTIONS]
+    assert [a.token_ids for a in cached] == [a.token_ids for a in full]
+    assert all(a.completion_tokens > 0 for a in cached)
+    assert all(a.cached_tokens == r.n_tokens for a in cached)
+
+
+def test_cli_end_to_end_in_a_subprocess(cag_home, models_dir):
+    env = dict(os.environ, CAG_HOME=str(cag_home), CAG_MODELS_DIR=str(models_dir))
+    run = lambda *a: subprocess.run([sys.executable, "-m", "cli.main", *a], env=env, capture_output=True, text=True, timeout=600)  # noqa: E731
+    ing = run("ingest", str(HANDBOOK), "--json")
+    assert ing.returncode == 0, ing.stderr
+    info = json.loads(ing.stdout)
+    assert info["status"] == "built" and info["corpus"] == "handbook"
+    ask = run("ask", "handbook", QUESTIONS[0], "--max-tokens", "16", "--json")
+    assert ask.returncode == 0, ask.stderr
+    ans = json.loads(ask.stdout)
+    assert ans["mode"] == "cag" and ans["cached_tokens"] == info["n_tokens"] and ans["answer"]
+    st = json.loads(run("status", "handbook", "--json").stdout)
+    assert st["stale"] is False and st["n_tokens"] == info["n_tokens"]
