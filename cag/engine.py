@@ -184,12 +184,16 @@ class Engine:
             yield
 
     def read_corpus(self, source: Path, corpus: str | None) -> tuple[list[documents.Document], list[str]]:
+        """Documents in prompt order: those already in the corpus keep their place, new ones are
+        appended (sorted by name), so adding a document re-prefills only that document."""
         if not source.exists():
             raise NotFound(f"source missing: {source}")
         entries, skipped = documents.scan(source)
         if not entries:
             what = f" (skipped unsupported: {', '.join(skipped[:5])}{' ...' if len(skipped) > 5 else ''})" if skipped else ""
             raise BadInput(f"no supported documents in {source}{what}; supported: {', '.join(sorted(documents.SUPPORTED))}")
+        known = {d["path"]: d["ordinal"] for d in self.index.documents(corpus)} if corpus else {}
+        entries.sort(key=lambda e: (e.name not in known, known.get(e.name, 0), e.name))
         docs = [documents.read(e) for e in entries]
         empty = [d.name for d in docs if not d.text.strip()]
         docs = [d for d in docs if d.text.strip()]
@@ -246,7 +250,9 @@ class Engine:
             meta = {"key": key, "corpus": name, "model": lm.name, "model_fingerprint": lm.fingerprint,
                     "tokenizer_fingerprint": lm.tokenizer_fingerprint, "layout": self.layout().as_dict(),
                     "n_kv_heads": lm.n_kv_heads, "head_dim": lm.head_dim, "spans": spans,
-                    "created": time.time(), "compute_dtype": str(lm.dtype)}
+                    "created": time.time(), "compute_dtype": str(lm.dtype),
+                    "source": str(source), "ttl_s": corpus_row["ttl_s"], "n_documents": len(docs),
+                    "reused_tokens": reused, "prefill_ms": prefill_ms}
             nbytes = snapfiles.save(path, kv.export(cache, n), prefix.ids, meta, self.kv_dtype)
             del cache
             snap_row = {"key": key, "digest": digest, "corpus": name, "model": lm.name,

@@ -1,0 +1,5 @@
+"""`python -m cli` runs the `cag` command line."""
+
+from cli.main import main
+
+main()

@@ -1,0 +1,88 @@
+"""Pieces shared by every command module: options, error handling, output, progress."""
+
+from __future__ import annotations
+
+import functools
+import json
+import sys
+import time
+from typing import Annotated, Optional
+
+import typer
+
+from cag.config import get_settings
+from cag.errors import CagError
+
+JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON object (for scripts).")]
+ModelOpt = Annotated[Optional[str], typer.Option("--model", help="Model: the embedded default, a Hugging Face folder or hub id. Env: CAG_MODEL.")]
+
+
+def _engine(model: str | None = None, **overrides):
+    from cag.engine import Engine
+
+    return Engine(get_settings(model=model, **overrides))
+
+
+def handle_errors(fn):
+    """User errors become one line on stderr and a documented exit code, never a traceback."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except CagError as e:
+            typer.echo(f"error: {e}", err=True)
+            raise typer.Exit(e.exit_code) from None
+        except KeyboardInterrupt:
+            typer.echo("interrupted", err=True)
+            raise typer.Exit(130) from None
+
+    return wrapper
+
+
+def _emit(obj: dict) -> None:
+    typer.echo(json.dumps(obj, ensure_ascii=False))
+
+
+def _human_bytes(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if n < 1024 or unit == "GB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def _age(ts: float | None) -> str:
+    if not ts:
+        return "never"
+    s = time.time() - ts
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if s >= size:
+            return f"{s / size:.0f}{unit} ago"
+    return f"{s:.0f}s ago"
+
+
+class _TqdmReporter:
+    """Estimate line and a tokens progress bar (tokens, tokens/s, ETA), drawn only on a terminal."""
+
+    def __init__(self, quiet: bool):
+        self.quiet, self.bar = quiet, None
+
+    def estimate(self, n_tokens: int, n_bytes: int, reused: int) -> None:
+        if not self.quiet:
+            extra = f", reusing {reused} cached tokens" if reused else ""
+            typer.echo(f"knowledge: {n_tokens} tokens -> snapshot ~{_human_bytes(n_bytes)} "
+                       f"(2 x layers x kv_heads x head_dim x bytes x tokens){extra}", err=True)
+
+    def progress(self, total: int):
+        from tqdm import tqdm
+
+        self.bar = tqdm(total=total, unit="tok", unit_scale=True, desc="prefill", file=sys.stderr,
+                        disable=self.quiet or not sys.stderr.isatty(), dynamic_ncols=True)
+        return self.bar.update
+
+    def done(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+

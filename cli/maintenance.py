@@ -1,0 +1,67 @@
+"""`cag invalidate`, `cag gc`, `cag reindex`: index upkeep commands (no model needed)."""
+
+from __future__ import annotations
+
+from typing import Annotated, Optional
+
+import typer
+
+from cag import maintenance
+from cag.config import get_settings
+from store.index import Index
+
+from .common import JsonOpt, _emit, _human_bytes, handle_errors
+
+
+def _index_and_settings():
+    s = get_settings()
+    return s, Index(s.index_path)
+
+
+@handle_errors
+def invalidate(
+    corpus: Annotated[Optional[str], typer.Argument(help="Corpus to mark invalid (all corpora with --doc when omitted).")] = None,
+    doc: Annotated[Optional[str], typer.Option("--doc", help="Only corpora whose snapshot contains this document (path relative to the corpus root).")] = None,
+    json_: JsonOpt = False,
+):
+    """Mark a corpus (or the snapshots containing a document) invalid; `ask --on-stale` decides what happens next."""
+    if corpus is None and doc is None:
+        raise typer.BadParameter("give a corpus name, --doc PATH, or both")
+    _, index = _index_and_settings()
+    marked = maintenance.invalidate(index, corpus, doc)
+    if json_:
+        _emit({"invalidated": marked})
+    else:
+        typer.echo(f"invalidated: {', '.join(marked)}")
+
+
+@handle_errors
+def gc(
+    max_bytes: Annotated[Optional[int], typer.Option("--max-bytes", help="Keep snapshots within this many bytes, deleting least recently used first.")] = None,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Only print what would be deleted.")] = False,
+    include_current: Annotated[bool, typer.Option("--include-current", help="Allow deleting a corpus's current snapshot to meet --max-bytes.")] = False,
+    json_: JsonOpt = False,
+):
+    """Delete superseded and invalid snapshots and leftover temp files, then LRU ones over --max-bytes."""
+    settings, index = _index_and_settings()
+    r = maintenance.gc(settings, index, max_bytes=max_bytes, dry_run=dry_run, include_current=include_current)
+    if json_:
+        _emit(r.to_dict())
+        return
+    verb = "would delete" if dry_run else "deleted"
+    for d in r.deleted:
+        typer.echo(f"{verb} {d['digest'][:12]} ({d['corpus'] or '-'}, {_human_bytes(d['bytes'])}): {d['why']}")
+    typer.echo(f"{'would free' if dry_run else 'freed'} {_human_bytes(r.freed_bytes)}; kept {_human_bytes(r.kept_bytes)}")
+
+
+@handle_errors
+def reindex(json_: JsonOpt = False):
+    """Rebuild the snapshot index from the snapshot files' own headers (after losing index.db)."""
+    settings, index = _index_and_settings()
+    r = maintenance.reindex(settings, index)
+    if json_:
+        _emit(r)
+        return
+    typer.echo(f"indexed {r['snapshots']} snapshots for corpora: {', '.join(r['corpora']) or '-'}")
+    for name in r["unreadable"]:
+        typer.echo(f"unreadable, skipped: {name}", err=True)

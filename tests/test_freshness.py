@@ -1,0 +1,185 @@
+"""Freshness and invalidation: stale reasons, incremental refresh, invalidate, gc, reindex, locks."""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from cag.config import get_settings
+from cag.engine import Engine
+from cag.errors import Busy, StaleRefused
+from cli.main import app
+from store import snapshots
+
+Q = "When does the ferry leave?"
+
+
+@pytest.fixture
+def engine32(tiny_model_dir, monkeypatch):
+    """float32 snapshots: refresh vs rebuild can be compared without fp16 storage rounding."""
+    monkeypatch.setenv("CAG_MODEL", str(tiny_model_dir))
+    monkeypatch.setenv("CAG_KV_DTYPE", "float32")
+    return Engine(get_settings())
+
+
+def _rebuild_elsewhere(corpus: Path, tiny_model_dir: Path, tmp: Path, monkeypatch) -> tuple[Engine, object]:
+    monkeypatch.setenv("CAG_HOME", str(tmp / "other-home"))
+    other = Engine(get_settings())
+    return other, other.ingest(str(corpus))
+
+
+def _assert_same_tensors(a: Path, b: Path, atol: float) -> None:
+    sa, sb = snapshots.load(a), snapshots.load(b)
+    assert sa.ids == sb.ids
+    for (ka, va), (kb, vb) in zip(sa.kv, sb.kv):
+        assert torch.allclose(ka, kb, atol=atol, rtol=0) and torch.allclose(va, vb, atol=atol, rtol=0)
+
+
+def test_stale_reasons_by_content_not_mtime(tiny_engine, small_corpus):
+    tiny_engine.ingest(str(small_corpus))
+    assert tiny_engine.status("corpus").stale is False
+    os.utime(small_corpus / "a.md", (time.time() + 100, time.time() + 100))  # touched, same bytes
+    assert tiny_engine.status("corpus").reasons == []
+    (small_corpus / "a.md").write_text("The keeper changed.\n")
+    (small_corpus / "c.md").unlink()
+    (small_corpus / "d.md").write_text("New.\n")
+    assert tiny_engine.status("corpus").reasons == [
+        "documents changed: a.md", "documents added: d.md", "documents removed: c.md"]
+
+
+def test_ttl_and_model_change_are_reasons(tiny_model_dir, small_corpus, tmp_path, monkeypatch):
+    from transformers import AutoModelForCausalLM
+
+    monkeypatch.setenv("CAG_MODEL", str(tiny_model_dir))
+    e = Engine(get_settings())
+    e.ingest(str(small_corpus), ttl_s=0.01)
+    time.sleep(0.05)
+    assert any(r.startswith("expired: built") for r in e.status("corpus").reasons)
+    # same architecture and name of folder contents, one weight changed: detected by fingerprint
+    m = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    with torch.no_grad():
+        m.model.norm.weight[0] += 1
+    changed = tmp_path / "changed-model"
+    m.save_pretrained(changed)
+    for f in tiny_model_dir.iterdir():  # tokenizer files and chat template, unchanged
+        if not (changed / f.name).exists():
+            (changed / f.name).write_bytes(f.read_bytes())
+    monkeypatch.setenv("CAG_MODEL", str(changed))
+    e2 = Engine(get_settings())
+    reasons = e2.status("corpus").reasons
+    assert "model changed: the configured model's weights differ from the snapshot's" in reasons
+    assert not any("tokenizer" in r for r in reasons)
+    with pytest.raises(StaleRefused):  # never served for a model it was not built for
+        e2.ask("corpus", Q, max_tokens=4)
+    assert e2.ask("corpus", Q, max_tokens=4, on_stale="refresh").stale is False
+
+
+def test_edit_last_document_reprefills_only_it(engine32, small_corpus, tiny_model_dir, tmp_path, monkeypatch):
+    first = engine32.ingest(str(small_corpus))
+    spans = {s["path"]: s for s in engine32.index.snapshot_documents(first.snapshot)}
+    (small_corpus / "c.md").write_text("The bakery on Quay Street sells rye bread on Fridays now.\n")
+    r = engine32.ingest("corpus")
+    assert r.status == "refreshed" and r.reused_tokens == spans["c.md"]["start"]
+    assert r.prefilled_tokens == r.n_tokens - r.reused_tokens
+    refreshed = [engine32.ask("corpus", q, max_tokens=16).token_ids for q in (Q, "Who keeps the lighthouse?")]
+    other, rebuilt = _rebuild_elsewhere(small_corpus, tiny_model_dir, tmp_path, monkeypatch)
+    assert rebuilt.snapshot == r.snapshot  # same key: same content, model, layout, dtype
+    _assert_same_tensors(Path(r.path), Path(rebuilt.path), atol=1e-5)
+    assert refreshed == [other.ask("corpus", q, max_tokens=16).token_ids for q in (Q, "Who keeps the lighthouse?")]
+
+
+def test_added_document_is_appended_and_alone_prefilled(engine32, small_corpus):
+    first = engine32.ingest(str(small_corpus))
+    (small_corpus / "0-first-by-name.md").write_text("The harbour master is Ilse Brandt.\n")
+    r = engine32.ingest("corpus", reporter=None)
+    docs = [s["path"] for s in engine32.index.snapshot_documents(r.snapshot)]
+    assert docs == ["a.md", "b.txt", "c.md", "0-first-by-name.md"]  # appended, not sorted in front
+    old_end = max(s["end"] for s in engine32.index.snapshot_documents(first.snapshot))
+    assert r.reused_tokens == old_end and r.prefilled_tokens < r.n_tokens / 2
+    # the no-cache baseline sees the same order, so answers still agree exactly
+    assert engine32.ask("corpus", Q, max_tokens=12).token_ids == engine32.ask("corpus", Q, max_tokens=12, mode="full").token_ids
+
+
+def test_force_rebuilds_from_scratch(tiny_engine, small_corpus):
+    tiny_engine.ingest(str(small_corpus))
+    (small_corpus / "c.md").write_text("Changed.\n")
+    r = tiny_engine.ingest("corpus", force=True)
+    assert r.status == "built" and r.reused_tokens == 0 and r.prefilled_tokens == r.n_tokens
+
+
+runner = CliRunner()
+
+
+def cag(*args):
+    return runner.invoke(app, list(args), catch_exceptions=False)
+
+
+def test_invalidate_and_on_stale_policies(tiny_model_dir, small_corpus, monkeypatch):
+    monkeypatch.setenv("CAG_MODEL", str(tiny_model_dir))
+    assert cag("ingest", str(small_corpus)).exit_code == 0
+    assert cag("invalidate", "--doc", "b.txt").stdout.strip() == "invalidated: corpus"
+    st = json.loads(cag("status", "corpus", "--json").stdout)
+    assert st["reasons"] == ["invalidated: document b.txt invalidated by user"]
+    served = cag("ask", "corpus", Q, "--max-tokens", "4", "--json")
+    assert served.exit_code == 0 and json.loads(served.stdout)["stale"] is True
+    assert "warning: corpus 'corpus' is stale" in served.stderr
+    refused = cag("ask", "corpus", Q, "--on-stale", "refuse")
+    assert refused.exit_code == 3 and "invalidated" in refused.stderr
+    refreshed = cag("ask", "corpus", Q, "--on-stale", "refresh", "--max-tokens", "4", "--json")
+    assert refreshed.exit_code == 0 and json.loads(refreshed.stdout)["stale"] is False
+    assert json.loads(cag("status", "corpus", "--json").stdout)["stale"] is False
+    assert cag("invalidate", "--doc", "nope.md").exit_code == 1
+
+
+def test_gc_deletes_superseded_keeps_current(tiny_model_dir, small_corpus, monkeypatch, cag_home):
+    monkeypatch.setenv("CAG_MODEL", str(tiny_model_dir))
+    first = json.loads(cag("ingest", str(small_corpus), "--json").stdout)
+    (small_corpus / "c.md").write_text("Changed bakery.\n")
+    second = json.loads(cag("ingest", "corpus", "--json").stdout)
+    tmp = cag_home / "snapshots" / ".x.safetensors.123.tmp"
+    tmp.write_bytes(b"partial")
+    dry = json.loads(cag("gc", "--dry-run", "--json").stdout)
+    assert {d["digest"] for d in dry["deleted"]} == {first["snapshot"], tmp.name}
+    assert Path(first["path"]).exists() and tmp.exists()
+    done = json.loads(cag("gc", "--max-bytes", "0", "--json").stdout)
+    assert done["freed_bytes"] == first["bytes"] + len(b"partial")
+    assert not Path(first["path"]).exists() and not tmp.exists() and Path(second["path"]).exists()
+    assert cag("ask", "corpus", Q, "--max-tokens", "4").exit_code == 0  # current kept despite budget 0
+    gone = json.loads(cag("gc", "--max-bytes", "0", "--include-current", "--json").stdout)
+    assert [d["digest"] for d in gone["deleted"]] == [second["snapshot"]]
+    assert cag("ask", "corpus", Q).exit_code == 1
+
+
+def test_reindex_rebuilds_a_lost_index(tiny_model_dir, small_corpus, monkeypatch, cag_home):
+    monkeypatch.setenv("CAG_MODEL", str(tiny_model_dir))
+    cag("ingest", str(small_corpus))
+    before = json.loads(cag("ask", "corpus", Q, "--max-tokens", "8", "--json").stdout)
+    for f in cag_home.glob("index.db*"):
+        f.unlink()
+    assert cag("ask", "corpus", Q).exit_code == 1  # the index is gone: unknown corpus
+    out = json.loads(cag("reindex", "--json").stdout)
+    assert out["corpora"] == ["corpus"] and out["snapshots"] == 1
+    st = json.loads(cag("status", "corpus", "--json").stdout)
+    assert st["stale"] is False, st["reasons"]
+    after = json.loads(cag("ask", "corpus", Q, "--max-tokens", "8", "--json").stdout)
+    assert after["answer"] == before["answer"] and after["snapshot"] == before["snapshot"]
+
+
+def test_second_writer_gets_busy(tiny_engine, small_corpus, cag_home):
+    tiny_engine.ingest(str(small_corpus))
+    from cag.hashing import hash_obj
+
+    lock = cag_home / "locks" / f"{hash_obj('corpus')[7:23]}.lock"
+    with open(lock, "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        with pytest.raises(Busy, match="being ingested by another process"):
+            tiny_engine.ingest("corpus", force=True)
+        # queries keep working while the writer holds the corpus
+        assert tiny_engine.ask("corpus", Q, max_tokens=4).completion_tokens > 0
