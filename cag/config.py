@@ -15,6 +15,7 @@ class Settings(BaseSettings):
 
     home: Path = Path.home() / ".cag"  # holds index.db, snapshots/, models/
     model: str = DEFAULT_MODEL  # the embedded default, a model folder, or a hub id
+    dtype: str = "float32"  # compute dtype of the weights: float32 | bfloat16 (faster where the CPU has bf16 units)
     kv_dtype: str = "float16"  # storage dtype of snapshot tensors (float16 | bfloat16 | float32)
     chunk_tokens: int = 512  # prefill chunk: bounds activation memory, drives the progress bar
     question_room: int = 256  # tokens reserved after the knowledge for the question suffix

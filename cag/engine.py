@@ -127,7 +127,7 @@ class Engine:
     def lm(self) -> LoadedModel:
         with self._lm_lock:
             if self._lm is None:
-                self._lm = load_model(self.settings.model, self.settings.models_dir, self.settings.threads)
+                self._lm = load_model(self.settings.model, self.settings.models_dir, self.settings.threads, self.settings.dtype)
             return self._lm
 
     @property

@@ -141,7 +141,10 @@ def _looks_like_hub_id(name: str) -> bool:
     return len(parts) == 2 and all(parts)
 
 
-def load_model(name: str, models_dir: Path, threads: int = 0) -> LoadedModel:
+COMPUTE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def load_model(name: str, models_dir: Path, threads: int = 0, dtype: str = "float32") -> LoadedModel:
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     from transformers.utils import logging as hf_logging
@@ -155,9 +158,11 @@ def load_model(name: str, models_dir: Path, threads: int = 0) -> LoadedModel:
     except Exception as e:  # hub unreachable, missing config.json, unknown architecture
         raise ModelError(f"cannot load model {name!r}: {str(e).splitlines()[0]}") from None
     check_supported(config)
+    if dtype not in COMPUTE_DTYPES:
+        raise ModelError(f"unknown compute dtype {dtype!r}; use one of {', '.join(COMPUTE_DTYPES)}")
     try:
         tok = AutoTokenizer.from_pretrained(path)
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=COMPUTE_DTYPES[dtype])
     except Exception as e:
         raise ModelError(f"cannot load model {name!r}: {str(e).splitlines()[0]}") from None
     model.eval()

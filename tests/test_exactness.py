@@ -98,3 +98,15 @@ def test_prefill_chunking_does_not_change_the_answer(tiny_model_dir, small_corpu
         engine.ingest(str(small_corpus))
         answers.append(engine.ask("corpus", QUESTIONS[0], max_tokens=16).token_ids)
     assert answers[0] == answers[1]
+
+
+def test_bfloat16_compute_with_bfloat16_snapshots_is_exact(tiny_model_dir, small_corpus, monkeypatch):
+    """The snapshot stores exactly the computed state when both dtypes match: identical tokens."""
+    monkeypatch.setenv("CAG_MODEL", str(tiny_model_dir))
+    monkeypatch.setenv("CAG_DTYPE", "bfloat16")
+    monkeypatch.setenv("CAG_KV_DTYPE", "bfloat16")
+    engine = Engine(get_settings())
+    assert engine.lm.dtype == torch.bfloat16
+    engine.ingest(str(small_corpus))
+    for q in QUESTIONS[:2]:
+        assert engine.ask("corpus", q, max_tokens=16).token_ids == engine.ask("corpus", q, max_tokens=16, mode="full").token_ids
