@@ -19,15 +19,6 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 _LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 30, 60, 120, 300)
 
 
-def _resident_bytes(engine) -> int:
-    for _ in range(5):  # Engine.resident_bytes iterates its LRU without the lock: retry if it moved
-        try:
-            return engine.resident_bytes
-        except RuntimeError:
-            continue
-    return 0
-
-
 class _EngineCollector:
     def __init__(self, service: Service):
         self.service = service
@@ -41,7 +32,7 @@ class _EngineCollector:
         yield CounterMetricFamily("cag_snapshot_loads", "Snapshot files loaded (resident cache misses).",
                                   value=stats.get("snapshot_loads", 0))
         yield GaugeMetricFamily("cag_resident_bytes", "Bytes held by resident snapshots and their buffers (LRU bound: CAG_RESIDENT_BYTES).",
-                                value=_resident_bytes(engine))
+                                value=engine.resident_bytes)
         runner = svc.runner
         yield GaugeMetricFamily("cag_generations_running", "Generations running on a worker.", value=runner.running)
         yield GaugeMetricFamily("cag_generations_waiting", "Generations admitted and waiting for a worker.", value=runner.waiting)

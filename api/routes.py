@@ -48,16 +48,20 @@ def finish_reason(svc: Service, answer: Answer, requested: int | None) -> str:
 
 
 def ask_response(svc: Service, a: Answer, body: AskRequest) -> dict:
+    extra = {}
+    if body.include_token_ids:
+        extra["token_ids"] = list(a.token_ids)
+    if a.passages:
+        extra["passages"] = a.passages
     out = AskResponse(
         answer=a.answer, corpus=a.corpus, mode=a.mode, snapshot=a.snapshot, stale=a.stale,
         stale_reasons=a.stale_reasons, finish_reason=finish_reason(svc, a, body.max_tokens),
         usage={"prompt_tokens": a.prompt_tokens, "cached_tokens": a.cached_tokens,
                "completion_tokens": a.completion_tokens},
         timings={"load_ms": a.load_ms, "ttft_ms": a.ttft_ms, "total_ms": a.total_ms, "retrieval_ms": a.retrieval_ms},
-        token_ids=list(a.token_ids) if body.include_token_ids else None,
-        passages=a.passages or None,
+        **extra,
     )
-    return out.model_dump(exclude_none=True)
+    return out.model_dump(exclude_unset=True)  # token_ids and passages only when there are any
 
 
 def start_ask(svc: Service, body: AskRequest) -> Generation:
@@ -83,7 +87,7 @@ async def stream_errors(gen: Generation, event: str | None):
         return None, sse(error_body(500, "internal server error", "internal_error"), event)
 
 
-@router.post("/v1/ask", response_model=AskResponse, response_model_exclude_none=True, responses=MODEL_ERRORS,
+@router.post("/v1/ask", response_model=AskResponse, response_model_exclude_unset=True, responses=MODEL_ERRORS,
              tags=["ask"], summary="Answer a question from a corpus")
 async def ask(body: AskRequest, request: Request, svc: ReadyService):
     """With `stream: true` the answer comes as server-sent events: `event: token` with `{"text"}`

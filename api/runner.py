@@ -27,6 +27,15 @@ log = logging.getLogger("cag.api")
 Work = Callable[[Callable[[str], None], Callable[[], bool]], object]  # (on_text, should_stop) -> Answer
 
 
+def _set_threads(n: int) -> None:
+    """torch's intra-op thread count (OpenMP) is a per-thread setting: the engine sets CAG_THREADS in
+    the thread that loads the model, so each generation thread sets it again for itself."""
+    if n > 0:
+        import torch
+
+        torch.set_num_threads(n)
+
+
 class ClientGone(Exception):
     """The client disconnected; nobody is left to answer."""
 
@@ -40,7 +49,8 @@ class Generation:
         self.queue: asyncio.Queue = asyncio.Queue()
         self.stop = threading.Event()
         self.stop_reason: str | None = None
-        self.finished = False  # the worker returned (answer or error)
+        self.finished = False  # the request's task has seen the answer or the error
+        self.worker_done = False  # the worker returned (set in its thread)
         self._work = work
         self._getter: asyncio.Task | None = None
         self.started_at: float | None = None
@@ -66,13 +76,14 @@ class Generation:
         except BaseException as e:  # handed to the request's task, raised there
             self._put("error", e)
         finally:
+            self.worker_done = True
             with self.runner._count:
                 self.runner.running -= 1
 
     # -- event loop side -------------------------------------------------------------------------
     def cancel(self, reason: str) -> None:
         """Ask the worker to stop at its next token (no-op once it finished)."""
-        if self.finished or self.stop.is_set():
+        if self.finished or self.worker_done or self.stop.is_set():
             return
         self.stop_reason = reason
         self.stop.set()
@@ -117,17 +128,20 @@ class Generation:
 
 
 class Runner:
-    def __init__(self, workers: int, max_queue: int, timeout_s: float, on_stop: Callable[[str], None] = lambda r: None):
+    def __init__(self, workers: int, max_queue: int, timeout_s: float, on_stop: Callable[[str], None] = lambda r: None,
+                 torch_threads: int = 0):
         self.workers = max(1, workers)
         self.capacity = self.workers + max(0, max_queue)
         self.timeout_s = timeout_s
         self.on_stop = on_stop
-        self.pool = ThreadPoolExecutor(max_workers=self.workers, thread_name_prefix="cag-gen")
+        self.pool = ThreadPoolExecutor(max_workers=self.workers, thread_name_prefix="cag-gen",
+                                       initializer=_set_threads, initargs=(torch_threads,))
         self.active = 0  # admitted, not yet finished (running or waiting); touched on the event loop only
         self.running = 0  # inside the engine right now; touched by worker threads
         self._count = threading.Lock()
         self.avg_s = 2.0  # moving average of a generation's duration, for Retry-After
         self.closed = False
+        self._live: set[Generation] = set()  # admitted, not finished; event loop only
 
     @property
     def waiting(self) -> int:
@@ -145,6 +159,7 @@ class Runner:
                             f"= {self.capacity}); retry later", retry_after=self.retry_after())
         gen = Generation(self, work, self.timeout_s)
         self.active += 1
+        self._live.add(gen)
         loop = gen.loop
 
         def finished(fut) -> None:
@@ -160,9 +175,13 @@ class Runner:
 
     def _finished(self, gen: Generation) -> None:
         self.active -= 1
+        self._live.discard(gen)
         if gen.started_at is not None:
             self.avg_s = 0.8 * self.avg_s + 0.2 * (time.perf_counter() - gen.started_at)
 
     def shutdown(self) -> None:
+        """Refuse new work, drop what waits, stop what runs at its next token."""
         self.closed = True
+        for gen in list(self._live):
+            gen.cancel("shutdown")
         self.pool.shutdown(wait=False, cancel_futures=True)

@@ -42,7 +42,7 @@ class AskResponse(BaseModel):
     answer: str
     corpus: str
     mode: Mode
-    snapshot: str | None
+    snapshot: str | None = None
     stale: bool
     stale_reasons: list[str]
     finish_reason: Literal["stop", "length"]
@@ -57,7 +57,7 @@ class CorpusInfo(BaseModel):
     name: str
     source: str
     model: str
-    snapshot: str | None
+    snapshot: str | None = None
     n_documents: int
     n_tokens: int
     bytes: int

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+import os
 import threading
 from pathlib import Path
 
 from cag.engine import Engine
 from cag.errors import BadInput, TooLarge
-from store.index import Index
 
 from .errors import NotReady
 from .jobs import Jobs
@@ -20,39 +20,16 @@ from .settings import ApiSettings
 log = logging.getLogger("cag.api")
 
 
-class ThreadLocalIndex:
-    """One SQLite connection per thread, behind the Index interface.
-
-    `store.index.Index` holds one `sqlite3` connection, which refuses use from any thread but its
-    creator; the server calls the engine from its thread pool, worker pool and job threads. WAL mode
-    and the busy timeout (set by Index) make the per-thread connections safe side by side.
-    """
-
-    def __init__(self, path: Path):
-        self.path = path
-        self._local = threading.local()
-
-    def _index(self) -> Index:
-        idx = getattr(self._local, "index", None)
-        if idx is None:
-            idx = self._local.index = Index(self.path)
-        return idx
-
-    def __getattr__(self, name: str):
-        return getattr(self._index(), name)
-
-
 class Service:
     def __init__(self, settings: ApiSettings, engine: Engine):
         self.settings = settings
         self.engine = engine
-        if not isinstance(engine.index, ThreadLocalIndex):
-            engine.index = ThreadLocalIndex(engine.settings.index_path)
         self.ready = False
         self.load_error: str | None = None
         self.metrics = Metrics(self)
         self.runner = Runner(settings.workers, settings.max_queue, settings.request_timeout_s,
-                             on_stop=lambda reason: self.metrics.stopped.labels(reason).inc())
+                             on_stop=lambda reason: self.metrics.stopped.labels(reason).inc(),
+                             torch_threads=engine.settings.threads or max(1, (os.cpu_count() or 1) // max(1, settings.workers)))
         self.jobs = Jobs(engine, on_finish=lambda status: self.metrics.jobs.labels(status).inc())
         self.rag_available = importlib.util.find_spec("rag.answer") is not None
 

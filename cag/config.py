@@ -22,6 +22,7 @@ class Settings(BaseSettings):
     answer_room: int = 256  # tokens reserved for the answer; also the max_tokens ceiling
     max_tokens: int = 128  # default answer length
     threads: int = 0  # torch intra-op threads; 0 = torch's default
+    warm_buffers: int = 2  # request buffers kept filled per resident snapshot (concurrent hits copy nothing)
     resident_bytes: int = 2 * 1024**3  # LRU budget for snapshots kept in memory (server)
     ttl_s: float = 0.0  # snapshot time-to-live; 0 = never expires
     models_dir_override: Path | None = Field(default=None, alias="CAG_MODELS_DIR")  # shared model store

@@ -292,6 +292,8 @@ class Engine:
             on_stale: str = "serve", decoding: DecodeConfig | None = None, k: int = 3,
             retriever: str = "bm25") -> Answer:
         lm = self.lm  # loading the model is a one-time cost of the process, not of the question
+        if self.settings.threads > 0:
+            torch.set_num_threads(self.settings.threads)  # per calling thread: server workers need it too
         t_start = time.perf_counter()
         if mode not in MODES:
             raise BadInput(f"unknown mode {mode!r}; use one of {', '.join(MODES)}")
@@ -316,7 +318,7 @@ class Engine:
         if reasons and on_stale == "refuse":
             raise StaleRefused(f"corpus {corpus!r} is stale: " + "; ".join(reasons))
         if reasons and on_stale == "refresh":
-            self.ingest(corpus)
+            self.ingest(row["source"], name=corpus)  # the recorded source, never a same-named folder in cwd
             row, reasons = self.index.corpus(corpus), []
         digest = row["current_snapshot"]
 
@@ -332,7 +334,7 @@ class Engine:
                 raise TooLarge(f"knowledge is {len(ids)} tokens; too large for the model's context of {lm.max_context}")
             cache = kv.new_cache(lm.model, len(ids) + self.room)
             load_ms = 0.0
-            kv.prefill(lm.model, cache, ids, 0, self.settings.chunk_tokens)
+            kv.prefill(lm.model, cache, ids, 0, self.settings.chunk_tokens, should_stop=should_stop)
             n_prefix, cached, release = len(ids), 0, lambda: None
         else:
             t0 = time.perf_counter()
@@ -354,7 +356,7 @@ class Engine:
     def _generate(self, cache, n_prefix: int, suffix: list[int], cfg: DecodeConfig, on_text, should_stop,
                   t_start: float) -> tuple[str, list[int], float]:
         lm = self.lm
-        logits = kv.prefill(lm.model, cache, suffix, n_prefix, self.settings.chunk_tokens)
+        logits = kv.prefill(lm.model, cache, suffix, n_prefix, self.settings.chunk_tokens, should_stop=should_stop)
         stream, ids, ttft = TextStream(lm.tokenizer), [], None
         for tok in decode(lm.model, cache, logits, n_prefix + len(suffix), cfg, stop_ids(lm.model, lm.tokenizer), should_stop):
             if ttft is None:
@@ -385,7 +387,6 @@ class Engine:
                     return res, res.free.pop()
         if res is None:
             res = self._load(digest)
-            self.stats["snapshot_loads"] += 1
         cache = kv.new_cache(self.lm.model, res.max_len)
         kv.load_into(cache, res.snap.kv, self.lm.dtype)
         return res, cache
@@ -393,8 +394,8 @@ class Engine:
     def _release(self, digest: str, res: _Resident, cache) -> None:
         kv.set_length(cache, res.snap.n_tokens)  # positions >= n are scratch for the next question
         with self._res_lock:
-            if digest in self._resident and not res.free:
-                res.free.append(cache)  # keep one warm buffer; more would only hold memory
+            if digest in self._resident and len(res.free) < self.settings.warm_buffers:
+                res.free.append(cache)  # warm buffers make concurrent hits free; each holds (n + room) KV
 
     def _load(self, digest: str) -> _Resident:
         snap_row = self.index.snapshot(digest)
@@ -412,8 +413,9 @@ class Engine:
             raise SnapshotCorrupt(f"snapshot {digest[:12]}: tensor shapes do not fit the model")
         per_tok = lm.kv_bytes_per_token(lm.dtype)
         res = _Resident(snap, snap.n_tokens + self.room,
-                        nbytes=snap_row["bytes"] + per_tok * (snap.n_tokens + self.room))
+                        nbytes=snap_row["bytes"] + self.settings.warm_buffers * per_tok * (snap.n_tokens + self.room))
         with self._res_lock:
+            self.stats["snapshot_loads"] += 1
             self._resident[digest] = res
             self._resident.move_to_end(digest)
             self._shrink()
@@ -432,7 +434,8 @@ class Engine:
 
     @property
     def resident_bytes(self) -> int:
-        return sum(r.nbytes for r in self._resident.values())
+        with self._res_lock:
+            return sum(r.nbytes for r in self._resident.values())
 
     # -- status --------------------------------------------------------------------------------
     def stale_reasons(self, row: dict, check_model: bool = True) -> list[str]:

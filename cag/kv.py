@@ -17,6 +17,10 @@ from collections.abc import Callable, Sequence
 import torch
 from transformers import StaticCache
 
+class Cancelled(Exception):
+    """The caller asked to stop (client gone, timeout)."""
+
+
 KV = list[tuple[torch.Tensor, torch.Tensor]]  # per layer: keys, values, each (1, H_kv, T, D)
 
 
@@ -32,13 +36,17 @@ def prefill(
     start: int,
     chunk: int = 512,
     on_progress: Callable[[int], None] | None = None,
+    should_stop: Callable[[], bool] | None = None,
 ) -> torch.Tensor:
-    """Run ids through the model at positions start.. in chunks; return last-position logits (V,)."""
+    """Run ids through the model at positions start.. in chunks; return last-position logits (V,).
+    `should_stop` is checked between chunks (a client that went away stops a long prefill)."""
     if start + len(ids) > max_len(cache):
         raise ValueError(f"prefill past the cache: {start}+{len(ids)} > {max_len(cache)}")
     set_length(cache, start)
     logits = None
     for s in range(0, len(ids), chunk):
+        if should_stop and should_stop():
+            raise Cancelled("stopped during prefill")
         piece = torch.tensor([list(ids[s : s + chunk])], dtype=torch.long)  # (1, T)
         pos = torch.arange(start + s, start + s + piece.shape[1])  # (T,)
         out = model(

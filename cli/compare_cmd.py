@@ -9,7 +9,7 @@ from typing import Annotated, Optional
 import typer
 
 from cag.errors import BadInput
-from cli.main import JsonOpt, ModelOpt, _emit, _engine, _TqdmReporter, handle_errors
+from cli.common import JsonOpt, ModelOpt, _emit, _engine, _TqdmReporter, handle_errors
 
 
 def _ints(text: str, what: str) -> list[int]:
@@ -40,6 +40,7 @@ def compare(
     out: Annotated[Optional[Path], typer.Option("--out", help="Output folder (default: ./compare-<dataset>).")] = None,
     corpora: Annotated[Optional[Path], typer.Option("--corpora", help="Where each set's documents are written for ingest (default: OUT/corpora).")] = None,
     docs: Annotated[Optional[Path], typer.Option("--docs", help="jsonl format: the documents folder (default: docs/ next to the file).")] = None,
+    max_minutes: Annotated[Optional[float], typer.Option("--max-minutes", help="Stop asking after this many minutes (like Ctrl-C: rows kept, report written, --resume continues).")] = None,
     resume: Annotated[bool, typer.Option("--resume", help="Continue a run in OUT: rows already in results.jsonl are skipped.")] = False,
     model: ModelOpt = None,
     json_: JsonOpt = False,
@@ -56,7 +57,7 @@ def compare(
         dataset=dataset, format=format_, sizes=_ints(size_tokens, "--size-tokens"), questions=questions,
         full_sample=full_sample, modes=[m.strip() for m in modes.split(",") if m.strip()], ks=_ints(k, "--k"),
         k_main=k_main, k_sample=k_sample, max_tokens=max_tokens, seed=seed,
-        out=out or Path(f"compare-{label}"), resume=resume, corpora=corpora, docs=docs,
+        out=out or Path(f"compare-{label}"), resume=resume, max_minutes=max_minutes, corpora=corpora, docs=docs,
     )
     cfg.validate()
     engine = _engine(model)
@@ -70,11 +71,13 @@ def compare(
         rows = [json.loads(line) for line in result.results_path.read_text(encoding="utf-8").splitlines() if line.strip()]
         _emit({"out": str(result.out), "results": str(result.results_path), "report": str(result.out / "report.md"),
                "png": str(result.out / "report.png"), "rows_written": result.rows_written,
-               "rows_total": result.rows_total, "interrupted": result.interrupted, "notes": result.notes,
+               "rows_total": result.rows_total, "stopped": result.stopped, "notes": result.notes,
                "sets": [{k: v for k, v in s.__dict__.items() if k != "files"} for s in result.sets],
                "summary": summary(rows, cfg.k_main)})
     else:
         typer.echo(f"{result.rows_written} new rows ({result.rows_total} in all) in {result.results_path}")
         typer.echo(f"report: {result.out / 'report.md'}, {result.out / 'report.png'}")
+        if result.stopped:
+            typer.echo(f"{result.stopped}: run again with --resume to continue", err=True)
     if result.interrupted:
         raise typer.Exit(130)

@@ -6,6 +6,7 @@ numbered migrations recorded in `PRAGMA user_version`. Every change of state is 
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Iterable
 from contextlib import contextmanager
@@ -48,12 +49,23 @@ MIGRATIONS = [_m1]
 
 
 class Index:
+    """One SQLite connection per thread (sqlite3 connections refuse other threads); WAL mode and
+    the busy timeout let them work side by side, and with other processes."""
+
     def __init__(self, path: Path):
         path.parent.mkdir(parents=True, exist_ok=True)
-        self.db = sqlite_utils.Database(path)
-        self.db.execute("PRAGMA busy_timeout = 10000")
-        self.db.enable_wal()
+        self.path = path
+        self._local = threading.local()
         self._migrate()
+
+    @property
+    def db(self) -> sqlite_utils.Database:
+        db = getattr(self._local, "db", None)
+        if db is None:
+            db = self._local.db = sqlite_utils.Database(self.path)
+            db.execute("PRAGMA busy_timeout = 10000")
+            db.enable_wal()
+        return db
 
     def _migrate(self) -> None:
         with self.atomic():

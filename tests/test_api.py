@@ -46,7 +46,7 @@ DOCS = {
 
 def _cag_cmd() -> list[str]:
     exe = shutil.which("cag")
-    return [exe] if exe else [sys.executable, "-m", "cli.main"]
+    return [exe] if exe else [sys.executable, "-m", "cli"]
 
 
 def _free_port() -> int:
@@ -385,7 +385,6 @@ def test_fuzz_the_openapi_schema_no_5xx(server):
                     _steer(case)
                 resp = case.call(base_url=server.url, headers=AUTH, timeout=60)
                 seen[resp.status_code] = seen.get(resp.status_code, 0) + 1
-                print("FUZZ", mode.value, op.method.upper(), op.path, resp.status_code)
                 if resp.status_code >= 500:
                     failures.append(f"{op.method.upper()} {op.path} -> {resp.status_code}: {resp.text[:200]} "
                                     f"body={case.body!r}")
@@ -606,6 +605,11 @@ def test_full_mode_and_openapi_docs(engine):
                                        "max_tokens": 6})
         assert full.status_code == 200 and full.json()["usage"]["cached_tokens"] == 0
         assert full.json()["timings"]["load_ms"] == 0
+        rag = c.post("/v1/ask", json={"corpus": "notes", "question": "When does the ferry leave?", "mode": "rag",
+                                      "max_tokens": 6})
+        assert rag.status_code == 200, rag.text
+        assert rag.json()["usage"]["cached_tokens"] == 0 and rag.json()["passages"]
+        assert "token_ids" not in full.json() and "passages" not in full.json() and full.json()["snapshot"]
         assert c.get("/docs").status_code == 200
         spec = c.get("/openapi.json").json()
         assert {"/v1/ask", "/v1/chat/completions", "/v1/models", "/v1/corpora", "/v1/corpora/{name}",

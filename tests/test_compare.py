@@ -110,6 +110,10 @@ def test_compare_jsonl_end_to_end_with_resume(qa_jsonl, tmp_path, tiny_model_dir
     assert "One-time ingest cost: cag prefill" in md
     png = (out / "report.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
+    from compare.report import rebuild
+
+    rebuild(out)  # the report is a pure function of the run's files
+    assert (out / "report.md").read_text() == md
 
     # --resume: nothing left to do, no duplicate rows; without it the run refuses to mix outputs
     r = CliRunner().invoke(app, args + ["--resume"])
@@ -125,20 +129,24 @@ def test_compare_jsonl_end_to_end_with_resume(qa_jsonl, tmp_path, tiny_model_dir
 
 @needs_squad
 def test_compare_squad_small(tiny_engine, tmp_path):
-    cfg = CompareConfig("squad", tmp_path / "sq", sizes=[600, 5000], questions=2, full_sample=2,
+    cfg = CompareConfig("squad", tmp_path / "sq", sizes=[600, 2000, 5000], questions=2, full_sample=2,
                         ks=[1, 3], k_main=3, k_sample=1, max_tokens=4)
     res = run_compare(tiny_engine, cfg, progress=False)
-    assert not res.interrupted
-    small, big = res.sets
+    assert not res.stopped
+    small, mid, big = res.sets
     assert not small.skipped and small.prefix_tokens + tiny_engine.room <= tiny_engine.lm.max_context
+    assert not mid.skipped and mid.n_documents > small.n_documents
     # the tiny model's context is 4096: a 5000-token set is reported, never truncated
     assert big.skipped and "context 4096" in big.skipped and not big.ingest
     rows = _rows(res.out)
     _check_rows(rows)
-    assert {r["set"] for r in rows} == {"squad-600"}
-    assert len(rows) == 2 + 2 + 2 + 1
+    assert {r["set"] for r in rows} == {"squad-600", "squad-2000"}
+    assert len(rows) == 2 * (2 + 2 + 2 + 1)
+    # interleaved: question 0 at every size before question 1 anywhere
+    assert [r["q_index"] for r in rows] == sorted(r["q_index"] for r in rows)
+    assert rows[0]["set"] == "squad-600" and rows[4]["set"] == "squad-2000"
     assert all(r["gold_docs"][0].startswith("squad:") for r in rows)
-    assert all(r["retrieval_hit"] for r in rows if r["mode"] == "rag-bm25")  # 1 paragraph: always found
+    assert all(r["retrieval_hit"] for r in rows if r["mode"] == "rag-bm25" and r["set"] == "squad-600")
     by = {(r["qid"], r["mode"]): r["answer"] for r in rows}
     assert all(by[q, "full"] == by[q, "cag"] for q, m in by if m == "full")
     md = (res.out / "report.md").read_text()
@@ -162,14 +170,20 @@ def test_ctrl_c_keeps_rows_and_resume_finishes(tiny_engine, qa_jsonl, tmp_path, 
     res = run_compare(tiny_engine, cfg, progress=False)
     assert res.interrupted and res.rows_written == 3
     assert len(_rows(res.out)) == 3
-    assert "Interrupted run" in (res.out / "report.md").read_text()
+    assert "Incomplete run (interrupted)" in (res.out / "report.md").read_text()
 
     monkeypatch.setattr(tiny_engine, "ask", real_ask)
     cfg.resume = True
     res = run_compare(tiny_engine, cfg, progress=False)
     assert not res.interrupted and res.rows_written == 3 and res.rows_total == 6
     _check_rows(_rows(res.out))
-    assert "Interrupted" not in (res.out / "report.md").read_text()
+    assert "Incomplete run" not in (res.out / "report.md").read_text()
+
+    # a time budget stops the same way, and says so
+    res = run_compare(tiny_engine, CompareConfig(str(qa_jsonl), tmp_path / "t", sizes=[2000], questions=3,
+                                                 max_minutes=1e-9, max_tokens=2), progress=False)
+    assert res.stopped.startswith("stopped at the time budget") and res.rows_written == 0 and not res.interrupted
+    assert "Incomplete run (stopped at the time budget" in (res.out / "report.md").read_text()
 
 
 def test_plan_and_inputs(qa_jsonl, tmp_path, monkeypatch, tiny_engine):

@@ -110,3 +110,18 @@ def test_bfloat16_compute_with_bfloat16_snapshots_is_exact(tiny_model_dir, small
     engine.ingest(str(small_corpus))
     for q in QUESTIONS[:2]:
         assert engine.ask("corpus", q, max_tokens=16).token_ids == engine.ask("corpus", q, max_tokens=16, mode="full").token_ids
+
+
+def test_index_and_engine_work_from_other_threads(tiny_engine, small_corpus):
+    """The server calls the engine from worker threads: each gets its own SQLite connection."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from cag.engine import iter_answer
+
+    tiny_engine.ingest(str(small_corpus))
+    alone = [tiny_engine.ask("corpus", q, max_tokens=8).token_ids for q in QUESTIONS]
+    with ThreadPoolExecutor(4) as pool:
+        together = list(pool.map(lambda q: tiny_engine.ask("corpus", q, max_tokens=8).token_ids, QUESTIONS))
+    assert together == alone
+    *pieces, answer = list(iter_answer(tiny_engine, "corpus", QUESTIONS[0], max_tokens=8))
+    assert "".join(pieces).strip() == answer.answer and answer.token_ids == alone[0]

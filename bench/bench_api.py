@@ -1,0 +1,311 @@
+"""Load benchmark of `cag serve` on loopback with the embedded model on corpora/handbook.
+
+    python -m bench.bench_api [--requests 16] [--concurrency 4,8] [--configs 2:0,1:1] [--max-tokens 16]
+
+For each server configuration (CAG_WORKERS:CAG_THREADS; 0 threads = the server's default, cores / workers):
+a real `cag serve` process; a fixed number of /v1/ask requests at each
+concurrency (clients = threads with their own httpx connection), questions from the handbook's
+questions.jsonl: requests/s, p50/p95 latency, errors (must be 0), server peak RSS (VmHWM).
+Then time to first token of a resident hit vs a cold load (the snapshot evicted by another corpus
+under CAG_RESIDENT_BYTES=1), measured by a streaming client and by the server's own timings.
+Writes bench/results/api.json and bench/results/api.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+
+from cag.config import get_settings
+
+from .common import REPO, machine, write
+
+HANDBOOK = REPO / "corpora" / "handbook"
+
+
+def cag_cmd() -> list[str]:
+    exe = shutil.which("cag")
+    return [exe] if exe else [sys.executable, "-m", "cli.main"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def pct(values: list[float], p: float) -> float:
+    v = sorted(values)
+    if not v:
+        return float("nan")
+    k = (len(v) - 1) * p
+    lo, hi = int(k), min(int(k) + 1, len(v) - 1)
+    return v[lo] + (v[hi] - v[lo]) * (k - lo)
+
+
+def proc_status(pid: int) -> dict[str, int]:
+    out = {}
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith(("VmHWM", "VmRSS")):
+            name, value = line.split(":")
+            out[name] = int(value.split()[0]) * 1024
+    return out
+
+
+class Served:
+    def __init__(self, env: dict, log: Path):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = open(log, "w")
+        t0 = time.perf_counter()
+        self.proc = subprocess.Popen([*cag_cmd(), "serve", "--port", str(self.port), "--log-level", "warning"],
+                                     env=env, cwd=REPO, stdout=self.log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 300
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited ({self.proc.returncode}); see {log}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            if time.monotonic() > deadline:
+                raise TimeoutError("server not healthy in 300 s")
+            time.sleep(0.1)
+        self.ready_s = time.perf_counter() - t0
+
+    def memory(self) -> dict[str, int]:
+        return proc_status(self.proc.pid)
+
+    def close(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(20)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self.log.close()
+
+
+def stream_ask(client: httpx.Client, corpus: str, question: str, max_tokens: int) -> dict:
+    """One streaming /v1/ask: client-side time to first token event and total, plus the server's answer."""
+    t0 = time.perf_counter()
+    first = None
+    final = None
+    with client.stream("POST", "/v1/ask", json={"corpus": corpus, "question": question, "max_tokens": max_tokens,
+                                                "stream": True}) as r:
+        r.raise_for_status()
+        event = None
+        for line in r.iter_lines():
+            if line.startswith("event:"):
+                event = line[6:].strip()
+            elif line.startswith("data:"):
+                if first is None:
+                    first = time.perf_counter() - t0
+                if event == "answer":
+                    final = json.loads(line[5:])
+    total = time.perf_counter() - t0
+    return {"client_ttft_ms": (first or total) * 1e3, "client_total_ms": total * 1e3,
+            "server_load_ms": final["timings"]["load_ms"], "server_ttft_ms": final["timings"]["ttft_ms"],
+            "completion_tokens": final["usage"]["completion_tokens"]}
+
+
+def load_run(url: str, questions: list[str], concurrency: int, n_requests: int, max_tokens: int) -> dict:
+    jobs = iter(range(n_requests))
+    lock = threading.Lock()
+    latencies, statuses, tokens, ttfts = [], [], [], []
+
+    def client() -> None:
+        with httpx.Client(base_url=url, timeout=600) as c:
+            while True:
+                with lock:
+                    i = next(jobs, None)
+                if i is None:
+                    return
+                t0 = time.perf_counter()
+                try:
+                    r = c.post("/v1/ask", json={"corpus": "handbook", "question": questions[i % len(questions)],
+                                                "max_tokens": max_tokens})
+                    status = r.status_code
+                except httpx.HTTPError:
+                    status = -1
+                dt = time.perf_counter() - t0
+                with lock:
+                    statuses.append(status)
+                    if status == 200:
+                        latencies.append(dt)
+                        body = r.json()
+                        tokens.append(body["usage"]["completion_tokens"])
+                        ttfts.append(body["timings"]["ttft_ms"])
+
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(concurrency) as pool:
+        for f in [pool.submit(client) for _ in range(concurrency)]:
+            f.result()
+    wall = time.perf_counter() - t0
+    return {
+        "concurrency": concurrency, "requests": n_requests, "wall_s": round(wall, 2),
+        "requests_per_s": round(len(latencies) / wall, 3),
+        "completion_tokens_per_s": round(sum(tokens) / wall, 2),
+        "latency_p50_s": round(pct(latencies, 0.5), 3), "latency_p95_s": round(pct(latencies, 0.95), 3),
+        "server_ttft_p50_ms": round(pct(ttfts, 0.5), 1),
+        "errors": sum(1 for s in statuses if s != 200),
+        "statuses": {str(s): statuses.count(s) for s in sorted(set(statuses))},
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--requests", type=int, default=16, help="requests per concurrency level")
+    ap.add_argument("--concurrency", default="4,8")
+    ap.add_argument("--configs", default="2:0,1:1",
+                    help="server configurations WORKERS:THREADS (CAG_WORKERS, CAG_THREADS; 0 = the server's "
+                         "default, cores / workers)")
+    ap.add_argument("--max-tokens", type=int, default=16)
+    ap.add_argument("--samples", type=int, default=4, help="hit / cold time-to-first-token samples")
+    ap.add_argument("--home", help="CAG_HOME to use (default: a fresh temp dir)")
+    args = ap.parse_args()
+
+    home = Path(args.home) if args.home else Path(tempfile.mkdtemp(prefix="cag-bench-api-"))
+    env = {k: v for k, v in os.environ.items() if k not in ("CAG_API_KEYS", "CAG_WORKERS", "CAG_MAX_QUEUE", "CAG_THREADS",
+                                                              "CAG_RESIDENT_BYTES", "CAG_HOME")}
+    env["CAG_HOME"] = str(home)
+    env.setdefault("CAG_MODELS_DIR", str(get_settings().models_dir))  # the materialized model, not a new copy
+    work = home / "bench"
+    work.mkdir(parents=True, exist_ok=True)
+    questions = [json.loads(line)["question"] for line in (HANDBOOK / "questions.jsonl").read_text().splitlines() if line]
+
+    print(f"ingest {HANDBOOK} (CAG_HOME={home})", file=sys.stderr)
+    t0 = time.perf_counter()
+    r = subprocess.run([*cag_cmd(), "ingest", str(HANDBOOK), "--json"], env=env, cwd=REPO, capture_output=True,
+                       text=True, check=True)
+    ingest = json.loads(r.stdout)
+    ingest_wall = time.perf_counter() - t0
+    partner = work / "partner"  # a second, small corpus whose questions evict the handbook's snapshot
+    partner.mkdir(exist_ok=True)
+    shutil.copy(HANDBOOK / "offices-and-hours.md", partner / "offices-and-hours.md")
+    subprocess.run([*cag_cmd(), "ingest", str(partner), "--json"], env=env, cwd=REPO, capture_output=True, check=True)
+
+    results: dict = {
+        "machine": machine(), "cpus": os.cpu_count(), "platform": platform.platform(),
+        "corpus": {"name": "handbook", "n_tokens": ingest["n_tokens"], "n_documents": ingest["n_documents"],
+                   "snapshot_bytes": ingest["bytes"], "ingest_wall_s": round(ingest_wall, 1),
+                   "prefill_ms": ingest["prefill_ms"]},
+        "max_tokens": args.max_tokens, "runs": [], "loadavg_start": os.getloadavg(),
+    }
+
+    for config in args.configs.split(","):
+        workers, threads = (int(x) for x in config.split(":"))
+        print(f"serve with CAG_WORKERS={workers} CAG_THREADS={threads}", file=sys.stderr)
+        srv = Served(dict(env, CAG_WORKERS=str(workers), CAG_THREADS=str(threads), CAG_MAX_QUEUE="64"),
+                     work / f"server-w{workers}-t{threads}.log")
+        try:
+            run: dict = {"workers": workers, "threads": threads, "ready_s": round(srv.ready_s, 1),
+                         "rss_after_start": srv.memory()["VmRSS"]}
+            with httpx.Client(base_url=srv.url, timeout=600) as c:
+                run["first_request"] = stream_ask(c, "handbook", questions[0], args.max_tokens)  # loads the snapshot
+            run["load"] = []
+            for conc in [int(x) for x in args.concurrency.split(",")]:
+                print(f"  {conc} clients x {args.requests} requests", file=sys.stderr)
+                run["load"].append(load_run(srv.url, questions, conc, args.requests, args.max_tokens))
+            mem = srv.memory()
+            run["peak_rss_bytes"], run["rss_bytes"] = mem["VmHWM"], mem["VmRSS"]
+            run["metrics_excerpt"] = [line for line in httpx.get(f"{srv.url}/metrics").text.splitlines()
+                                      if line.startswith(("cag_snapshot_hits_total", "cag_snapshot_loads_total",
+                                                          "cag_resident_bytes"))]
+        finally:
+            srv.close()
+        results["runs"].append(run)
+
+    print("hit vs cold: CAG_RESIDENT_BYTES=1, a second corpus evicts the handbook between pairs", file=sys.stderr)
+    srv = Served(dict(env, CAG_RESIDENT_BYTES="1"), work / "server-cold.log")  # default workers and threads
+    try:
+        cold, hot = [], []
+        with httpx.Client(base_url=srv.url, timeout=600) as c:
+            stream_ask(c, "handbook", questions[0], 2)  # the process's first question (warmup)
+            for i in range(args.samples):  # side by side: evict, cold question, then the same question resident
+                q = questions[1 + i % (len(questions) - 1)]
+                stream_ask(c, "partner", "When does the office open?", 2)
+                cold.append(stream_ask(c, "handbook", q, args.max_tokens))
+                hot.append(stream_ask(c, "handbook", q, args.max_tokens))
+        results["cold_loads"], results["resident_hits"] = cold, hot
+    finally:
+        srv.close()
+    results["loadavg_end"] = os.getloadavg()
+
+    hits = results["resident_hits"]
+    results["ttft"] = {
+        "resident_hit": {"client_ttft_ms_p50": round(statistics.median(s["client_ttft_ms"] for s in hits), 1),
+                         "server_load_ms_p50": round(statistics.median(s["server_load_ms"] for s in hits), 2),
+                         "server_ttft_ms_p50": round(statistics.median(s["server_ttft_ms"] for s in hits), 1)},
+        "cold_load": {"client_ttft_ms_p50": round(statistics.median(s["client_ttft_ms"] for s in cold), 1),
+                      "server_load_ms_p50": round(statistics.median(s["server_load_ms"] for s in cold), 2),
+                      "server_ttft_ms_p50": round(statistics.median(s["server_ttft_ms"] for s in cold), 1)},
+    }
+    results["ttft"]["cold_over_hit"] = round(results["ttft"]["cold_load"]["client_ttft_ms_p50"]
+                                             / results["ttft"]["resident_hit"]["client_ttft_ms_p50"], 2)
+    write("api", results, markdown(results))
+    if any(level["errors"] for run in results["runs"] for level in run["load"]):
+        sys.exit("errors under load")
+
+
+def _fmt_load(v) -> str:
+    return "/".join(f"{x:.1f}" for x in v)
+
+
+def markdown(res: dict) -> str:
+    c = res["corpus"]
+    lines = [
+        "# API load benchmark (`bench/bench_api.py`)",
+        "",
+        f"Embedded SmolLM2-135M on corpora/handbook ({c['n_tokens']} tokens, {c['n_documents']} documents, "
+        f"snapshot {c['snapshot_bytes'] / 2**20:.1f} MiB), `cag serve` on loopback, {res['machine']}, "
+        f"/v1/ask with max_tokens={res['max_tokens']}, greedy.",
+        "",
+        "| workers | torch threads each | clients | requests | req/s | completion tok/s | p50 latency s | p95 latency s | server TTFT p50 ms | errors | peak RSS MiB |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for run in res["runs"]:
+        for lv in run["load"]:
+            threads = run["threads"] or f"{max(1, res['cpus'] // run['workers'])} (default)"
+            lines.append(f"| {run['workers']} | {threads} | {lv['concurrency']} | {lv['requests']} | {lv['requests_per_s']:.2f} | "
+                         f"{lv['completion_tokens_per_s']:.1f} | {lv['latency_p50_s']:.2f} | {lv['latency_p95_s']:.2f} | "
+                         f"{lv['server_ttft_p50_ms']:.0f} | {lv['errors']} | {run['peak_rss_bytes'] / 2**20:.0f} |")
+    t = res["ttft"]
+    hit, cold = t["resident_hit"], t["cold_load"]
+    lines += [
+        "",
+        f"Time to first token, one client at a time, {len(res['cold_loads'])} side-by-side pairs (medians): "
+        "a cold load reads and verifies the snapshot file and fills a fresh request buffer; a resident hit reuses both.",
+        "",
+        "| snapshot | client TTFT ms | server load ms | server TTFT ms |",
+        "|---|---:|---:|---:|",
+        f"| resident hit | {hit['client_ttft_ms_p50']:.0f} | {hit['server_load_ms_p50']:.2f} | {hit['server_ttft_ms_p50']:.0f} |",
+        f"| cold load (evicted) | {cold['client_ttft_ms_p50']:.0f} | {cold['server_load_ms_p50']:.2f} | {cold['server_ttft_ms_p50']:.0f} |",
+        "",
+        f"Cold / hit client TTFT: {t['cold_over_hit']:.2f}x.",
+        "",
+        "Peak RSS is the server process's VmHWM (model weights fp32 + resident snapshots + request buffers).",
+        f"Machine load average (1, 5, 15 min) at start {_fmt_load(res['loadavg_start'])}, at end "
+        f"{_fmt_load(res['loadavg_end'])}: other work on these CPUs inflates latencies, so compare rows of one run.",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()
