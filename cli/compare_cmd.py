@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 
@@ -27,7 +27,7 @@ def compare(
     dataset: Annotated[str, typer.Argument(help="squad or hotpot (the shared copies under ../shared/datasets, or "
                                                 "$CAG_DATASETS), or a path: SQuAD JSON, HotpotQA JSON, or a jsonl of "
                                                 "{question, answers, context | doc_ids}.")],
-    format_: Annotated[Optional[str], typer.Option("--format", help="squad, hotpot or jsonl (guessed from DATASET when omitted).")] = None,
+    format_: Annotated[str | None, typer.Option("--format", help="squad, hotpot or jsonl (guessed from DATASET when omitted).")] = None,
     size_tokens: Annotated[str, typer.Option("--size-tokens", help="Knowledge sizes in tokens, comma-separated; sizes that do not fit the context are reported as skipped.")] = "2000,4000,7000",
     questions: Annotated[int, typer.Option("--questions", help="Questions per size (cag and rag at --k-main).")] = 50,
     full_sample: Annotated[int, typer.Option("--full-sample", help="Ask `full` (no cache) on the first N questions per size.")] = 10,
@@ -37,10 +37,10 @@ def compare(
     k_sample: Annotated[int, typer.Option("--k-sample", help="Run the k sweep on the first N questions per size.")] = 10,
     max_tokens: Annotated[int, typer.Option("--max-tokens", help="Answer length limit, the same for every mode.")] = 32,
     seed: Annotated[int, typer.Option("--seed", help="Seed of the document order and the question draw.")] = 0,
-    out: Annotated[Optional[Path], typer.Option("--out", help="Output folder (default: ./compare-<dataset>).")] = None,
-    corpora: Annotated[Optional[Path], typer.Option("--corpora", help="Where each set's documents are written for ingest (default: OUT/corpora).")] = None,
-    docs: Annotated[Optional[Path], typer.Option("--docs", help="jsonl format: the documents folder (default: docs/ next to the file).")] = None,
-    max_minutes: Annotated[Optional[float], typer.Option("--max-minutes", help="Stop asking after this many minutes (like Ctrl-C: rows kept, report written, --resume continues).")] = None,
+    out: Annotated[Path | None, typer.Option("--out", help="Output folder (default: ./compare-<dataset>).")] = None,
+    corpora: Annotated[Path | None, typer.Option("--corpora", help="Where each set's documents are written for ingest (default: OUT/corpora).")] = None,
+    docs: Annotated[Path | None, typer.Option("--docs", help="jsonl format: the documents folder (default: docs/ next to the file).")] = None,
+    max_minutes: Annotated[float | None, typer.Option("--max-minutes", help="Stop asking after this many minutes (like Ctrl-C: rows kept, report written, --resume continues).")] = None,
     resume: Annotated[bool, typer.Option("--resume", help="Continue a run in OUT: rows already in results.jsonl are skipped.")] = False,
     model: ModelOpt = None,
     json_: JsonOpt = False,

@@ -121,39 +121,46 @@ def summary(rows: list[dict], k_main: int | None = None) -> list[dict]:
 
 
 def render_markdown(rows: list[dict], meta: dict, sets: list[dict], notes: list[str] | None = None,
-                    interrupted: bool = False) -> str:
+                    stopped: str | None = None) -> str:
     k_main = meta.get("k_main")
     g = group(rows)
     L = [f"# cag compare: {meta.get('format')} ({meta.get('dataset')})", ""]
-    if interrupted:
-        L += ["**Interrupted run: these tables cover the rows finished so far (`--resume` continues).**", ""]
+    if stopped:
+        L += [f"**Incomplete run ({stopped}): these tables cover the rows finished so far; `--resume` continues.**",
+              ""]
     dec = meta.get("decode", {})
-    L += ["## Settings", "",
-          f"- model: `{meta.get('model')}`, fingerprint `{meta.get('model_fingerprint')}`; tokenizer "
-          f"`{meta.get('tokenizer_fingerprint')}`; context {meta.get('max_context')} tokens; weights "
-          f"{meta.get('compute_dtype')}, snapshot KV {meta.get('kv_dtype')}",
-          f"- decoding (every mode): {dec.get('strategy')}, temperature {dec.get('temperature')}, max "
-          f"{dec.get('max_tokens')} new tokens, stop tokens {', '.join(f'`{t}`' for t in dec.get('stop_tokens', []))}; "
-          f"the same instruction and chat layout, only the knowledge differs",
-          f"- instruction: \"{meta.get('instruction')}\"",
-          f"- knowledge sizes: {', '.join(map(str, meta.get('sizes', [])))} tokens of documents as laid out in "
-          f"the prompt (with their `<document name=...>` delimiters); whole documents, seeded order "
-          f"(seed {meta.get('seed')}), never truncated; each set's real prefix below",
-          f"- questions: up to {meta.get('questions')} per size for cag and rag (k={k_main}); full on the first "
-          f"{meta.get('full_sample')}; k sweep {meta.get('ks')} on the first {meta.get('k_sample')}",
-          f"- RAG: passages of at most {meta.get('passage_tokens')} tokens (model tokenizer, overlap "
-          f"{meta.get('passage_overlap')}), cut at paragraph/line/sentence/word boundaries; BM25 "
-          f"{json.dumps(meta.get('bm25'))}; dense: {meta.get('dense')}; retrieved passages go into the prompt in "
-          f"corpus order, named `<document>#<passage index>`",
-          f"- dataset file: `{meta.get('dataset_path')}`",
-          f"- machine: {meta.get('machine', {}).get('platform')}, {meta.get('machine', {}).get('cpus')} CPUs, "
-          f"torch threads {meta.get('machine', {}).get('torch_threads')}; torch {meta.get('versions', {}).get('torch')}, "
-          f"transformers {meta.get('versions', {}).get('transformers')}; started {meta.get('started')}",
-          "- TTFT counts from the call to the first generated token: cag includes loading the snapshot "
-          "(memory-mapped, resident after the first question), full includes prefilling the whole set, "
-          "rag includes reading the files, retrieval and prefilling the passages. One unrecorded warm-up "
-          "question runs before the first recorded one.",
-          ""]
+    machine, versions = meta.get("machine", {}), meta.get("versions", {})
+    stops = ", ".join(f"`{t}`" for t in dec.get("stop_tokens", []))
+    settings = [
+        (f"model: `{meta.get('model')}`, fingerprint `{meta.get('model_fingerprint')}`; tokenizer "
+         f"`{meta.get('tokenizer_fingerprint')}`; context {meta.get('max_context')} tokens; weights "
+         f"{meta.get('compute_dtype')}, snapshot KV {meta.get('kv_dtype')}"),
+        (f"decoding (every mode): {dec.get('strategy')}, temperature {dec.get('temperature')}, max "
+         f"{dec.get('max_tokens')} new tokens, stop tokens {stops}; the same instruction and chat layout, "
+         "only the knowledge differs"),
+        f"instruction: \"{meta.get('instruction')}\"",
+        (f"knowledge sizes: {', '.join(map(str, meta.get('sizes', [])))} tokens of documents as laid out in "
+         f"the prompt (with their `<document name=...>` delimiters); whole documents, seeded order "
+         f"(seed {meta.get('seed')}), never truncated; each set's real prefix below"),
+        (f"questions: up to {meta.get('questions')} per size for cag and rag (k={k_main}); full on the first "
+         f"{meta.get('full_sample')}; k sweep {meta.get('ks')} on the first {meta.get('k_sample')}"),
+        (f"RAG: passages of at most {meta.get('passage_tokens')} tokens (model tokenizer, overlap "
+         f"{meta.get('passage_overlap')}), cut at paragraph/line/sentence/word boundaries; BM25 "
+         f"{json.dumps(meta.get('bm25'))}; dense: {meta.get('dense')}; retrieved passages go into the prompt in "
+         "corpus order, named `<document>#<passage index>`"),
+        f"dataset file: `{meta.get('dataset_path')}`",
+        (f"machine: {machine.get('platform')}, {machine.get('cpus')} CPUs, torch threads "
+         f"{machine.get('torch_threads')}; torch {versions.get('torch')}, transformers "
+         f"{versions.get('transformers')}; started {meta.get('started')}, finished {meta.get('finished', '–')}; "
+         f"load average (1/5/15 min) {meta.get('load_average_start')} at the start, "
+         f"{meta.get('load_average_end')} at the end (above the core count = the machine was shared and "
+         "latencies are inflated)"),
+        ("TTFT counts from the call to the first generated token: cag includes loading the snapshot "
+         "(memory-mapped, resident after the first question), full includes prefilling the whole set, "
+         "rag includes reading the files, retrieval and prefilling the passages. One unrecorded warm-up "
+         "question runs before the first recorded one."),
+    ]
+    L += ["## Settings", "", *(f"- {line}" for line in settings), ""]
     for note in notes or []:
         L += [f"> {note}", ""]
 
@@ -168,7 +175,9 @@ def render_markdown(rows: list[dict], meta: dict, sets: list[dict], notes: list[
 
     # Cross-size overview (main k only).
     sizes = [s for s in sets if not s.get("skipped")]
-    L += ["## Overview (F1 / median TTFT)", ""]
+    L += ["## Overview (F1 / median TTFT)", "",
+          ("`full` is asked on a sample only: its answers must equal `cag`'s (checked above), so its quality "
+          "columns describe that sample; compare quality between cag and rag, latency across all modes."), ""]
     mode_keys = sorted({(m, k) for (_, m, k) in g if k is None or k == k_main},
                        key=lambda mk: (MODE_ORDER.get(mk[0], 9), mk[1] or 0))
     L += ["| mode | " + " | ".join(f"{s['size']}" for s in sizes) + " |",
@@ -191,8 +200,8 @@ def render_markdown(rows: list[dict], meta: dict, sets: list[dict], notes: list[
             L += [f"Skipped: {s['skipped']}.", ""]
             continue
         ing = s.get("ingest") or {}
-        L += [f"{s['n_documents']} documents, {s['doc_tokens']} document tokens, real prefix "
-              f"{s['prefix_tokens']} tokens, {s['n_questions']} questions."]
+        L += [(f"{s['n_documents']} documents, {s['doc_tokens']} document tokens, real prefix "
+              f"{s['prefix_tokens']} tokens, {s['n_questions']} questions.")]
         if ing:
             tps = ing["n_tokens"] / (ing["prefill_ms"] / 1e3) if ing.get("prefill_ms") else 0
             L += [f"One-time ingest cost: cag prefill {ing['prefill_ms'] / 1e3:.1f} s ({tps:.0f} tok/s), snapshot "
@@ -209,9 +218,9 @@ def render_markdown(rows: list[dict], meta: dict, sets: list[dict], notes: list[
         misses = [(key, stats(rs)) for key, rs in main if key[1].startswith("rag")]
         for (_, m, k), st in misses:
             if st.get("recall") is not None:
-                L += [f"- {_label(m, k)}: gold document(s) all retrieved for {st['hit_rate']:.0%} of questions "
+                L += [(f"- {_label(m, k)}: gold document(s) all retrieved for {st['hit_rate']:.0%} of questions "
                       f"(missed {st['n_miss']}); F1 {_f(st['f1_hit'], '{:.2f}')} when retrieved, "
-                      f"{_f(st['f1_miss'], '{:.2f}')} when missed."]
+                      f"{_f(st['f1_miss'], '{:.2f}')} when missed.")]
         # k sweep on its sample, next to cag on the same questions.
         sweep = [(key, rs) for key, rs in items if key[1].startswith("rag") and key[2] not in (None, k_main)]
         if sweep:
@@ -248,6 +257,8 @@ def render_png(rows: list[dict], meta: dict, sets: list[dict], path: Path) -> No
               "rag-dense": ("tab:purple", "D", "-")}
     for ax, title, get, log in panels:
         for m, k in mode_keys:
+            if m == "full" and not log:
+                continue  # full answers equal cag's (flagged in report.md if not), on a smaller sample
             xs, ys = [], []
             for s in sizes:
                 rs = g.get((s["name"], m, k))
@@ -270,19 +281,29 @@ def render_png(rows: list[dict], meta: dict, sets: list[dict], path: Path) -> No
             ax.set_ylim(0, 1)
         if sizes:
             ax.set_xticks([s["size"] for s in sizes], [f"{s['size']}\n({s['prefix_tokens']})" for s in sizes])
-    handles, labels = axes[0][0].get_legend_handles_labels()
-    if handles:
-        axes[0][0].legend(loc="best")
-    fig.suptitle(f"cag compare on {meta.get('format')}: {meta.get('model')} (greedy, {meta.get('max_tokens')} tokens max)")
+    for ax in (axes[0][0], axes[1][0]):  # quality modes, and all modes (full included) on latency
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(loc="best")
+    fig.suptitle(f"cag compare on {meta.get('format')}: {meta.get('model')} (greedy, {meta.get('max_tokens')} tokens max)\n"
+                 "quality: full is not drawn, its answers are cag's (report.md checks); latency: median per question")
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
 
 def write_report(out: Path, rows: list[dict], meta: dict, sets: list[dict], notes: list[str] | None = None,
-                 interrupted: bool = False) -> tuple[Path, Path]:
+                 stopped: str | None = None) -> tuple[Path, Path]:
     out = Path(out)
     md = out / "report.md"
-    md.write_text(render_markdown(rows, meta, sets, notes, interrupted), encoding="utf-8")
+    md.write_text(render_markdown(rows, meta, sets, notes, stopped), encoding="utf-8")
     png = out / "report.png"
     render_png(rows, meta, sets, png)
     return md, png
+
+
+def rebuild(out: Path) -> tuple[Path, Path]:
+    """Re-render report.md/report.png of a finished (or stopped) run from its files alone."""
+    out = Path(out)
+    meta = json.loads((out / "run.json").read_text(encoding="utf-8"))
+    sets = json.loads((out / "sets.json").read_text(encoding="utf-8"))
+    rows = [json.loads(line) for line in (out / "results.jsonl").read_text(encoding="utf-8").splitlines() if line.strip()]
+    return write_report(out, rows, meta, sets, meta.get("notes"), meta.get("stopped"))

@@ -20,8 +20,11 @@ set's real prefix is measured with the engine's own layout before ingest; a set 
 not leave room for the question and answer inside the model's context is reported as
 skipped, never truncated.
 
-One JSON row per (set, question, mode, k) is appended to OUT/results.jsonl as soon as it is
-known (flushed), so Ctrl-C keeps everything done so far and ``resume`` skips those rows.
+All sets are ingested first; then questions are asked interleaved across sizes (question 0 at
+every size, then question 1, ...), so a run stopped early covers every size evenly. One JSON
+row per (set, question, mode, k) is appended to OUT/results.jsonl as soon as it is known
+(flushed), so Ctrl-C (or ``max_minutes``) keeps everything done so far and ``resume`` skips
+those rows.
 """
 
 from __future__ import annotations
@@ -70,6 +73,7 @@ class CompareConfig:
     max_tokens: int = 32
     seed: int = 0
     resume: bool = False
+    max_minutes: float | None = None  # stop asking (cleanly, as on Ctrl-C) after this long
     corpora: Path | None = None  # where the set folders go; default OUT/corpora
     docs: Path | None = None  # jsonl: the documents folder (default: docs/ next to the file)
 
@@ -87,6 +91,8 @@ class CompareConfig:
             raise BadInput("max tokens must be at least 1")
         if min(self.full_sample, self.k_sample) < 0:
             raise BadInput("sample sizes cannot be negative")
+        if self.max_minutes is not None and self.max_minutes <= 0:
+            raise BadInput("max minutes must be positive")
 
 
 @dataclass
@@ -110,9 +116,13 @@ class CompareResult:
     out: Path
     rows_written: int
     rows_total: int
-    interrupted: bool
+    stopped: str | None  # None when every planned row is done; "interrupted" (Ctrl-C) or the time budget
     sets: list[SetInfo]
     notes: list[str]
+
+    @property
+    def interrupted(self) -> bool:
+        return self.stopped == "interrupted"
 
     @property
     def results_path(self) -> Path:
@@ -220,7 +230,7 @@ def run_meta(engine, cfg: CompareConfig, fmt: str, path: Path | None) -> dict:
         "versions": {"torch": torch.__version__, "transformers": transformers.__version__,
                      "python": platform.python_version()},
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "torch_threads": torch.get_num_threads()},
-        "started": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "started": time.strftime("%Y-%m-%d %H:%M:%S"), "load_average_start": _loadavg(),
     }
 
 
@@ -240,7 +250,7 @@ def build_sets(engine, cfg: CompareConfig, fmt: str, path: Path | None,
         title_of.setdefault(d.text, d.title or d.doc_id)
     width = max(3, len(str(len(corpus.docs))))
 
-    @functools.lru_cache(maxsize=None)
+    @functools.cache
     def cost(text: str) -> int:  # what the document costs in the prompt, with its delimiters and name
         name = f"{0:0{width}d}-{_slug(title_of.get(text, 'doc'))}.txt"
         return len(encode_text(tok, document_text(name, text)))
@@ -289,8 +299,6 @@ def plan(ks: ds.KnowledgeSet, cfg: CompareConfig, modes: list[str]) -> list[tupl
 def run_compare(engine, cfg: CompareConfig, log: Callable[[str], None] = lambda s: None,
                 reporter_factory: Callable[[], object] | None = None, progress: bool | None = None) -> CompareResult:
     """Run the comparison into cfg.out and write report.md/report.png; see the module docstring."""
-    from rag.answer import get_index
-
     from .report import write_report
 
     cfg.validate()
@@ -322,89 +330,113 @@ def run_compare(engine, cfg: CompareConfig, log: Callable[[str], None] = lambda 
                          "(pip install 'cag[dense]')")
             log(notes[-1])
 
-    lm = engine.lm
     sets = build_sets(engine, cfg, fmt, path, opts)
     corpora_root = Path(cfg.corpora) if cfg.corpora else out / "corpora"
     done = {row_key(r) for r in done_rows}
     infos: list[SetInfo] = []
-    written, interrupted, warmed = 0, False, False
+    ready: list[tuple[SetInfo, ds.KnowledgeSet]] = []
+    written, stopped = 0, None
     decoding = DecodeConfig(max_tokens=cfg.max_tokens)
+    deadline = time.monotonic() + cfg.max_minutes * 60 if cfg.max_minutes else None
     bar = None
     try:
+        # Phase 1: every set is written, measured against the context, ingested once and indexed.
         for size, ks, why in sets:
-            if why:
-                infos.append(SetInfo(ks.name, size, skipped=why))
-                log(f"size {size}: skipped ({why})")
-                continue
-            info = SetInfo(ks.name, size, n_documents=len(ks.docs), doc_tokens=ks.n_tokens, n_questions=len(ks.questions))
+            info = _prepare(engine, cfg, ks, size, why, corpora_root, modes, reporter_factory, log)
             infos.append(info)
-            folder = (corpora_root / ks.name).resolve()
-            info.folder = str(folder)
-            info.corpus = f"compare-{ks.name}-{short(hash_obj(str(folder)), 6)}"
-            if not ks.questions:
-                info.skipped = "no question of the dataset is answerable from this set"
-                log(f"{ks.name}: skipped ({info.skipped})")
-                continue
-            info.files = write_set(ks, folder)
-            docs, _ = engine.read_corpus(folder, info.corpus)
-            info.prefix_tokens = len(build_prefix(lm.tokenizer, engine.layout(), [(d.name, d.text) for d in docs]).ids)
-            if info.prefix_tokens + engine.room > lm.max_context:
-                info.skipped = (f"prefix {info.prefix_tokens} tokens + {engine.room} for question and answer "
-                                f"> context {lm.max_context}")
-                log(f"{ks.name}: skipped ({info.skipped})")
-                continue
-            log(f"{ks.name}: {len(ks.docs)} documents, prefix {info.prefix_tokens} tokens, "
-                f"{len(ks.questions)} questions; ingesting")
-            try:
-                r = engine.ingest(str(folder), name=info.corpus,
-                                  reporter=reporter_factory() if reporter_factory else None)
-            except TooLarge as e:
-                info.skipped = str(e)
-                log(f"{ks.name}: skipped ({e})")
-                continue
-            prefill_ms = r.prefill_ms
-            if r.status == "fresh":  # built by an earlier run: report what building it cost then
-                prefill_ms = (engine.index.snapshot(r.snapshot) or {}).get("prefill_ms") or 0.0
-            info.ingest = {"status": r.status, "prefill_ms": round(prefill_ms, 1), "bytes": r.bytes,
-                           "n_tokens": r.n_tokens, "snapshot": r.snapshot}
-            for mode in modes:
-                if mode.startswith("rag-"):
-                    idx, cached = get_index(engine, docs, mode.split("-", 1)[1])
-                    info.rag_index[mode] = {"build_ms": round(idx.build_ms, 1), "n_passages": len(idx.passages),
-                                            "passage_tokens": idx.passage_tokens}
+            if not info.skipped:
+                ready.append((info, ks))
             _write_sets(out, infos)
+        # Phase 2: questions interleaved across sizes (question 0 at every size, then question 1 ...),
+        # so a run stopped early (Ctrl-C, --max-minutes) still covers every size evenly.
+        todo = [(info, ks, *p) for info, ks in ready for p in plan(ks, cfg, modes)
+                if (ks.name, p[1].qid, p[2], p[3]) not in done]
+        todo.sort(key=lambda t: t[2])  # stable: sizes, then modes, keep their order within a question index
+        if todo:
+            warm_up(engine, todo[0][0].corpus, todo[0][3].question)
+            from tqdm import tqdm
 
-            todo = [p for p in plan(ks, cfg, modes) if (ks.name, p[1].qid, p[2], p[3]) not in done]
-            if todo and not warmed:
-                warm_up(engine, info.corpus, ks.questions[0].question)
-                warmed = True
-            if progress is None:
-                progress = sys.stderr.isatty()
-            if todo:
-                from tqdm import tqdm
-
-                bar = tqdm(total=len(todo), desc=ks.name, unit="q", file=sys.stderr, disable=not progress,
-                           dynamic_ncols=True)
-            with open(results, "a", encoding="utf-8") as f:
-                for qi, q, mode, k in todo:
-                    row = ask_row(engine, info, ks, qi, q, mode, k, decoding)
-                    f.write(json.dumps(row, ensure_ascii=False) + "\n")
-                    f.flush()
-                    written += 1
-                    if bar is not None:
-                        bar.update(1)
-            if bar is not None:
-                bar.close()
-                bar = None
+            bar = tqdm(total=len(todo), unit="q", file=sys.stderr, dynamic_ncols=True,
+                       disable=not (sys.stderr.isatty() if progress is None else progress))
+        with open(results, "a", encoding="utf-8") as f:
+            for info, ks, qi, q, mode, k in todo:
+                if deadline is not None and time.monotonic() > deadline:
+                    stopped = f"stopped at the time budget of {cfg.max_minutes:g} minutes"
+                    break
+                row = ask_row(engine, info, ks, qi, q, mode, k, decoding)
+                f.write(json.dumps(row, ensure_ascii=False) + "\n")
+                f.flush()
+                written += 1
+                if bar is not None:
+                    bar.set_description(f"{ks.name} q{qi} {mode}")
+                    bar.update(1)
     except KeyboardInterrupt:
-        interrupted = True
-        if bar is not None:
-            bar.close()
-        log(f"interrupted: {written} new rows kept in {results}; --resume continues")
+        stopped = "interrupted"
+    if bar is not None:
+        bar.close()
+    if stopped:
+        log(f"{stopped}: {written} new rows kept in {results}; --resume continues")
     _write_sets(out, infos)
     rows = _read_rows(results)
-    write_report(out, rows, meta, [asdict(i) for i in infos], notes, interrupted=interrupted)
-    return CompareResult(out, written, len(rows), interrupted, infos, notes)
+    meta["finished"] = time.strftime("%Y-%m-%d %H:%M:%S")
+    meta["load_average_end"] = _loadavg()
+    meta["stopped"], meta["notes"] = stopped, notes
+    (out / RUN).write_text(json.dumps(meta, indent=1, ensure_ascii=False) + "\n")
+    write_report(out, rows, meta, [asdict(i) for i in infos], notes, stopped=stopped)
+    return CompareResult(out, written, len(rows), stopped, infos, notes)
+
+
+def _prepare(engine, cfg: CompareConfig, ks: ds.KnowledgeSet, size: int, why: str | None, corpora_root: Path,
+             modes: list[str], reporter_factory, log) -> SetInfo:
+    """Write, measure, ingest and index one set; a SetInfo with `skipped` set when it cannot be run."""
+    from rag.answer import get_index
+
+    lm = engine.lm
+    if why:
+        log(f"size {size}: skipped ({why})")
+        return SetInfo(ks.name, size, skipped=why)
+    info = SetInfo(ks.name, size, n_documents=len(ks.docs), doc_tokens=ks.n_tokens, n_questions=len(ks.questions))
+    folder = (corpora_root / ks.name).resolve()
+    info.folder = str(folder)
+    info.corpus = f"compare-{ks.name}-{short(hash_obj(str(folder)), 6)}"
+    if not ks.questions:
+        info.skipped = "no question of the dataset is answerable from this set"
+        log(f"{ks.name}: skipped ({info.skipped})")
+        return info
+    info.files = write_set(ks, folder)
+    docs, _ = engine.read_corpus(folder, info.corpus)
+    info.prefix_tokens = len(build_prefix(lm.tokenizer, engine.layout(), [(d.name, d.text) for d in docs]).ids)
+    if info.prefix_tokens + engine.room > lm.max_context:
+        info.skipped = (f"prefix {info.prefix_tokens} tokens + {engine.room} for question and answer "
+                        f"> context {lm.max_context}")
+        log(f"{ks.name}: skipped ({info.skipped})")
+        return info
+    log(f"{ks.name}: {len(ks.docs)} documents, prefix {info.prefix_tokens} tokens, "
+        f"{len(ks.questions)} questions; ingesting")
+    try:
+        r = engine.ingest(str(folder), name=info.corpus, reporter=reporter_factory() if reporter_factory else None)
+    except TooLarge as e:
+        info.skipped = str(e)
+        log(f"{ks.name}: skipped ({e})")
+        return info
+    prefill_ms = r.prefill_ms
+    if r.status == "fresh":  # built by an earlier run: report what building it cost then
+        prefill_ms = (engine.index.snapshot(r.snapshot) or {}).get("prefill_ms") or 0.0
+    info.ingest = {"status": r.status, "prefill_ms": round(prefill_ms, 1), "bytes": r.bytes,
+                   "n_tokens": r.n_tokens, "snapshot": r.snapshot}
+    for mode in modes:
+        if mode.startswith("rag-"):
+            idx, _ = get_index(engine, docs, mode.split("-", 1)[1])
+            info.rag_index[mode] = {"build_ms": round(idx.build_ms, 1), "n_passages": len(idx.passages),
+                                    "passage_tokens": idx.passage_tokens}
+    return info
+
+
+def _loadavg() -> list[float] | None:
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        return None
 
 
 def warm_up(engine, corpus: str, question: str) -> None:

@@ -110,7 +110,8 @@ def answer_rag(engine, row: dict, question: str, cfg: DecodeConfig, k: int = 3, 
                reasons: list[str] | None = None, t_start: float | None = None,
                passage_tokens: int = DEFAULT_PASSAGE_TOKENS):
     """Answer `question` from the top-k passages of corpus `row`; an `Answer` with mode "rag"."""
-    from cag.engine import Answer  # the engine imports this module lazily; no cycle at import time
+    # cag.engine imports this module lazily, so importing it here makes no cycle at import time.
+    from cag.engine import Answer
 
     t_start = time.perf_counter() if t_start is None else t_start
     if k < 1:
@@ -133,7 +134,7 @@ def answer_rag(engine, row: dict, question: str, cfg: DecodeConfig, k: int = 3, 
         raise TooLarge(f"{len(chosen)} passages are {n} tokens; too large for the model's context of "
                        f"{lm.max_context} with {engine.room} reserved for question and answer; use a smaller k")
     cache = kv.new_cache(lm.model, n + engine.room)  # same buffer size as `full` for the same prefix
-    kv.prefill(lm.model, cache, prefix.ids, 0, engine.settings.chunk_tokens)
+    kv.prefill(lm.model, cache, prefix.ids, 0, engine.settings.chunk_tokens, should_stop=should_stop)
     text, ids, ttft = engine._generate(cache, n, suffix, cfg, on_text, should_stop, t_start)
     reasons = list(reasons or [])
     ans = Answer(answer=text, mode="rag", corpus=row["name"], snapshot=None, stale=bool(reasons),
