@@ -44,12 +44,13 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--decode-tokens", type=int, default=48)
     ap.add_argument("--nocache-tokens", type=int, default=3)
+    ap.add_argument("--dtype", default="float32", help="compute dtype of the weights: float32 | bfloat16")
     args = ap.parse_args()
     sizes = [int(s) for s in args.sizes.split(",")]
 
     with tempfile.TemporaryDirectory() as tmp:
         home = Path(tmp)
-        engine = Engine(get_settings(home=home / "home", models_dir_override=get_settings().models_dir))
+        engine = Engine(get_settings(home=home / "home", models_dir_override=get_settings().models_dir, dtype=args.dtype))
         lm = engine.lm
         count = lambda t: len(lm.tokenizer(t, add_special_tokens=False)["input_ids"])  # noqa: E731
         rows = []
@@ -100,7 +101,7 @@ def main() -> None:
             })
             print(rows[-1], flush=True)
 
-    head = (f"Machine: {machine()}. Model: {lm.name}, fp32 weights, fp16 snapshots. Median of {args.repeat}.\n\n"
+    head = (f"Machine: {machine()}. Model: {lm.name}, {args.dtype} weights, fp16 snapshots. Median of {args.repeat}.\n\n"
             "| prefix tokens | prefill tok/s | TTFT cag ms | TTFT full ms | speedup | load ms | raw read ms | load/raw | bytes vs formula | decode tok/s snap / empty | ratio | generate tok/s cache off / on |\n"
             "|---|---|---|---|---|---|---|---|---|---|---|---|\n")
     body = "".join(
@@ -113,7 +114,8 @@ def main() -> None:
     foot = ("\nTargets: TTFT speedup >= 50x at 4K and growing with size; load/raw >= 0.8; bytes within 1% of the formula; "
             "decode ratio >= 0.7.\nTTFT includes everything after the model is loaded: stale check, snapshot read + verify "
             "(cag) or tokenizing + prefilling the knowledge (full), question prefill, first token.\n")
-    write("engine", {"machine": machine(), "rows": rows}, head + body + foot)
+    name = "engine" if args.dtype == "float32" else f"engine-{args.dtype}"
+    write(name, {"machine": machine(), "dtype": args.dtype, "rows": rows}, head + body + foot)
 
 
 if __name__ == "__main__":
