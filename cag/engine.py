@@ -6,6 +6,7 @@ The engine speaks plain dataclasses; the CLI and the HTTP API are thin layers ov
 from __future__ import annotations
 
 import fcntl
+import os
 import threading
 import time
 from collections import OrderedDict
@@ -162,13 +163,15 @@ class Engine:
 
     # -- ingest --------------------------------------------------------------------------------
     def resolve_source(self, target: str, name: str | None) -> tuple[str, Path]:
+        """A bare name of a known corpus means that corpus (its recorded source), even when a
+        folder of the same name sits in the working directory; anything else is a path."""
+        row = self.index.corpus(target)
+        if row and os.sep not in target and not target.startswith((".", "~")):
+            return name or target, Path(row["source"])
         p = Path(target).expanduser()
         if p.exists():
             p = p.resolve()
             return name or (p.stem if p.is_file() else p.name), p
-        row = self.index.corpus(target)
-        if row:
-            return name or target, Path(row["source"])
         raise NotFound(f"no such file, folder or corpus: {target}")
 
     @contextmanager

@@ -183,3 +183,14 @@ def test_second_writer_gets_busy(tiny_engine, small_corpus, cag_home):
             tiny_engine.ingest("corpus", force=True)
         # queries keep working while the writer holds the corpus
         assert tiny_engine.ask("corpus", Q, max_tokens=4).completion_tokens > 0
+
+
+def test_a_corpus_name_wins_over_a_same_named_folder_in_cwd(tiny_engine, small_corpus, tmp_path, monkeypatch):
+    tiny_engine.ingest(str(small_corpus))
+    decoy = tmp_path / "cwd" / "corpus"
+    decoy.mkdir(parents=True)
+    (decoy / "other.md").write_text("Something else entirely.\n")
+    monkeypatch.chdir(decoy.parent)
+    r = tiny_engine.ingest("corpus")
+    assert r.status == "fresh" and r.n_documents == 3
+    assert tiny_engine.ingest("./corpus", name="decoy").n_documents == 1  # an explicit path is a path
