@@ -19,7 +19,15 @@ from .errors import error_body
 from .metrics import CONTENT_TYPE
 from .runner import Generation
 from .schemas import (
-    AskRequest, AskResponse, CorpusInfo, CorpusList, ErrorResponse, Health, JobInfo, ModelCard, ModelList,
+    AskRequest,
+    AskResponse,
+    CorpusInfo,
+    CorpusList,
+    ErrorResponse,
+    Health,
+    JobInfo,
+    ModelCard,
+    ModelList,
 )
 from .service import Service
 from .streaming import EventStream, TextTrim, sse

@@ -5,8 +5,6 @@ from __future__ import annotations
 import importlib.util
 import logging
 import os
-import threading
-from pathlib import Path
 
 from cag.engine import Engine
 from cag.errors import BadInput, TooLarge

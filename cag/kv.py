@@ -17,6 +17,7 @@ from collections.abc import Callable, Sequence
 import torch
 from transformers import StaticCache
 
+
 class Cancelled(Exception):
     """The caller asked to stop (client gone, timeout)."""
 

@@ -147,7 +147,6 @@ COMPUTE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 def load_model(name: str, models_dir: Path, threads: int = 0, dtype: str = "float32") -> LoadedModel:
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # our own progress goes to the terminal, not theirs

@@ -6,15 +6,16 @@ import functools
 import json
 import sys
 import time
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 
 from cag.config import get_settings
 from cag.errors import CagError
+from cag.units import human_bytes
 
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON object (for scripts).")]
-ModelOpt = Annotated[Optional[str], typer.Option("--model", help="Model: the embedded default, a Hugging Face folder or hub id. Env: CAG_MODEL.")]
+ModelOpt = Annotated[str | None, typer.Option("--model", help="Model: the embedded default, a Hugging Face folder or hub id. Env: CAG_MODEL.")]
 
 
 def _engine(model: str | None = None, **overrides):
@@ -44,12 +45,7 @@ def _emit(obj: dict) -> None:
     typer.echo(json.dumps(obj, ensure_ascii=False))
 
 
-def _human_bytes(n: float) -> str:
-    for unit in ("B", "KB", "MB", "GB"):
-        if n < 1024 or unit == "GB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return str(n)
+_human_bytes = human_bytes  # one formatter for every size the project prints
 
 
 def _age(ts: float | None) -> str:

@@ -7,11 +7,11 @@ Exit codes: 0 ok, 1 user error, 2 usage error, 3 stale corpus refused (--on-stal
 from __future__ import annotations
 
 import sys
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 
-from cli.common import JsonOpt, ModelOpt, _age, _engine, _human_bytes, _TqdmReporter, _emit, handle_errors
+from cli.common import JsonOpt, ModelOpt, _age, _emit, _engine, _human_bytes, _TqdmReporter, handle_errors
 
 app = typer.Typer(
     help="Cache-augmented generation: prefill a knowledge corpus once, answer questions from its KV snapshot.",
@@ -24,10 +24,10 @@ app = typer.Typer(
 @handle_errors
 def ingest(
     path: Annotated[str, typer.Argument(help="Folder (recursive) or file: .txt .md .html .pdf; or the name of a known corpus to refresh.")],
-    name: Annotated[Optional[str], typer.Option(help="Corpus name (default: the folder or file name).")] = None,
+    name: Annotated[str | None, typer.Option(help="Corpus name (default: the folder or file name).")] = None,
     model: ModelOpt = None,
     force: Annotated[bool, typer.Option("--force", help="Rebuild from scratch even when a snapshot could be reused.")] = False,
-    ttl: Annotated[Optional[float], typer.Option(help="Seconds after which the snapshot counts as stale.")] = None,
+    ttl: Annotated[float | None, typer.Option(help="Seconds after which the snapshot counts as stale.")] = None,
     json_: JsonOpt = False,
 ):
     """Prefill a corpus once and save its KV cache as a snapshot (incremental when documents changed)."""
@@ -53,7 +53,7 @@ def ask(
     corpus: Annotated[str, typer.Argument(help="Corpus name (see `cag list`).")],
     question: Annotated[str, typer.Argument(help="The question.")],
     mode: Annotated[str, typer.Option(help="cag: from the snapshot; full: whole knowledge in the prompt, no cache; rag: BM25 top-k passages.")] = "cag",
-    max_tokens: Annotated[Optional[int], typer.Option(help="Answer length limit in tokens (clamped to CAG_ANSWER_ROOM).")] = None,
+    max_tokens: Annotated[int | None, typer.Option(help="Answer length limit in tokens (clamped to CAG_ANSWER_ROOM).")] = None,
     k: Annotated[int, typer.Option(help="rag mode: passages to retrieve.")] = 3,
     retriever: Annotated[str, typer.Option(help="rag mode: bm25 or dense.")] = "bm25",
     on_stale: Annotated[str, typer.Option(help="serve (warn), refuse (exit 3) or refresh first.")] = "serve",
@@ -110,7 +110,7 @@ def list_(model: ModelOpt = None, json_: JsonOpt = False):
 @app.command()
 @handle_errors
 def status(
-    corpus: Annotated[Optional[str], typer.Argument(help="Corpus name; all corpora when omitted.")] = None,
+    corpus: Annotated[str | None, typer.Argument(help="Corpus name; all corpora when omitted.")] = None,
     model: ModelOpt = None,
     json_: JsonOpt = False,
 ):
@@ -126,6 +126,7 @@ def status(
 
 # Commands that live in their own modules register here (one line each).
 from cli.serve_cmd import serve  # noqa: E402
+
 app.command()(serve)
 from cli.compare_cmd import compare  # noqa: E402
 

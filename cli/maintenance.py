@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 
@@ -20,8 +20,8 @@ def _index_and_settings():
 
 @handle_errors
 def invalidate(
-    corpus: Annotated[Optional[str], typer.Argument(help="Corpus to mark invalid (all corpora with --doc when omitted).")] = None,
-    doc: Annotated[Optional[str], typer.Option("--doc", help="Only corpora whose snapshot contains this document (path relative to the corpus root).")] = None,
+    corpus: Annotated[str | None, typer.Argument(help="Corpus to mark invalid (all corpora with --doc when omitted).")] = None,
+    doc: Annotated[str | None, typer.Option("--doc", help="Only corpora whose snapshot contains this document (path relative to the corpus root).")] = None,
     json_: JsonOpt = False,
 ):
     """Mark a corpus (or the snapshots containing a document) invalid; `ask --on-stale` decides what happens next."""
@@ -37,7 +37,7 @@ def invalidate(
 
 @handle_errors
 def gc(
-    max_bytes: Annotated[Optional[int], typer.Option("--max-bytes", help="Keep snapshots within this many bytes, deleting least recently used first.")] = None,
+    max_bytes: Annotated[int | None, typer.Option("--max-bytes", help="Keep snapshots within this many bytes, deleting least recently used first.")] = None,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Only print what would be deleted.")] = False,
     include_current: Annotated[bool, typer.Option("--include-current", help="Allow deleting a corpus's current snapshot to meet --max-bytes.")] = False,
     json_: JsonOpt = False,

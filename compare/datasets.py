@@ -33,9 +33,9 @@ import hashlib
 import json
 import os
 import random
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 FORMATS = ("squad", "hotpotqa", "jsonl")
 

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import numpy as np
 
+from cag.units import human_bytes
+
 from .metrics import summarize
 
 MODE_ORDER = {"cag": 0, "full": 1, "rag-bm25": 2, "rag-dense": 3}
@@ -73,12 +75,7 @@ def _ms(s: dict | None, key: str) -> str:
     return f"{v / 1e3:.2f} s" if v >= 1000 else f"{v:.0f} ms" if v >= 10 else f"{v:.1f} ms"
 
 
-def _bytes(n: float) -> str:
-    for unit in ("B", "KB", "MB", "GB"):
-        if n < 1024 or unit == "GB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return str(n)
+_bytes = human_bytes  # one formatter for every size the project prints
 
 
 TABLE_HEAD = ("| mode | n | EM | F1 | answer in output | TTFT median | TTFT p95 | total median | total p95 "

@@ -15,8 +15,8 @@ evaluation map a retrieved passage back to its document and check gold hits.
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 DEFAULT_TARGET_TOKENS = 384
 """Default passage size: inside the 256-512 token range usual for RAG, large
