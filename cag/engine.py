@@ -284,8 +284,8 @@ class Engine:
             if a != b:
                 break
             common += 1
-        bounds = [s["start"] for s in self.index.snapshot_documents(snap["digest"])] + [
-            max((s["end"] for s in self.index.snapshot_documents(snap["digest"])), default=0)]
+        spans = self.index.snapshot_documents(snap["digest"])
+        bounds = [s["start"] for s in spans] + [max((s["end"] for s in spans), default=0)]
         cut = max((b for b in bounds if b <= common), default=0)
         return cut, (old.kv if cut else None)
 
