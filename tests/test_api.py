@@ -7,6 +7,7 @@ snapshots on disk and a real SQLite index.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -73,6 +74,28 @@ def wait_healthy(url: str, proc: subprocess.Popen | None = None, timeout_s: floa
     raise TimeoutError(f"{url}/health not 200 after {timeout_s} s (saw {seen[-5:]})")
 
 
+@contextlib.contextmanager
+def running_server(env: dict, log: Path, timeout_s: float = 90.0):
+    """A real `cag serve` on a free loopback port, healthy before it is yielded, stopped after."""
+    port = _free_port()
+    with open(log, "w") as out:
+        proc = subprocess.Popen([*_cag_cmd(), "serve", "--port", str(port), "--log-level", "warning"], env=env,
+                                cwd=REPO, stdout=out, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_healthy(url, proc, timeout_s=timeout_s)
+        yield url, proc, log
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        if proc.returncode not in (0, -15):
+            print(log.read_text()[-4000:])
+
+
 def parse_sse(lines) -> list[tuple[str | None, str]]:
     """(event, data) pairs from an iterator of SSE lines."""
     events, event, data = [], None, []
@@ -124,24 +147,8 @@ def server(tiny_model_dir, models_dir, tmp_path_factory):
     r = subprocess.run([*_cag_cmd(), "ingest", str(corpus), "--json"], env=env, cwd=REPO, capture_output=True,
                        text=True, timeout=120)
     assert r.returncode == 0, r.stderr
-    port = _free_port()
-    log = root / "server.log"
-    with open(log, "w") as out:
-        proc = subprocess.Popen([*_cag_cmd(), "serve", "--port", str(port), "--log-level", "warning"], env=env,
-                                cwd=REPO, stdout=out, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_healthy(url, proc)
+    with running_server(env, root / "server.log") as (url, proc, log):
         yield Server(url, env, root / "home", corpus, proc, log)
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        if proc.returncode not in (0, -15):
-            print(log.read_text()[-4000:])
 
 
 def test_health_is_open_and_everything_else_needs_a_key(server):

@@ -10,7 +10,7 @@ import httpx
 import pytest
 
 from tests.conftest import HANDBOOK, REPO
-from tests.test_api import _cag_cmd, _free_port, parse_sse, wait_healthy
+from tests.test_api import _cag_cmd, parse_sse, running_server
 
 pytestmark = pytest.mark.real
 
@@ -24,21 +24,8 @@ def real_server(models_dir, tmp_path_factory):
     r = subprocess.run([*_cag_cmd(), "ingest", str(HANDBOOK), "--json"], env=env, cwd=REPO, capture_output=True,
                        text=True, timeout=600)
     assert r.returncode == 0, r.stderr
-    port = _free_port()
-    with open(root / "server.log", "w") as log:
-        proc = subprocess.Popen([*_cag_cmd(), "serve", "--port", str(port), "--log-level", "warning"], env=env,
-                                cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_healthy(url, proc, timeout_s=180)
+    with running_server(env, root / "server.log", timeout_s=180) as (url, _, _):
         yield url, env
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 def test_served_answer_equals_cag_ask_on_the_handbook(real_server):
