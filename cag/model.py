@@ -150,6 +150,7 @@ def load_model(name: str, models_dir: Path, threads: int = 0, dtype: str = "floa
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # our own progress goes to the terminal, not theirs
+    logging.getLogger("huggingface_hub").setLevel(logging.ERROR)  # retries are summed up by our one-line error
     if threads > 0:
         torch.set_num_threads(threads)
     path = resolve_model_path(name, models_dir)
