@@ -31,6 +31,7 @@ from pathlib import Path
 import httpx
 
 from cag.config import get_settings
+from compare.metrics import summarize
 
 from .common import REPO, machine, write
 
@@ -39,7 +40,7 @@ HANDBOOK = REPO / "corpora" / "handbook"
 
 def cag_cmd() -> list[str]:
     exe = shutil.which("cag")
-    return [exe] if exe else [sys.executable, "-m", "cli.main"]
+    return [exe] if exe else [sys.executable, "-m", "cli"]  # `-m cli.main` would import cli.main twice
 
 
 def free_port() -> int:
@@ -48,13 +49,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def pct(values: list[float], p: float) -> float:
-    v = sorted(values)
-    if not v:
-        return float("nan")
-    k = (len(v) - 1) * p
-    lo, hi = int(k), min(int(k) + 1, len(v) - 1)
-    return v[lo] + (v[hi] - v[lo]) * (k - lo)
+def pct(values: list[float], key: str) -> float:
+    """compare.metrics.summarize's median/p95; NaN when every request failed."""
+    return summarize(values)[key] if values else float("nan")
 
 
 def proc_status(pid: int) -> dict[str, int]:
@@ -161,8 +158,8 @@ def load_run(url: str, questions: list[str], concurrency: int, n_requests: int, 
         "concurrency": concurrency, "requests": n_requests, "wall_s": round(wall, 2),
         "requests_per_s": round(len(latencies) / wall, 3),
         "completion_tokens_per_s": round(sum(tokens) / wall, 2),
-        "latency_p50_s": round(pct(latencies, 0.5), 3), "latency_p95_s": round(pct(latencies, 0.95), 3),
-        "server_ttft_p50_ms": round(pct(ttfts, 0.5), 1),
+        "latency_p50_s": round(pct(latencies, "median"), 3), "latency_p95_s": round(pct(latencies, "p95"), 3),
+        "server_ttft_p50_ms": round(pct(ttfts, "median"), 1),
         "errors": sum(1 for s in statuses if s != 200),
         "statuses": {str(s): statuses.count(s) for s in sorted(set(statuses))},
     }
