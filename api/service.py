@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import importlib.util
 import logging
 import os
 
 from cag.engine import Engine
-from cag.errors import BadInput, TooLarge
+from cag.errors import TooLarge
 
 from .errors import NotReady
 from .jobs import Jobs
@@ -29,7 +28,6 @@ class Service:
                              on_stop=lambda reason: self.metrics.stopped.labels(reason).inc(),
                              torch_threads=engine.settings.threads or max(1, (os.cpu_count() or 1) // max(1, settings.workers)))
         self.jobs = Jobs(engine, on_finish=lambda status: self.metrics.jobs.labels(status).inc())
-        self.rag_available = importlib.util.find_spec("rag.answer") is not None
 
     # -- lifecycle -------------------------------------------------------------------------------
     def load(self) -> None:
@@ -61,8 +59,6 @@ class Service:
         if len(question) > self.settings.max_question_chars:
             raise TooLarge(f"question is {len(question)} characters; the limit is "
                            f"{self.settings.max_question_chars} (CAG_MAX_QUESTION_CHARS)")
-        if mode == "rag" and not self.rag_available:
-            raise BadInput("mode 'rag' is not available in this installation (rag.answer is missing)")
 
     def effective_max_tokens(self, requested: int | None) -> int:
         s = self.engine.settings

@@ -31,7 +31,7 @@ from pathlib import Path
 import httpx
 
 from cag.config import get_settings
-from compare.metrics import summarize
+from cag.compare.metrics import summarize
 
 from .common import REPO, machine, write
 
@@ -40,7 +40,7 @@ HANDBOOK = REPO / "corpora" / "handbook"
 
 def cag_cmd() -> list[str]:
     exe = shutil.which("cag")
-    return [exe] if exe else [sys.executable, "-m", "cli"]  # `-m cli.main` would import cli.main twice
+    return [exe] if exe else [sys.executable, "-m", "cag"]
 
 
 def free_port() -> int:

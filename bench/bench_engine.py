@@ -22,7 +22,7 @@ from cag import kv
 from cag.config import get_settings
 from cag.engine import Engine
 from cag.generate import DecodeConfig, decode
-from store import snapshots
+from cag.store import snapshots
 
 from .common import essay_corpus, machine, timed, write
 

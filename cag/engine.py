@@ -17,8 +17,8 @@ from pathlib import Path
 
 import torch
 
-from store import snapshots as snapfiles
-from store.index import Index
+from cag.store import snapshots as snapfiles
+from cag.store.index import Index
 
 from . import documents, kv
 from .config import Settings
@@ -326,7 +326,7 @@ class Engine:
         digest = row["current_snapshot"]
 
         if mode == "rag":
-            from rag.answer import answer_rag  # optional heavy import only when asked
+            from cag.rag.answer import answer_rag  # optional heavy import only when asked
 
             return answer_rag(self, row, question, cfg, k=k, retriever=retriever, on_text=on_text,
                               should_stop=should_stop, reasons=reasons, t_start=t_start)

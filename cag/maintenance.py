@@ -6,8 +6,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from store import snapshots as snapfiles
-from store.index import Index
+from cag.store import snapshots as snapfiles
+from cag.store.index import Index
 
 from .config import Settings
 from .errors import NotFound

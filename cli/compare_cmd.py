@@ -9,7 +9,7 @@ from typing import Annotated
 import typer
 
 from cag.errors import BadInput
-from cli.common import JsonOpt, ModelOpt, _emit, _engine, _TqdmReporter, handle_errors
+from cag.cli.common import JsonOpt, ModelOpt, _emit, _engine, _TqdmReporter, handle_errors
 
 
 def _ints(text: str, what: str) -> list[int]:
@@ -49,8 +49,8 @@ def compare(
 
     Writes OUT/results.jsonl (one row per question, mode, size and k, appended as it goes: Ctrl-C keeps what is done, --resume continues), OUT/report.md and OUT/report.png.
     """
-    from compare.report import summary
-    from compare.runner import CompareConfig, run_compare
+    from cag.compare.report import summary
+    from cag.compare.runner import CompareConfig, run_compare
 
     label = Path(dataset).stem.split(".")[0] if Path(dataset).exists() else dataset.lower()
     cfg = CompareConfig(

@@ -11,7 +11,7 @@ from typing import Annotated
 
 import typer
 
-from cli.common import JsonOpt, ModelOpt, _age, _emit, _engine, _human_bytes, _TqdmReporter, handle_errors
+from cag.cli.common import JsonOpt, ModelOpt, _age, _emit, _engine, _human_bytes, _TqdmReporter, handle_errors
 
 app = typer.Typer(
     help="Cache-augmented generation: prefill a knowledge corpus once, answer questions from its KV snapshot.",
@@ -125,13 +125,13 @@ def status(
 
 
 # Commands that live in their own modules register here (one line each).
-from cli.serve_cmd import serve  # noqa: E402
+from cag.cli.serve_cmd import serve  # noqa: E402
 
 app.command()(serve)
-from cli.compare_cmd import compare  # noqa: E402
+from cag.cli.compare_cmd import compare  # noqa: E402
 
 app.command()(compare)
-from cli.maintenance import gc, invalidate, reindex  # noqa: E402
+from cag.cli.maintenance import gc, invalidate, reindex  # noqa: E402
 
 app.command()(invalidate)
 app.command()(gc)

@@ -8,7 +8,7 @@ import typer
 
 from cag import maintenance
 from cag.config import get_settings
-from store.index import Index
+from cag.store.index import Index
 
 from .common import JsonOpt, _emit, _human_bytes, handle_errors
 

@@ -26,8 +26,8 @@ def serve(
     (comma-separated), never from the command line."""
     import uvicorn
 
-    from api.app import create_app
-    from api.settings import ApiSettings
+    from cag.api.app import create_app
+    from cag.api.settings import ApiSettings
 
     try:
         api_settings = ApiSettings(**{k: v for k, v in {"workers": workers, "max_queue": max_queue,

@@ -208,7 +208,7 @@ def run_meta(engine, cfg: CompareConfig, fmt: str, path: Path | None) -> dict:
     import torch
     import transformers
 
-    from rag.answer import DEFAULT_PASSAGE_TOKENS
+    from cag.rag.answer import DEFAULT_PASSAGE_TOKENS
 
     lm = engine.lm
     stops = sorted(stop_ids(lm.model, lm.tokenizer))
@@ -389,7 +389,7 @@ def run_compare(engine, cfg: CompareConfig, log: Callable[[str], None] = lambda 
 def _prepare(engine, cfg: CompareConfig, ks: ds.KnowledgeSet, size: int, why: str | None, corpora_root: Path,
              modes: list[str], reporter_factory, log) -> SetInfo:
     """Write, measure, ingest and index one set; a SetInfo with `skipped` set when it cannot be run."""
-    from rag.answer import get_index
+    from cag.rag.answer import get_index
 
     lm = engine.lm
     if why:

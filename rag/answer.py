@@ -146,3 +146,9 @@ def answer_rag(engine, row: dict, question: str, cfg: DecodeConfig, k: int = 3, 
                             "name": passage_name(p.doc_id, p.index), "n_tokens": p.n_tokens} for p, s in hits])
     engine.log(ans, question)
     return ans
+
+
+def ask(engine, corpus: str, question: str, mode: str = "cag", **kwargs):
+    """Answer in any mode: `cag` and `full` are the engine's own; `rag` is built here, above it.
+    The one entry point for the CLI, the API and the comparison runner."""
+    return engine.ask(corpus, question, mode=mode, **kwargs)

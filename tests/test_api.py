@@ -47,7 +47,7 @@ DOCS = {
 
 def _cag_cmd() -> list[str]:
     exe = shutil.which("cag")
-    return [exe] if exe else [sys.executable, "-m", "cli"]
+    return [exe] if exe else [sys.executable, "-m", "cag"]
 
 
 def _free_port() -> int:
@@ -311,7 +311,7 @@ def _stopped(metrics_text: str, reason: str) -> float:
 
 
 def test_a_client_that_disconnects_stops_its_generation(server):
-    from store.index import Index
+    from cag.store.index import Index
 
     q = "Tell me everything about the lighthouse, the ferry and the bakery."
     with server.client() as c:
@@ -424,8 +424,8 @@ def engine(tiny_lm, tiny_model_dir, small_corpus, monkeypatch):
 def app_client(engine, **settings):
     from fastapi.testclient import TestClient
 
-    from api.app import create_app
-    from api.settings import ApiSettings
+    from cag.api.app import create_app
+    from cag.api.settings import ApiSettings
 
     app = create_app(ApiSettings(**settings), engine=engine)
     with TestClient(app, raise_server_exceptions=False) as c:
@@ -448,7 +448,7 @@ def _err(r, status: int, code: str | None = None) -> dict:
 def test_health_is_503_until_the_model_is_loaded(tiny_model_dir, monkeypatch):
     from fastapi.testclient import TestClient
 
-    from api.app import create_app
+    from cag.api.app import create_app
     from cag.config import get_settings
     from cag.engine import Engine
 
@@ -548,7 +548,7 @@ def test_a_full_queue_answers_429_with_retry_after(engine):
 
 
 def test_the_request_timeout_stops_generation_with_504(engine):
-    from store.index import Index
+    from cag.store.index import Index
 
     with app_client(engine, request_timeout_s=0.02) as c:
         q = "A question that will not finish in 20 ms?"

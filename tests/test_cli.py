@@ -7,7 +7,7 @@ import json
 import pytest
 from typer.testing import CliRunner
 
-from cli.main import app
+from cag.cli.main import app
 
 runner = CliRunner()
 

@@ -14,8 +14,8 @@ import pytest
 from typer.testing import CliRunner
 
 from cag.errors import BadInput
-from compare import datasets as ds
-from compare.runner import CompareConfig, plan, resolve_dataset, run_compare
+from cag.compare import datasets as ds
+from cag.compare.runner import CompareConfig, plan, resolve_dataset, run_compare
 
 ROW_KEYS = {"set", "size", "prefix_tokens", "qid", "question", "golds", "gold_docs", "mode", "retriever", "k",
             "answer", "em", "f1", "answer_in_output", "prompt_tokens", "cached_tokens", "completion_tokens",
@@ -71,7 +71,7 @@ def _check_rows(rows: list[dict]) -> None:
 
 
 def test_compare_jsonl_end_to_end_with_resume(qa_jsonl, tmp_path, tiny_model_dir, monkeypatch):
-    from cli.main import app
+    from cag.cli.main import app
 
     monkeypatch.setenv("CAG_MODEL", str(tiny_model_dir))
     out = tmp_path / "out"
@@ -110,7 +110,7 @@ def test_compare_jsonl_end_to_end_with_resume(qa_jsonl, tmp_path, tiny_model_dir
     assert "One-time ingest cost: cag prefill" in md
     png = (out / "report.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
-    from compare.report import rebuild
+    from cag.compare.report import rebuild
 
     rebuild(out)  # the report is a pure function of the run's files
     assert (out / "report.md").read_text() == md
@@ -213,7 +213,7 @@ def test_plan_and_inputs(qa_jsonl, tmp_path, monkeypatch, tiny_engine):
 
 
 def test_cli_usage_errors(tiny_model_dir, monkeypatch, tmp_path):
-    from cli.main import app
+    from cag.cli.main import app
 
     monkeypatch.setenv("CAG_MODEL", str(tiny_model_dir))
     r = CliRunner().invoke(app, ["compare", "squad", "--size-tokens", "2k", "--out", str(tmp_path / "o")])

@@ -12,7 +12,7 @@ import time
 
 from cag.config import get_settings
 from cag.engine import Engine
-from store import snapshots
+from cag.store import snapshots
 
 
 def _check_consistent(settings) -> None:
@@ -31,7 +31,7 @@ def _check_consistent(settings) -> None:
 def test_kill_9_during_ingest_leaves_index_and_files_consistent(tiny_model_dir, small_corpus, cag_home):
     env = dict(os.environ, CAG_MODEL=str(tiny_model_dir), CAG_CHUNK_TOKENS="4")
     (small_corpus / "long.md").write_text("\n".join(f"Line {i}: the tide table for pier {i % 7} is posted daily." for i in range(60)))
-    cmd = [sys.executable, "-m", "cli", "ingest", str(small_corpus), "--name", "corpus", "--json"]
+    cmd = [sys.executable, "-m", "cag", "ingest", str(small_corpus), "--name", "corpus", "--json"]
     t0 = time.monotonic()
     subprocess.run(cmd, env=env, check=True, capture_output=True, timeout=300)
     full = time.monotonic() - t0

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from compare.datasets import (
+from cag.compare.datasets import (
     HOTPOT_DEV_FILE,
     SQUAD_DEV_FILE,
     Corpus,

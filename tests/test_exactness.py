@@ -35,7 +35,7 @@ def test_cag_equals_full_for_questions_in_a_row(tiny_model_dir, small_corpus, mo
 
 
 def test_float16_snapshot_is_the_float32_state_rounded(tiny_model_dir, small_corpus, monkeypatch):
-    from store import snapshots
+    from cag.store import snapshots
 
     paths = {}
     for dtype in ("float32", "float16"):

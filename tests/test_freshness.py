@@ -15,8 +15,8 @@ from typer.testing import CliRunner
 from cag.config import get_settings
 from cag.engine import Engine
 from cag.errors import Busy, StaleRefused
-from cli.main import app
-from store import snapshots
+from cag.cli.main import app
+from cag.store import snapshots
 
 Q = "When does the ferry leave?"
 

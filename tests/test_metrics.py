@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from compare.metrics import answer_in_output, exact_match, f1, normalize_answer, summarize
+from cag.compare.metrics import answer_in_output, exact_match, f1, normalize_answer, summarize
 
 
 @pytest.mark.parametrize(

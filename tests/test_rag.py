@@ -13,8 +13,8 @@ import sys
 import numpy as np
 import pytest
 
-from rag.chunking import Passage, chunk_documents
-from rag.retrieve import (
+from cag.rag.chunking import Passage, chunk_documents
+from cag.rag.retrieve import (
     BM25Retriever,
     DenseRetriever,
     RetrieverUnavailable,

@@ -15,8 +15,8 @@ from typer.testing import CliRunner
 from cag.errors import BadInput
 from cag.generate import DecodeConfig
 from cag.prompt import build_prefix, build_suffix
-from rag import answer as rag_answer
-from rag.answer import answer_rag, get_index, passage_name
+from cag.rag import answer as rag_answer
+from cag.rag.answer import answer_rag, get_index, passage_name
 
 LONG = "\n\n".join(
     f"Section {i}. The harbour office on pier {i} opens at {6 + i % 5} in the morning and the "
@@ -129,7 +129,7 @@ def test_bad_retriever_and_k_are_user_errors(tiny_engine, small_corpus, tiny_mod
         tiny_engine.ask("town", "Who?", mode="rag", retriever="nope")
     with pytest.raises(BadInput):
         tiny_engine.ask("town", "Who?", mode="rag", k=0)
-    from cli.main import app
+    from cag.cli.main import app
 
     monkeypatch.setenv("CAG_MODEL", str(tiny_model_dir))
     r = CliRunner().invoke(app, ["ask", "town", "Who keeps the lighthouse?", "--mode", "rag", "--retriever", "nope"])

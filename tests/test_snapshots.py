@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from cag.errors import SnapshotCorrupt
-from store import snapshots
+from cag.store import snapshots
 
 
 def _kv(n_layers=2, heads=2, n=5, dim=4):
