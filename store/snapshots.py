@@ -3,9 +3,12 @@
 Layout of a file:
   tensors   layers.{i}.keys / layers.{i}.values  (1, H_kv, n_tokens, D) in the storage dtype
             prefix_ids                           (n_tokens,) int32: the token ids the KV belongs to
-  metadata  str -> str; structured values are JSON: format, key, model, fingerprints, shapes,
-            dtype, document spans, created, and `checksum` = blake3 over every tensor's bytes in
-            name order, so a truncated or tampered file is caught before it is served.
+  metadata  str -> str; structured values are JSON: format, key, model, fingerprints, shapes
+            (n_layers, n_kv_heads, n_tokens, head_dim), dtype, document spans, created, and
+            `checksum` = blake3 over `name|dtype|shape|` + bytes of every tensor in name order.
+The checksum covers each tensor's dtype and shape, not only its bytes: rewriting `F16` to `BF16`
+in the safetensors header keeps a parseable file of the same bytes that would decode as garbage.
+Load also checks every layer tensor against the header's dtype and (1, H_kv, n_tokens, D).
 No pickle anywhere: safetensors holds raw tensor bytes and a JSON header only.
 """
 
@@ -13,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,7 +25,12 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-FORMAT_VERSION = "1"
+# "2": the checksum covers dtype and shape. A version-1 file is refused as an unknown format,
+# and since the version is part of every snapshot key, `cag ingest` rebuilds it.
+FORMAT_VERSION = "2"
+# Test-only: the path of a flag file. `save` creates it once the temp file is written and fsynced,
+# just before the rename, then sleeps, so a crash test can kill -9 the writer at that moment.
+PAUSE_BEFORE_RENAME_ENV = "CAG_TEST_PAUSE_BEFORE_RENAME"
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
@@ -44,7 +53,8 @@ def _checksum(tensors: dict[str, torch.Tensor]) -> str:
     h = blake3.blake3(max_threads=blake3.blake3.AUTO)
     for name in sorted(tensors):
         t = tensors[name]
-        h.update(name.encode() + b"|")
+        shape = ",".join(str(d) for d in t.shape)
+        h.update(f"{name}|{str(t.dtype).removeprefix('torch.')}|{shape}|".encode())
         h.update(t.contiguous().view(torch.uint8).numpy().data if t.numel() else b"")
     return "blake3:" + h.hexdigest()
 
@@ -71,7 +81,7 @@ def _fsync_dir(folder: Path) -> None:
 def save(path: Path, kv, ids: list[int], meta: dict, dtype: torch.dtype) -> int:
     """Write to a temp file in the same folder, fsync, rename over `path`. Returns file bytes.
 
-    A crash before the rename leaves only a `.tmp` file that nothing serves (gc removes it).
+    A crash before the rename leaves only a dot-named temp file that nothing serves (gc removes it).
     """
     tensors: dict[str, torch.Tensor] = {"prefix_ids": torch.tensor(ids, dtype=torch.int32)}
     for i, (k, v) in enumerate(kv):
@@ -79,12 +89,17 @@ def save(path: Path, kv, ids: list[int], meta: dict, dtype: torch.dtype) -> int:
         tensors[f"layers.{i}.values"] = v.to(dtype).contiguous()
     header = dict(meta, format=FORMAT_VERSION, n_layers=len(kv), n_tokens=len(ids),
                   dtype=str(dtype).removeprefix("torch."), checksum=_checksum(tensors))
+    if kv:  # the shape every layer tensor must have on load, from the tensors themselves
+        header.update(n_kv_heads=kv[0][0].shape[1], head_dim=kv[0][0].shape[3])
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
         save_file(tensors, str(tmp), metadata=_encode(header))
         with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
+        if flag := os.environ.get(PAUSE_BEFORE_RENAME_ENV):  # test-only, see PAUSE_BEFORE_RENAME_ENV
+            Path(flag).write_text(str(tmp))
+            time.sleep(3600)
         os.replace(tmp, path)
         _fsync_dir(path.parent)
     finally:
@@ -103,7 +118,8 @@ def read_header(path: Path) -> dict:
 
 
 def load(path: Path, expect_key: str | None = None, verify: bool = True) -> Snapshot:
-    """Load and check a snapshot: format, key, shapes and (by default) the tensor checksum."""
+    """Load and check a snapshot: format, key, dtypes and shapes against the header, and (by
+    default) the checksum over every tensor's name, dtype, shape and bytes."""
     try:
         with safe_open(str(path), framework="pt") as f:
             meta = _decode(f.metadata() or {})
@@ -118,14 +134,27 @@ def load(path: Path, expect_key: str | None = None, verify: bool = True) -> Snap
         raise SnapshotError(f"snapshot file missing: {path}") from None
     except Exception as e:
         raise SnapshotError(f"snapshot unreadable (truncated or corrupt): {path.name}: {e}") from None
-    n_layers, n_tokens = int(meta["n_layers"]), int(meta["n_tokens"])
+    try:
+        n_layers, n_tokens = int(meta["n_layers"]), int(meta["n_tokens"])
+        dtype = DTYPES[meta["dtype"]]
+        shape = (1, int(meta["n_kv_heads"]), n_tokens, int(meta["head_dim"])) if n_layers else None
+    except (KeyError, TypeError, ValueError) as e:
+        raise SnapshotError(f"snapshot {path.name}: header field missing or invalid: {e}") from None
     try:
         kv = [(tensors[f"layers.{i}.keys"], tensors[f"layers.{i}.values"]) for i in range(n_layers)]
         ids = tensors["prefix_ids"]
     except KeyError as e:
         raise SnapshotError(f"snapshot {path.name}: missing tensor {e}") from None
-    if ids.shape != (n_tokens,) or any(t.shape[2] != n_tokens for pair in kv for t in pair):
-        raise SnapshotError(f"snapshot {path.name}: tensor shapes disagree with its header")
+    if ids.dtype != torch.int32 or tuple(ids.shape) != (n_tokens,):
+        raise SnapshotError(f"snapshot {path.name}: prefix_ids disagree with its header")
+    for i, pair in enumerate(kv):
+        for t in pair:
+            if t.dtype != dtype:
+                raise SnapshotError(f"snapshot {path.name}: layer {i} is {str(t.dtype).removeprefix('torch.')}, "
+                                    f"the header says {meta['dtype']}")
+            if tuple(t.shape) != shape:
+                raise SnapshotError(f"snapshot {path.name}: layer {i} has shape {tuple(t.shape)}, "
+                                    f"the header says {shape}")
     if verify and _checksum(tensors) != meta.get("checksum"):
         raise SnapshotError(f"snapshot {path.name}: checksum mismatch (file was modified or damaged)")
     return Snapshot(meta=meta, kv=kv, ids=ids.tolist())

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import os
+import struct
 
 import pytest
 import torch
@@ -57,6 +59,83 @@ def test_tampered_byte_is_detected(tmp_path):
     assert snapshots.load(path, verify=False).ids  # the check, not the parser, caught it
 
 
+def _rewrite_header(path, edit) -> None:
+    """Edit the safetensors header (8-byte little-endian length + JSON) and keep the tensor bytes:
+    the file still parses, exactly what a tamperer or a buggy writer would produce."""
+    data = path.read_bytes()
+    n = struct.unpack("<Q", data[:8])[0]
+    header = json.loads(data[8:8 + n])
+    edit(header)
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    path.write_bytes(struct.pack("<Q", len(raw)) + raw + data[8 + n:])
+
+
+def _layers(header):
+    return [v for k, v in header.items() if k.startswith("layers.")]
+
+
+def test_tampered_tensor_dtype_is_refused(tmp_path):
+    """F16 -> BF16 in the header keeps every byte and offset valid: without checks the file loads
+    and serves garbage. The dtype check against the header's `dtype` refuses it."""
+    from safetensors import safe_open
+
+    path = tmp_path / "s.safetensors"
+    snapshots.save(path, _kv(), [1, 2, 3, 4, 5], {"key": "k"}, torch.float16)
+    _rewrite_header(path, lambda h: [t.update(dtype="BF16") for t in _layers(h)])
+    with safe_open(str(path), framework="pt") as f:  # the file still parses, as bfloat16
+        assert f.get_tensor("layers.0.keys").dtype == torch.bfloat16
+    for verify in (True, False):  # caught even without the checksum pass
+        with pytest.raises(snapshots.SnapshotError, match="layer 0 is bfloat16, the header says float16"):
+            snapshots.load(path, verify=verify)
+
+
+def test_checksum_covers_dtype_and_shape(tmp_path):
+    """A consistent rewrite (tensor dtypes and the header's `dtype` together; or a shape with the
+    same element count) passes every header check: only the checksum can catch it."""
+    path = tmp_path / "s.safetensors"
+    snapshots.save(path, _kv(), [1, 2, 3, 4, 5], {"key": "k"}, torch.float16)
+
+    def to_bf16(h):
+        for t in _layers(h):
+            t["dtype"] = "BF16"
+        h["__metadata__"]["dtype"] = json.dumps("bfloat16")
+
+    _rewrite_header(path, to_bf16)
+    assert snapshots.load(path, verify=False).kv[0][0].dtype == torch.bfloat16  # every header check passes
+    with pytest.raises(snapshots.SnapshotError, match="checksum"):
+        snapshots.load(path)
+
+    snapshots.save(path, _kv(), [1, 2, 3, 4, 5], {"key": "k"}, torch.float16)
+
+    def swap_heads_and_dim(h):  # (1, 2, 5, 4) -> (1, 4, 5, 2): same bytes, other tensor
+        for t in _layers(h):
+            t["shape"] = [1, 4, 5, 2]
+        h["__metadata__"].update(n_kv_heads="4", head_dim="2")
+
+    _rewrite_header(path, swap_heads_and_dim)
+    assert snapshots.load(path, verify=False).kv[0][0].shape == (1, 4, 5, 2)
+    with pytest.raises(snapshots.SnapshotError, match="checksum"):
+        snapshots.load(path)
+
+
+def test_tensor_shape_must_match_the_header(tmp_path):
+    path = tmp_path / "s.safetensors"
+    snapshots.save(path, _kv(), [1, 2, 3, 4, 5], {"key": "k"}, torch.float16)
+    assert snapshots.read_header(path)["n_kv_heads"] == 2 and snapshots.read_header(path)["head_dim"] == 4
+    _rewrite_header(path, lambda h: _layers(h)[0].update(shape=[1, 4, 5, 2]))
+    with pytest.raises(snapshots.SnapshotError, match=r"has shape \(1, 4, 5, 2\), the header says \(1, 2, 5, 4\)"):
+        snapshots.load(path, verify=False)
+
+
+def test_an_older_format_is_refused(tmp_path):
+    path = tmp_path / "s.safetensors"
+    snapshots.save(path, _kv(), [1, 2, 3, 4, 5], {"key": "k"}, torch.float16)
+    _rewrite_header(path, lambda h: h["__metadata__"].update(format=json.dumps("1")))
+    with pytest.raises(snapshots.SnapshotError, match="unknown format '1'"):
+        snapshots.load(path)
+
+
 def test_crash_before_publish_leaves_nothing_servable(tiny_engine, small_corpus, monkeypatch):
     """Kill the write between the temp file and the rename: no file under the final name,
     no temp file left, and the index has no snapshot row."""
@@ -82,14 +161,14 @@ def test_old_snapshot_survives_a_failed_rebuild(tiny_engine, small_corpus, monke
         tiny_engine.ingest("corpus")
     monkeypatch.undo()
     assert tiny_engine.index.corpus("corpus")["current_snapshot"] == first.snapshot
-    tiny_engine._evict()
+    tiny_engine.evict()
     assert tiny_engine.ask("corpus", "Who keeps the lighthouse?", max_tokens=8).token_ids == before
 
 
 def test_corrupt_snapshot_is_reported_never_served_and_rebuilt(tiny_engine, small_corpus):
     r = tiny_engine.ingest(str(small_corpus))
     good = tiny_engine.ask("corpus", "Who keeps the lighthouse?", max_tokens=8).token_ids
-    tiny_engine._evict()
+    tiny_engine.evict()
     path = tiny_engine.settings.snapshots_dir / f"{r.snapshot}.safetensors"
     data = bytearray(path.read_bytes())
     data[-5] ^= 0x01
