@@ -60,7 +60,7 @@ def main() -> None:
             path = Path(ing.path)
 
             def cag_ttft():
-                engine._evict()  # not resident: the snapshot is read from its file
+                engine.evict()  # not resident: the snapshot is read from its file
                 return engine.ask(f"essays{size}", QUESTION, max_tokens=1)
 
             def full_ttft():

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
+
+from . import kv
 
 
 @dataclass(frozen=True)
@@ -90,3 +93,32 @@ class TextStream:
     @property
     def text(self) -> str:
         return self.tok.decode(self.ids, skip_special_tokens=True)
+
+
+@dataclass
+class Generated:
+    text: str  # stripped answer
+    ids: list[int]  # generated token ids (stop token excluded)
+    ttft_ms: float  # from t_start to the first token (or to the end, for an empty answer)
+    decode_tok_s: float | None  # tokens after the first, per second; None below two tokens
+
+
+def generate(lm, cache, n_prefix: int, suffix: list[int], cfg: DecodeConfig, chunk: int = 512,
+             on_text: Callable[[str], None] | None = None, should_stop: Callable[[], bool] | None = None,
+             t_start: float | None = None) -> Generated:
+    """Answer over a buffer whose positions [0, n_prefix) hold a prompt prefix: prefill the suffix
+    at n_prefix.., then decode into the same buffer. `lm` is a cag.model.LoadedModel."""
+    t_start = time.perf_counter() if t_start is None else t_start
+    logits = kv.prefill(lm.model, cache, suffix, n_prefix, chunk, should_stop=should_stop)
+    stream, ids, t_first = TextStream(lm.tokenizer), [], None
+    for tok in decode(lm.model, cache, logits, n_prefix + len(suffix), cfg, lm.stops, should_stop):
+        if t_first is None:
+            t_first = time.perf_counter()
+        ids.append(tok)
+        piece = stream.push(tok)
+        if on_text and piece:
+            on_text(piece)
+    t_end = time.perf_counter()
+    ttft = ((t_first or t_end) - t_start) * 1e3
+    rate = (len(ids) - 1) / (t_end - t_first) if t_first is not None and len(ids) > 1 and t_end > t_first else None
+    return Generated(stream.text.strip(), ids, ttft, round(rate, 2) if rate else None)

@@ -18,9 +18,12 @@ from pathlib import Path
 import blake3
 import torch
 
+from cag.store.snapshots import expected_bytes
+
 from . import attention
 from .config import DEFAULT_MODEL
 from .errors import ModelError
+from .generate import stop_ids
 from .hashing import hash_obj
 
 log = logging.getLogger(__name__)
@@ -41,10 +44,15 @@ class LoadedModel:
     head_dim: int
     max_context: int
     dtype: torch.dtype
+    stops: frozenset[int] = frozenset()  # token ids that end an answer
 
-    def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
-        """KV-size formula per token: 2 (K and V) x layers x kv_heads x head_dim x bytes."""
-        return 2 * self.n_layers * self.n_kv_heads * self.head_dim * dtype.itemsize
+    def kv_bytes(self, n_tokens: int, dtype: torch.dtype | None = None) -> int:
+        """The KV-size formula (store.snapshots.expected_bytes) for this model's shapes."""
+        return expected_bytes(self.n_layers, self.n_kv_heads, self.head_dim, dtype or self.dtype, n_tokens)
+
+    def fits(self, n_prefix: int, room: int) -> bool:
+        """Whether a prefix leaves `room` tokens (question + answer) inside the context window."""
+        return n_prefix + room <= self.max_context
 
 
 def _gguf_dir() -> Path:
@@ -188,4 +196,5 @@ def describe(model: torch.nn.Module, tok, name: str) -> LoadedModel:
         head_dim=head_dim,
         max_context=getattr(text, "max_position_embeddings", 2048),
         dtype=model.dtype,
+        stops=frozenset(stop_ids(model, tok)),
     )

@@ -68,8 +68,10 @@ def ask(
         def on_text(piece: str) -> None:
             typer.echo(piece, nl=False)
             sys.stdout.flush()
-    a = engine.ask(corpus, question, mode=mode, max_tokens=max_tokens, on_text=on_text, on_stale=on_stale,
-                   k=k, retriever=retriever)
+    from cag.rag.answer import ask as answer
+
+    a = answer(engine, corpus, question, mode=mode, max_tokens=max_tokens, on_text=on_text, on_stale=on_stale,
+               k=k, retriever=retriever)
     if a.stale:
         typer.echo(f"warning: corpus {corpus!r} is stale: {'; '.join(a.stale_reasons)}", err=True)
     if json_:

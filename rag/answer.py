@@ -2,7 +2,7 @@
 
 Fairness with `cag`/`full` is by construction: the prompt is built with the same
 `build_prefix`/`build_suffix` and the same chat layout, the retrieved passages simply take
-the place of the documents, and decoding goes through the same `Engine._generate` with the
+the place of the documents, and decoding goes through the same `Engine.answer_prompt` with the
 same DecodeConfig and stop tokens. Put differently, a RAG prompt is exactly the `full` prompt
 of a corpus made only of the retrieved passages:
 
@@ -28,11 +28,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
-from cag import kv
 from cag.errors import BadInput, TooLarge
-from cag.generate import DecodeConfig
 from cag.hashing import hash_obj
-from cag.prompt import build_prefix, build_suffix, encode_text
+from cag.prompt import build_prefix, encode_text
+from cag.results import Mode
 
 from .chunking import DEFAULT_TARGET_TOKENS, Passage, chunk_documents
 from .retrieve import RETRIEVER_KINDS, RetrieverUnavailable, make_retriever
@@ -105,50 +104,36 @@ def clear_indexes() -> None:
         _indexes.clear()
 
 
-def answer_rag(engine, row: dict, question: str, cfg: DecodeConfig, k: int = 3, retriever: str = "bm25",
-               on_text: Callable[[str], None] | None = None, should_stop: Callable[[], bool] | None = None,
-               reasons: list[str] | None = None, t_start: float | None = None,
-               passage_tokens: int = DEFAULT_PASSAGE_TOKENS):
-    """Answer `question` from the top-k passages of corpus `row`; an `Answer` with mode "rag"."""
-    # cag.engine imports this module lazily, so importing it here makes no cycle at import time.
-    from cag.engine import Answer
-
-    t_start = time.perf_counter() if t_start is None else t_start
+def answer_rag(engine, q, k: int = 3, retriever: str = "bm25", on_text: Callable[[str], None] | None = None,
+               should_stop: Callable[[], bool] | None = None, passage_tokens: int = DEFAULT_PASSAGE_TOKENS):
+    """Answer a checked question `q` (cag.engine.Question) from the top-k passages of its corpus."""
     if k < 1:
         raise BadInput("k must be at least 1")
-    lm = engine.lm
-    docs, _ = engine.read_corpus(Path(row["source"]), row["name"])
+    docs, _ = engine.read_corpus(Path(q.row["source"]), q.corpus)
 
     t0 = time.perf_counter()
     idx, _cached = get_index(engine, docs, retriever, passage_tokens)
-    hits = idx.retriever.search(question, k)
+    hits = idx.retriever.search(q.text, k)
     retrieval_ms = (time.perf_counter() - t0) * 1e3
 
     order = {d.name: i for i, d in enumerate(docs)}
     chosen = sorted(hits, key=lambda h: (order[h[0].doc_id], h[0].index))  # corpus order, like `full`
-    layout = engine.layout()
-    prefix = build_prefix(lm.tokenizer, layout, [(passage_name(p.doc_id, p.index), p.text) for p, _ in chosen])
-    suffix = build_suffix(lm.tokenizer, layout, question)
-    n = len(prefix.ids)
-    if n + engine.room > lm.max_context:
-        raise TooLarge(f"{len(chosen)} passages are {n} tokens; too large for the model's context of "
-                       f"{lm.max_context} with {engine.room} reserved for question and answer; use a smaller k")
-    cache = kv.new_cache(lm.model, n + engine.room)  # same buffer size as `full` for the same prefix
-    kv.prefill(lm.model, cache, prefix.ids, 0, engine.settings.chunk_tokens, should_stop=should_stop)
-    text, ids, ttft = engine._generate(cache, n, suffix, cfg, on_text, should_stop, t_start)
-    reasons = list(reasons or [])
-    ans = Answer(answer=text, mode="rag", corpus=row["name"], snapshot=None, stale=bool(reasons),
-                 stale_reasons=reasons, prompt_tokens=n + len(suffix), cached_tokens=0,
-                 completion_tokens=len(ids), load_ms=0.0, ttft_ms=round(ttft, 2),
-                 total_ms=round((time.perf_counter() - t_start) * 1e3, 2), retrieval_ms=round(retrieval_ms, 2),
-                 token_ids=ids,
-                 passages=[{"doc_id": p.doc_id, "index": p.index, "score": round(s, 4),
-                            "name": passage_name(p.doc_id, p.index), "n_tokens": p.n_tokens} for p, s in hits])
-    engine.log(ans, question)
-    return ans
+    prefix = build_prefix(engine.lm.tokenizer, engine.layout(), [(passage_name(p.doc_id, p.index), p.text) for p, _ in chosen])
+    if not engine.lm.fits(len(prefix.ids), engine.room):
+        raise TooLarge(f"{len(chosen)} passages are {len(prefix.ids)} tokens; too large for the model's context of "
+                       f"{engine.lm.max_context} with {engine.room} reserved for question and answer; use a smaller k")
+    passages = [{"doc_id": p.doc_id, "index": p.index, "score": round(s, 4), "name": passage_name(p.doc_id, p.index),
+                 "n_tokens": p.n_tokens} for p, s in hits]
+    return engine.answer_prompt(q, prefix.ids, on_text, should_stop, retrieval_ms=round(retrieval_ms, 2), passages=passages)
 
 
-def ask(engine, corpus: str, question: str, mode: str = "cag", **kwargs):
+def ask(engine, corpus: str, question: str, mode: str = "cag", max_tokens: int | None = None,
+        on_text: Callable[[str], None] | None = None, should_stop: Callable[[], bool] | None = None,
+        on_stale: str = "serve", decoding=None, k: int = 3, retriever: str = "bm25"):
     """Answer in any mode: `cag` and `full` are the engine's own; `rag` is built here, above it.
     The one entry point for the CLI, the API and the comparison runner."""
-    return engine.ask(corpus, question, mode=mode, **kwargs)
+    if mode != Mode.RAG.value:
+        return engine.ask(corpus, question, mode=mode, max_tokens=max_tokens, on_text=on_text,
+                          should_stop=should_stop, on_stale=on_stale, decoding=decoding)
+    q = engine.check(corpus, question, mode, max_tokens, on_stale, decoding)
+    return answer_rag(engine, q, k, retriever, on_text, should_stop)

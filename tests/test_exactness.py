@@ -54,7 +54,7 @@ def test_each_question_alone_equals_in_a_row(tiny_engine, small_corpus):
     in_a_row = [tiny_engine.ask("corpus", q, max_tokens=16).token_ids for q in QUESTIONS[:3]]
     alone = []
     for q in QUESTIONS[:3]:
-        tiny_engine._evict()  # drop the resident snapshot: load from the file again
+        tiny_engine.evict()  # drop the resident snapshot: load from the file again
         alone.append(tiny_engine.ask("corpus", q, max_tokens=16).token_ids)
     assert in_a_row == alone
 
@@ -62,7 +62,7 @@ def test_each_question_alone_equals_in_a_row(tiny_engine, small_corpus):
 def test_asking_never_mutates_the_loaded_snapshot(tiny_engine, small_corpus):
     tiny_engine.ingest(str(small_corpus))
     tiny_engine.ask("corpus", "warm up", max_tokens=4)
-    (res,) = tiny_engine._resident.values()
+    (res,) = tiny_engine.resident.values()
     before = [(k.clone(), v.clone()) for k, v in res.snap.kv]
     buf = res.free[0]
     prefix_before = [(k.clone(), v.clone()) for k, v in kv.export(buf, res.snap.n_tokens)]
@@ -116,12 +116,11 @@ def test_index_and_engine_work_from_other_threads(tiny_engine, small_corpus):
     """The server calls the engine from worker threads: each gets its own SQLite connection."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from cag.engine import iter_answer
-
     tiny_engine.ingest(str(small_corpus))
     alone = [tiny_engine.ask("corpus", q, max_tokens=8).token_ids for q in QUESTIONS]
     with ThreadPoolExecutor(4) as pool:
         together = list(pool.map(lambda q: tiny_engine.ask("corpus", q, max_tokens=8).token_ids, QUESTIONS))
     assert together == alone
-    *pieces, answer = list(iter_answer(tiny_engine, "corpus", QUESTIONS[0], max_tokens=8))
+    pieces: list[str] = []
+    answer = tiny_engine.ask("corpus", QUESTIONS[0], max_tokens=8, on_text=pieces.append)
     assert "".join(pieces).strip() == answer.answer and answer.token_ids == alone[0]
