@@ -46,7 +46,9 @@ def stale_reasons(
     reasons = []
     if corpus.get("invalidated"):
         reasons.append(f"invalidated: {corpus['invalidated']}")
-    if snapshot.get("status") not in ("ready", None):
+    # `snapshot` is this corpus's current one, so it is never superseded for this corpus, whatever
+    # another corpus sharing the file did (an index from before that was derived may still say so)
+    if snapshot.get("status") not in ("ready", "superseded", None):
         reasons.append(f"snapshot is {snapshot['status']}")
     if model_fingerprint and snapshot.get("model_fingerprint") != model_fingerprint:
         reasons.append("model changed: the configured model's weights differ from the snapshot's")

@@ -6,14 +6,15 @@ from typing import Annotated
 
 import typer
 
-from cag import maintenance
 from cag.config import get_settings
-from cag.store.index import Index
+from cag.errors import BadInput
 
 from .common import JsonOpt, _emit, _human_bytes, handle_errors
 
 
 def _index_and_settings():
+    from cag.store.index import Index  # sqlite-utils (and torch, via cag.maintenance) load per command, not at start-up
+
     s = get_settings()
     return s, Index(s.index_path)
 
@@ -27,6 +28,8 @@ def invalidate(
     """Mark a corpus (or the snapshots containing a document) invalid; `ask --on-stale` decides what happens next."""
     if corpus is None and doc is None:
         raise typer.BadParameter("give a corpus name, --doc PATH, or both")
+    from cag import maintenance
+
     _, index = _index_and_settings()
     marked = maintenance.invalidate(index, corpus, doc)
     if json_:
@@ -42,7 +45,11 @@ def gc(
     include_current: Annotated[bool, typer.Option("--include-current", help="Allow deleting a corpus's current snapshot to meet --max-bytes.")] = False,
     json_: JsonOpt = False,
 ):
-    """Delete superseded and invalid snapshots and leftover temp files, then LRU ones over --max-bytes."""
+    """Delete snapshots no corpus uses, corrupt ones and leftover temp files, then LRU ones over --max-bytes."""
+    if max_bytes is not None and max_bytes < 0:
+        raise BadInput(f"--max-bytes must be 0 or more, got {max_bytes}")
+    from cag import maintenance
+
     settings, index = _index_and_settings()
     r = maintenance.gc(settings, index, max_bytes=max_bytes, dry_run=dry_run, include_current=include_current)
     if json_:
@@ -50,13 +57,22 @@ def gc(
         return
     verb = "would delete" if dry_run else "deleted"
     for d in r.deleted:
-        typer.echo(f"{verb} {d['digest'][:12]} ({d['corpus'] or '-'}, {_human_bytes(d['bytes'])}): {d['why']}")
+        typer.echo(f"{verb} {_label(d)} ({d['corpus'] or '-'}, {_human_bytes(d['bytes'])}): {d['why']}")
+    for d in r.kept:
+        typer.echo(f"kept {_label(d)} ({d['corpus'] or '-'}, {_human_bytes(d['bytes'])}): {d['why']}")
     typer.echo(f"{'would free' if dry_run else 'freed'} {_human_bytes(r.freed_bytes)}; kept {_human_bytes(r.kept_bytes)}")
+
+
+def _label(d: dict) -> str:
+    """Snapshots by short digest; files that are not in the index by their whole name."""
+    return d["digest"][:12] if d["corpus"] else d["digest"]
 
 
 @handle_errors
 def reindex(json_: JsonOpt = False):
     """Rebuild the snapshot index from the snapshot files' own headers (after losing index.db)."""
+    from cag import maintenance
+
     settings, index = _index_and_settings()
     r = maintenance.reindex(settings, index)
     if json_:

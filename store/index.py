@@ -2,10 +2,15 @@
 
 WAL mode with a busy timeout so queries can log while an ingest writes. Schema changes are
 numbered migrations recorded in `PRAGMA user_version`. Every change of state is one transaction.
+
+A snapshot row's `status` is a fact about its file: `ready` or `corrupt`. Whether it is current or
+superseded is each corpus's own view (`corpora.current_snapshot`): content-identical corpora share
+one file, so "superseded" is derived, never stored: a snapshot that no corpus points to.
 """
 
 from __future__ import annotations
 
+import sqlite3
 import threading
 import time
 from collections.abc import Iterable
@@ -13,6 +18,8 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import sqlite_utils
+
+from cag.errors import IndexUnusable
 
 
 def _m1(db: sqlite_utils.Database) -> None:
@@ -45,7 +52,14 @@ def _m1(db: sqlite_utils.Database) -> None:
     )
 
 
-MIGRATIONS = [_m1]
+def _m2(db: sqlite_utils.Database) -> None:
+    # "superseded" was stored on the file's row by whichever corpus moved on, which marked a
+    # content-identical corpus still using that file stale. It is derived now (no corpus points
+    # to the snapshot), so the stored word goes.
+    db.execute("UPDATE snapshots SET status = 'ready' WHERE status = 'superseded'")
+
+
+MIGRATIONS = [_m1, _m2]
 
 
 class Index:
@@ -53,10 +67,18 @@ class Index:
     the busy timeout let them work side by side, and with other processes."""
 
     def __init__(self, path: Path):
-        path.parent.mkdir(parents=True, exist_ok=True)
         self.path = path
         self._local = threading.local()
-        self._migrate()
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise IndexUnusable(f"cannot use {path.parent} for the index: {e.strerror or e}") from None
+        try:
+            self._migrate()
+        except sqlite3.DatabaseError as e:  # "file is not a database", "unable to open", malformed
+            self._local.db = None
+            raise IndexUnusable(f"{path} is not a usable index ({e}); move it away and run `cag reindex` "
+                                f"to rebuild it from the snapshot files") from None
 
     @property
     def db(self) -> sqlite_utils.Database:
@@ -105,9 +127,19 @@ class Index:
         return rows[0] if rows else None
 
     def snapshots(self, corpus: str | None = None) -> list[dict]:
+        """All snapshot rows, or those built by `corpus` (the name in the file's header)."""
         if corpus is None:
             return list(self.db["snapshots"].rows_where(order_by="created"))
         return list(self.db["snapshots"].rows_where("corpus = ?", [corpus], order_by="created"))
+
+    def corpora_using(self, digest: str) -> list[str]:
+        """The corpora whose current snapshot is `digest` (several when their contents are identical)."""
+        rows = self.db.execute("SELECT name FROM corpora WHERE current_snapshot = ? ORDER BY name", [digest])
+        return [r[0] for r in rows.fetchall()]
+
+    def superseded(self, digest: str) -> bool:
+        """No corpus points to this snapshot any more (derived per corpus, never stored)."""
+        return not self.corpora_using(digest)
 
     def snapshot_documents(self, digest: str) -> list[dict]:
         return list(self.db["snapshot_documents"].rows_where("snapshot = ?", [digest], order_by="ordinal"))
@@ -124,19 +156,15 @@ class Index:
             self.db["documents"].insert_all(
                 [dict(d, corpus=corpus["name"], ordinal=i) for i, d in enumerate(documents)]
             )
-            if old and old.get("current_snapshot") and old["current_snapshot"] != snapshot["digest"]:
-                self.db["snapshots"].update(old["current_snapshot"], {"status": "superseded"})
+            # the old snapshot is now superseded for this corpus only: nothing to write on its row
             self.db["snapshots"].upsert(dict(snapshot, status="ready"), pk="digest")
             self.db["snapshot_documents"].delete_where("snapshot = ?", [snapshot["digest"]])
             self.db["snapshot_documents"].insert_all(
                 [dict(s, snapshot=snapshot["digest"], ordinal=i) for i, s in enumerate(spans)]
             )
 
-    def touch_snapshot(self, digest: str) -> None:
-        with self.atomic():
-            self.db["snapshots"].update(digest, {"last_used": time.time()})
-
     def set_snapshot_status(self, digest: str, status: str) -> None:
+        """`ready` or `corrupt`: what the file is, the same for every corpus using it."""
         with self.atomic():
             self.db["snapshots"].update(digest, {"status": status})
 

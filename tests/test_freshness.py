@@ -12,11 +12,14 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
+from cag import maintenance
+from cag.cli.main import app
 from cag.config import get_settings
 from cag.engine import Engine
 from cag.errors import Busy, StaleRefused
-from cag.cli.main import app
+from cag.freshness import stale_reasons
 from cag.store import snapshots
+from cag.store.index import MIGRATIONS, Index
 
 Q = "When does the ferry leave?"
 
@@ -143,7 +146,7 @@ def test_gc_deletes_superseded_keeps_current(tiny_model_dir, small_corpus, monke
     first = json.loads(cag("ingest", str(small_corpus), "--json").stdout)
     (small_corpus / "c.md").write_text("Changed bakery.\n")
     second = json.loads(cag("ingest", "corpus", "--json").stdout)
-    tmp = cag_home / "snapshots" / ".x.safetensors.123.tmp"
+    tmp = cag_home / "snapshots" / ".x.safetensors.tmp"
     tmp.write_bytes(b"partial")
     dry = json.loads(cag("gc", "--dry-run", "--json").stdout)
     assert {d["digest"] for d in dry["deleted"]} == {first["snapshot"], tmp.name}
@@ -152,6 +155,8 @@ def test_gc_deletes_superseded_keeps_current(tiny_model_dir, small_corpus, monke
     assert done["freed_bytes"] == first["bytes"] + len(b"partial")
     assert not Path(first["path"]).exists() and not tmp.exists() and Path(second["path"]).exists()
     assert cag("ask", "corpus", Q, "--max-tokens", "4").exit_code == 0  # current kept despite budget 0
+    assert [(k["digest"], k["why"]) for k in done["kept"]] == [
+        (second["snapshot"], "current snapshot of corpus (over --max-bytes; --include-current deletes it)")]
     gone = json.loads(cag("gc", "--max-bytes", "0", "--include-current", "--json").stdout)
     assert [d["digest"] for d in gone["deleted"]] == [second["snapshot"]]
     assert cag("ask", "corpus", Q).exit_code == 1
@@ -194,3 +199,105 @@ def test_a_corpus_name_wins_over_a_same_named_folder_in_cwd(tiny_engine, small_c
     r = tiny_engine.ingest("corpus")
     assert r.status == "fresh" and r.n_documents == 3
     assert tiny_engine.ingest("./corpus", name="decoy").n_documents == 1  # an explicit path is a path
+
+
+def _snap_row(digest: str, folder: Path, corpus: str) -> dict:
+    path = folder / f"{digest}.safetensors"
+    path.write_bytes(b"x" * 10)
+    return {"key": f"sha256:{digest}", "digest": digest, "corpus": corpus, "model": "m", "model_fingerprint": "f",
+            "tokenizer_fingerprint": "t", "n_tokens": 5, "n_documents": 0, "bytes": 10, "dtype": "float16",
+            "path": str(path), "created": time.time(), "last_used": None, "prefill_ms": 1.0, "reused_tokens": 0}
+
+
+def test_identical_corpora_keep_their_own_status_in_the_index(cag_home, tmp_path):
+    """Two corpora with identical content share one snapshot. When one moves on, the other still
+    points to the shared snapshot: it must read ready (not superseded), fresh, and gc keeps it."""
+    settings = get_settings()
+    settings.snapshots_dir.mkdir(parents=True)
+    index = Index(settings.index_path)
+    source = tmp_path / "empty-source"
+    source.mkdir()
+    shared = _snap_row("s1", settings.snapshots_dir, "a")
+    index.publish({"name": "a", "source": str(source), "model": "m", "ttl_s": None}, [], shared, [])
+    index.publish({"name": "b", "source": str(source), "model": "m", "ttl_s": None}, [], shared, [])  # same content
+    assert index.corpora_using("s1") == ["a", "b"]
+    index.publish({"name": "b", "source": str(source), "model": "m", "ttl_s": None}, [],
+                  _snap_row("s2", settings.snapshots_dir, "b"), [])
+    row = index.snapshot("s1")
+    assert row["status"] == "ready" and not index.superseded("s1") and index.corpora_using("s1") == ["a"]
+    assert stale_reasons(index.corpus("a"), row, [], []) == []
+    r = maintenance.gc(settings, index, max_bytes=0)
+    assert r.deleted == [] and Path(shared["path"]).exists()  # every snapshot is some corpus's current one
+    index.publish({"name": "a", "source": str(source), "model": "m", "ttl_s": None}, [],
+                  _snap_row("s3", settings.snapshots_dir, "a"), [])
+    assert index.superseded("s1")  # now no corpus points to it
+    r = maintenance.gc(settings, index)
+    assert [(d["digest"], d["why"]) for d in r.deleted] == [("s1", "superseded (no corpus uses it)")]
+    assert not Path(shared["path"]).exists() and index.snapshot("s1") is None
+
+
+def test_migration_drops_the_stored_superseded(cag_home, tmp_path):
+    """An index written before `superseded` was derived: the word goes, nothing else changes."""
+    import sqlite_utils
+
+    db = sqlite_utils.Database(tmp_path / "old.db")
+    MIGRATIONS[0](db)
+    db.execute("PRAGMA user_version = 1")
+    db["snapshots"].insert(dict(_snap_row("s1", tmp_path, "a"), status="superseded"))
+    db["snapshots"].insert(dict(_snap_row("s2", tmp_path, "a"), status="corrupt"))
+    db.conn.commit()
+    db.conn.close()
+    index = Index(tmp_path / "old.db")
+    assert index.db.execute("PRAGMA user_version").fetchone()[0] == len(MIGRATIONS) >= 2
+    assert {r["digest"]: r["status"] for r in index.snapshots()} == {"s1": "ready", "s2": "corrupt"}
+
+
+def test_refreshing_one_corpus_leaves_its_identical_twin_fresh(tiny_model_dir, small_corpus, tmp_path, monkeypatch):
+    monkeypatch.setenv("CAG_MODEL", str(tiny_model_dir))
+    twin = tmp_path / "twin"
+    twin.mkdir()
+    for f in small_corpus.iterdir():
+        (twin / f.name).write_bytes(f.read_bytes())
+    a = json.loads(cag("ingest", str(small_corpus), "--name", "a", "--json").stdout)
+    b = json.loads(cag("ingest", str(twin), "--name", "b", "--json").stdout)
+    assert b["status"] == "fresh" and b["snapshot"] == a["snapshot"]  # one file for both
+    (twin / "c.md").write_text("The bakery on Quay Street closed.\n")
+    assert json.loads(cag("ingest", "b", "--json").stdout)["snapshot"] != a["snapshot"]
+    st = json.loads(cag("status", "a", "--json").stdout)
+    assert st["stale"] is False and st["reasons"] == [] and st["snapshot"] == a["snapshot"]
+    gc = json.loads(cag("gc", "--json").stdout)
+    assert gc["deleted"] == [] and Path(a["path"]).exists()
+    assert cag("ask", "a", Q, "--max-tokens", "4", "--on-stale", "refuse").exit_code == 0
+
+
+def test_gc_removes_every_leftover_it_reports_and_reports_what_it_keeps(tiny_model_dir, small_corpus, monkeypatch, cag_home):
+    """kill -9 leaves temp names that are not `*.tmp` (a library's `.tmpXXXXXX`, any dot-file), and
+    whole snapshots renamed but never recorded. gc deletes the first kind and reports the second."""
+    monkeypatch.setenv("CAG_MODEL", str(tiny_model_dir))
+    first = json.loads(cag("ingest", str(small_corpus), "--json").stdout)
+    folder = cag_home / "snapshots"
+    leftovers = {".tmpa1b2c3": b"half", ".x.safetensors.999999999.tmp": b"half a snapshot"}  # writer long gone
+    for name, data in leftovers.items():
+        (folder / name).write_bytes(data)
+    writing = folder / f".y.safetensors.{os.getpid()}.tmp"  # its writer (this process) is alive
+    writing.write_bytes(b"in progress")
+    (small_corpus / "c.md").write_text("Changed bakery.\n")
+    second = json.loads(cag("ingest", "corpus", "--json").stdout)
+    index = Index(get_settings().index_path)
+    with index.atomic():  # a whole snapshot without a row: as if killed between the rename and the record
+        index.db["snapshot_documents"].delete_where("snapshot = ?", [first["snapshot"]])
+        index.db["snapshots"].delete(first["snapshot"])
+    out = json.loads(cag("gc", "--json").stdout)
+    assert {d["digest"]: d["why"] for d in out["deleted"]} == {
+        n: "temp file of an interrupted write" for n in leftovers}
+    assert out["freed_bytes"] == sum(len(d) for d in leftovers.values())
+    assert not any((folder / n).exists() for n in leftovers)  # gone, as reported
+    assert {k["digest"]: k["why"] for k in out["kept"]} == {
+        Path(first["path"]).name: "not in the index: `cag reindex` adopts it",
+        writing.name: f"being written by running process {os.getpid()}",
+    }
+    assert out["kept_bytes"] == second["bytes"] + first["bytes"] + len(b"in progress")
+    human = cag("gc", "--dry-run").stdout
+    assert f"kept {Path(first['path']).name} (-, " in human and "cag reindex" in human
+    assert Path(first["path"]).exists() and writing.exists()
+    assert json.loads(cag("reindex", "--json").stdout)["snapshots"] == 2  # adopted, as gc said
