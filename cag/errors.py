@@ -1,7 +1,8 @@
 """Named user-facing errors. Each maps once to a CLI exit code and an HTTP status.
 
-Exit codes: 1 user error (bad input, unknown name, corrupt snapshot ...), 2 command-line usage
-(typer's own), 3 refused because the corpus is stale under the `refuse` policy, 4 busy (lock held).
+Exit codes: 1 user error (bad input, bad setting, unknown name, corrupt snapshot, unusable index
+...), 2 command-line usage (typer's own), 3 refused because the corpus is stale under the `refuse`
+policy, 4 busy (lock held); the CLI adds 130 for an interrupt.
 """
 
 from __future__ import annotations
@@ -15,6 +16,19 @@ class CagError(Exception):
 
 class BadInput(CagError):
     """Input the user can fix: empty question, unreadable document, unsupported option."""
+
+
+class BadSettings(CagError):
+    """A CAG_* variable or flag outside its valid range (see the README's Settings table)."""
+
+    code = "bad_settings"
+
+
+class IndexUnusable(CagError):
+    """The index database cannot be used: not a SQLite file, unreadable, or its folder is a file."""
+
+    http_status = 503
+    code = "index_unusable"
 
 
 class NotFound(CagError):

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-from pathlib import Path
 from typing import Any
 
 
@@ -22,14 +21,6 @@ def hash_bytes(data: bytes) -> str:
 
 def hash_obj(obj: Any) -> str:
     return hash_bytes(canonical_json(obj).encode("utf-8"))
-
-
-def hash_file(path: Path, chunk: int = 1 << 20) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
-    return "sha256:" + h.hexdigest()
 
 
 def short(digest: str, n: int = 12) -> str:
