@@ -1,11 +1,19 @@
-"""Settings: flags override CAG_* environment variables, which override these defaults."""
+"""Settings: flags override CAG_* environment variables, which override these defaults.
+
+Every setting is validated here, once, with its range: a bad value is one `BadSettings` line from
+`get_settings`, before any work, never a traceback or a nonsense run (a negative TTL never expires,
+a zero chunk never ends). The README's Settings table lists the same ranges.
+"""
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, ValidationError, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from .errors import BadSettings
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 
@@ -14,18 +22,38 @@ class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="CAG_", protected_namespaces=(), populate_by_name=True)
 
     home: Path = Path.home() / ".cag"  # holds index.db, snapshots/, models/
-    model: str = DEFAULT_MODEL  # the embedded default, a model folder, or a hub id
-    dtype: str = "float32"  # compute dtype of the weights: float32 | bfloat16 (faster where the CPU has bf16 units)
-    kv_dtype: str = "float16"  # storage dtype of snapshot tensors (float16 | bfloat16 | float32)
-    chunk_tokens: int = 512  # prefill chunk: bounds activation memory, drives the progress bar
-    question_room: int = 256  # tokens reserved after the knowledge for the question suffix
-    answer_room: int = 256  # tokens reserved for the answer; also the max_tokens ceiling
-    max_tokens: int = 128  # default answer length
-    threads: int = 0  # torch intra-op threads; 0 = torch's default
-    warm_buffers: int = 2  # request buffers kept filled per resident snapshot (concurrent hits copy nothing)
-    resident_bytes: int = 2 * 1024**3  # LRU budget for snapshots kept in memory (server)
-    ttl_s: float = 0.0  # snapshot time-to-live; 0 = never expires
+    model: str = Field(DEFAULT_MODEL, min_length=1)  # the embedded default, a model folder, or a hub id
+    # compute dtype of the weights (bfloat16 is faster where the CPU has bf16 units)
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    kv_dtype: Literal["float16", "bfloat16", "float32"] = "float16"  # storage dtype of snapshot tensors
+    chunk_tokens: int = Field(512, ge=1)  # prefill chunk: bounds activation memory, drives the progress bar
+    question_room: int = Field(256, ge=1)  # tokens reserved after the knowledge for the question suffix
+    answer_room: int = Field(256, ge=1)  # tokens reserved for the answer; also the max_tokens ceiling
+    max_tokens: int = Field(128, ge=1)  # default answer length
+    threads: int = Field(0, ge=0)  # torch intra-op threads; 0 = torch's default
+    warm_buffers: int = Field(2, ge=0)  # request buffers kept filled per resident snapshot (concurrent hits copy nothing)
+    resident_bytes: int = Field(2 * 1024**3, ge=0)  # LRU budget for snapshots kept in memory (server)
+    ttl_s: float = Field(0.0, ge=0, allow_inf_nan=False)  # snapshot time-to-live; 0 = never expires
     models_dir_override: Path | None = Field(default=None, alias="CAG_MODELS_DIR")  # shared model store
+
+    @field_validator("home", mode="before")
+    @classmethod
+    def _home_not_empty(cls, home):
+        if isinstance(home, str) and not home.strip():  # Path("") would silently be the working directory
+            raise ValueError("empty; unset it for the default ~/.cag")
+        return home
+
+    @field_validator("models_dir_override", mode="before")
+    @classmethod
+    def _empty_is_unset(cls, folder):
+        return None if isinstance(folder, str) and not folder.strip() else folder
+
+    @field_validator("home")
+    @classmethod
+    def _home_is_a_folder(cls, home: Path) -> Path:
+        if home.exists() and not home.is_dir():  # created on first use when missing
+            raise ValueError("not a directory")
+        return home
 
     @property
     def index_path(self) -> Path:
@@ -41,5 +69,22 @@ class Settings(BaseSettings):
 
 
 def get_settings(**overrides) -> Settings:
-    """Settings with explicit (non-None) overrides from flags on top of the environment."""
-    return Settings(**{k: v for k, v in overrides.items() if v is not None})
+    """Settings with explicit (non-None) overrides from flags on top of the environment.
+    Raises BadSettings (one line naming the setting, its value and the rule) on a bad value."""
+    given = {k: v for k, v in overrides.items() if v is not None}
+    try:
+        return Settings(**given)
+    except ValidationError as e:
+        raise settings_error(e, given) from None
+
+
+def settings_error(e: ValidationError, flags: dict | None = None) -> BadSettings:
+    """One line for a settings validation error: `CAG_CHUNK_TOKENS='abc': Input should be ...`.
+    Values given as flags (keyword overrides) are named by field, the rest by environment variable."""
+    parts = []
+    for err in e.errors(include_url=False):
+        field = str(err["loc"][0]) if err["loc"] else "?"
+        name = field if field in (flags or {}) or field.startswith("CAG_") else f"CAG_{field.upper()}"
+        msg = err["msg"].removeprefix("Value error, ")
+        parts.append(f"{name}={err.get('input')!r}: {msg}")
+    return BadSettings("bad setting " + "; ".join(parts).replace("\n", " "))

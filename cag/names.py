@@ -27,15 +27,15 @@ def check_corpus_name(name: str) -> str:
 
 def _problem(name: str) -> str | None:
     if not isinstance(name, str) or not name:
-        return "it is empty"
+        return "empty"
     if name != name.strip():
-        return "it starts or ends with white space"
+        return "starts or ends with white space"
     if name.startswith("."):  # also ".", "..": never a hidden file or a parent folder
-        return "it must not start with a dot"
+        return "must not start with a dot"
     if "/" in name or "\\" in name:
-        return "it must not contain / or \\ (a corpus name is one word, not a path)"
+        return "must not contain / or \\ (a corpus name is one word, not a path)"
     if any(unicodedata.category(ch) in _HIDDEN for ch in name):
-        return "it must not contain control or invisible characters"
+        return "must not contain control or invisible characters"
     if len(name) > MAX_NAME_CHARS:
-        return f"it is {len(name)} characters long; at most {MAX_NAME_CHARS}"
+        return f"{len(name)} characters long; at most {MAX_NAME_CHARS}"
     return None

@@ -32,7 +32,7 @@ def handle_errors(fn):
         try:
             return fn(*args, **kwargs)
         except CagError as e:
-            typer.echo(f"error: {e}", err=True)
+            typer.echo("error: " + " ".join(str(e).splitlines()), err=True)  # one line, whatever the message holds
             raise typer.Exit(e.exit_code) from None
         except KeyboardInterrupt:
             typer.echo("interrupted", err=True)

@@ -121,6 +121,38 @@ def test_truncated_snapshot_is_reported_then_rebuilt(ingested):
     assert again["answer"] == good["answer"]
 
 
+def test_names_and_ttl_that_make_no_sense_are_refused(ingested, small_corpus, cag_home):
+    for bad, why in (("", "empty"), ("..", "must not start with a dot"), (".", "must not start with a dot"),
+                     ("a/b", "must not contain /")):
+        _fails(["ingest", str(small_corpus), "--name", bad], f"invalid corpus name {bad!r}: {why}")
+    _fails(["ingest", str(small_corpus), "--name", "town", "--ttl", "-5"], "ttl must be 0 or more seconds")
+    assert [c["name"] for c in json.loads(cag("list", "--json").stdout)["corpora"]] == ["town"]
+    assert json.loads(cag("status", "town", "--json").stdout)["stale"] is False  # no ttl -5 recorded
+
+
+def test_tampered_dtype_in_the_header_is_never_served(ingested):
+    """Every layer tensor rewritten from F16 to BF16 in the safetensors header: same bytes, a file
+    that parses. It is refused (exit 1, one line), shows as corrupt, and ingest rebuilds it."""
+    import struct
+    from pathlib import Path
+
+    path = Path(ingested["path"])
+    good = json.loads(cag("ask", "town", "Who keeps the lighthouse?", "--max-tokens", "8", "--json").stdout)
+    data = path.read_bytes()
+    n = struct.unpack("<Q", data[:8])[0]
+    header = data[8:8 + n]
+    assert header.count(b'"dtype":"F16"') == 2 * 2  # keys and values of both layers of the tiny model
+    header = header.replace(b'"dtype":"F16"', b'"dtype":"BF16"').rstrip(b" ")
+    header += b" " * (-len(header) % 8)
+    path.write_bytes(struct.pack("<Q", len(header)) + header + data[8 + n:])
+    _fails(["ask", "town", "Who keeps the lighthouse?"], "layer 0 is bfloat16, the header says float16")
+    st = json.loads(cag("status", "town", "--json").stdout)
+    assert st["stale"] is True and "snapshot is corrupt" in st["reasons"]
+    assert json.loads(cag("ingest", "town", "--json").stdout)["status"] == "built"
+    again = json.loads(cag("ask", "town", "Who keeps the lighthouse?", "--max-tokens", "8", "--json").stdout)
+    assert again["answer"] == good["answer"]
+
+
 def test_bad_models_are_refused(small_corpus, tmp_path):
     _fails(["ingest", str(small_corpus), "--model", str(tmp_path / "no-model")], "model not found")
     from transformers import MistralConfig, MistralForCausalLM
