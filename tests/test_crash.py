@@ -31,14 +31,13 @@ def _paused_ingest(args: list[str], flag: Path) -> tuple[subprocess.Popen, Path]
     proc = subprocess.Popen([sys.executable, "-m", "cag", "ingest", *args, "--json"], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     deadline = time.monotonic() + 300
-    while not flag.exists():
+    while not (flag.exists() and flag.read_text()):  # the flag holds the temp file's path
         if proc.poll() is not None:
             pytest.fail(f"ingest ended (rc {proc.returncode}) before it paused: {proc.stderr.read().decode()[-2000:]}")
         if time.monotonic() > deadline:
             proc.kill()
             pytest.fail("ingest never reached the rename")
         time.sleep(0.05)
-    time.sleep(0.05)  # the flag is written, then the writer sleeps: let the write of the flag finish
     return proc, Path(flag.read_text())
 
 
