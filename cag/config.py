@@ -23,8 +23,11 @@ class Settings(BaseSettings):
 
     home: Path = Path.home() / ".cag"  # holds index.db, snapshots/, models/
     model: str = Field(DEFAULT_MODEL, min_length=1)  # the embedded default, a model folder, or a hub id
-    # compute dtype of the weights (bfloat16 is faster where the CPU has bf16 units)
-    dtype: Literal["float32", "bfloat16"] = "float32"
+    device: Literal["auto", "cpu", "cuda"] = "auto"  # auto: CUDA when torch sees one
+    # compute dtype of the model (auto: float32 on the CPU, bfloat16 on CUDA)
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    # format decode multiplies in (cag/weights.py); auto: measured at load, bf16 where it beats fp32
+    weights: Literal["auto", "fp32", "bf16", "int8", "int4"] = "auto"
     kv_dtype: Literal["float16", "bfloat16", "float32"] = "float16"  # storage dtype of snapshot tensors
     chunk_tokens: int = Field(512, ge=1)  # prefill chunk: bounds activation memory, drives the progress bar
     question_room: int = Field(256, ge=1)  # tokens reserved after the knowledge for the question suffix

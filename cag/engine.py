@@ -63,7 +63,7 @@ class Engine:
         with self._lm_lock:
             if self._lm is None:
                 s = self.settings
-                self._lm = load_model(s.model, s.models_dir, s.threads, s.dtype)
+                self._lm = load_model(s.model, s.models_dir, s.threads, s.dtype, s.weights, s.device)
             return self._lm
 
     @property
@@ -211,13 +211,15 @@ class Engine:
 
     def _load_resident(self, digest: str) -> Resident:
         snap = self.open_snapshot(self.index.snapshot(digest))
+        if self.lm.device.type != "cpu":  # resident on the device: a new buffer is a device-to-device copy
+            snap.kv = [(k.to(self.lm.device), v.to(self.lm.device)) for k, v in snap.kv]
         max_len = snap.n_tokens + self.room
         nbytes = sum(t.nbytes for pair in snap.kv for t in pair) + self.settings.warm_buffers * self.lm.kv_bytes(max_len)
         return Resident(snap, max_len, nbytes)
 
     def _new_buffer(self, res: Resident):
         cache = kv.new_cache(self.lm.model, res.max_len)
-        kv.load_into(cache, res.snap.kv, self.lm.dtype)
+        kv.load_into(cache, res.snap.kv, self.lm.dtype, self.lm.device)
         return cache
 
     def _finish(self, q: Question, gen: Generated, n_prefix: int, cached: int, load_ms: float,

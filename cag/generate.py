@@ -34,12 +34,16 @@ def stop_ids(model, tokenizer) -> set[int]:
 
 
 def _pick(logits: torch.Tensor, cfg: DecodeConfig, gen: torch.Generator | None) -> int:
-    if cfg.temperature <= 0:
+    # Below 1e-5 sampling is greedy in all but name, and logits / T overflows float32 to inf
+    # (softmax -> nan) long before T reaches 0: a vanishing temperature is greedy. `not >=` also
+    # sends a NaN temperature here.
+    if not cfg.temperature >= 1e-5:
         return int(torch.argmax(logits))
     probs = torch.softmax(logits.float() / cfg.temperature, dim=-1)  # (V,)
     if cfg.top_p < 1.0:
         sorted_p, order = torch.sort(probs, descending=True)
         keep = torch.cumsum(sorted_p, 0) - sorted_p < cfg.top_p
+        keep[0] = True  # the most likely token always stays, however small top_p (1e-300 is 0 in float32)
         probs = torch.zeros_like(probs).scatter(0, order[keep], sorted_p[keep])
     return int(torch.multinomial(probs, 1, generator=gen))
 
@@ -55,17 +59,18 @@ def decode(
     should_stop: Callable[[], bool] | None = None,
 ) -> Iterator[int]:
     """Yield generated token ids. `logits` (V,) are those of the last prompt token at pos-1."""
+    device = logits.device
     gen = torch.Generator().manual_seed(cfg.seed) if cfg.seed is not None and cfg.temperature > 0 else None
     for i in range(cfg.max_tokens):
-        tok = _pick(logits, cfg, gen)
+        tok = _pick(logits if gen is None else logits.cpu(), cfg, gen)  # a seeded generator lives on the CPU
         if tok in stops:
             return
         yield tok
         if i + 1 == cfg.max_tokens or (should_stop and should_stop()):
             return
-        p = torch.tensor([pos])  # (1,)
+        p = torch.tensor([pos], device=device)  # (1,)
         logits = model(
-            input_ids=torch.tensor([[tok]]),
+            input_ids=torch.tensor([[tok]], device=device),
             past_key_values=cache,
             cache_position=p,
             position_ids=p.unsqueeze(0),

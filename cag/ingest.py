@@ -81,7 +81,7 @@ def build(engine, plan: Plan, force: bool, reporter: Reporter) -> IngestResult:
     t0 = time.perf_counter()
     cache = kv.new_cache(lm.model, n + engine.room)
     if old_kv is not None:
-        kv.load_into(cache, [(k[:, :, :reused], v[:, :, :reused]) for k, v in old_kv], lm.dtype)
+        kv.load_into(cache, [(k[:, :, :reused], v[:, :, :reused]) for k, v in old_kv], lm.dtype, lm.device)
     kv.prefill(lm.model, cache, ids[reused:], reused, engine.settings.chunk_tokens, reporter.progress(n - reused))
     reporter.done()
     prefill_ms = (time.perf_counter() - t0) * 1e3

@@ -44,12 +44,13 @@ def prefill(
     if start + len(ids) > max_len(cache):
         raise ValueError(f"prefill past the cache: {start}+{len(ids)} > {max_len(cache)}")
     set_length(cache, start)
+    device = next(model.parameters()).device
     logits = None
     for s in range(0, len(ids), chunk):
         if should_stop and should_stop():
             raise Cancelled("stopped during prefill")
-        piece = torch.tensor([list(ids[s : s + chunk])], dtype=torch.long)  # (1, T)
-        pos = torch.arange(start + s, start + s + piece.shape[1])  # (T,)
+        piece = torch.tensor([list(ids[s : s + chunk])], dtype=torch.long, device=device)  # (1, T)
+        pos = torch.arange(start + s, start + s + piece.shape[1], device=device)  # (T,)
         out = model(
             input_ids=piece,
             past_key_values=cache,
@@ -77,14 +78,15 @@ def set_length(cache: StaticCache, n: int) -> None:
 
 def export(cache: StaticCache, n: int) -> KV:
     """Views of the first n positions of every layer: (1, H_kv, n, D)."""
-    return [(layer.keys[:, :, :n], layer.values[:, :, :n]) for layer in cache.layers]
+    return [(layer.keys[:, :, :n].cpu(), layer.values[:, :, :n].cpu()) for layer in cache.layers]  # .cpu(): no copy on the CPU
 
 
-def load_into(cache: StaticCache, kv: KV, dtype: torch.dtype) -> None:
-    """Copy a snapshot's tensors (any storage dtype) into a fresh cache of the model's dtype."""
+def load_into(cache: StaticCache, kv: KV, dtype: torch.dtype, device: torch.device | str = "cpu") -> None:
+    """Copy a snapshot's tensors (any storage dtype, any device) into a fresh cache of the model's
+    dtype on the model's device."""
     for layer, (k, v) in zip(cache.layers, kv, strict=True):
         if not layer.is_initialized:
-            layer.lazy_initialization(k[:, :, :0].to(dtype), v[:, :, :0].to(dtype))
+            layer.lazy_initialization(k[:, :, :0].to(device, dtype), v[:, :, :0].to(device, dtype))
         layer.keys[:, :, : k.shape[2]].copy_(k)  # casts fp16 -> model dtype in the copy
         layer.values[:, :, : v.shape[2]].copy_(v)
     set_length(cache, kv[0][0].shape[2] if kv else 0)

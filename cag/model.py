@@ -45,6 +45,12 @@ class LoadedModel:
     max_context: int
     dtype: torch.dtype
     stops: frozenset[int] = frozenset()  # token ids that end an answer
+    weights: str = "fp32"  # format of the decode-step products (cag.weights)
+    packed_bytes: int = 0  # memory of the packed weight copies
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
 
     def kv_bytes(self, n_tokens: int, dtype: torch.dtype | None = None) -> int:
         """The KV-size formula (store.snapshots.expected_bytes) for this model's shapes."""
@@ -153,30 +159,52 @@ def _looks_like_hub_id(name: str) -> bool:
 COMPUTE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
-def load_model(name: str, models_dir: Path, threads: int = 0, dtype: str = "float32") -> LoadedModel:
+def resolve_device(device: str) -> str:
+    """auto: CUDA when torch sees one, else the CPU."""
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ModelError("CAG_DEVICE=cuda but torch sees no CUDA device (a CPU build of torch, or no GPU); use cpu or auto")
+    return device
+
+
+def load_model(name: str, models_dir: Path, threads: int = 0, dtype: str = "auto", weights: str = "fp32",
+               device: str = "auto") -> LoadedModel:
+    """dtype: compute dtype (auto: float32 on the CPU, bfloat16 on CUDA); weights: the format decode
+    multiplies in (cag.weights; auto measures); device: cpu, cuda or auto."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
+
+    from . import weights as wformats
 
     hf_logging.disable_progress_bar()  # our own progress goes to the terminal, not theirs
     logging.getLogger("huggingface_hub").setLevel(logging.ERROR)  # retries are summed up by our one-line error
     if threads > 0:
         torch.set_num_threads(threads)
+    device = resolve_device(device)
+    if dtype == "auto":
+        dtype = "bfloat16" if device == "cuda" else "float32"
+    if dtype not in COMPUTE_DTYPES:
+        raise ModelError(f"unknown compute dtype {dtype!r}; use one of auto, {', '.join(COMPUTE_DTYPES)}")
     path = resolve_model_path(name, models_dir)
     try:
         config = AutoConfig.from_pretrained(path)
     except Exception as e:  # hub unreachable, missing config.json, unknown architecture
         raise ModelError(f"cannot load model {name!r}: {str(e).splitlines()[0]}") from None
     check_supported(config)
-    if dtype not in COMPUTE_DTYPES:
-        raise ModelError(f"unknown compute dtype {dtype!r}; use one of {', '.join(COMPUTE_DTYPES)}")
     try:
         tok = AutoTokenizer.from_pretrained(path)
         model = AutoModelForCausalLM.from_pretrained(path, dtype=COMPUTE_DTYPES[dtype])
     except Exception as e:
         raise ModelError(f"cannot load model {name!r}: {str(e).splitlines()[0]}") from None
-    model.eval()
+    model.eval().to(device)
     attention.install(model)  # GQA without copying K/V per forward; same results, less memory traffic
-    return describe(model, tok, name)
+    lm = describe(model, tok, name)  # fingerprints the model's own weights, before any packing
+    fmt = wformats.choose(model, weights)
+    if why := wformats.supported(fmt, model):
+        raise ModelError(why)
+    lm.weights, lm.packed_bytes = fmt, wformats.apply(model, fmt)
+    return lm
 
 
 def describe(model: torch.nn.Module, tok, name: str) -> LoadedModel:

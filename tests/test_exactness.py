@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 
 from cag import kv
@@ -124,3 +125,19 @@ def test_index_and_engine_work_from_other_threads(tiny_engine, small_corpus):
     pieces: list[str] = []
     answer = tiny_engine.ask("corpus", QUESTIONS[0], max_tokens=8, on_text=pieces.append)
     assert "".join(pieces).strip() == answer.answer and answer.token_ids == alone[0]
+
+
+@pytest.mark.parametrize("weights", ["fp32", "bf16", "int8", "int4"])
+def test_cag_equals_full_in_every_weights_format(tiny_model_dir, small_corpus, monkeypatch, weights):
+    """Decode runs on packed weights in each format; the snapshot path and the no-cache path decode
+    through the same modules, so they agree token for token within a format."""
+    monkeypatch.setenv("CAG_MODEL", str(tiny_model_dir))
+    monkeypatch.setenv("CAG_KV_DTYPE", "float32")
+    monkeypatch.setenv("CAG_WEIGHTS", weights)
+    engine = Engine(get_settings())
+    assert engine.lm.weights == weights and (engine.lm.packed_bytes > 0) == (weights != "fp32")
+    engine.ingest(str(small_corpus))
+    for q in QUESTIONS[:3]:
+        cached = engine.ask("corpus", q, max_tokens=16)
+        assert len(cached.token_ids) == 16 and cached.decode_tok_s
+        assert cached.token_ids == engine.ask("corpus", q, max_tokens=16, mode="full").token_ids

@@ -1,0 +1,141 @@
+"""The format decoding computes its matrix-vector products in (CAG_WEIGHTS): fp32, bf16, int8, int4.
+
+A decode step multiplies one token's activations by every weight once, so its time is the time
+to read the weights: fewer bytes per weight is the lever, as long as the kernel runs near memory
+speed. Each nn.Linear is replaced by a `FastLinear` that keeps the model's own weight (used when
+several rows come at once: prefill, the question suffix) and adds a packed copy used for one row
+(decode):
+
+  bf16  oneDNN-packed bf16 weight (`mkldnn._linear_pointwise`; AMX / AVX512-BF16 where present)
+  int8  per-output-channel symmetric int8 (`aten._weight_int8pack_mm`)
+  int4  groups of 32 along the input, asymmetric: w = (q - 8) * scale + zero, q in 0..15
+        (`aten._weight_int4pack_mm_for_cpu`); the embedded model's GGUF Q4_1 has this exact shape
+
+Activations enter the packed kernels as bf16 (the kernels' input dtype) and leave in the model's
+dtype; the residual stream, norms, attention and the KV cache stay in the compute dtype. Prefill
+(and so every snapshot) never touches the packed copy: snapshots do not depend on this setting.
+Both `cag` and `full` decode through the same modules, so cag == full holds in every format.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+
+import torch
+import torch.nn.functional as F
+
+FORMATS = ("fp32", "bf16", "int8", "int4")
+GROUP = 32  # int4 group size along the input dimension
+
+
+def _pack_bf16(w: torch.Tensor):
+    return torch.ops.mkldnn._reorder_linear_weight(w.to(torch.bfloat16).contiguous(), 1)
+
+
+def _pack_int8(w: torch.Tensor):
+    w = w.float()
+    scale = (w.abs().amax(dim=1) / 127).clamp(min=1e-12)  # (out,)
+    q = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8).contiguous()  # (out, in)
+    return q, scale.to(torch.bfloat16)
+
+
+def _pack_int4(w: torch.Tensor):
+    w = w.float()
+    out_f, in_f = w.shape
+    g = w.reshape(out_f, in_f // GROUP, GROUP)  # (out, in/32, 32)
+    lo, hi = g.amin(-1), g.amax(-1)
+    scale = ((hi - lo) / 15).clamp(min=1e-12)  # (out, in/32)
+    q = torch.round((g - lo[..., None]) / scale[..., None]).clamp(0, 15).to(torch.int32).reshape(out_f, in_f)
+    zero = lo + 8 * scale  # the kernel computes (q - 8) * scale + zero
+    scales_zeros = torch.stack([scale.t(), zero.t()], dim=-1).to(torch.bfloat16).contiguous()  # (in/32, out, 2)
+    return torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1), scales_zeros
+
+
+class FastLinear(torch.nn.Module):
+    """nn.Linear with a packed copy of its weight for single-row (decode) products."""
+
+    def __init__(self, linear: torch.nn.Linear, fmt: str):
+        super().__init__()
+        self.in_features, self.out_features, self.fmt = linear.in_features, linear.out_features, fmt
+        self.weight, self.bias = linear.weight, linear.bias  # the model's own (shared if tied)
+        w = linear.weight.detach()
+        self.packed = {"bf16": _pack_bf16, "int8": _pack_int8, "int4": _pack_int4}[fmt](w)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.numel() // self.in_features
+        if rows != 1:
+            return F.linear(x, self.weight, self.bias)
+        x2 = x.reshape(1, self.in_features).to(torch.bfloat16)  # (1, in)
+        if self.fmt == "bf16":
+            y = torch.ops.mkldnn._linear_pointwise(x2, self.packed, None, "none", [], "")
+        elif self.fmt == "int8":
+            y = torch.ops.aten._weight_int8pack_mm(x2, *self.packed)
+        else:
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self.packed[0], GROUP, self.packed[1])
+        y = y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)  # (..., out)
+        return y if self.bias is None else y + self.bias
+
+
+def supported(fmt: str, model: torch.nn.Module) -> str | None:
+    """None if `fmt` can run for this model here, else why not."""
+    if fmt == "fp32":
+        return None
+    if next(model.parameters()).device.type != "cpu":
+        return f"weights format {fmt} is a CPU kernel; on {next(model.parameters()).device.type} use fp32 (CAG_DTYPE sets the dtype)"
+    if fmt == "bf16" and not torch.backends.mkldnn.is_available():
+        return "weights format bf16 needs torch built with oneDNN"
+    return None
+
+
+def packable(lin: torch.nn.Linear, fmt: str) -> bool:
+    """int4 packs (out, in) matrices with in % 32 == 0 and out % 16 == 0; others stay as they are."""
+    return fmt != "int4" or (lin.in_features % GROUP == 0 and lin.out_features % 16 == 0)
+
+
+def apply(model: torch.nn.Module, fmt: str) -> int:
+    """Swap every nn.Linear of `model` for a FastLinear in `fmt` (fp32: nothing). Returns the bytes
+    the packed copies take."""
+    if fmt == "fp32":
+        return 0
+    swaps = [(name, m) for name, m in model.named_modules() if isinstance(m, torch.nn.Linear) and packable(m, fmt)]
+    extra = 0
+    for name, lin in swaps:
+        parent = model.get_submodule(name.rsplit(".", 1)[0]) if "." in name else model
+        fast = FastLinear(lin, fmt)
+        setattr(parent, name.rsplit(".", 1)[-1], fast)
+        extra += sum(t.nbytes for t in (fast.packed if isinstance(fast.packed, tuple) else (fast.packed,)))
+    return extra
+
+
+@functools.lru_cache(maxsize=8)
+def probe(fmts: tuple[str, ...] = FORMATS, in_f: int = 576, out_f: int = 1536, reps: int = 20) -> dict[str, float]:
+    """Milliseconds of one single-row product per format on this CPU (a (out, in) matrix, best of
+    `reps`): what `auto` chooses by. A few ms, once per process."""
+    w, x = torch.randn(out_f, in_f) * 0.02, torch.randn(1, in_f)
+    lin = torch.nn.Linear(in_f, out_f, bias=False)
+    lin.weight.data = w
+    out = {}
+    with torch.inference_mode():
+        for fmt in fmts:
+            f = lin if fmt == "fp32" else FastLinear(lin, fmt)
+            f(x)  # warm up (first call allocates)
+            best = float("inf")
+            for _ in range(reps):
+                t = time.perf_counter()
+                for _ in range(8):
+                    f(x)
+                best = min(best, (time.perf_counter() - t) / 8)
+            out[fmt] = best * 1e3
+    return out
+
+
+def choose(model: torch.nn.Module, requested: str) -> str:
+    """The format to use: `requested`, or for `auto` the faster of fp32 and bf16 measured here
+    (bf16 changes answers least; int8/int4 are opt-in, see the README's quality table)."""
+    if requested != "auto":
+        return requested
+    if next(model.parameters()).device.type != "cpu" or supported("bf16", model):
+        return "fp32"
+    times = probe(("fp32", "bf16"))
+    return "bf16" if times["bf16"] < 0.8 * times["fp32"] else "fp32"

@@ -1,0 +1,51 @@
+"""Packed decode weights: each format's single-row product approximates the model's own, and
+`auto` only ever picks a format that runs here."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cag import weights
+
+TOLERANCE = {"bf16": 0.01, "int8": 0.02, "int4": 0.12}  # relative error of one product, random weights
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "int8", "int4"])
+def test_packed_product_approximates_the_linear(fmt):
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(128, 64, bias=True)
+    fast = weights.FastLinear(lin, fmt)
+    x = torch.randn(1, 1, 128)  # one decode row
+    ref, got = lin(x), fast(x)
+    assert got.shape == ref.shape and got.dtype == ref.dtype
+    err = ((got - ref).norm() / ref.norm()).item()
+    assert 0 < err < TOLERANCE[fmt]  # > 0: the packed kernel ran, not the model's own weight
+    rows = torch.randn(1, 5, 128)  # several rows (prefill) use the model's own weight, exactly
+    assert torch.equal(fast(rows), lin(rows))
+
+
+def test_int4_holds_a_4bit_grid_almost_exactly():
+    """Weights already on a 4-bit grid per group of 32 (GGUF Q4_1: m + d * q, q = 0..15) come back
+    on the right grid point: off only by the bf16 rounding of scale, zero and output, under half
+    a grid step everywhere and a small fraction of it on average."""
+    torch.manual_seed(1)
+    d = torch.rand(64, 4, 1) * 0.01 + 0.001  # (out, groups, 1)
+    m = torch.randn(64, 4, 1) * 0.05
+    q = torch.randint(0, 16, (64, 4, 32))
+    q[..., 0], q[..., 1] = 0, 15  # the quantizer's min and max sit on the grid's ends, as in Q4_1
+    w = (m + d * q).reshape(64, 128)
+    lin = torch.nn.Linear(128, 64, bias=False)
+    lin.weight.data = w
+    eye = torch.eye(128)
+    recovered = torch.cat([weights.FastLinear(lin, "int4")(eye[i : i + 1]) for i in range(128)]).t()  # (64, 128)
+    step = d.expand(64, 4, 32).reshape(64, 128)
+    off = (recovered - w).abs() / step
+    assert off.max() < 0.5 and off.mean() < 0.1
+
+
+def test_auto_picks_a_runnable_format():
+    lin = torch.nn.Sequential(torch.nn.Linear(64, 64))
+    assert weights.choose(lin, "auto") in ("fp32", "bf16")
+    assert weights.choose(lin, "int8") == "int8"
+    assert set(weights.probe(("fp32", "bf16"))) == {"fp32", "bf16"}
