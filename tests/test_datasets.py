@@ -283,3 +283,92 @@ def test_jsonl_rejects_malformed_lines(tmp_path, record, message):
 def test_unknown_format():
     with pytest.raises(ValueError, match="unknown dataset format"):
         build_knowledge_sets("csv", "x", [10], words, n_questions=1, seed=0)
+
+
+# ---------------------------------------------------------------- pooling further seeds
+
+
+def one_question_groups(n: int) -> Corpus:
+    """HotpotQA-like: each question brings its own group of three 4-word paragraphs (12 tokens)."""
+    docs, questions, groups = [], [], []
+    for i in range(n):
+        ids = [f"g{i}-p{j}" for j in range(3)]
+        docs += [Doc(d, d, f"{d} w w w") for d in ids]
+        questions.append(QAItem(f"q{i}", f"about {i}?", ["w"], [ids[0]]))
+        groups.append(ids)
+    return Corpus("hot", docs, questions, groups, atomic_groups=True)
+
+
+def test_pool_sets_draws_further_seeds_until_the_questions_are_reached():
+    from cag.compare.datasets import pool_sets
+
+    corpus = one_question_groups(30)
+    pool = pool_sets(corpus, 12, words, n_questions=5, seed=4, max_sets=10)
+    assert pool.shortfall is None and pool.n_questions == 5 and len(pool.sets) == 5
+    # the first set is the run's own (the same as without pooling), the others name their seed
+    [own] = knowledge_sets_from_corpus(corpus, [12], words, n_questions=5, seed=4)
+    assert pool.sets[0] == own and own.name == "hot-12" and own.seed == 4
+    assert [s.name for s in pool.sets[1:]] == [f"hot-12-seed{s.seed}" for s in pool.sets[1:]]
+    assert all(4 < a.seed < b.seed for a, b in zip(pool.sets[1:], pool.sets[2:]))
+    qids = [q.qid for s in pool.sets for q in s.questions]
+    assert len(qids) == len(set(qids)) == 5  # no question drawn twice
+    for s in pool.sets:
+        check_set(s, 12, {d.doc_id for d in corpus.docs})
+    assert pool_sets(corpus, 12, words, n_questions=5, seed=4, max_sets=10) == pool  # deterministic
+
+
+def test_pool_sets_says_why_a_size_stays_short():
+    from cag.compare.datasets import POOL_PATIENCE, pool_sets
+
+    corpus = one_question_groups(30)
+    capped = pool_sets(corpus, 12, words, n_questions=5, seed=0, max_sets=2)
+    assert capped.n_questions == 2 and capped.shortfall.startswith("2 of 5 questions from 2 sets")
+    # only 3 questions exist: the dataset runs dry and the search gives up after POOL_PATIENCE idle seeds
+    dry = pool_sets(one_question_groups(3), 12, words, n_questions=5, seed=0, max_sets=10)
+    assert dry.n_questions == 3 and "no more at this size" in dry.shortfall
+    assert dry.seeds_tried <= 3 + POOL_PATIENCE + 10
+    # a set holding the whole corpus ends the search at once: no seed can add to it
+    whole = pool_sets(one_question_groups(3), 10_000, words, n_questions=5, seed=0, max_sets=10)
+    assert whole.seeds_tried == 1 and whole.n_questions == 3 and "1 seeds tried" in whole.shortfall
+    # the size's own set refused (e.g. too large for the context): the size stops there
+    offered = []
+    refused = pool_sets(corpus, 12, words, n_questions=5, seed=0, max_sets=10,
+                        accept=lambda ks: offered.append(ks.name) or False)
+    assert offered == ["hot-12"] and refused.sets == [] and refused.shortfall == "hot-12 cannot be run"
+    # a further set refused is passed over
+    later = pool_sets(corpus, 12, words, n_questions=3, seed=0, max_sets=10,
+                      accept=lambda ks: ks.seed != 1)
+    assert later.n_questions == 3 and 1 not in [s.seed for s in later.sets]
+    # not even one document fits
+    tiny = pool_sets(corpus, 3, words, n_questions=5, seed=0, max_sets=10)
+    assert tiny.sets == [] and "no document fits in 3 tokens" in tiny.shortfall
+
+
+def test_resolve_dataset(tmp_path, monkeypatch):
+    from cag.compare.datasets import resolve_dataset
+    from cag.errors import BadInput
+
+    monkeypatch.setenv("CAG_DATASETS", str(tmp_path / "none"))
+    with pytest.raises(BadInput, match="set CAG_DATASETS"):
+        resolve_dataset("squad", None)
+    monkeypatch.setenv("CAG_DATASETS", str(tmp_path))
+    (tmp_path / HOTPOT_DEV_FILE).parent.mkdir(parents=True)
+    (tmp_path / HOTPOT_DEV_FILE).write_text("[]")
+    assert resolve_dataset("HotPot", None) == ("hotpotqa", None, {})
+    with pytest.raises(BadInput, match="cannot be read as squad"):
+        resolve_dataset("hotpot", "squad")
+    squad_like = tmp_path / "mine.json"
+    squad_like.write_text('{"version": "1.1", "data": []}')
+    assert resolve_dataset(str(squad_like), None) == ("squad", squad_like, {})
+    lst = tmp_path / "list.json"
+    lst.write_text("[]")
+    assert resolve_dataset(str(lst), "hotpot")[0] == "hotpotqa" and resolve_dataset(str(lst), None)[0] == "hotpotqa"
+    qa = tmp_path / "qa.jsonl"
+    qa.write_text("")
+    assert resolve_dataset(str(qa), None, tmp_path / "docs") == ("jsonl", qa, {"docs_dir": tmp_path / "docs"})
+    other = tmp_path / "notes.txt"
+    other.write_text("hello")
+    with pytest.raises(BadInput, match="cannot tell the format"):
+        resolve_dataset(str(other), None)
+    with pytest.raises(BadInput, match="unknown format"):
+        resolve_dataset(str(other), "csv")
