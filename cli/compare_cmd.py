@@ -1,15 +1,20 @@
-"""`cag compare`: CAG vs no-cache vs RAG on a QA dataset; writes results.jsonl, report.md, report.png."""
+"""`cag compare`: CAG vs no-cache vs RAG on a QA dataset; writes results.jsonl, report.md, report.png.
+
+Exit codes besides the common ones: 5 = the run stopped at --max-minutes before its plan was done
+(incomplete, rows kept, --resume continues); 130 = interrupted by Ctrl-C (the same, by hand).
+"""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Annotated
 
 import typer
 
-from cag.errors import BadInput
 from cag.cli.common import JsonOpt, ModelOpt, _emit, _engine, _TqdmReporter, handle_errors
+from cag.errors import BadInput
+
+INCOMPLETE = 5  # exit code: the run stopped before its plan was done; --resume continues it
 
 
 def _ints(text: str, what: str) -> list[int]:
@@ -29,7 +34,8 @@ def compare(
                                                 "{question, answers, context | doc_ids}.")],
     format_: Annotated[str | None, typer.Option("--format", help="squad, hotpot or jsonl (guessed from DATASET when omitted).")] = None,
     size_tokens: Annotated[str, typer.Option("--size-tokens", help="Knowledge sizes in tokens, comma-separated; sizes that do not fit the context are reported as skipped.")] = "2000,4000,7000",
-    questions: Annotated[int, typer.Option("--questions", help="Questions per size (cag and rag at --k-main).")] = 50,
+    questions: Annotated[int, typer.Option("--questions", help="Questions per size (cag and rag at --k-main); a size whose set holds fewer pools sets of further seeds.")] = 50,
+    max_sets: Annotated[int, typer.Option("--max-sets", help="Most knowledge sets pooled per size to reach --questions (each one is ingested).")] = 10,
     full_sample: Annotated[int, typer.Option("--full-sample", help="Ask `full` (no cache) on the first N questions per size.")] = 10,
     modes: Annotated[str, typer.Option("--modes", help="Comma-separated: cag, full, rag-bm25, rag-dense (dense needs the `dense` extra).")] = "cag,full,rag-bm25",
     k: Annotated[str, typer.Option("--k", help="RAG passages for the k sweep, comma-separated.")] = "1,3,5",
@@ -40,22 +46,23 @@ def compare(
     out: Annotated[Path | None, typer.Option("--out", help="Output folder (default: ./compare-<dataset>).")] = None,
     corpora: Annotated[Path | None, typer.Option("--corpora", help="Where each set's documents are written for ingest (default: OUT/corpora).")] = None,
     docs: Annotated[Path | None, typer.Option("--docs", help="jsonl format: the documents folder (default: docs/ next to the file).")] = None,
-    max_minutes: Annotated[float | None, typer.Option("--max-minutes", help="Stop asking after this many minutes (like Ctrl-C: rows kept, report written, --resume continues).")] = None,
+    max_minutes: Annotated[float | None, typer.Option("--max-minutes", help="Stop asking after this many minutes (like Ctrl-C: rows kept, report written, exit code 5, --resume continues).")] = None,
     resume: Annotated[bool, typer.Option("--resume", help="Continue a run in OUT: rows already in results.jsonl are skipped.")] = False,
     model: ModelOpt = None,
     json_: JsonOpt = False,
 ):
     """Compare CAG, no-cache (full) and RAG on a QA dataset: quality and latency per knowledge size.
 
-    Writes OUT/results.jsonl (one row per question, mode, size and k, appended as it goes: Ctrl-C keeps what is done, --resume continues), OUT/report.md and OUT/report.png.
+    Writes OUT/results.jsonl (one row per question, mode, size and k, appended as it goes: Ctrl-C keeps what is done, --resume continues), OUT/report.md and OUT/report.png. Exits 5 when --max-minutes stops the run before it is complete, 130 on Ctrl-C.
     """
-    from cag.compare.report import summary
+    from cag.compare.results import read_rows
     from cag.compare.runner import CompareConfig, run_compare
+    from cag.compare.stats import summary
 
     label = Path(dataset).stem.split(".")[0] if Path(dataset).exists() else dataset.lower()
     cfg = CompareConfig(
         dataset=dataset, format=format_, sizes=_ints(size_tokens, "--size-tokens"), questions=questions,
-        full_sample=full_sample, modes=[m.strip() for m in modes.split(",") if m.strip()], ks=_ints(k, "--k"),
+        max_sets=max_sets, full_sample=full_sample, modes=[m.strip() for m in modes.split(",") if m.strip()], ks=_ints(k, "--k"),
         k_main=k_main, k_sample=k_sample, max_tokens=max_tokens, seed=seed,
         out=out or Path(f"compare-{label}"), resume=resume, max_minutes=max_minutes, corpora=corpora, docs=docs,
     )
@@ -68,11 +75,11 @@ def compare(
 
     result = run_compare(engine, cfg, log=log, reporter_factory=lambda: _TqdmReporter(quiet=json_))
     if json_:
-        rows = [json.loads(line) for line in result.results_path.read_text(encoding="utf-8").splitlines() if line.strip()]
+        rows = read_rows(result.results_path)
         _emit({"out": str(result.out), "results": str(result.results_path), "report": str(result.out / "report.md"),
                "png": str(result.out / "report.png"), "rows_written": result.rows_written,
                "rows_total": result.rows_total, "stopped": result.stopped, "notes": result.notes,
-               "sets": [{k: v for k, v in s.__dict__.items() if k != "files"} for s in result.sets],
+               "complete": result.complete, "sets": [s.record() for s in result.sets],
                "summary": summary(rows, cfg.k_main)})
     else:
         typer.echo(f"{result.rows_written} new rows ({result.rows_total} in all) in {result.results_path}")
@@ -81,3 +88,5 @@ def compare(
             typer.echo(f"{result.stopped}: run again with --resume to continue", err=True)
     if result.interrupted:
         raise typer.Exit(130)
+    if not result.complete:
+        raise typer.Exit(INCOMPLETE)

@@ -4,7 +4,14 @@ Exact match and F1 follow the official SQuAD v1.1 evaluation definitions
 (normalization, token-level F1, max over the gold answers), written out here so
 scores are comparable with published SQuAD numbers. ``answer_in_output`` is a
 looser check for generative models, which tend to answer in a full sentence
-("The game was played in Santa Clara.") where EM would score 0.
+("The game was played in Santa Clara.") where EM would score 0. It is also
+too loose: "born in 1952, while his brother was born in 1953" finds gold
+"1952", and a model that lists candidates scores on each of them.
+``f1_first_sentence`` is the stricter reading the reports carry next to it:
+token F1 of the output's first sentence only, so a hedge inside that sentence
+costs precision, and a right answer that comes only after a wrong first
+sentence earns (almost) nothing; text after the first sentence (the model's
+ramble up to the token limit) is not held against it.
 """
 
 from __future__ import annotations
@@ -73,6 +80,43 @@ def answer_in_output(prediction: str, golds: list[str]) -> float:
         if norm and f" {norm} " in padded:
             return 1.0
     return 0.0
+
+
+# Words whose trailing period does not end a sentence.
+_ABBREVIATIONS = frozenset(
+    "mr mrs ms dr st jr sr prof gen col lt mt vs etc eg ie no inc ltd co approx fig ca".split()
+)
+_SENTENCE_END = re.compile(r"[.!?](?=[\"'”’)\]]*(?:\s|$))|\n")
+_WORD_BEFORE = re.compile(r"([\w.]*)$")
+
+
+def first_sentence(text: str) -> str:
+    """The text up to its first sentence end: ``.``, ``!`` or ``?`` before a space or
+    the end, or a line break.
+
+    A period after an initial ("Henry J. Kaiser"), a dotted abbreviation ("U.S.") or a
+    common abbreviation ("St.", "Dr.") does not end the sentence, nor does one inside a
+    number ("7.15"). A line break after an empty start or after a colon ("The answer
+    is:\n\nKaiser") does not end it either: the answer follows on the next line.
+    """
+    text = text.strip()
+    for m in _SENTENCE_END.finditer(text):
+        head = text[: m.start()]
+        if m.group() == "\n":
+            if not head.strip() or head.rstrip().endswith(":"):
+                continue
+            return head.strip()
+        if m.group() == ".":
+            word = _WORD_BEFORE.search(head).group(1)
+            if (len(word) == 1 and word.isupper()) or "." in word or word.lower() in _ABBREVIATIONS:
+                continue
+        return text[: m.end()]
+    return text
+
+
+def f1_first_sentence(prediction: str, golds: list[str]) -> float:
+    """Token F1 (as :func:`f1`) of the prediction's first sentence (:func:`first_sentence`)."""
+    return f1(first_sentence(prediction), golds)
 
 
 def summarize(values: Iterable[float]) -> dict[str, float]:

@@ -1,18 +1,23 @@
 """`cag compare`: CAG vs no-cache (`full`) vs RAG on a QA dataset, quality and latency in one run.
 
-For every knowledge size the run builds one knowledge set (compare.datasets), writes its
+For every knowledge size the run builds a knowledge set (compare.datasets), writes its
 documents as files under CORPORA/<set>/, ingests it once through the engine and asks each of
-its questions in every mode through `Engine.ask`, so all modes share the model, the
-instruction and layout, greedy decoding, the max tokens and the stop tokens; only the
-knowledge differs:
+its questions in every mode through the one answering entry point (`cag.rag.answer.ask`), so
+all modes share the model, the instruction and layout, greedy decoding, the max tokens and
+the stop tokens; only the knowledge differs:
 
 * ``cag``      the set's snapshot (prefilled once at ingest);
 * ``full``     the whole set prefilled in the prompt for every question, no cache, on the
-               first ``full_sample`` questions (its answers must equal ``cag``'s; it adds the
-               latency of not caching);
+               first ``full_sample`` questions of each size (its answers must equal ``cag``'s;
+               it adds the latency of not caching);
 * ``rag-bm25`` / ``rag-dense``  the top-k passages (384 tokens of the model's tokenizer) of
                the same files; ``k_main`` on every question, every k of ``ks`` on the first
-               ``k_sample`` questions.
+               ``k_sample`` questions of each size.
+
+A size whose set holds fewer questions than asked (a HotpotQA question brings ~10
+paragraphs) pools sets of the further seeds, up to ``max_sets`` per size
+(`compare.datasets.pool_sets`); a size that still falls short is said so on stderr and in
+the report.
 
 Sizes count the documents as laid out in the prompt (each with its ``<document name=...>``
 delimiters), so the head and tail of the chat template are the only headroom needed. Each
@@ -21,10 +26,10 @@ not leave room for the question and answer inside the model's context is reporte
 skipped, never truncated.
 
 All sets are ingested first; then questions are asked interleaved across sizes (question 0 at
-every size, then question 1, ...), so a run stopped early covers every size evenly. One JSON
-row per (set, question, mode, k) is appended to OUT/results.jsonl as soon as it is known
-(flushed), so Ctrl-C (or ``max_minutes``) keeps everything done so far and ``resume`` skips
-those rows.
+every size, then question 1, ...), so a run stopped early covers every size evenly. One row
+per (set, question, mode, k) is appended to OUT/results.jsonl (compare.results) as soon as it
+is known, so Ctrl-C (or ``max_minutes``) keeps everything done so far and ``resume`` skips
+those rows. A run that stops before its plan is done is incomplete (`CompareResult.complete`).
 """
 
 from __future__ import annotations
@@ -44,17 +49,17 @@ from cag.errors import BadInput, CagError, TooLarge
 from cag.generate import DecodeConfig, stop_ids
 from cag.hashing import hash_obj, short
 from cag.prompt import INSTRUCTION, build_prefix, document_text, encode_text
+from cag.rag.answer import ask
 
 from . import datasets as ds
-from .metrics import answer_in_output, exact_match, f1
+from .metrics import answer_in_output, exact_match, f1, f1_first_sentence
+from .report import write_report
+from .results import RESULTS, RUN, SETS, ResultsLog, Row, read_rows, write_json
 
 ALL_MODES = ("cag", "full", "rag-bm25", "rag-dense")
 DEFAULT_MODES = ("cag", "full", "rag-bm25")
-RESULTS = "results.jsonl"
-RUN = "run.json"
-SETS = "sets.json"
 # What must match for --resume to append to an existing run (the rest may change between runs).
-RESUME_KEYS = ("dataset", "format", "sizes", "questions", "seed", "max_tokens", "model_fingerprint",
+RESUME_KEYS = ("dataset", "format", "sizes", "questions", "seed", "max_sets", "max_tokens", "model_fingerprint",
                "tokenizer_fingerprint", "kv_dtype", "passage_tokens")
 
 
@@ -64,7 +69,8 @@ class CompareConfig:
     out: Path
     format: str | None = None  # squad | hotpot | hotpotqa | jsonl; guessed from DATASET when None
     sizes: list[int] = field(default_factory=lambda: [2000, 4000, 7000])
-    questions: int = 50
+    questions: int = 50  # per size
+    max_sets: int = 10  # sets pooled per size (further seeds) to reach `questions`
     full_sample: int = 10
     modes: list[str] = field(default_factory=lambda: list(DEFAULT_MODES))
     ks: list[int] = field(default_factory=lambda: [1, 3, 5])
@@ -87,6 +93,8 @@ class CompareConfig:
             raise BadInput("k values must be at least 1")
         if self.questions < 1:
             raise BadInput("questions must be at least 1")
+        if self.max_sets < 1:
+            raise BadInput("max sets must be at least 1")
         if self.max_tokens < 1:
             raise BadInput("max tokens must be at least 1")
         if min(self.full_sample, self.k_sample) < 0:
@@ -97,8 +105,11 @@ class CompareConfig:
 
 @dataclass
 class SetInfo:
+    """One knowledge set as sets.json records it."""
+
     name: str
     size: int
+    seed: int = 0
     corpus: str = ""
     folder: str = ""
     n_documents: int = 0
@@ -106,9 +117,14 @@ class SetInfo:
     prefix_tokens: int = 0  # the real knowledge prefix: template head + documents + template middle
     n_questions: int = 0
     skipped: str | None = None
-    ingest: dict = field(default_factory=dict)  # cag: status, prefill_ms, bytes, n_tokens, snapshot
+    # One record per snapshot the set's corpus was ingested into: status, prefill_ms, bytes, n_tokens,
+    # snapshot. One today; a list so that a set sharded over several snapshots needs no new format.
+    snapshots: list[dict] = field(default_factory=list)
     rag_index: dict = field(default_factory=dict)  # per retriever: build_ms, n_passages
     files: dict = field(default_factory=dict, repr=False)  # file name -> dataset doc id
+
+    def record(self) -> dict:
+        return {k: v for k, v in asdict(self).items() if k != "files"}
 
 
 @dataclass
@@ -125,49 +141,13 @@ class CompareResult:
         return self.stopped == "interrupted"
 
     @property
+    def complete(self) -> bool:
+        """Every planned row is in results.jsonl; otherwise --resume continues the run."""
+        return self.stopped is None
+
+    @property
     def results_path(self) -> Path:
         return self.out / RESULTS
-
-
-def resolve_dataset(dataset: str, fmt: str | None, docs: Path | None = None) -> tuple[str, Path | None, dict]:
-    """(loader format, path or None for the shared copy, loader options)."""
-    fmt = {"hotpot": "hotpotqa"}.get(fmt, fmt) if fmt else None
-    if fmt is not None and fmt not in ds.FORMATS:
-        raise BadInput(f"unknown format {fmt!r}; use squad, hotpot or jsonl")
-    word = dataset.lower()
-    if word in ("squad", "hotpot", "hotpotqa") and not Path(dataset).exists():
-        name = "hotpotqa" if word.startswith("hotpot") else "squad"
-        if fmt and fmt != name:
-            raise BadInput(f"dataset {dataset!r} is the shared {name} copy; it cannot be read as {fmt}")
-        path = ds.default_source(name)
-        if not path.is_file():
-            raise BadInput(f"the shared {name} dataset is not at {path} (set CAG_DATASETS to its folder)")
-        return name, None, {}
-    path = Path(dataset).expanduser()
-    if not path.is_file():
-        raise BadInput(f"no such dataset file: {dataset} (or use the words squad / hotpot)")
-    if fmt is None:
-        fmt = _guess_format(path)
-    opts = {"docs_dir": docs} if fmt == "jsonl" and docs is not None else {}
-    return fmt, path, opts
-
-
-def _guess_format(path: Path) -> str:
-    if path.name.endswith((".jsonl", ".jsonl.gz")):
-        return "jsonl"
-    try:
-        import gzip
-
-        opener = gzip.open if path.suffix == ".gz" else open
-        with opener(path, "rt", encoding="utf-8") as f:
-            head = f.read(1 << 16).lstrip()
-    except (OSError, UnicodeDecodeError) as e:
-        raise BadInput(f"cannot read {path}: {e}") from None
-    if head.startswith("{") and '"data"' in head:
-        return "squad"
-    if head.startswith("["):
-        return "hotpotqa"
-    raise BadInput(f"cannot tell the format of {path}; pass --format squad|hotpot|jsonl")
 
 
 _UNSAFE = re.compile(r"[^\w.,()'+-]+")
@@ -184,25 +164,6 @@ def file_names(docs: list[ds.Doc]) -> list[str]:
     return [f"{i:0{width}d}-{_slug(d.title or d.doc_id)}.txt" for i, d in enumerate(docs)]
 
 
-def _read_rows(path: Path) -> list[dict]:
-    rows = []
-    if path.exists():
-        with open(path, encoding="utf-8") as f:
-            for line in f:
-                line = line.strip()
-                if not line:
-                    continue
-                try:
-                    rows.append(json.loads(line))
-                except json.JSONDecodeError:
-                    continue  # a line cut by a kill mid-write: that row is simply asked again
-    return rows
-
-
-def row_key(row: dict) -> tuple:
-    return (row["set"], row["qid"], row["mode"], row.get("k"))
-
-
 def run_meta(engine, cfg: CompareConfig, fmt: str, path: Path | None) -> dict:
     import bm25s
     import torch
@@ -214,9 +175,9 @@ def run_meta(engine, cfg: CompareConfig, fmt: str, path: Path | None) -> dict:
     stops = sorted(stop_ids(lm.model, lm.tokenizer))
     return {
         "dataset": cfg.dataset, "format": fmt, "dataset_path": str(path or ds.default_source(fmt)),
-        "sizes": cfg.sizes, "questions": cfg.questions, "full_sample": cfg.full_sample, "modes": cfg.modes,
-        "ks": cfg.ks, "k_main": cfg.k_main, "k_sample": cfg.k_sample, "max_tokens": cfg.max_tokens,
-        "seed": cfg.seed,
+        "sizes": cfg.sizes, "questions": cfg.questions, "max_sets": cfg.max_sets, "full_sample": cfg.full_sample,
+        "modes": cfg.modes, "ks": cfg.ks, "k_main": cfg.k_main, "k_sample": cfg.k_sample,
+        "max_tokens": cfg.max_tokens, "seed": cfg.seed,
         "model": lm.name, "model_fingerprint": lm.fingerprint, "tokenizer_fingerprint": lm.tokenizer_fingerprint,
         "max_context": lm.max_context, "compute_dtype": str(lm.dtype).replace("torch.", ""),
         "kv_dtype": engine.settings.kv_dtype, "question_room": engine.settings.question_room,
@@ -234,16 +195,25 @@ def run_meta(engine, cfg: CompareConfig, fmt: str, path: Path | None) -> dict:
     }
 
 
-def build_sets(engine, cfg: CompareConfig, fmt: str, path: Path | None,
-               opts: dict) -> list[tuple[int, ds.KnowledgeSet, str | None]]:
-    """Per size: (size, knowledge set, None), or (size, empty set, why) when not even one document fits.
-    Documents are counted as laid out in the prompt, with their delimiters and file name."""
-    try:
-        corpus = ds.load_corpus(fmt, path, **opts)
-    except (ValueError, KeyError, OSError, json.JSONDecodeError) as e:
-        raise BadInput(f"cannot load the {fmt} dataset: {e}") from None
-    if not corpus.docs or not corpus.questions:
-        raise BadInput("the dataset has no documents or no questions")
+def _start_meta(out: Path, meta: dict, resume: bool) -> dict:
+    """run.json for this call. A resumed run keeps its first start and load average (the report
+    describes the whole run) and records each resumption after them."""
+    old_path = out / RUN
+    if not (resume and old_path.exists()):
+        return meta
+    old = json.loads(old_path.read_text(encoding="utf-8"))
+    diff = [k for k in RESUME_KEYS if old.get(k) != meta.get(k)]
+    if diff:
+        raise BadInput(f"--resume: {out} holds a run with different {', '.join(diff)}; "
+                       "use the same settings or another --out")
+    resumed = list(old.get("resumed") or [])
+    resumed.append({"at": meta["started"], "load_average": meta["load_average_start"]})
+    return dict(meta, started=old.get("started", meta["started"]),
+                load_average_start=old.get("load_average_start"), resumed=resumed)
+
+
+def cost_function(engine, corpus: ds.Corpus) -> Callable[[str], int]:
+    """Document text -> what it costs in the prompt, with its delimiters and file name."""
     tok = engine.lm.tokenizer
     title_of = {}
     for d in corpus.docs:
@@ -251,18 +221,21 @@ def build_sets(engine, cfg: CompareConfig, fmt: str, path: Path | None,
     width = max(3, len(str(len(corpus.docs))))
 
     @functools.cache
-    def cost(text: str) -> int:  # what the document costs in the prompt, with its delimiters and name
+    def cost(text: str) -> int:
         name = f"{0:0{width}d}-{_slug(title_of.get(text, 'doc'))}.txt"
         return len(encode_text(tok, document_text(name, text)))
 
-    out = []
-    for size in cfg.sizes:  # one size at a time: same sets as all at once (one seeded order, per-size draw)
-        try:
-            [ks] = ds.knowledge_sets_from_corpus(corpus, [size], cost, cfg.questions, cfg.seed)
-            out.append((size, ks, None))
-        except ValueError as e:
-            out.append((size, ds.KnowledgeSet(f"{corpus.name}-{size}", [], [], 0), str(e)))
-    return out
+    return cost
+
+
+def load_corpus(fmt: str, path: Path | None, opts: dict) -> ds.Corpus:
+    try:
+        corpus = ds.load_corpus(fmt, path, **opts)
+    except (ValueError, KeyError, OSError, json.JSONDecodeError) as e:
+        raise BadInput(f"cannot load the {fmt} dataset: {e}") from None
+    if not corpus.docs or not corpus.questions:
+        raise BadInput("the dataset has no documents or no questions")
+    return corpus
 
 
 def write_set(ks: ds.KnowledgeSet, folder: Path) -> dict[str, str]:
@@ -280,10 +253,13 @@ def write_set(ks: ds.KnowledgeSet, folder: Path) -> dict[str, str]:
     return dict(zip(names, (d.doc_id for d in ks.docs)))
 
 
-def plan(ks: ds.KnowledgeSet, cfg: CompareConfig, modes: list[str]) -> list[tuple[int, ds.QAItem, str, int | None]]:
-    """(question index, question, mode, k) in asking order: every mode of a question together."""
+def plan(ks: ds.KnowledgeSet, cfg: CompareConfig, modes: list[str],
+         first_index: int = 0) -> list[tuple[int, ds.QAItem, str, int | None]]:
+    """(question index within its size, question, mode, k) in asking order: every mode of a question
+    together. `first_index` is the number of questions the size's earlier sets hold, so the full and
+    k-sweep samples are the first questions of the size, not of each set."""
     out = []
-    for qi, q in enumerate(ks.questions):
+    for qi, q in enumerate(ks.questions, start=first_index):
         for mode in modes:
             if mode == "cag":
                 out.append((qi, q, mode, None))
@@ -299,25 +275,17 @@ def plan(ks: ds.KnowledgeSet, cfg: CompareConfig, modes: list[str]) -> list[tupl
 def run_compare(engine, cfg: CompareConfig, log: Callable[[str], None] = lambda s: None,
                 reporter_factory: Callable[[], object] | None = None, progress: bool | None = None) -> CompareResult:
     """Run the comparison into cfg.out and write report.md/report.png; see the module docstring."""
-    from .report import write_report
-
     cfg.validate()
-    fmt, path, opts = resolve_dataset(cfg.dataset, cfg.format, cfg.docs)
+    fmt, path, opts = ds.resolve_dataset(cfg.dataset, cfg.format, cfg.docs)
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
     results = out / RESULTS
-    meta = run_meta(engine, cfg, fmt, path)
-    done_rows = _read_rows(results)
+    done_rows = read_rows(results)
     if done_rows and not cfg.resume:
         raise BadInput(f"{results} already holds {len(done_rows)} rows: pass --resume to continue that run, "
                        "or choose another --out")
-    if cfg.resume and (out / RUN).exists():
-        old = json.loads((out / RUN).read_text())
-        diff = [k for k in RESUME_KEYS if old.get(k) != meta.get(k)]
-        if diff:
-            raise BadInput(f"--resume: {out} holds a run with different {', '.join(diff)}; "
-                           "use the same settings or another --out")
-    (out / RUN).write_text(json.dumps(meta, indent=1, ensure_ascii=False) + "\n")
+    meta = _start_meta(out, run_meta(engine, cfg, fmt, path), cfg.resume)
+    write_json(out / RUN, meta)
 
     notes: list[str] = []
     modes = list(cfg.modes)
@@ -330,27 +298,45 @@ def run_compare(engine, cfg: CompareConfig, log: Callable[[str], None] = lambda 
                          "(pip install 'cag[dense]')")
             log(notes[-1])
 
-    sets = build_sets(engine, cfg, fmt, path, opts)
+    corpus = load_corpus(fmt, path, opts)
+    cost = cost_function(engine, corpus)
     corpora_root = Path(cfg.corpora) if cfg.corpora else out / "corpora"
-    done = {row_key(r) for r in done_rows}
+    done = {r.key for r in done_rows}
     infos: list[SetInfo] = []
-    ready: list[tuple[SetInfo, ds.KnowledgeSet]] = []
+    todo: list[tuple] = []
     written, stopped = 0, None
     decoding = DecodeConfig(max_tokens=cfg.max_tokens)
     deadline = time.monotonic() + cfg.max_minutes * 60 if cfg.max_minutes else None
     bar = None
     try:
-        # Phase 1: every set is written, measured against the context, ingested once and indexed.
-        for size, ks, why in sets:
-            info = _prepare(engine, cfg, ks, size, why, corpora_root, modes, reporter_factory, log)
-            infos.append(info)
-            if not info.skipped:
-                ready.append((info, ks))
-            _write_sets(out, infos)
+        # Phase 1: every set is drawn, written, measured against the context, ingested once and indexed;
+        # a size pools sets of further seeds while it holds fewer questions than asked.
+        for size in cfg.sizes:
+            held = 0  # questions of this size's accepted sets so far
+
+            def accept(ks: ds.KnowledgeSet, size=size) -> bool:
+                nonlocal held
+                info = _prepare(engine, cfg, ks, size, corpora_root, modes, reporter_factory, log)
+                infos.append(info)
+                write_json(out / SETS, [i.record() for i in infos])
+                if info.skipped:
+                    return False
+                todo.extend((info, ks, *p) for p in plan(ks, cfg, modes, held)
+                            if (ks.name, p[1].qid, p[2], p[3]) not in done)
+                held += len(ks.questions)
+                return True
+
+            pool = ds.pool_sets(corpus, size, cost, cfg.questions, cfg.seed, cfg.max_sets, accept)
+            if not pool.sets and not any(i.size == size for i in infos):  # not even one document fits
+                why = pool.shortfall or "no set"
+                infos.append(SetInfo(ds.set_name(corpus, size, cfg.seed, cfg.seed), size, cfg.seed, skipped=why))
+                write_json(out / SETS, [i.record() for i in infos])
+                log(f"size {size}: skipped ({why})")
+            elif pool.sets and pool.shortfall:
+                notes.append(f"size {size}: only {pool.shortfall}; its intervals are correspondingly wide")
+                log(f"warning: {notes[-1]}")
         # Phase 2: questions interleaved across sizes (question 0 at every size, then question 1 ...),
         # so a run stopped early (Ctrl-C, --max-minutes) still covers every size evenly.
-        todo = [(info, ks, *p) for info, ks in ready for p in plan(ks, cfg, modes)
-                if (ks.name, p[1].qid, p[2], p[3]) not in done]
         todo.sort(key=lambda t: t[2])  # stable: sizes, then modes, keep their order within a question index
         if todo:
             warm_up(engine, todo[0][0].corpus, todo[0][3].question)
@@ -358,14 +344,12 @@ def run_compare(engine, cfg: CompareConfig, log: Callable[[str], None] = lambda 
 
             bar = tqdm(total=len(todo), unit="q", file=sys.stderr, dynamic_ncols=True,
                        disable=not (sys.stderr.isatty() if progress is None else progress))
-        with open(results, "a", encoding="utf-8") as f:
+        with ResultsLog(results) as results_log:
             for info, ks, qi, q, mode, k in todo:
                 if deadline is not None and time.monotonic() > deadline:
                     stopped = f"stopped at the time budget of {cfg.max_minutes:g} minutes"
                     break
-                row = ask_row(engine, info, ks, qi, q, mode, k, decoding)
-                f.write(json.dumps(row, ensure_ascii=False) + "\n")
-                f.flush()
+                results_log.append(ask_row(engine, info, qi, q, mode, k, decoding))
                 written += 1
                 if bar is not None:
                     bar.set_description(f"{ks.name} q{qi} {mode}")
@@ -376,26 +360,29 @@ def run_compare(engine, cfg: CompareConfig, log: Callable[[str], None] = lambda 
         bar.close()
     if stopped:
         log(f"{stopped}: {written} new rows kept in {results}; --resume continues")
-    _write_sets(out, infos)
-    rows = _read_rows(results)
-    meta["finished"] = time.strftime("%Y-%m-%d %H:%M:%S")
-    meta["load_average_end"] = _loadavg()
-    meta["stopped"], meta["notes"] = stopped, notes
-    (out / RUN).write_text(json.dumps(meta, indent=1, ensure_ascii=False) + "\n")
-    write_report(out, rows, meta, [asdict(i) for i in infos], notes, stopped=stopped)
+    write_json(out / SETS, [i.record() for i in infos])
+    rows = read_rows(results)
+    meta.update(finished=time.strftime("%Y-%m-%d %H:%M:%S"), load_average_end=_loadavg(), stopped=stopped,
+                notes=notes)
+    write_json(out / RUN, meta)
+    write_report(out, rows, meta, [i.record() for i in infos], notes, stopped=stopped)
     return CompareResult(out, written, len(rows), stopped, infos, notes)
 
 
-def _prepare(engine, cfg: CompareConfig, ks: ds.KnowledgeSet, size: int, why: str | None, corpora_root: Path,
+def fits_context(engine, prefix_tokens: int) -> bool:
+    """Whether one snapshot of this prefix leaves room for a question and its answer. The one
+    place the runner assumes a set is one snapshot: sharding a set would change this rule."""
+    return prefix_tokens + engine.room <= engine.lm.max_context
+
+
+def _prepare(engine, cfg: CompareConfig, ks: ds.KnowledgeSet, size: int, corpora_root: Path,
              modes: list[str], reporter_factory, log) -> SetInfo:
     """Write, measure, ingest and index one set; a SetInfo with `skipped` set when it cannot be run."""
     from cag.rag.answer import get_index
 
     lm = engine.lm
-    if why:
-        log(f"size {size}: skipped ({why})")
-        return SetInfo(ks.name, size, skipped=why)
-    info = SetInfo(ks.name, size, n_documents=len(ks.docs), doc_tokens=ks.n_tokens, n_questions=len(ks.questions))
+    info = SetInfo(ks.name, size, ks.seed, n_documents=len(ks.docs), doc_tokens=ks.n_tokens,
+                   n_questions=len(ks.questions))
     folder = (corpora_root / ks.name).resolve()
     info.folder = str(folder)
     info.corpus = f"compare-{ks.name}-{short(hash_obj(str(folder)), 6)}"
@@ -406,7 +393,7 @@ def _prepare(engine, cfg: CompareConfig, ks: ds.KnowledgeSet, size: int, why: st
     info.files = write_set(ks, folder)
     docs, _ = engine.read_corpus(folder, info.corpus)
     info.prefix_tokens = len(build_prefix(lm.tokenizer, engine.layout(), [(d.name, d.text) for d in docs]).ids)
-    if info.prefix_tokens + engine.room > lm.max_context:
+    if not fits_context(engine, info.prefix_tokens):
         info.skipped = (f"prefix {info.prefix_tokens} tokens + {engine.room} for question and answer "
                         f"> context {lm.max_context}")
         log(f"{ks.name}: skipped ({info.skipped})")
@@ -422,8 +409,8 @@ def _prepare(engine, cfg: CompareConfig, ks: ds.KnowledgeSet, size: int, why: st
     prefill_ms = r.prefill_ms
     if r.status == "fresh":  # built by an earlier run: report what building it cost then
         prefill_ms = (engine.index.snapshot(r.snapshot) or {}).get("prefill_ms") or 0.0
-    info.ingest = {"status": r.status, "prefill_ms": round(prefill_ms, 1), "bytes": r.bytes,
-                   "n_tokens": r.n_tokens, "snapshot": r.snapshot}
+    info.snapshots = [{"status": r.status, "prefill_ms": round(prefill_ms, 1), "bytes": r.bytes,
+                       "n_tokens": r.n_tokens, "snapshot": r.snapshot}]
     for mode in modes:
         if mode.startswith("rag-"):
             idx, _ = get_index(engine, docs, mode.split("-", 1)[1])
@@ -443,36 +430,35 @@ def warm_up(engine, corpus: str, question: str) -> None:
     """One unrecorded short question, so the process's first forward passes (allocator, kernel
     selection) are not charged to whichever mode happens to be asked first."""
     try:
-        engine.ask(corpus, question, mode="rag", max_tokens=2, k=1)
+        ask(engine, corpus, question, mode="rag", max_tokens=2, k=1)
     except CagError:
         pass
 
 
-def _write_sets(out: Path, infos: list[SetInfo]) -> None:
-    tmp = out / (SETS + ".tmp")
-    tmp.write_text(json.dumps([{k: v for k, v in asdict(i).items() if k != "files"} for i in infos], indent=1) + "\n")
-    os.replace(tmp, out / SETS)
-
-
-def ask_row(engine, info: SetInfo, ks: ds.KnowledgeSet, qi: int, q: ds.QAItem, mode: str, k: int | None,
-            decoding: DecodeConfig) -> dict:
+def ask_row(engine, info: SetInfo, qi: int, q: ds.QAItem, mode: str, k: int | None,
+            decoding: DecodeConfig) -> Row:
     """Ask one question in one mode; the row that goes to results.jsonl."""
     retriever = mode.split("-", 1)[1] if mode.startswith("rag-") else None
-    row = {"set": ks.name, "size": info.size, "prefix_tokens": info.prefix_tokens, "qid": q.qid, "q_index": qi,
-           "question": q.question, "golds": q.answers, "gold_docs": q.gold_doc_ids, "mode": mode,
-           "retriever": retriever, "k": k}
+    row = Row(set=info.name, size=info.size, qid=q.qid, mode=mode, prefix_tokens=info.prefix_tokens, q_index=qi,
+              question=q.question, golds=q.answers, gold_docs=q.gold_doc_ids, retriever=retriever, k=k)
     try:
-        a = engine.ask(info.corpus, q.question, mode="rag" if retriever else mode, max_tokens=decoding.max_tokens,
-                       decoding=decoding, k=k or 3, retriever=retriever or "bm25")
+        a = ask(engine, info.corpus, q.question, mode="rag" if retriever else mode, max_tokens=decoding.max_tokens,
+                decoding=decoding, k=k or 3, retriever=retriever or "bm25")
     except CagError as e:  # e.g. a question longer than the room kept for it: recorded, not fatal
-        return dict(row, error=str(e), answer=None, em=None, f1=None, answer_in_output=None)
-    row.update(answer=a.answer, em=exact_match(a.answer, q.answers), f1=round(f1(a.answer, q.answers), 4),
-               answer_in_output=answer_in_output(a.answer, q.answers), prompt_tokens=a.prompt_tokens,
-               cached_tokens=a.cached_tokens, completion_tokens=a.completion_tokens, load_ms=a.load_ms,
-               ttft_ms=a.ttft_ms, total_ms=a.total_ms, retrieval_ms=a.retrieval_ms if retriever else None)
+        row.error = str(e)
+        return row
+    row.answer = a.answer
+    row.em = exact_match(a.answer, q.answers)
+    row.f1 = round(f1(a.answer, q.answers), 4)
+    row.f1_first = round(f1_first_sentence(a.answer, q.answers), 4)
+    row.answer_in_output = answer_in_output(a.answer, q.answers)
+    row.prompt_tokens, row.cached_tokens, row.completion_tokens = a.prompt_tokens, a.cached_tokens, a.completion_tokens
+    row.load_ms, row.ttft_ms, row.total_ms = a.load_ms, a.ttft_ms, a.total_ms
     if retriever:
+        row.retrieval_ms = a.retrieval_ms
         got = [info.files.get(p["doc_id"], p["doc_id"]) for p in a.passages]
         gold = set(q.gold_doc_ids)
-        row.update(retrieved=[{"doc": d, "index": p["index"], "score": p["score"]} for d, p in zip(got, a.passages)],
-                   retrieval_hit=gold <= set(got), retrieval_recall=round(len(gold & set(got)) / len(gold), 4))
+        row.retrieved = [{"doc": d, "index": p["index"], "score": p["score"]} for d, p in zip(got, a.passages)]
+        row.retrieval_hit = gold <= set(got)
+        row.retrieval_recall = round(len(gold & set(got)) / len(gold), 4)
     return row

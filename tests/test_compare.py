@@ -1,8 +1,12 @@
-"""`cag compare` end to end on the tiny model: a jsonl dataset written here, and SQuAD at a small size.
+"""`cag compare` end to end on the tiny model: a jsonl dataset and a HotpotQA-shaped file written
+here, and SQuAD at a small size; then the pieces that make its reports trustworthy.
 
 Checked: the files parse, every planned row is there and complete, report.md has its tables,
-report.png is a PNG, --resume adds no duplicate rows, Ctrl-C keeps the finished rows, sizes
-that do not fit the context are reported as skipped.
+report.png is a PNG, --resume adds no duplicate rows and keeps the run's first start, Ctrl-C
+keeps the finished rows, a stop at --max-minutes exits 5, sizes that do not fit the context are
+reported as skipped, a size short of questions pools further seeds (or says it is short), every
+cell carries n and a bootstrap interval, each set's real prefix is listed, the stricter
+first-sentence F1 is computed, and the results log survives a line cut by a kill.
 """
 
 from __future__ import annotations
@@ -13,13 +17,14 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from cag.errors import BadInput
 from cag.compare import datasets as ds
-from cag.compare.runner import CompareConfig, plan, resolve_dataset, run_compare
+from cag.compare.datasets import resolve_dataset
+from cag.compare.runner import CompareConfig, plan, run_compare
+from cag.errors import BadInput
 
 ROW_KEYS = {"set", "size", "prefix_tokens", "qid", "question", "golds", "gold_docs", "mode", "retriever", "k",
-            "answer", "em", "f1", "answer_in_output", "prompt_tokens", "cached_tokens", "completion_tokens",
-            "load_ms", "ttft_ms", "total_ms", "retrieval_ms"}
+            "answer", "em", "f1", "f1_first", "answer_in_output", "prompt_tokens", "cached_tokens",
+            "completion_tokens", "load_ms", "ttft_ms", "total_ms", "retrieval_ms"}
 RAG_KEYS = {"retrieved", "retrieval_hit", "retrieval_recall"}
 
 needs_squad = pytest.mark.skipif(not (ds.datasets_root() / ds.SQUAD_DEV_FILE).is_file(),
@@ -55,7 +60,7 @@ def _check_rows(rows: list[dict]) -> None:
     for r in rows:
         assert ROW_KEYS <= set(r), ROW_KEYS - set(r)
         assert not r.get("error")
-        assert r["answer"] is not None and r["em"] in (0.0, 1.0) and 0 <= r["f1"] <= 1
+        assert r["answer"] is not None and r["em"] in (0.0, 1.0) and 0 <= r["f1"] <= 1 and 0 <= r["f1_first"] <= 1
         assert r["ttft_ms"] > 0 and r["total_ms"] >= r["ttft_ms"] * 0.99
         assert r["completion_tokens"] <= 4
         if r["mode"] == "cag":
@@ -85,12 +90,13 @@ def test_compare_jsonl_end_to_end_with_resume(qa_jsonl, tmp_path, tiny_model_dir
     assert "no document fits in 10 tokens" in sets["questions-10"]["skipped"]
     big = sets["questions-2000"]
     assert big["n_documents"] == 5 and big["n_questions"] == 3 and not big["skipped"]
-    assert big["prefix_tokens"] > big["doc_tokens"] and big["ingest"]["n_tokens"] == big["prefix_tokens"]
+    assert big["prefix_tokens"] > big["doc_tokens"]
+    assert [s["n_tokens"] for s in big["snapshots"]] == [big["prefix_tokens"]]
     assert big["rag_index"]["rag-bm25"]["n_passages"] == 5
 
     rows = _rows(out)
     _check_rows(rows)
-    assert summary["rows_written"] == summary["rows_total"] == len(rows)
+    assert summary["rows_written"] == summary["rows_total"] == len(rows) and summary["complete"]
     assert {r["set"] for r in rows} == {"questions-2000"}
     # cag on all 3, full on the first 2, rag at k=2 on all 3 plus k=1 on the first one
     assert len(rows) == 3 + 2 + 3 + 1
@@ -102,12 +108,14 @@ def test_compare_jsonl_end_to_end_with_resume(qa_jsonl, tmp_path, tiny_model_dir
     assert all(r["retrieval_recall"] == (1.0 if r["retrieval_hit"] else 0.0) for r in rag)
 
     md = (out / "report.md").read_text()
-    assert "## questions-2000 (size 2000)" in md and "| mode | n | EM | F1 |" in md
-    assert "## questions-10 (size 10)\n\nSkipped: " in md
+    assert "## Size 2000" in md and "| mode | n | EM | F1 | F1 first sentence | answer in output |" in md
+    assert "## Size 10" not in md
+    assert f"| 10 | questions-10 | – | – | – | – | skipped: {sets['questions-10']['skipped']} |" in md
+    assert (f"| 2000 | questions-2000 | 5 | {big['doc_tokens']:,} | {big['prefix_tokens']:,} | 3 |" in md)
     assert "model_fingerprint" not in md and str(tiny_model_dir) in md
     assert "full vs cag: all" in md and "identical" in md
     assert "k sweep on the first 1 questions" in md and "recall@k" in md
-    assert "One-time ingest cost: cag prefill" in md
+    assert "Paired against cag on the same questions" in md and "| rag-bm25 k=2 | 3 |" in md
     png = (out / "report.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
     from cag.compare.report import rebuild
@@ -116,11 +124,16 @@ def test_compare_jsonl_end_to_end_with_resume(qa_jsonl, tmp_path, tiny_model_dir
     assert (out / "report.md").read_text() == md
 
     # --resume: nothing left to do, no duplicate rows; without it the run refuses to mix outputs
+    started = json.loads((out / "run.json").read_text())
     r = CliRunner().invoke(app, args + ["--resume"])
     assert r.exit_code == 0, r.output
     again = json.loads(r.stdout.strip().splitlines()[-1])
     assert again["rows_written"] == 0 and again["rows_total"] == len(rows)
     assert _rows(out) == rows
+    # the resumed run keeps its first start and load average, and records the resumption
+    meta = json.loads((out / "run.json").read_text())
+    assert (meta["started"], meta["load_average_start"]) == (started["started"], started["load_average_start"])
+    assert len(meta["resumed"]) == 1 and "at" in meta["resumed"][0]
     r = CliRunner().invoke(app, args)
     assert r.exit_code == 1 and "--resume" in r.output
     r = CliRunner().invoke(app, [*args[:-1], "--seed", "5", "--resume"])
@@ -137,7 +150,7 @@ def test_compare_squad_small(tiny_engine, tmp_path):
     assert not small.skipped and small.prefix_tokens + tiny_engine.room <= tiny_engine.lm.max_context
     assert not mid.skipped and mid.n_documents > small.n_documents
     # the tiny model's context is 4096: a 5000-token set is reported, never truncated
-    assert big.skipped and "context 4096" in big.skipped and not big.ingest
+    assert big.skipped and "context 4096" in big.skipped and not big.snapshots
     rows = _rows(res.out)
     _check_rows(rows)
     assert {r["set"] for r in rows} == {"squad-600", "squad-2000"}
@@ -150,15 +163,17 @@ def test_compare_squad_small(tiny_engine, tmp_path):
     by = {(r["qid"], r["mode"]): r["answer"] for r in rows}
     assert all(by[q, "full"] == by[q, "cag"] for q, m in by if m == "full")
     md = (res.out / "report.md").read_text()
-    assert "## squad-5000 (size 5000)\n\nSkipped: prefix" in md
+    assert "| 5000 | squad-5000 |" in md and "skipped: prefix" in md and "## Size 5000" not in md
     assert "| cag | 2 |" in md and "| full | 2 |" in md and "| rag-bm25 k=3 | 2 |" in md
     assert (res.out / "report.png").stat().st_size > 10_000
 
 
 def test_ctrl_c_keeps_rows_and_resume_finishes(tiny_engine, qa_jsonl, tmp_path, monkeypatch):
+    from cag.compare import runner
+
     cfg = CompareConfig(str(qa_jsonl), tmp_path / "o", sizes=[2000], questions=3, full_sample=1,
                         modes=["cag", "rag-bm25"], ks=[1], k_main=1, k_sample=0, max_tokens=3)
-    real_ask, calls = tiny_engine.ask, []
+    real_ask, calls = runner.ask, []
 
     def flaky(*a, **kw):
         calls.append(kw.get("mode"))
@@ -166,24 +181,42 @@ def test_ctrl_c_keeps_rows_and_resume_finishes(tiny_engine, qa_jsonl, tmp_path, 
             raise KeyboardInterrupt
         return real_ask(*a, **kw)
 
-    monkeypatch.setattr(tiny_engine, "ask", flaky)
+    monkeypatch.setattr(runner, "ask", flaky)
     res = run_compare(tiny_engine, cfg, progress=False)
-    assert res.interrupted and res.rows_written == 3
+    assert res.interrupted and not res.complete and res.rows_written == 3
     assert len(_rows(res.out)) == 3
     assert "Incomplete run (interrupted)" in (res.out / "report.md").read_text()
+    first = json.loads((res.out / "run.json").read_text())
 
-    monkeypatch.setattr(tiny_engine, "ask", real_ask)
+    monkeypatch.setattr(runner, "ask", real_ask)
     cfg.resume = True
     res = run_compare(tiny_engine, cfg, progress=False)
-    assert not res.interrupted and res.rows_written == 3 and res.rows_total == 6
+    assert res.complete and res.rows_written == 3 and res.rows_total == 6
     _check_rows(_rows(res.out))
-    assert "Incomplete run" not in (res.out / "report.md").read_text()
+    md = (res.out / "report.md").read_text()
+    assert "Incomplete run" not in md
+    meta = json.loads((res.out / "run.json").read_text())
+    assert meta["started"] == first["started"] and meta["load_average_start"] == first["load_average_start"]
+    assert [r["at"] for r in meta["resumed"]] == [meta["resumed"][0]["at"]] and meta["stopped"] is None
+    assert f"started {first['started']}, resumed {meta['resumed'][0]['at']}" in md
 
-    # a time budget stops the same way, and says so
-    res = run_compare(tiny_engine, CompareConfig(str(qa_jsonl), tmp_path / "t", sizes=[2000], questions=3,
-                                                 max_minutes=1e-9, max_tokens=2), progress=False)
-    assert res.stopped.startswith("stopped at the time budget") and res.rows_written == 0 and not res.interrupted
-    assert "Incomplete run (stopped at the time budget" in (res.out / "report.md").read_text()
+
+def test_time_budget_stop_exits_5_and_resume_completes(qa_jsonl, tmp_path, tiny_model_dir, monkeypatch):
+    from cag.cli.main import app
+
+    monkeypatch.setenv("CAG_MODEL", str(tiny_model_dir))
+    out = tmp_path / "t"
+    args = ["compare", str(qa_jsonl), "--size-tokens", "2000", "--questions", "2", "--modes", "cag",
+            "--max-tokens", "2", "--out", str(out)]
+    r = CliRunner().invoke(app, [*args, "--max-minutes", "1e-9"])
+    assert r.exit_code == 5, r.output
+    assert "stopped at the time budget of 1e-09 minutes" in r.stderr and "--resume" in r.stderr
+    assert _rows(out) == []
+    assert "Incomplete run (stopped at the time budget" in (out / "report.md").read_text()
+    r = CliRunner().invoke(app, [*args, "--resume", "--json"])
+    assert r.exit_code == 0, r.output
+    done = json.loads(r.stdout.strip().splitlines()[-1])
+    assert done["complete"] and done["rows_written"] == 2 and len(_rows(out)) == 2
 
 
 def test_plan_and_inputs(qa_jsonl, tmp_path, monkeypatch, tiny_engine):
@@ -193,6 +226,10 @@ def test_plan_and_inputs(qa_jsonl, tmp_path, monkeypatch, tiny_engine):
     assert [(qi, m, k) for qi, _, m, k in p][:5] == [(0, "cag", None), (0, "full", None), (0, "rag-bm25", 1),
                                                       (0, "rag-bm25", 3), (0, "rag-bm25", 5)]
     assert len(p) == 4 + 1 + (2 * 3 + 2 * 1)
+    # a size's second set continues its question numbers: the samples are the size's first questions
+    p = plan(ks, cfg, ["cag", "full", "rag-bm25"], first_index=1)
+    assert [qi for qi, *_ in p][0] == 1 and not any(m == "full" for _, _, m, _ in p)
+    assert len(p) == 4 + 0 + (1 * 3 + 3 * 1)
 
     assert resolve_dataset(str(qa_jsonl), None)[0] == "jsonl"
     with pytest.raises(BadInput):
@@ -220,3 +257,227 @@ def test_cli_usage_errors(tiny_model_dir, monkeypatch, tmp_path):
     assert r.exit_code == 1 and "--size-tokens" in r.output
     r = CliRunner().invoke(app, ["compare", str(tmp_path / "missing.jsonl"), "--out", str(tmp_path / "o")])
     assert r.exit_code == 1 and "no such dataset" in r.output
+
+
+# ---------------------------------------------------------------- a size short of questions
+
+
+def _hotpot_file(path: Path, n_records: int = 6) -> Path:
+    """A HotpotQA-shaped file: each question brings three paragraphs (one gold, two distractors) of
+    about the same length, so a set sized for one question holds exactly one."""
+    words = "amber basalt cedar dune ember fjord grove heath inlet juniper knoll lagoon marsh".split()
+    records = []
+    for i in range(n_records):
+        paras = [[f"Place {i}-{j}", [f"Place {i}-{j} lies by the {words[(i + j) % len(words)]} and the "
+                                     f"{words[(i * 3 + j) % len(words)]}; it was founded in {1800 + 10 * i + j}. "]]
+                 for j in range(3)]
+        records.append({"_id": f"h{i}", "question": f"When was Place {i}-0 founded?", "answer": str(1800 + 10 * i),
+                        "context": paras, "supporting_facts": [[f"Place {i}-0", 0]]})
+    path.write_text(json.dumps(records))
+    return path
+
+
+def _one_question_size(engine, path: Path) -> int:
+    """A size that holds one record's paragraphs but never two."""
+    from cag.compare.runner import cost_function
+
+    corpus = ds.load_hotpotqa(path)
+    cost = cost_function(engine, corpus)
+    by_id = {d.doc_id: d for d in corpus.docs}
+    group_costs = [sum(cost(by_id[d].text) for d in g) for g in corpus.groups]
+    assert max(group_costs) < 2 * min(group_costs)
+    return max(group_costs)
+
+
+def test_short_size_pools_further_seeds_and_lists_each_sets_prefix(tiny_engine, tmp_path):
+    path = _hotpot_file(tmp_path / "hot.json")
+    size = _one_question_size(tiny_engine, path)
+    cfg = CompareConfig(str(path), tmp_path / "h", sizes=[size], questions=3, full_sample=1,
+                        modes=["cag", "full"], max_tokens=2)
+    res = run_compare(tiny_engine, cfg, progress=False)
+    assert res.complete and not res.notes
+    # three sets of the same size, one question each: the run's seed, then further seeds (a seed whose
+    # one question was already drawn adds nothing and is passed over)
+    assert [s.n_questions for s in res.sets] == [1, 1, 1]
+    assert [s.name for s in res.sets] == [f"hotpotqa-{size}"] + [f"hotpotqa-{size}-seed{s.seed}" for s in res.sets[1:]]
+    assert 0 == res.sets[0].seed < res.sets[1].seed < res.sets[2].seed
+    rows = _rows(res.out)
+    _check_rows(rows)
+    cag = [r for r in rows if r["mode"] == "cag"]
+    assert len({r["qid"] for r in cag}) == 3 and sorted(r["q_index"] for r in cag) == [0, 1, 2]
+    # full is sampled on the size's first question, not on each set's
+    assert [(r["set"], r["q_index"]) for r in rows if r["mode"] == "full"] == [(f"hotpotqa-{size}", 0)]
+    assert {r["set"]: r["prefix_tokens"] for r in cag} == {s.name: s.prefix_tokens for s in res.sets}
+
+    md = (res.out / "report.md").read_text()
+    for s in res.sets:  # each set's real prefix, in the sets table
+        assert f"| {size} | {s.name} | 3 | {s.doc_tokens:,} | {s.prefix_tokens:,} | 1 |" in md
+    lo, hi = min(s.prefix_tokens for s in res.sets), max(s.prefix_tokens for s in res.sets)
+    span = f"{lo:,}" if lo == hi else f"{lo:,}–{hi:,}"
+    assert f"| mode | {size} (prefix {span}) |" in md and f"real prefix {span} tokens" in md
+    assert "| cag | 3 |" in md and "of the 3 questions asked" not in md
+
+    # at most two sets per size: the run says it is short, on stderr and in the report
+    lines: list[str] = []
+    res = run_compare(tiny_engine, CompareConfig(str(path), tmp_path / "h2", sizes=[size], questions=3, max_sets=2,
+                                                 modes=["cag"], max_tokens=2), log=lines.append, progress=False)
+    assert res.complete and len(res.sets) == 2
+    assert res.notes == [f"size {size}: only 2 of 3 questions from 2 sets, the most pooled per size (--max-sets); "
+                         "its intervals are correspondingly wide"]
+    assert any(line.startswith("warning: size") for line in lines)
+    md = (res.out / "report.md").read_text()
+    assert f"**Size {size}: 2 of the 3 questions asked** (2 sets pooled)." in md and res.notes[0] in md
+
+
+# ---------------------------------------------------------------- statistics
+
+
+def _row(set_="s", qid="q", mode="cag", k=None, size=100, **kw):
+    from cag.compare.results import Row
+
+    base = dict(answer="x", golds=["x"], em=0.0, f1=0.0, f1_first=0.0, answer_in_output=0.0, ttft_ms=10.0,
+                total_ms=20.0, prompt_tokens=5)
+    base.update(kw)
+    return Row(set=set_, size=size, qid=qid, mode=mode, k=k, **base)
+
+
+def test_bootstrap_intervals_are_seeded_percentiles_that_narrow_with_n():
+    import numpy as np
+
+    from cag.compare.stats import bootstrap
+
+    rng = np.random.default_rng(1)
+    small, large = rng.random(10).tolist(), rng.random(400).tolist()
+    a, b = bootstrap(small), bootstrap(small)
+    assert a == b  # fixed seed: a rebuilt report has the same intervals
+    assert a.n == 10 and a.value == pytest.approx(np.mean(small)) and a.lo < a.value < a.hi
+    # the same percentile bootstrap written out by hand
+    idx = np.random.default_rng(0).integers(0, 10, size=(1000, 10))
+    means = np.asarray(small)[idx].mean(axis=1)
+    assert (a.lo, a.hi) == pytest.approx(tuple(np.percentile(means, [2.5, 97.5])))
+    big = bootstrap(large)
+    assert big.hi - big.lo < (a.hi - a.lo) / 3  # ~1/sqrt(n): 40x the questions, ~6x narrower
+    med = bootstrap([1.0, 2.0, 3.0, 100.0], "median")
+    assert med.value == 2.5 and med.lo >= 1.0 and med.hi <= 100.0
+    one = bootstrap([0.5, None])
+    assert (one.value, one.lo, one.hi, one.n) == (0.5, None, None, 1)
+    assert bootstrap([None]) is None
+
+
+def test_paired_difference_against_cag_on_the_same_questions():
+    from cag.compare.stats import paired_vs_cag
+
+    rows = []
+    for i in range(20):
+        f = (i % 5) / 5  # questions differ a lot; rag is exactly 0.2 better on every one of them
+        rows += [_row(qid=f"q{i}", f1=f, f1_first=f, answer_in_output=0.0, ttft_ms=100.0),
+                 _row(qid=f"q{i}", mode="rag-bm25", k=3, f1=f + 0.2, f1_first=f, answer_in_output=float(i % 2),
+                      ttft_ms=400.0)]
+    rows.append(_row(qid="only-rag", mode="rag-bm25", k=3, f1=1.0))  # no cag partner: not paired
+    [p] = paired_vs_cag(rows)
+    assert (p["mode"], p["k"], p["n"]) == ("rag-bm25", 3, 20)
+    assert p["f1"].value == pytest.approx(0.2) and p["f1"].hi - p["f1"].lo == pytest.approx(0, abs=1e-12)
+    assert p["f1_first"].value == 0.0
+    assert p["aio"].value == 0.5 and p["aio"].lo < 0.5 < p["aio"].hi
+    assert p["ttft_ratio"].value == 4.0
+
+
+def test_every_cell_has_n_and_an_interval(tmp_path):
+    from cag.compare.plot import figure
+    from cag.compare.report import render_markdown
+    from cag.compare.stats import summary
+
+    rows = [_row(qid=f"q{i}", f1=i / 10, ttft_ms=100.0 + i, total_ms=900.0 + i) for i in range(10)]
+    rows += [_row(qid=f"q{i}", mode="rag-bm25", k=3, f1=0.5, ttft_ms=300.0 + i, total_ms=800.0 + i,
+                  retrieval_ms=2.0, retrieval_recall=1.0, retrieval_hit=True, retriever="bm25") for i in range(10)]
+    sets = [{"name": "s", "size": 100, "n_documents": 2, "doc_tokens": 90, "prefix_tokens": 97, "n_questions": 10,
+             "skipped": None, "snapshots": [{"status": "built", "prefill_ms": 1000.0, "bytes": 2048, "n_tokens": 97}],
+             "rag_index": {}}]
+    meta = {"k_main": 3, "questions": 10, "sizes": [100]}
+    md = render_markdown(rows, meta, sets)
+    [cag_line] = [line for line in md.splitlines() if line.startswith("| cag | 10 |")]
+    cells = [c.strip() for c in cag_line.strip("|").split("|")]
+    # mode, n, then EM, F1, F1 first, answer in output, TTFT median/p95, total median/p95: value [lo, hi]
+    assert all("[" in c and "]" in c for c in cells[2:10]), cells
+    assert cells[3].startswith("0.450 [")
+    assert "| rag-bm25 k=3 | 10 | +0.050 [" in md  # paired ΔF1 with its interval
+    assert "0.45 [" in md and "(n=10)" in md  # overview: F1 with its interval and n
+    [rag] = [s for s in summary(rows, 3) if s["mode"] == "rag-bm25"]
+    assert rag["n"] == 10 and rag["f1"] == 0.5 and rag["vs_cag"]["f1"]["value"] == pytest.approx(0.05)
+    assert len(rag["ttft_ms_median_ci95"]) == 2
+
+    fig = figure(rows, meta, sets)  # error bars: one per point, spanning the interval
+    from matplotlib.container import ErrorbarContainer
+
+    ax = fig.axes[0]
+    bars = [c for c in ax.containers if isinstance(c, ErrorbarContainer)]
+    assert [c.get_label() for c in bars] == ["cag", "rag-bm25 k=3"]
+    segs = bars[0].lines[2][0].get_segments()
+    from cag.compare.stats import bootstrap
+
+    e = bootstrap([i / 10 for i in range(10)])
+    assert len(segs) == 1 and segs[0][:, 1].tolist() == pytest.approx([e.lo, e.hi])
+
+
+# ---------------------------------------------------------------- the stricter measure
+
+
+def test_first_sentence_f1_is_stricter_than_answer_in_output():
+    from cag.compare.metrics import answer_in_output, f1_first_sentence, first_sentence
+
+    hedge = "He was born in 1952, while his brother was born in 1953."
+    assert answer_in_output(hedge, ["1952"]) == 1.0  # the lenient reading counts the hedge
+    # 12 tokens, one of them the gold: precision 1/12, recall 1, F1 = 2/13
+    assert f1_first_sentence(hedge, ["1952"]) == pytest.approx(2 / 13)
+    assert f1_first_sentence("He was born in 1952.", ["1952"]) == pytest.approx(2 / 6)  # no hedge: higher
+    assert f1_first_sentence("1952. Or maybe 1953, or 1954.", ["1952"]) == 1.0  # the ramble after it is not held
+    # a right answer after a wrong first sentence earns nothing
+    assert f1_first_sentence("It was 1903. Later it was 1906.", ["1906"]) == 0.0
+    assert answer_in_output("It was 1903. Later it was 1906.", ["1906"]) == 1.0
+    # what does not end a sentence
+    assert first_sentence("Founded by Henry J. Kaiser in 1939. Later sold.") == "Founded by Henry J. Kaiser in 1939."
+    assert first_sentence("Born in the U.S. in 1950. Then") == "Born in the U.S. in 1950."
+    assert first_sentence("On Main St. near the dock. Yes") == "On Main St. near the dock."
+    assert first_sentence("It leaves at 7.15 daily! Then") == "It leaves at 7.15 daily!"
+    assert first_sentence("The answer is:\n\nArena of Khazan\nmore") == "The answer is:\n\nArena of Khazan"
+    assert first_sentence("  no end at all ") == "no end at all"
+    assert f1_first_sentence("", ["x"]) == 0.0
+
+
+# ---------------------------------------------------------------- the results log
+
+
+def test_results_log_survives_a_cut_line_and_reads_older_rows(tmp_path):
+    from cag.compare.results import ResultsLog, read_rows
+
+    path = tmp_path / "results.jsonl"
+    with ResultsLog(path) as log:
+        log.append(_row(qid="q1", answer="Paris it is. Not Lyon.", golds=["Paris"], f1_first=None))
+    with open(path, "a") as f:
+        f.write('{"set": "s", "size": 100, "qid": "q2", "mo')  # killed mid-write
+    with ResultsLog(path) as log:  # the next run appends on a line of its own
+        log.append(_row(qid="q3"))
+    rows = read_rows(path)
+    assert [r.qid for r in rows] == ["q1", "q3"]
+    # computed when a row (an older run's) lacks it: "Paris it is" -> P 1/3, R 1, F1 1/2
+    assert rows[0].f1_first == pytest.approx(0.5)
+    d = json.loads(path.read_text().splitlines()[0])
+    assert "error" not in d and "retrieved" not in d and d["f1_first"] is None
+    path.write_text('{"not": "a row"}\n')
+    with pytest.raises(BadInput, match="not a compare result row"):
+        read_rows(path)
+
+
+def test_rebuild_reads_runs_written_before_this_format(tmp_path):
+    import shutil
+
+    from cag.compare.report import rebuild
+
+    src = Path(__file__).resolve().parents[1] / "bench" / "results" / "compare-hotpot"
+    if not (src / "results.jsonl").is_file():
+        pytest.skip("no committed compare run")
+    shutil.copytree(src, tmp_path / "run")
+    md, png = rebuild(tmp_path / "run")
+    text = md.read_text()
+    assert "## Knowledge sets" in text and "## Size 2000" in text and "F1 first sentence" in text
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
