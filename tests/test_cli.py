@@ -167,3 +167,14 @@ def test_help_for_every_command():
     for cmd in ("ingest", "ask", "list", "status"):
         r = cag(cmd, "--help")
         assert r.exit_code == 0 and "--json" in r.stdout
+
+
+def test_every_exit_code_is_in_the_readme():
+    import cag.errors as errors
+
+    from .conftest import REPO
+
+    paragraph = (REPO / "README.md").read_text().split("## Commands")[1].split("\n### ")[0]
+    codes = {c.exit_code for c in vars(errors).values() if isinstance(c, type) and issubclass(c, errors.CagError)}
+    for code in codes | {0, 2, 130}:  # ok, typer's usage errors, Ctrl-C (cli/common.py)
+        assert f"`{code}`" in paragraph, f"exit code {code} is not in the README"
