@@ -1,7 +1,9 @@
 """Errors as JSON in the OpenAI shape: {"error": {"message", "type", "param", "code"}}.
 
 Engine errors (cag.errors.CagError) carry their own HTTP status and code; the few that only the
-HTTP layer can raise are defined here the same way.
+HTTP layer can raise are defined here the same way. `STATUSES` lists every error status the API
+answers, with its codes: the OpenAPI responses are picked from it, and a test holds the README's
+error table and every CagError to it.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from cag.errors import CagError
+from cag.errors import CagError, SnapshotCorrupt
 
 log = logging.getLogger("cag.api")
 
@@ -42,6 +44,46 @@ class Timeout(CagError):
     code = "timeout"
 
 
+def status_of(e: CagError | type[CagError]) -> int:
+    """The error's HTTP status. A corrupt snapshot is 503, not 500: nothing unexpected happened,
+    the server cannot serve that corpus until it is rebuilt (a refresh job does that)."""
+    cls = e if isinstance(e, type) else type(e)
+    return 503 if issubclass(cls, SnapshotCorrupt) else cls.http_status
+
+
+# Every status the API answers with an error body: its codes, and when.
+STATUSES: dict[int, tuple[tuple[str, ...], str]] = {
+    400: (("invalid_request", "bad_request", "model_error"),
+          "Bad input: a body that is not JSON or does not fit the schema (invalid_request), input the engine "
+          "refuses, e.g. a blank question or no user message (bad_request), a model it cannot use (model_error)."),
+    401: (("invalid_api_key",), "Missing or wrong API key (only when CAG_API_KEYS is set)."),
+    404: (("not_found",), "Unknown corpus, model, job or path."),
+    405: (("method_not_allowed",), "The path exists, the method does not (see the Allow header)."),
+    409: (("stale",), "The corpus is stale and on_stale is refuse."),
+    413: (("too_large",), "Body over CAG_MAX_BODY_BYTES, question over CAG_MAX_QUESTION_CHARS or the "
+                          "question room, or knowledge that no longer fits the context."),
+    429: (("queue_full", "busy"), "Queue full (see Retry-After), or the corpus is being ingested elsewhere (busy)."),
+    499: (("client_closed",), "The client disconnected before the answer (logs and metrics only: nobody reads it)."),
+    500: (("internal_error",), "A bug: logged with its traceback; the body says no more."),
+    503: (("not_ready", "snapshot_corrupt", "index_unusable"),
+          "The model is still loading or failed to load (not_ready), the corpus's snapshot failed verification "
+          "and must be rebuilt, e.g. by POST /v1/corpora/{name}/refresh (snapshot_corrupt), or the index "
+          "database cannot be used (index_unusable)."),
+    504: (("timeout",), "Queue wait plus generation took longer than CAG_REQUEST_TIMEOUT_S."),
+}
+
+
+ERROR_REF = {"$ref": "#/components/schemas/ErrorResponse"}
+
+
+def documented(*statuses: int) -> dict:
+    """OpenAPI `responses` for these error statuses: JSON in the error shape, described from
+    STATUSES. Spelled as content rather than a response model, so that a route whose own
+    responses are not JSON (/metrics) still documents its errors as JSON."""
+    return {s: {"description": STATUSES[s][1], "content": {"application/json": {"schema": ERROR_REF}}}
+            for s in statuses}
+
+
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
           404: "not_found_error", 405: "invalid_request_error", 409: "conflict_error",
           413: "invalid_request_error", 429: "rate_limit_error"}
@@ -58,12 +100,12 @@ def error_response(status: int, message: str, code: str, headers: dict | None = 
 
 
 def cag_error_response(e: CagError) -> JSONResponse:
-    headers = {}
-    if e.http_status == 429:
+    status, headers = status_of(e), {}
+    if status == 429:
         headers["Retry-After"] = str(getattr(e, "retry_after", 1))
-    if e.http_status == 401:
+    if status == 401:
         headers["WWW-Authenticate"] = "Bearer"
-    return error_response(e.http_status, str(e), e.code, headers)
+    return error_response(status, str(e), e.code, headers)
 
 
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
@@ -91,7 +133,8 @@ def install(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, e: StarletteHTTPException):
-        code = {404: "not_found", 405: "method_not_allowed", 413: "too_large"}.get(e.status_code, "http_error")
+        code = {400: "invalid_request", 404: "not_found", 405: "method_not_allowed",
+                413: "too_large"}.get(e.status_code, "http_error")
         return error_response(e.status_code, str(e.detail), code, headers=getattr(e, "headers", None))
 
     @app.exception_handler(Exception)

@@ -16,6 +16,8 @@ from dataclasses import asdict, dataclass
 from cag.engine import Engine, Reporter
 from cag.errors import CagError, NotFound
 
+from .errors import status_of
+
 log = logging.getLogger("cag.api")
 
 
@@ -108,7 +110,7 @@ class Jobs:
             job.result = r.to_dict()
             job.status = "done"
         except CagError as e:
-            job.error = {"message": str(e), "code": e.code, "status": e.http_status}
+            job.error = {"message": str(e), "code": e.code, "status": status_of(e)}
             job.status = "failed"
         except Exception as e:  # noqa: BLE001 - recorded on the job, logged with its traceback
             log.exception("refresh job %s failed", job.id)

@@ -7,25 +7,28 @@ early. Engine (read at scrape time): resident snapshot hits and loads, resident 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 if TYPE_CHECKING:
-    from .service import Service
+    from cag.engine import Engine
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 _LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 30, 60, 120, 300)
 
 
 class _EngineCollector:
-    def __init__(self, service: Service):
-        self.service = service
+    """Read at scrape time from what it was handed (no reference back to the service)."""
+
+    def __init__(self, engine: Engine, running: Callable[[], int], waiting: Callable[[], int],
+                 ready: Callable[[], bool]):
+        self.engine, self.running, self.waiting, self.ready = engine, running, waiting, ready
 
     def collect(self):
-        svc = self.service
-        engine = svc.engine
+        engine = self.engine
         stats = dict(engine.stats)
         yield CounterMetricFamily("cag_snapshot_hits", "Questions served from a resident (in-memory) snapshot.",
                                   value=stats.get("snapshot_hits", 0))
@@ -33,14 +36,17 @@ class _EngineCollector:
                                   value=stats.get("snapshot_loads", 0))
         yield GaugeMetricFamily("cag_resident_bytes", "Bytes held by resident snapshots and their buffers (LRU bound: CAG_RESIDENT_BYTES).",
                                 value=engine.resident_bytes)
-        runner = svc.runner
-        yield GaugeMetricFamily("cag_generations_running", "Generations running on a worker.", value=runner.running)
-        yield GaugeMetricFamily("cag_generations_waiting", "Generations admitted and waiting for a worker.", value=runner.waiting)
-        yield GaugeMetricFamily("cag_model_loaded", "1 once the model is loaded.", value=1 if svc.ready else 0)
+        yield GaugeMetricFamily("cag_generations_running", "Generations running on a worker.", value=self.running())
+        yield GaugeMetricFamily("cag_generations_waiting", "Generations admitted and waiting for a worker.", value=self.waiting())
+        yield GaugeMetricFamily("cag_model_loaded", "1 once the model is loaded.", value=1 if self.ready() else 0)
 
 
 class Metrics:
-    def __init__(self, service: Service):
+    """`engine` gives the snapshot counters and resident bytes; the callables the runner's
+    generations running and waiting, and whether the model is loaded."""
+
+    def __init__(self, engine: Engine, running: Callable[[], int], waiting: Callable[[], int],
+                 ready: Callable[[], bool]):
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter("cag_http_requests", "HTTP requests by route, method and status.",
@@ -57,7 +63,7 @@ class Metrics:
                               registry=r)
         self.stopped = Counter("cag_generations_stopped", "Generations stopped early, by reason.", ["reason"], registry=r)
         self.jobs = Counter("cag_refresh_jobs", "Refresh jobs finished, by status.", ["status"], registry=r)
-        r.register(_EngineCollector(service))
+        r.register(_EngineCollector(engine, running, waiting, ready))
 
     def answer(self, a) -> None:
         self.answers.labels(a.mode).inc()

@@ -1,15 +1,12 @@
 """Pure ASGI middleware (no BaseHTTPMiddleware: it would buffer streams and hide disconnects).
+API keys are checked by a route dependency (api/auth.py), not here.
 
-- `Auth`: with API keys configured, every path but /health needs `Authorization: Bearer <key>`,
-  compared in constant time against every key.
 - `BodyLimit`: request bodies over `max_body_bytes` get 413, by Content-Length or while streaming.
 - `RequestMetrics`: counts requests by route template/method/status and times them.
 """
 
 from __future__ import annotations
 
-import hashlib
-import hmac
 import json
 import time
 
@@ -19,8 +16,6 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from .errors import error_body
 
-OPEN_PATHS = frozenset({"/health"})
-
 
 async def send_error(send: Send, status: int, message: str, code: str, headers: dict | None = None) -> None:
     body = json.dumps(error_body(status, message, code)).encode()
@@ -28,32 +23,6 @@ async def send_error(send: Send, status: int, message: str, code: str, headers: 
     raw += [(k.lower().encode(), v.encode()) for k, v in (headers or {}).items()]
     await send({"type": "http.response.start", "status": status, "headers": raw})
     await send({"type": "http.response.body", "body": body})
-
-
-class Auth:
-    def __init__(self, app: ASGIApp, keys: list[str]):
-        self.app = app
-        self.keys = [hashlib.sha256(k.encode()).digest() for k in keys]
-
-    def _ok(self, scope: Scope) -> bool:
-        value = b""
-        for name, v in scope.get("headers", ()):
-            if name == b"authorization":
-                value = v
-                break
-        scheme, _, token = value.partition(b" ")
-        token = hashlib.sha256(token.strip()).digest()  # equal lengths: compare_digest leaks nothing
-        ok = False
-        for key in self.keys:  # no early exit: the time spent does not depend on which key matched
-            ok |= hmac.compare_digest(token, key)
-        return ok and scheme.lower() == b"bearer"
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or not self.keys or scope["path"] in OPEN_PATHS or self._ok(scope):
-            await self.app(scope, receive, send)
-            return
-        await send_error(send, 401, "missing or invalid API key: send `Authorization: Bearer <key>`",
-                         "invalid_api_key", {"WWW-Authenticate": "Bearer"})
 
 
 class _TooLarge(HTTPException):

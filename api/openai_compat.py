@@ -15,12 +15,13 @@ from fastapi import APIRouter, Request
 
 from cag.errors import BadInput
 from cag.generate import DecodeConfig
+from cag.rag.answer import ask as answer
 
 from .deps import ReadyService
-from .routes import MODEL_ERRORS, finish_reason, stream_errors
+from .routes import MODEL_ERRORS, finish_reason, sse_json, stream_errors, streamed
 from .schemas import ChatCompletion, ChatMessage, ChatRequest
 from .service import Service
-from .streaming import EventStream, TextTrim, sse
+from .streaming import EventStream, TextTrim, event
 
 router = APIRouter(tags=["openai"])
 
@@ -56,22 +57,34 @@ def _fingerprint(a) -> str | None:
     return f"cag-{a.snapshot[:16]}" if a.snapshot else None
 
 
-@router.post("/v1/chat/completions", response_model=ChatCompletion, responses=MODEL_ERRORS,
+CHAT_STREAM = ("A `chat.completion` (JSON); with `stream: true` server-sent events instead: "
+               "`chat.completion.chunk` objects, a usage chunk when `stream_options.include_usage`, then `[DONE]`.")
+
+
+CHAT_EVENTS = {"type": "object", "required": ["data"], "properties": {"data": {"anyOf": [
+    sse_json("ChatCompletionChunk"), sse_json("ErrorResponse"), {"const": "[DONE]"}]}}}
+
+
+@router.post("/v1/chat/completions", response_model=ChatCompletion,
+             responses={**streamed(CHAT_STREAM, CHAT_EVENTS), **MODEL_ERRORS},
              summary="OpenAI-compatible chat completion over a corpus")
 async def chat_completions(body: ChatRequest, request: Request, svc: ReadyService):
-    """Greedy (exact) unless `temperature` > 0. `max_completion_tokens` or `max_tokens` are clamped
-    to CAG_ANSWER_ROOM. With `stream: true`: `chat.completion.chunk` events, a usage chunk when
-    `stream_options.include_usage`, then `data: [DONE]`."""
+    """Greedy (exact) unless `temperature` > 0 (below 1e-5 it is greedy too). `max_completion_tokens`
+    or `max_tokens` are clamped to CAG_ANSWER_ROOM. With `stream: true`: `chat.completion.chunk`
+    events, a usage chunk when `stream_options.include_usage`, then `data: [DONE]`."""
     question = question_of(body.messages)
     svc.check_question(question, body.mode)
     max_tokens = body.max_completion_tokens or body.max_tokens
-    decoding = DecodeConfig(temperature=body.temperature or 0.0, top_p=body.top_p or 1.0, seed=body.seed)
+    # torch.Generator takes seeds 0 .. 2**64-1 (and wraps negative ones the same way): any integer is
+    # reduced into that range instead of overflowing there
+    seed = None if body.seed is None else body.seed % 2**64
+    decoding = DecodeConfig(temperature=body.temperature or 0.0, top_p=body.top_p or 1.0, seed=seed)
     engine = svc.engine
 
     def work(on_text, should_stop):
-        return engine.ask(body.model, question, mode=body.mode, max_tokens=max_tokens,
-                          on_text=on_text if body.stream else None, should_stop=should_stop,
-                          on_stale=body.on_stale, decoding=decoding)
+        return answer(engine, body.model, question, mode=body.mode, max_tokens=max_tokens,
+                      on_text=on_text if body.stream else None, should_stop=should_stop,
+                      on_stale=body.on_stale, decoding=decoding)
 
     gen = svc.runner.start(work)
     cid, created = "chatcmpl-" + secrets.token_hex(12), int(time.time())
@@ -102,7 +115,7 @@ async def _chunks(svc: Service, gen, first, model: str, cid: str, created: int, 
              "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]}
         if include_usage:
             c["usage"] = None
-        return sse(c)
+        return event(c)
 
     yield chunk({"role": "assistant", "content": ""})
     trim, item = TextTrim(), first
@@ -118,7 +131,7 @@ async def _chunks(svc: Service, gen, first, model: str, cid: str, created: int, 
                 yield chunk({"content": tail})
             yield chunk({}, finish_reason(svc, a, max_tokens), _fingerprint(a))
             if include_usage:
-                yield sse({"id": cid, "object": "chat.completion.chunk", "created": created, "model": model,
+                yield event({"id": cid, "object": "chat.completion.chunk", "created": created, "model": model,
                            "system_fingerprint": _fingerprint(a), "choices": [], "usage": _usage(a),
                            "cag": _extension(a)})
             break
@@ -126,4 +139,4 @@ async def _chunks(svc: Service, gen, first, model: str, cid: str, created: int, 
         if error:
             yield error
             break
-    yield sse("[DONE]")
+    yield event("[DONE]")

@@ -1,4 +1,5 @@
-"""Native routes: ask, corpora, refresh jobs, health, metrics.
+"""Native routes: ask, corpora, refresh jobs, metrics (`router`, behind the API key when one is
+configured) and health (`open_router`, always open).
 
 Routes that run the model are `async def` and hand the work to the runner's thread pool
 (api/runner.py); routes that only read the index are plain `def` (FastAPI's threadpool).
@@ -13,9 +14,10 @@ from fastapi.responses import JSONResponse
 
 from cag.engine import Answer
 from cag.errors import CagError, NotFound
+from cag.rag.answer import ask as answer
 
 from .deps import ReadyService, ServiceDep
-from .errors import error_body
+from .errors import documented, error_body, status_of
 from .metrics import CONTENT_TYPE
 from .runner import Generation
 from .schemas import (
@@ -23,32 +25,40 @@ from .schemas import (
     AskResponse,
     CorpusInfo,
     CorpusList,
-    ErrorResponse,
     Health,
     JobInfo,
     ModelCard,
     ModelList,
 )
 from .service import Service
-from .streaming import EventStream, TextTrim, sse
+from .streaming import EventStream, TextTrim, event
 
 log = logging.getLogger("cag.api")
 
-ERRORS = {
-    400: {"model": ErrorResponse, "description": "Bad input (also request validation errors)."},
-    401: {"model": ErrorResponse, "description": "Missing or invalid API key (when CAG_API_KEYS is set)."},
-    404: {"model": ErrorResponse, "description": "Unknown corpus or job."},
-    413: {"model": ErrorResponse, "description": "Body, question or knowledge too large."},
-    503: {"model": ErrorResponse, "description": "Model not loaded yet."},
-}
-MODEL_ERRORS = {
-    **ERRORS,
-    409: {"model": ErrorResponse, "description": "Corpus is stale and on_stale is refuse."},
-    429: {"model": ErrorResponse, "description": "Queue full; see Retry-After."},
-    504: {"model": ErrorResponse, "description": "Request timeout (CAG_REQUEST_TIMEOUT_S)."},
-}
+ERRORS = documented(400, 404, 413, 503)
+MODEL_ERRORS = documented(400, 404, 409, 413, 429, 503, 504)
+
+
+def sse_json(model: str) -> dict:
+    """An event's `data`: JSON text holding one `model` (a component schema)."""
+    return {"type": "string", "contentMediaType": "application/json",
+            "contentSchema": {"$ref": f"#/components/schemas/{model}"}}
+
+
+def streamed(description: str, item: dict) -> dict:
+    """The 200 response of a route that streams with `stream: true` (JSON otherwise); `item`
+    describes one event (`itemSchema`, as OpenAPI 3.2 and FastAPI's own event streams do)."""
+    return {200: {"description": description, "content": {"text/event-stream": {"itemSchema": item}}}}
+
+
+ASK_EVENTS = {"oneOf": [{"type": "object", "required": ["event", "data"],
+                         "properties": {"event": {"const": name}, "data": sse_json(model)}}
+                        for name, model in (("token", "TokenEvent"), ("answer", "AskResponse"),
+                                            ("error", "ErrorResponse"))]}
+
 
 router = APIRouter()
+open_router = APIRouter()
 
 
 def finish_reason(svc: Service, answer: Answer, requested: int | None) -> str:
@@ -77,26 +87,29 @@ def start_ask(svc: Service, body: AskRequest) -> Generation:
     engine = svc.engine
 
     def work(on_text, should_stop):
-        return engine.ask(body.corpus, body.question, mode=body.mode, max_tokens=body.max_tokens,
-                          on_text=on_text if body.stream else None, should_stop=should_stop,
-                          on_stale=body.on_stale)
+        return answer(engine, body.corpus, body.question, mode=body.mode, max_tokens=body.max_tokens,
+                      on_text=on_text if body.stream else None, should_stop=should_stop, on_stale=body.on_stale)
 
     return svc.runner.start(work)
 
 
-async def stream_errors(gen: Generation, event: str | None):
+async def stream_errors(gen: Generation, name: str | None):
     """Await the next event; a failure mid-stream becomes one SSE error event (the status is sent)."""
     try:
         return await gen.next(), None
     except CagError as e:
-        return None, sse(error_body(e.http_status, str(e), e.code), event)
+        return None, event(error_body(status_of(e), str(e), e.code), name)
     except Exception:  # noqa: BLE001 - logged; the client gets the error shape
         log.exception("generation failed mid-stream")
-        return None, sse(error_body(500, "internal server error", "internal_error"), event)
+        return None, event(error_body(500, "internal server error", "internal_error"), name)
 
 
-@router.post("/v1/ask", response_model=AskResponse, response_model_exclude_unset=True, responses=MODEL_ERRORS,
-             tags=["ask"], summary="Answer a question from a corpus")
+ASK_STREAM = ("The answer (JSON); with `stream: true` server-sent events instead: `event: token` with "
+              "`{\"text\"}` pieces, then one `event: answer` with the JSON answer, or one `event: error`.")
+
+
+@router.post("/v1/ask", response_model=AskResponse, response_model_exclude_unset=True,
+             responses={**streamed(ASK_STREAM, ASK_EVENTS), **MODEL_ERRORS}, tags=["ask"], summary="Answer a question from a corpus")
 async def ask(body: AskRequest, request: Request, svc: ReadyService):
     """With `stream: true` the answer comes as server-sent events: `event: token` with `{"text"}`
     pieces (their concatenation is the answer), then one `event: answer` with the full JSON answer;
@@ -121,12 +134,12 @@ async def ask(body: AskRequest, request: Request, svc: ReadyService):
             kind, value = item
             if kind == "text":
                 if piece := trim.push(value):
-                    yield sse({"text": piece}, "token")
+                    yield event({"text": piece}, "token")
             else:
                 svc.metrics.answer(value)
                 if tail := trim.finish(value.answer):
-                    yield sse({"text": tail}, "token")
-                yield sse(ask_response(svc, value, body), "answer")
+                    yield event({"text": tail}, "token")
+                yield event(ask_response(svc, value, body), "answer")
                 return
             item, error = await stream_errors(gen, "error")
             if error:
@@ -186,17 +199,28 @@ def _card(row: dict) -> dict:
 
 
 # -- operations ---------------------------------------------------------------------------------
-@router.get("/health", response_model=Health, response_model_exclude_none=True, responses={503: {"model": Health, "description": "Loading or failed."}},
-            tags=["operations"], summary="200 once the model is loaded, 503 before (no auth)")
+@open_router.get("/health", response_model=Health, response_model_exclude_none=True,
+                 responses={503: {"model": Health, "description": "Loading, or the model failed to load."}},
+                 tags=["operations"], summary="200 once the model is loaded, 503 before (never needs a key)")
 async def health(svc: ServiceDep):
+    """Open to anyone: it names the model once loaded, and says no more than `error` when loading
+    failed (the reason, which may hold file paths, is in the server's log)."""
     if svc.ready:
         return {"status": "ok", "model": svc.model_name}
     if svc.load_error:
-        return JSONResponse({"status": "error", "error": svc.load_error}, status_code=503)
+        return JSONResponse({"status": "error", "error": "the model failed to load; see the server log"},
+                            status_code=503)
     return JSONResponse({"status": "loading"}, status_code=503)
 
 
-@router.get("/metrics", response_class=Response, tags=["operations"], summary="Prometheus metrics",
-            responses={200: {"content": {"text/plain": {}}}})
+class PrometheusText(Response):
+    media_type = CONTENT_TYPE
+
+
+@router.get("/metrics", response_class=PrometheusText, tags=["operations"], summary="Prometheus metrics",
+            responses={200: {"description": "Prometheus text exposition format.",
+                             "content": {CONTENT_TYPE: {"schema": {"type": "string"}}}}})
 def metrics(svc: ServiceDep):
-    return Response(svc.metrics.render(), media_type=CONTENT_TYPE)
+    """Behind the API key like every route but /health (Prometheus sends one with `authorization`
+    in its scrape config)."""
+    return PrometheusText(svc.metrics.render())

@@ -1,17 +1,34 @@
-"""Request and response models of the HTTP API (pydantic). Unknown request fields are ignored."""
+"""Request and response models of the HTTP API (pydantic). Unknown request fields are ignored.
+
+Requests are validated strictly: a JSON value must already have the declared type (`0` is not a
+boolean, `"5"` not an integer), so what the OpenAPI description says is what the server accepts.
+"""
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
 Mode = Literal["cag", "full", "rag"]
 StalePolicy = Literal["serve", "refuse", "refresh"]
 
 
+
+
+def _integral(v):
+    # JSON Schema counts 2.0 as an integer (clients and fuzzers send it); 2.5, "2" and true are refused
+    return int(v) if isinstance(v, float) and v.is_integer() else v
+
+
+# bounds first: then they land in the JSON schema as minimum/maximum
+Count = Annotated[int, Field(ge=1), BeforeValidator(_integral)]
+One = Annotated[int, Field(ge=1, le=1), BeforeValidator(_integral)]
+Integer = Annotated[int, BeforeValidator(_integral)]
+
+
 class _Request(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
 
 
 # -- /v1/ask -------------------------------------------------------------------------------------
@@ -19,7 +36,7 @@ class AskRequest(_Request):
     corpus: str = Field(min_length=1, description="Corpus name, as listed by GET /v1/corpora.")
     question: str = Field(min_length=1, description="The question (limit: CAG_MAX_QUESTION_CHARS characters).")
     mode: Mode = Field("cag", description="cag: from the snapshot; full: whole corpus in the prompt, no cache; rag: top-k passages.")
-    max_tokens: int | None = Field(None, ge=1, description="Answer length limit; clamped to CAG_ANSWER_ROOM. Default CAG_MAX_TOKENS.")
+    max_tokens: Count | None = Field(None, description="Answer length limit; clamped to CAG_ANSWER_ROOM. Default CAG_MAX_TOKENS.")
     stream: bool = Field(False, description="Server-sent events: `token` events, then one `answer` event.")
     on_stale: StalePolicy = Field("serve", description="serve (flag it), refuse (409) or refresh first.")
     include_token_ids: bool = Field(False, description="Add the generated token ids to the answer.")
@@ -125,14 +142,14 @@ class StreamOptions(_Request):
 class ChatRequest(_Request):
     model: str = Field(min_length=1, description="The corpus name (GET /v1/models).")
     messages: list[ChatMessage] = Field(min_length=1, description="The last user message is the question.")
-    max_tokens: int | None = Field(None, ge=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_tokens: Count | None = None
+    max_completion_tokens: Count | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    temperature: float | None = Field(None, ge=0, le=2, description="Unset or 0: greedy (exact).")
-    top_p: float | None = Field(None, gt=0, le=1)
-    seed: int | None = None
-    n: int | None = Field(None, ge=1, le=1, description="Only 1 is supported.")
+    temperature: float | None = Field(None, ge=0, le=2, description="Unset, 0 or below 1e-5: greedy (exact).")
+    top_p: float | None = Field(None, gt=0, le=1, description="Nucleus sampling; the most likely token is always kept.")
+    seed: Integer | None = Field(None, description="Sampling seed, any integer: taken modulo 2**64 (-1 is 2**64-1).")
+    n: One | None = Field(None, description="Only 1 is supported.")
     mode: Mode = Field("cag", description="Extension: cag | full | rag.")
     on_stale: StalePolicy = Field("serve", description="Extension: serve | refuse | refresh.")
 
@@ -171,6 +188,35 @@ class ChatCompletion(BaseModel):
     cag: dict[str, Any] = Field(default_factory=dict, description="Extension: snapshot, staleness, timings.")
 
 
+# -- server-sent events --------------------------------------------------------------------------
+class TokenEvent(BaseModel):
+    text: str = Field(description="A piece of the answer; the pieces concatenate to exactly the answer.")
+
+
+class ChunkDelta(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChunkChoice(BaseModel):
+    index: int = 0
+    delta: ChunkDelta
+    logprobs: None = None
+    finish_reason: Literal["stop", "length"] | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    system_fingerprint: str | None = None
+    choices: list[ChunkChoice] = Field(description="Empty in the usage chunk.")
+    usage: ChatUsage | None = Field(None, description="Only in the last chunk, with stream_options.include_usage.")
+    cag: dict[str, Any] | None = Field(None, description="Extension, in the usage chunk: snapshot, staleness, timings.")
+
+
+# -- errors ------------------------------------------------------------------------------------
 class ErrorDetail(BaseModel):
     message: str
     type: str
@@ -180,3 +226,8 @@ class ErrorDetail(BaseModel):
 
 class ErrorResponse(BaseModel):
     error: ErrorDetail
+
+
+# models that the OpenAPI description refers to by hand (error responses, event-stream items):
+# no route declares them, so they are added to its components explicitly
+REFERENCED = (ErrorResponse, TokenEvent, ChatCompletionChunk)

@@ -23,7 +23,9 @@ class Service:
         self.engine = engine
         self.ready = False
         self.load_error: str | None = None
-        self.metrics = Metrics(self)
+        # the collector reads these at scrape time; the runner is created just below
+        self.metrics = Metrics(engine, running=lambda: self.runner.running, waiting=lambda: self.runner.waiting,
+                               ready=lambda: self.ready)
         self.runner = Runner(settings.workers, settings.max_queue, settings.request_timeout_s,
                              on_stop=lambda reason: self.metrics.stopped.labels(reason).inc(),
                              torch_threads=engine.settings.threads or max(1, (os.cpu_count() or 1) // max(1, settings.workers)))
@@ -50,8 +52,8 @@ class Service:
 
     # -- checks ----------------------------------------------------------------------------------
     def require_ready(self) -> None:
-        if self.load_error:
-            raise NotReady(f"model failed to load: {self.load_error}")
+        if self.load_error:  # the reason (paths, hub errors) is in the server's log, not for clients
+            raise NotReady("the model failed to load; see the server log")
         if not self.ready:
             raise NotReady("model is loading; retry when GET /health answers 200")
 

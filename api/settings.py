@@ -1,29 +1,54 @@
-"""Settings of the HTTP layer only (the engine's live in cag.config): env prefix CAG_."""
+"""Settings of the HTTP layer only (the engine's live in cag.config): env prefix CAG_.
+
+Validated once, with ranges, like the engine's: `load_api_settings` turns a bad value into one
+`BadSettings` line (`cag serve` prints it and exits 1), never a traceback or a quietly odd server.
+"""
 
 from __future__ import annotations
 
-from pydantic import Field
+from pydantic import Field, ValidationError, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from cag.config import settings_error
 
 
 class ApiSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="CAG_", extra="ignore")
 
-    api_keys: str = Field(default="", repr=False)  # comma-separated; set -> Bearer auth on every route but /health
-    max_body_bytes: int = 1024 * 1024  # larger request bodies get 413
-    max_question_chars: int = 8000  # longer questions get 413 before any tokenizing
+    # comma-separated bearer keys; unset: no authentication; set: a key on every route but /health
+    api_keys: str | None = Field(default=None, repr=False)
+    max_body_bytes: int = Field(1024 * 1024, ge=1)  # larger request bodies get 413
+    max_question_chars: int = Field(8000, ge=1)  # longer questions get 413 before any tokenizing
     # generations running at once, each on its own thread with CAG_THREADS torch threads, or when that
     # is unset, cores / workers: one thread driving all cores thrashes in OpenMP barriers as soon as
     # anything else runs on the machine (measured: 0.7 vs 10 tok/s, see bench/bench_api.py)
-    workers: int = 2
-    max_queue: int = 16  # requests allowed to wait for a worker; beyond that 429 + Retry-After
-    request_timeout_s: float = 300.0  # queue wait + generation; past it generation stops, 504
+    workers: int = Field(2, ge=1)
+    max_queue: int = Field(16, ge=0)  # requests allowed to wait for a worker; beyond that 429 + Retry-After
+    request_timeout_s: float = Field(300.0, gt=0, allow_inf_nan=False)  # queue wait + generation; past it 504
     cors_origins: str = ""  # comma-separated origins, "*" for any; CORS is off when empty
+
+    @field_validator("api_keys")
+    @classmethod
+    def _holds_a_key(cls, v: str | None) -> str | None:
+        # " , " or "" must not quietly mean "no authentication": only leaving it unset says that
+        if v is not None and not any(k.strip() for k in v.split(",")):
+            raise ValueError("is set but holds no key; unset it to serve without authentication")
+        return v
 
     @property
     def keys(self) -> list[str]:
-        return [k.strip() for k in self.api_keys.split(",") if k.strip()]
+        return [k.strip() for k in (self.api_keys or "").split(",") if k.strip()]
 
     @property
     def origins(self) -> list[str]:
         return [o.strip() for o in self.cors_origins.split(",") if o.strip()]
+
+
+def load_api_settings(**overrides) -> ApiSettings:
+    """ApiSettings with explicit (non-None) overrides on top of the environment; raises BadSettings
+    (one line naming the setting, its value and the rule) on a bad value."""
+    given = {k: v for k, v in overrides.items() if v is not None}
+    try:
+        return ApiSettings(**given)
+    except ValidationError as e:
+        raise settings_error(e, given) from None

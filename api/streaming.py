@@ -1,32 +1,34 @@
-"""Server-sent events: formatting, a response that stops its generation when it ends, and text
-pieces trimmed so that their concatenation is exactly the final (stripped) answer."""
+"""Server-sent events: one event per piece (sse-starlette frames them and notices a client that
+disconnects), a response that stops its generation when it ends, and text pieces trimmed so that
+their concatenation is exactly the final (stripped) answer."""
 
 from __future__ import annotations
 
 import json
 
-from starlette.responses import StreamingResponse
+from sse_starlette import EventSourceResponse, ServerSentEvent
 from starlette.types import Receive, Scope, Send
 
 from .runner import Generation
 
 
-def sse(data, event: str | None = None) -> str:
-    payload = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)
-    return (f"event: {event}\n" if event else "") + f"data: {payload}\n\n"
+def event(data, name: str | None = None) -> ServerSentEvent:
+    """`data` as one SSE event: JSON unless it is already a string (OpenAI's final `[DONE]`)."""
+    return ServerSentEvent(data=data if isinstance(data, str) else json.dumps(data, ensure_ascii=False), event=name)
 
 
-class EventStream(StreamingResponse):
-    media_type = "text/event-stream"
+class EventStream(EventSourceResponse):
+    """An event stream bound to its generation: when the response ends (finished, failed, or
+    cancelled because the client disconnected) the generation stops at its next token."""
 
     def __init__(self, content, gen: Generation):
-        super().__init__(content, headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        super().__init__(content, sep="\n")
         self.gen = gen
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
             await super().__call__(scope, receive, send)
-        finally:  # finished, failed, or cancelled because the client disconnected
+        finally:
             self.gen.close()
 
 

@@ -18,7 +18,6 @@ import json
 import os
 import platform
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -29,24 +28,15 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
+from httpx_sse import EventSource
 
-from cag.config import get_settings
+from cag.api.harness import cag_command, serving
 from cag.compare.metrics import summarize
+from cag.config import get_settings
 
 from .common import REPO, machine, write
 
 HANDBOOK = REPO / "corpora" / "handbook"
-
-
-def cag_cmd() -> list[str]:
-    exe = shutil.which("cag")
-    return [exe] if exe else [sys.executable, "-m", "cag"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def pct(values: list[float], key: str) -> float:
@@ -63,41 +53,6 @@ def proc_status(pid: int) -> dict[str, int]:
     return out
 
 
-class Served:
-    def __init__(self, env: dict, log: Path):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log = open(log, "w")
-        t0 = time.perf_counter()
-        self.proc = subprocess.Popen([*cag_cmd(), "serve", "--port", str(self.port), "--log-level", "warning"],
-                                     env=env, cwd=REPO, stdout=self.log, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 300
-        while True:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited ({self.proc.returncode}); see {log}")
-            try:
-                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if time.monotonic() > deadline:
-                raise TimeoutError("server not healthy in 300 s")
-            time.sleep(0.1)
-        self.ready_s = time.perf_counter() - t0
-
-    def memory(self) -> dict[str, int]:
-        return proc_status(self.proc.pid)
-
-    def close(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(20)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-        self.log.close()
-
-
 def stream_ask(client: httpx.Client, corpus: str, question: str, max_tokens: int) -> dict:
     """One streaming /v1/ask: client-side time to first token event and total, plus the server's answer."""
     t0 = time.perf_counter()
@@ -106,15 +61,11 @@ def stream_ask(client: httpx.Client, corpus: str, question: str, max_tokens: int
     with client.stream("POST", "/v1/ask", json={"corpus": corpus, "question": question, "max_tokens": max_tokens,
                                                 "stream": True}) as r:
         r.raise_for_status()
-        event = None
-        for line in r.iter_lines():
-            if line.startswith("event:"):
-                event = line[6:].strip()
-            elif line.startswith("data:"):
-                if first is None:
-                    first = time.perf_counter() - t0
-                if event == "answer":
-                    final = json.loads(line[5:])
+        for event in EventSource(r).iter_sse():
+            if first is None:
+                first = time.perf_counter() - t0
+            if event.event == "answer":
+                final = event.json()
     total = time.perf_counter() - t0
     return {"client_ttft_ms": (first or total) * 1e3, "client_total_ms": total * 1e3,
             "server_load_ms": final["timings"]["load_ms"], "server_ttft_ms": final["timings"]["ttft_ms"],
@@ -188,14 +139,14 @@ def main() -> None:
 
     print(f"ingest {HANDBOOK} (CAG_HOME={home})", file=sys.stderr)
     t0 = time.perf_counter()
-    r = subprocess.run([*cag_cmd(), "ingest", str(HANDBOOK), "--json"], env=env, cwd=REPO, capture_output=True,
+    r = subprocess.run([*cag_command(), "ingest", str(HANDBOOK), "--json"], env=env, cwd=REPO, capture_output=True,
                        text=True, check=True)
     ingest = json.loads(r.stdout)
     ingest_wall = time.perf_counter() - t0
     partner = work / "partner"  # a second, small corpus whose questions evict the handbook's snapshot
     partner.mkdir(exist_ok=True)
     shutil.copy(HANDBOOK / "offices-and-hours.md", partner / "offices-and-hours.md")
-    subprocess.run([*cag_cmd(), "ingest", str(partner), "--json"], env=env, cwd=REPO, capture_output=True, check=True)
+    subprocess.run([*cag_command(), "ingest", str(partner), "--json"], env=env, cwd=REPO, capture_output=True, check=True)
 
     results: dict = {
         "machine": machine(), "cpus": os.cpu_count(), "platform": platform.platform(),
@@ -208,29 +159,26 @@ def main() -> None:
     for config in args.configs.split(","):
         workers, threads = (int(x) for x in config.split(":"))
         print(f"serve with CAG_WORKERS={workers} CAG_THREADS={threads}", file=sys.stderr)
-        srv = Served(dict(env, CAG_WORKERS=str(workers), CAG_THREADS=str(threads), CAG_MAX_QUEUE="64"),
-                     work / f"server-w{workers}-t{threads}.log")
-        try:
+        with serving(dict(env, CAG_WORKERS=str(workers), CAG_THREADS=str(threads), CAG_MAX_QUEUE="64"),
+                     work / f"server-w{workers}-t{threads}.log", timeout_s=300, cwd=REPO) as srv:
             run: dict = {"workers": workers, "threads": threads, "ready_s": round(srv.ready_s, 1),
-                         "rss_after_start": srv.memory()["VmRSS"]}
+                         "rss_after_start": proc_status(srv.proc.pid)["VmRSS"]}
             with httpx.Client(base_url=srv.url, timeout=600) as c:
                 run["first_request"] = stream_ask(c, "handbook", questions[0], args.max_tokens)  # loads the snapshot
             run["load"] = []
             for conc in [int(x) for x in args.concurrency.split(",")]:
                 print(f"  {conc} clients x {args.requests} requests", file=sys.stderr)
                 run["load"].append(load_run(srv.url, questions, conc, args.requests, args.max_tokens))
-            mem = srv.memory()
+            mem = proc_status(srv.proc.pid)
             run["peak_rss_bytes"], run["rss_bytes"] = mem["VmHWM"], mem["VmRSS"]
             run["metrics_excerpt"] = [line for line in httpx.get(f"{srv.url}/metrics").text.splitlines()
                                       if line.startswith(("cag_snapshot_hits_total", "cag_snapshot_loads_total",
                                                           "cag_resident_bytes"))]
-        finally:
-            srv.close()
         results["runs"].append(run)
 
     print("hit vs cold: CAG_RESIDENT_BYTES=1, a second corpus evicts the handbook between pairs", file=sys.stderr)
-    srv = Served(dict(env, CAG_RESIDENT_BYTES="1"), work / "server-cold.log")  # default workers and threads
-    try:
+    # default workers and threads
+    with serving(dict(env, CAG_RESIDENT_BYTES="1"), work / "server-cold.log", timeout_s=300, cwd=REPO) as srv:
         cold, hot = [], []
         with httpx.Client(base_url=srv.url, timeout=600) as c:
             stream_ask(c, "handbook", questions[0], 2)  # the process's first question (warmup)
@@ -240,8 +188,6 @@ def main() -> None:
                 cold.append(stream_ask(c, "handbook", q, args.max_tokens))
                 hot.append(stream_ask(c, "handbook", q, args.max_tokens))
         results["cold_loads"], results["resident_hits"] = cold, hot
-    finally:
-        srv.close()
     results["loadavg_end"] = os.getloadavg()
 
     hits = results["resident_hits"]

@@ -27,11 +27,10 @@ def serve(
     import uvicorn
 
     from cag.api.app import create_app
-    from cag.api.settings import ApiSettings
+    from cag.api.settings import load_api_settings
 
-    try:
-        api_settings = ApiSettings(**{k: v for k, v in {"workers": workers, "max_queue": max_queue,
-                                                         "request_timeout_s": timeout}.items() if v is not None})
+    try:  # a bad setting (CAG_API_KEYS=" , ", CAG_WORKERS=0 ...) is one line and exit 1, never an open server
+        api_settings = load_api_settings(workers=workers, max_queue=max_queue, request_timeout_s=timeout)
         app = create_app(api_settings, get_settings(model=model))
     except CagError as e:
         typer.echo(f"error: {e}", err=True)

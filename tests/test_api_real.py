@@ -9,8 +9,9 @@ import subprocess
 import httpx
 import pytest
 
+from cag.api.harness import cag_command, serving
 from tests.conftest import HANDBOOK, REPO
-from tests.test_api import _cag_cmd, parse_sse, running_server
+from tests.test_api import sse_events
 
 pytestmark = pytest.mark.real
 
@@ -21,11 +22,11 @@ def real_server(models_dir, tmp_path_factory):
     root = tmp_path_factory.mktemp("served-real")
     env = {k: v for k, v in os.environ.items() if not k.startswith("CAG_")}
     env.update(CAG_HOME=str(root / "home"), CAG_MODELS_DIR=str(models_dir))
-    r = subprocess.run([*_cag_cmd(), "ingest", str(HANDBOOK), "--json"], env=env, cwd=REPO, capture_output=True,
+    r = subprocess.run([*cag_command(), "ingest", str(HANDBOOK), "--json"], env=env, cwd=REPO, capture_output=True,
                        text=True, timeout=600)
     assert r.returncode == 0, r.stderr
-    with running_server(env, root / "server.log", timeout_s=180) as (url, _, _):
-        yield url, env
+    with serving(env, root / "server.log", timeout_s=180, cwd=REPO) as srv:
+        yield srv.url, env
 
 
 def test_served_answer_equals_cag_ask_on_the_handbook(real_server):
@@ -33,7 +34,7 @@ def test_served_answer_equals_cag_ask_on_the_handbook(real_server):
 
     url, env = real_server
     q = "What is the name of the company VPN?"
-    cli = subprocess.run([*_cag_cmd(), "ask", "handbook", q, "--max-tokens", "24", "--json"], env=env, cwd=REPO,
+    cli = subprocess.run([*cag_command(), "ask", "handbook", q, "--max-tokens", "24", "--json"], env=env, cwd=REPO,
                          capture_output=True, text=True, timeout=300)
     assert cli.returncode == 0, cli.stderr
     want = json.loads(cli.stdout)
@@ -47,7 +48,7 @@ def test_served_answer_equals_cag_ask_on_the_handbook(real_server):
 
     with httpx.stream("POST", f"{url}/v1/ask", json={"corpus": "handbook", "question": q, "max_tokens": 24,
                                                      "stream": True}, timeout=300) as s:
-        events = parse_sse(s.iter_lines())
+        events = sse_events(s)
     assert "".join(json.loads(d)["text"] for e, d in events if e == "token") == want["answer"]
 
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
