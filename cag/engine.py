@@ -18,11 +18,10 @@ from cag.store import snapshots as snapfiles
 from cag.store.index import Index
 
 from . import corpus as corpora
+from . import freshness, kv, sharded
 from . import ingest as steps
-from . import kv
 from .config import Settings
 from .errors import BadInput, NotFound, SnapshotCorrupt, StaleRefused, TooLarge
-from .freshness import stale_reasons
 from .generate import DecodeConfig, Generated, generate
 from .hashing import hash_obj
 from .model import LoadedModel, load_model
@@ -100,18 +99,34 @@ class Engine:
 
     # -- ingest ----------------------------------------------------------------------------------
     def ingest(self, target: str, name: str | None = None, force: bool = False, ttl_s: float | None = None,
-               reporter: Reporter | None = None) -> IngestResult:
-        """Prefill a corpus into a snapshot; reuse a verified one with the same key, or the part of
-        the corpus's current snapshot before the first changed document."""
+               reporter: Reporter | None = None, shard_tokens: int | None = None) -> IngestResult:
+        """Prefill a corpus into one snapshot per shard (one shard when it fits a context). A shard
+        whose key has a verified snapshot is reused; otherwise its current snapshot is reused up to
+        the first changed document. `shard_tokens` caps a shard (0: what fits; kept for refreshes)."""
         if ttl_s is not None and not ttl_s >= 0:
             raise BadInput(f"ttl must be 0 or more seconds, got {ttl_s}")
+        if shard_tokens is not None and shard_tokens < 0:
+            raise BadInput(f"shard tokens must be 0 (what fits) or more, got {shard_tokens}")
         name, source = corpora.resolve_source(self.index, target, name)
         name = check_corpus_name(name)
+        reporter = reporter or Reporter()
         with corpora.writer_lock(self.settings.home, name):
-            plan = steps.plan(self, name, source, ttl_s)
-            if not force and (fresh := steps.reuse_fresh(self, plan)) is not None:
-                return fresh
-            return steps.build(self, plan, force, reporter or Reporter())
+            plan = steps.plan(self, name, source, ttl_s, shard_tokens)
+            fresh = [None if force else steps.reuse_fresh(self, s) for s in plan.shards]
+            reuse = [(0, None) if f or force else steps.reusable(self, name, s) for f, s in zip(fresh, plan.shards)]
+            todo = sum(len(s.prefix.ids) - r for (r, _), s, f in zip(reuse, plan.shards, fresh) if not f)
+            n = sum(len(s.prefix.ids) for s in plan.shards)
+            est = [self.lm.kv_bytes(len(s.prefix.ids), self.kv_dtype) for s in plan.shards]
+            getattr(reporter, "shards", lambda _: None)([{"shard": s.index, "n_tokens": len(s.prefix.ids), "bytes": b}
+                                                         for s, b in zip(plan.shards, est)])
+            if todo:
+                reporter.estimate(n, sum(est), n - todo)
+                tick = reporter.progress(todo)
+            built = [f or steps.build(self, plan, s, r, old, tick) for f, s, (r, old) in zip(fresh, plan.shards, reuse)]
+            if todo:
+                reporter.done()
+            steps.publish(self, plan, built)
+        return IngestResult.of(plan, built, est)
 
     def open_snapshot(self, row: dict) -> snapfiles.Snapshot:
         """Load a snapshot file and verify it against its index row and the loaded model: header key,
@@ -135,16 +150,25 @@ class Engine:
 
     # -- ask -------------------------------------------------------------------------------------
     def ask(self, corpus: str, question: str, mode: str = "cag", max_tokens: int | None = None,
-            on_text=None, should_stop=None, on_stale: str = "serve", decoding: DecodeConfig | None = None) -> Answer:
-        """Answer from the snapshot (`cag`) or from the whole corpus prefilled again (`full`)."""
+            on_text=None, should_stop=None, on_stale: str = "serve", decoding: DecodeConfig | None = None,
+            shards: int = 1) -> Answer:
+        """Answer from the snapshot (`cag`) or from the whole corpus prefilled again (`full`). A
+        sharded corpus answers from its `shards` best shards (more than it has: all of them)."""
         q = self.check(corpus, question, mode, max_tokens, on_stale, decoding)
         if q.mode is Mode.RAG:
             raise BadInput("mode 'rag' is answered by cag.rag.answer.ask, above the engine")
+        if q.mode is Mode.FULL and len(self.index.shards(corpus)) > 1:  # no context holds it all: the routed shard
+            rows, (route, *_), routing_ms = sharded.route(self, corpus, question, 1)
+            ids = snapfiles.read_ids(Path(self.index.snapshot(rows[route.shard]["snapshot"])["path"]))
+            return self.answer_prompt(q, ids, on_text, should_stop, routing_ms=round(routing_ms, 2),
+                                      shards=[{"shard": route.shard, "score": round(route.score, 4), "n_tokens": len(ids)}])
         if q.mode is Mode.FULL:
             docs, _ = self.read_corpus(Path(q.row["source"]), corpus)
             prefix = build_prefix(self.lm.tokenizer, self.layout(), [(d.name, d.text) for d in docs])
             return self.answer_prompt(q, prefix.ids, on_text, should_stop)
-        return self._answer_cached(q, on_text, should_stop)
+        if shards < 1:
+            raise BadInput(f"shards must be at least 1, got {shards}")
+        return self._answer_cached(q, on_text, should_stop, shards)
 
     def check(self, corpus: str, question: str, mode: str = "cag", max_tokens: int | None = None,
               on_stale: str = "serve", decoding: DecodeConfig | None = None) -> Question:
@@ -194,10 +218,20 @@ class Engine:
         snapshot = None if q.mode is Mode.RAG else q.row["current_snapshot"]
         return self._finish(q, gen, len(prefix_ids), 0, 0.0, snapshot, **extra)
 
-    def _answer_cached(self, q: Question, on_text, should_stop) -> Answer:
+    def _answer_cached(self, q: Question, on_text, should_stop, shards: int = 1) -> Answer:
+        if len(self.index.shards(q.corpus)) > 1:
+            best, tried, routing_ms = sharded.answer(self, q, shards, on_text, should_stop)
+            return self._finish(q, best.gen, best.n_tokens, best.n_tokens, best.load_ms, best.snapshot,
+                                shards=[t.info() | {"chosen": t is best} for t in tried], routing_ms=round(routing_ms, 2))
         digest = q.row["current_snapshot"]
         if not digest or self.index.snapshot(digest) is None:
             raise NotFound(f"corpus {q.corpus!r} has no snapshot: run `cag ingest {q.corpus}`")
+        gen, n, load_ms, _ = self.generate_cached(q, digest, on_text, should_stop)
+        return self._finish(q, gen, n, n, load_ms, digest)
+
+    def generate_cached(self, q: Question, digest: str, on_text=None, should_stop=None, score: bool = False):
+        """Answer over a resident request buffer of snapshot `digest`: (Generated, prefix tokens,
+        load ms, mean log-probability of the answer when `score`)."""
         t0 = time.perf_counter()
         res, cache = self.resident.acquire(digest, lambda: self._load_resident(digest), self._new_buffer)
         load_ms = (time.perf_counter() - t0) * 1e3
@@ -205,9 +239,10 @@ class Engine:
             n = res.snap.n_tokens
             gen = generate(self.lm, cache, n, q.suffix, q.decoding, self.settings.chunk_tokens, on_text,
                            should_stop, q.t_start)
+            logprob = sharded.mean_logprob(self, cache, q, n, gen) if score else None
         finally:
             self.resident.release(digest, res, cache)
-        return self._finish(q, gen, n, n, load_ms, digest)
+        return gen, n, load_ms, logprob
 
     def _load_resident(self, digest: str) -> Resident:
         snap = self.open_snapshot(self.index.snapshot(digest))
@@ -230,7 +265,7 @@ class Engine:
                      total_ms=round((time.perf_counter() - q.t_start) * 1e3, 2), decode_tok_s=gen.decode_tok_s,
                      token_ids=gen.ids, **extra)
         row = ans.to_dict()
-        for k in ("stale", "stale_reasons", "passages", "decode_tok_s"):
+        for k in ("stale", "stale_reasons", "passages", "decode_tok_s", "shards", "routing_ms"):
             row.pop(k)
         self.index.log_query(dict(row, question=q.text))
         return ans
@@ -249,27 +284,10 @@ class Engine:
 
     # -- status ----------------------------------------------------------------------------------
     def stale_reasons(self, row: dict, check_model: bool = True) -> list[str]:
-        snap = self.index.snapshot(row["current_snapshot"]) if row.get("current_snapshot") else None
-        lm = self.lm if check_model else None
-        return stale_reasons(
-            row, snap, self.index.snapshot_documents(snap["digest"]) if snap else [],
-            self.index.documents(row["name"]),
-            lm.fingerprint if lm else None, lm.tokenizer_fingerprint if lm else None, self.settings.ttl_s,
-        )
+        return freshness.corpus_reasons(self, row, check_model)
 
     def status(self, corpus: str, check_model: bool = True) -> CorpusStatus:
-        row = self.index.corpus(corpus)
-        if row is None:
-            raise NotFound(f"unknown corpus {corpus!r}; `cag list` shows the known ones")
-        snap = self.index.snapshot(row["current_snapshot"]) if row.get("current_snapshot") else None
-        reasons = self.stale_reasons(row, check_model)
-        return CorpusStatus(
-            name=row["name"], source=row["source"], model=row["model"],
-            snapshot=snap["digest"] if snap else None, n_documents=snap["n_documents"] if snap else 0,
-            n_tokens=snap["n_tokens"] if snap else 0, bytes=snap["bytes"] if snap else 0,
-            created=snap["created"] if snap else None, last_used=snap["last_used"] if snap else None,
-            stale=bool(reasons), reasons=reasons,
-        )
+        return freshness.status(self, corpus, check_model)
 
     def list(self, check_model: bool = True) -> list[CorpusStatus]:
         return [self.status(r["name"], check_model) for r in self.index.corpora()]

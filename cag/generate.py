@@ -104,6 +104,11 @@ class TextStream:
         piece, self.sent = text[len(self.sent) :], text
         return piece
 
+    def flush(self) -> str:
+        """What `push` held back (an incomplete UTF-8 sequence at the very end), as decoded."""
+        piece, self.sent = self.text[len(self.sent):], self.text
+        return piece
+
     @property
     def text(self) -> str:
         return self.tok.decode(self.ids, skip_special_tokens=True)
@@ -132,6 +137,8 @@ def generate(lm, cache, n_prefix: int, suffix: list[int], cfg: DecodeConfig, chu
         piece = stream.push(tok)
         if on_text and piece:
             on_text(piece)
+    if on_text and (tail := stream.flush()):
+        on_text(tail)  # a trailing partial character held back: the pieces add up to the text
     t_end = time.perf_counter()
     ttft = ((t_first or t_end) - t_start) * 1e3
     rate = (len(ids) - 1) / (t_end - t_first) if t_first is not None and len(ids) > 1 and t_end > t_first else None

@@ -1,36 +1,34 @@
-"""Ingest as named steps: plan the prefix, reuse a verified snapshot with the same key, or build
-one (reusing the current snapshot's KV up to the first changed document), then publish it.
+"""Ingest as named steps: plan the shards (one, when the corpus fits a context), then per shard
+reuse a verified snapshot with the same key or build one (reusing the shard's current snapshot up
+to its first changed document), then publish every shard in one transaction.
 
 Each step takes the Engine (model, settings, index); `Engine.ingest` runs them under the
-corpus's writer lock.
+corpus's writer lock. A crash before `publish` leaves the corpus on its previous snapshots.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from cag.store import snapshots as snapfiles
 
 from . import documents, kv
-from .errors import SnapshotCorrupt, StaleRefused
+from .errors import BadInput, SnapshotCorrupt, StaleRefused
 from .hashing import short
-from .prompt import Prefix, build_prefix
-from .results import IngestResult, Reporter
+from .prompt import Prefix, document_text, encode_template, encode_text
+from .shards import Unit, pack, units_of
 
 
 @dataclass
-class Plan:
-    """What an ingest will write: the corpus's documents laid out as one prefix, and its key."""
+class Shard:
+    """One shard's prefix (head | units | mid) and its key."""
 
-    name: str
-    source: Path
-    docs: list[documents.Document]
-    skipped: list[str]
+    index: int
+    units: list[Unit]
     prefix: Prefix
     key: str
-    ttl_s: float | None
 
     @property
     def digest(self) -> str:
@@ -38,77 +36,82 @@ class Plan:
 
     @property
     def spans(self) -> list[dict]:
-        return [{"path": s[0], "content_hash": d.content_hash, "start": s[1], "end": s[2]}
-                for s, d in zip(self.prefix.spans, self.docs)]
+        return [{"path": u.name, "content_hash": u.content_hash, "start": s[1], "end": s[2]}
+                for s, u in zip(self.prefix.spans, self.units)]
 
 
-def plan(engine, name: str, source: Path, ttl_s: float | None) -> Plan:
+@dataclass
+class Plan:
+    """What an ingest will write: the corpus's documents packed into shards."""
+
+    name: str
+    source: Path
+    docs: list[documents.Document]
+    skipped: list[str]
+    ttl_s: float | None
+    shard_tokens: int | None
+    shards: list[Shard] = field(default_factory=list)
+
+
+@dataclass
+class Built:
+    """A shard's snapshot after this ingest: its index row and how it came to be."""
+
+    row: dict
+    status: str  # built | refreshed | fresh
+    reused: int = 0
+    prefill_ms: float = 0.0
+
+
+def plan(engine, name: str, source: Path, ttl_s: float | None, shard_tokens: int | None) -> Plan:
+    """Read the corpus and pack it into shards that each fit the context (and `shard_tokens`)."""
+    lm, layout = engine.lm, engine.layout()
+    row = engine.index.corpus(name) or {}
+    ttl_s = row.get("ttl_s") if ttl_s is None else ttl_s
+    shard_tokens = row.get("shard_tokens") if shard_tokens is None else shard_tokens or None
     docs, skipped = engine.read_corpus(source, name)
-    prefix = build_prefix(engine.lm.tokenizer, engine.layout(), [(d.name, d.text) for d in docs])
-    engine.require_fit(len(prefix.ids), "knowledge")
-    if ttl_s is None:
-        ttl_s = (engine.index.corpus(name) or {}).get("ttl_s")
-    return Plan(name, source, docs, skipped, prefix, engine.snapshot_key(prefix.ids), ttl_s)
+    head, mid = encode_template(lm.tokenizer, layout.head), encode_template(lm.tokenizer, layout.mid)
+    capacity = lm.max_context - engine.room
+    if shard_tokens:
+        capacity = min(capacity, shard_tokens)
+    if capacity - len(head) - len(mid) < 16:
+        raise BadInput(f"shards of {capacity} tokens leave no room for knowledge: the prompt layout alone is "
+                       f"{len(head) + len(mid)} tokens (raise --shard-tokens)")
+    units = units_of(lm.tokenizer, docs, capacity - len(head) - len(mid))
+    if any(u.cut_by_tokens for u in units):
+        skipped = skipped + [f"{u.name} (a sentence longer than a shard: cut between tokens)" for u in units if u.cut_by_tokens]
+    previous = [[s["path"] for s in engine.index.snapshot_documents(r["snapshot"])] for r in engine.index.shards(name)]
+    out = Plan(name, source, docs, skipped, ttl_s, shard_tokens)
+    for i, sp in enumerate(pack(units, capacity, len(head) + len(mid), previous)):
+        ids, spans = list(head), []
+        for u in sp.units:
+            start = len(ids)
+            ids += encode_text(lm.tokenizer, document_text(u.name, u.text))
+            spans.append((u.name, start, len(ids)))
+        ids += mid
+        engine.require_fit(len(ids), "a shard's knowledge")
+        out.shards.append(Shard(i, sp.units, Prefix(ids, spans), engine.snapshot_key(ids)))
+    return out
 
 
-def publish(engine, plan: Plan, snap_row: dict) -> None:
-    corpus_row = {"name": plan.name, "source": str(plan.source), "model": engine.lm.name, "ttl_s": plan.ttl_s}
-    doc_rows = [{"path": d.name, "content_hash": d.content_hash, "size": d.size, "mtime": d.mtime} for d in plan.docs]
-    engine.index.publish(corpus_row, doc_rows, snap_row, plan.spans)
-
-
-def reuse_fresh(engine, plan: Plan) -> IngestResult | None:
-    """An existing snapshot with this key, verified exactly as a question would verify it."""
-    row = engine.index.snapshot(plan.digest)
+def reuse_fresh(engine, shard: Shard) -> Built | None:
+    """An existing snapshot with this shard's key, verified exactly as a question would verify it."""
+    row = engine.index.snapshot(shard.digest)
     if not row or row["status"] == "corrupt" or not Path(row["path"]).exists():
         return None
     try:
         engine.open_snapshot(row)
     except (SnapshotCorrupt, StaleRefused):
-        return None  # rebuilt below (a corrupt file is marked so)
-    publish(engine, plan, row)
-    n = len(plan.prefix.ids)
-    return IngestResult(plan.name, plan.digest, len(plan.docs), n, row["bytes"], 0.0, "fresh", reused_tokens=n,
-                        estimate_bytes=engine.lm.kv_bytes(n, engine.kv_dtype), skipped=plan.skipped, path=row["path"])
+        return None  # rebuilt (a corrupt file is marked so)
+    return Built(row, "fresh", reused=len(shard.prefix.ids))
 
 
-def build(engine, plan: Plan, force: bool, reporter: Reporter) -> IngestResult:
-    lm, ids = engine.lm, plan.prefix.ids
-    n = len(ids)
-    reused, old_kv = (0, None) if force else reusable(engine, plan.name, ids)
-    est = lm.kv_bytes(n, engine.kv_dtype)
-    reporter.estimate(n, est, reused)
-    t0 = time.perf_counter()
-    cache = kv.new_cache(lm.model, n + engine.room)
-    if old_kv is not None:
-        kv.load_into(cache, [(k[:, :, :reused], v[:, :, :reused]) for k, v in old_kv], lm.dtype, lm.device)
-    kv.prefill(lm.model, cache, ids[reused:], reused, engine.settings.chunk_tokens, reporter.progress(n - reused))
-    reporter.done()
-    prefill_ms = (time.perf_counter() - t0) * 1e3
-    path = engine.settings.snapshots_dir / f"{plan.digest}.safetensors"
-    created = time.time()
-    meta = {"key": plan.key, "corpus": plan.name, "model": lm.name, "model_fingerprint": lm.fingerprint,
-            "tokenizer_fingerprint": lm.tokenizer_fingerprint, "layout": engine.layout().as_dict(),
-            "n_kv_heads": lm.n_kv_heads, "head_dim": lm.head_dim, "spans": plan.spans, "created": created,
-            "compute_dtype": str(lm.dtype), "source": str(plan.source), "ttl_s": plan.ttl_s,
-            "n_documents": len(plan.docs), "reused_tokens": reused, "prefill_ms": prefill_ms}
-    nbytes = snapfiles.save(path, kv.export(cache, n), ids, meta, engine.kv_dtype)
-    del cache
-    publish(engine, plan, {
-        "key": plan.key, "digest": plan.digest, "corpus": plan.name, "model": lm.name,
-        "model_fingerprint": lm.fingerprint, "tokenizer_fingerprint": lm.tokenizer_fingerprint,
-        "n_tokens": n, "n_documents": len(plan.docs), "bytes": nbytes, "dtype": engine.settings.kv_dtype,
-        "path": str(path), "created": created, "last_used": None, "prefill_ms": prefill_ms, "reused_tokens": reused})
-    engine.resident.evict(plan.digest)
-    return IngestResult(plan.name, plan.digest, len(plan.docs), n, nbytes, round(prefill_ms, 1),
-                        "refreshed" if reused else "built", reused, n - reused, est, plan.skipped, str(path))
-
-
-def reusable(engine, corpus: str, ids: list[int]) -> tuple[int, list | None]:
-    """Tokens of the current snapshot that stay valid: the longest common prefix of token ids,
-    cut back to a document boundary (KV at position i depends only on tokens 0..i)."""
-    row = engine.index.corpus(corpus)
-    snap = engine.index.snapshot(row["current_snapshot"]) if row and row.get("current_snapshot") else None
+def reusable(engine, corpus: str, shard: Shard) -> tuple[int, list | None]:
+    """Tokens of the shard's current snapshot that stay valid: the longest common prefix of token
+    ids, cut back to a document boundary (KV at position i depends only on tokens 0..i)."""
+    rows = engine.index.shards(corpus)
+    digest = rows[shard.index]["snapshot"] if shard.index < len(rows) else None
+    snap = engine.index.snapshot(digest) if digest else None
     if not snap or snap["model_fingerprint"] != engine.lm.fingerprint or snap["dtype"] != engine.settings.kv_dtype:
         return 0, None
     try:
@@ -116,7 +119,7 @@ def reusable(engine, corpus: str, ids: list[int]) -> tuple[int, list | None]:
     except (SnapshotCorrupt, StaleRefused):
         return 0, None
     common = 0
-    for a, b in zip(old.ids, ids):
+    for a, b in zip(old.ids, shard.prefix.ids):
         if a != b:
             break
         common += 1
@@ -124,3 +127,38 @@ def reusable(engine, corpus: str, ids: list[int]) -> tuple[int, list | None]:
     bounds = [s["start"] for s in spans] + [max((s["end"] for s in spans), default=0)]
     cut = max((b for b in bounds if b <= common), default=0)
     return cut, (old.kv if cut else None)
+
+
+def build(engine, plan: Plan, shard: Shard, reused: int, old_kv, tick) -> Built:
+    """Prefill the shard (after its `reused` tokens) and save its snapshot file atomically."""
+    lm, ids = engine.lm, shard.prefix.ids
+    n = len(ids)
+    t0 = time.perf_counter()
+    cache = kv.new_cache(lm.model, n + engine.room)
+    if old_kv is not None:
+        kv.load_into(cache, [(k[:, :, :reused], v[:, :, :reused]) for k, v in old_kv], lm.dtype, lm.device)
+    kv.prefill(lm.model, cache, ids[reused:], reused, engine.settings.chunk_tokens, tick)
+    prefill_ms = (time.perf_counter() - t0) * 1e3
+    path = engine.settings.snapshots_dir / f"{shard.digest}.safetensors"
+    created = time.time()
+    meta = {"key": shard.key, "corpus": plan.name, "model": lm.name, "model_fingerprint": lm.fingerprint,
+            "tokenizer_fingerprint": lm.tokenizer_fingerprint, "layout": engine.layout().as_dict(),
+            "n_kv_heads": lm.n_kv_heads, "head_dim": lm.head_dim, "spans": shard.spans, "created": created,
+            "compute_dtype": str(lm.dtype), "source": str(plan.source), "ttl_s": plan.ttl_s,
+            "n_documents": len(shard.units), "reused_tokens": reused, "prefill_ms": prefill_ms,
+            "shard": shard.index, "n_shards": len(plan.shards), "shard_tokens": plan.shard_tokens}
+    nbytes = snapfiles.save(path, kv.export(cache, n), ids, meta, engine.kv_dtype)
+    del cache
+    row = {"key": shard.key, "digest": shard.digest, "corpus": plan.name, "model": lm.name,
+           "model_fingerprint": lm.fingerprint, "tokenizer_fingerprint": lm.tokenizer_fingerprint,
+           "n_tokens": n, "n_documents": len(shard.units), "bytes": nbytes, "dtype": engine.settings.kv_dtype,
+           "path": str(path), "created": created, "last_used": None, "prefill_ms": prefill_ms, "reused_tokens": reused}
+    engine.resident.evict(shard.digest)
+    return Built(row, "refreshed" if reused else "built", reused, prefill_ms)
+
+
+def publish(engine, plan: Plan, built: list[Built]) -> None:
+    corpus_row = {"name": plan.name, "source": str(plan.source), "model": engine.lm.name, "ttl_s": plan.ttl_s,
+                  "shard_tokens": plan.shard_tokens}
+    doc_rows = [{"path": d.name, "content_hash": d.content_hash, "size": d.size, "mtime": d.mtime} for d in plan.docs]
+    engine.index.publish_shards(corpus_row, doc_rows, [(b.row, s.spans) for b, s in zip(built, plan.shards)])

@@ -96,3 +96,19 @@ def kv_shape_ok(kv: KV, n_layers: int, n_kv_heads: int, head_dim: int, n_tokens:
     return len(kv) == n_layers and all(
         t.shape == (1, n_kv_heads, n_tokens, head_dim) for pair in kv for t in pair
     )
+
+
+@torch.inference_mode()
+def answer_logprobs(model, cache: StaticCache, suffix: Sequence[int], answer: Sequence[int], start: int) -> list[float]:
+    """Log-probabilities of `answer` after `suffix` at positions start.. over the cache's prefix
+    (one forward over suffix + answer[:-1]; rewrites those request-buffer positions, never the prefix)."""
+    if not answer:
+        return []
+    ids = list(suffix) + list(answer[:-1])
+    device = next(model.parameters()).device
+    set_length(cache, start)
+    pos = torch.arange(start, start + len(ids), device=device)  # (T,)
+    logits = model(input_ids=torch.tensor([ids], device=device), past_key_values=cache, cache_position=pos,
+                   position_ids=pos.unsqueeze(0), use_cache=True).logits[0, len(suffix) - 1 :]  # (len(answer), V)
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    return logp[torch.arange(len(answer)), torch.tensor(list(answer), device=device)].tolist()

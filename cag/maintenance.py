@@ -57,10 +57,7 @@ def gc(settings: Settings, index: Index, max_bytes: int | None = None, dry_run: 
     `cag ingest` again). Whatever it reports deleted is gone; whatever it leaves is in `kept`."""
     out = GcResult(dry_run=dry_run)
     rows = index.snapshots()
-    users: dict[str, list[str]] = {}
-    for c in index.corpora():
-        if c.get("current_snapshot"):
-            users.setdefault(c["current_snapshot"], []).append(c["name"])
+    users = index.users()  # every shard's current snapshot counts
     doomed: list[tuple[dict, str]] = []
     for r in rows:
         if r["digest"] not in users:
@@ -91,6 +88,7 @@ def gc(settings: Settings, index: Index, max_bytes: int | None = None, dry_run: 
             index.db["snapshot_documents"].delete_where("snapshot = ?", [r["digest"]])
             index.db["snapshots"].delete(r["digest"])
             index.db.execute("UPDATE corpora SET current_snapshot = NULL WHERE current_snapshot = ?", [r["digest"]])
+            index.db.execute("DELETE FROM shards WHERE snapshot = ?", [r["digest"]])
         try:
             snapfiles.delete(Path(r["path"]))
         except OSError as e:

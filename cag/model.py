@@ -200,7 +200,7 @@ def load_model(name: str, models_dir: Path, threads: int = 0, dtype: str = "auto
     model.eval().to(device)
     attention.install(model)  # GQA without copying K/V per forward; same results, less memory traffic
     lm = describe(model, tok, name)  # fingerprints the model's own weights, before any packing
-    fmt = wformats.choose(model, weights)
+    fmt = wformats.choose(model, weights, models_dir)
     if why := wformats.supported(fmt, model):
         raise ModelError(why)
     lm.weights, lm.packed_bytes = fmt, wformats.apply(model, fmt)

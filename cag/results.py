@@ -52,9 +52,26 @@ class IngestResult:
     estimate_bytes: int = 0
     skipped: list[str] = field(default_factory=list)
     path: str = ""
+    n_shards: int = 1
+    shards: list[dict] = field(default_factory=list)  # per shard: shard, snapshot, n_tokens, bytes, status, ...
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+    @classmethod
+    def of(cls, plan, built: list, estimates: list[int]) -> IngestResult:
+        """The result of an ingest (cag.ingest Plan and Built per shard); the top-level snapshot and
+        path are shard 0's, sizes and times add up over the shards."""
+        shards = [{"shard": s.index, "snapshot": b.row["digest"], "n_documents": len(s.units),
+                   "n_tokens": len(s.prefix.ids), "bytes": b.row["bytes"], "status": b.status,
+                   "reused_tokens": b.reused, "prefill_ms": round(b.prefill_ms, 1)} for s, b in zip(plan.shards, built)]
+        statuses = {b.status for b in built}  # fresh: nothing prefilled; built: everything; else refreshed
+        status = statuses.pop() if len(statuses) == 1 else "refreshed"
+        n = sum(x["n_tokens"] for x in shards)
+        reused = sum(b.reused for b in built)
+        return cls(plan.name, shards[0]["snapshot"], len(plan.docs), n, sum(x["bytes"] for x in shards),
+                   round(sum(b.prefill_ms for b in built), 1), status, reused, n - reused, sum(estimates),
+                   plan.skipped, built[0].row["path"], len(shards), shards)
 
 
 @dataclass
@@ -73,6 +90,8 @@ class Answer:
     total_ms: float
     retrieval_ms: float = 0.0  # rag mode only
     decode_tok_s: float | None = None  # tokens after the first, per second (None below two tokens)
+    routing_ms: float = 0.0  # sharded corpora: choosing the shard(s)
+    shards: list[dict] = field(default_factory=list)  # sharded corpora: the shard(s) that answered, with scores
     token_ids: list[int] = field(default_factory=list, repr=False)
     passages: list[dict] = field(default_factory=list, repr=False)  # rag mode: what was retrieved
 
@@ -95,6 +114,7 @@ class CorpusStatus:
     last_used: float | None
     stale: bool
     reasons: list[str]
+    n_shards: int = 1
 
     def to_dict(self) -> dict:
         return asdict(self)

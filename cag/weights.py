@@ -20,7 +20,10 @@ Both `cag` and `full` decode through the same modules, so cag == full holds in e
 from __future__ import annotations
 
 import functools
+import json
+import os
 import time
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -130,12 +133,26 @@ def probe(fmts: tuple[str, ...] = FORMATS, in_f: int = 576, out_f: int = 1536, r
     return out
 
 
-def choose(model: torch.nn.Module, requested: str) -> str:
-    """The format to use: `requested`, or for `auto` the faster of fp32 and bf16 measured here
-    (bf16 changes answers least; int8/int4 are opt-in, see the README's quality table)."""
+def choose(model: torch.nn.Module, requested: str, cache_dir: Path | None = None) -> str:
+    """The format to use: `requested`, or for `auto` the faster of fp32 and bf16 on this machine
+    (bf16 changes answers least; int8/int4 are opt-in, see the README's quality table). The probe's
+    verdict is kept in `cache_dir` per CPU, torch version and thread count, so answers do not
+    change from one start to the next on a noisy machine."""
     if requested != "auto":
         return requested
     if next(model.parameters()).device.type != "cpu" or supported("bf16", model):
         return "fp32"
-    times = probe(("fp32", "bf16"))
-    return "bf16" if times["bf16"] < 0.8 * times["fp32"] else "fp32"
+    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")), "?") \
+        if Path("/proc/cpuinfo").exists() else "?"
+    key = f"{cpu}|torch {torch.__version__}|{torch.get_num_threads()} threads"
+    path = cache_dir / "weights-auto.json" if cache_dir else None
+    known = json.loads(path.read_text()) if path and path.exists() else {}
+    if key not in known:
+        times = probe(("fp32", "bf16"))
+        known[key] = "bf16" if times["bf16"] < 0.8 * times["fp32"] else "fp32"
+        if path:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+            tmp.write_text(json.dumps(known, indent=1))
+            os.replace(tmp, path)
+    return known[key]

@@ -70,6 +70,12 @@ class _TqdmReporter:
             typer.echo(f"knowledge: {n_tokens} tokens -> snapshot ~{_human_bytes(n_bytes)} "
                        f"(2 x layers x kv_heads x head_dim x bytes x tokens){extra}", err=True)
 
+    def shards(self, shards: list[dict]) -> None:
+        if not self.quiet and len(shards) > 1:
+            sizes = ", ".join(f"{s['n_tokens']}" for s in shards)
+            typer.echo(f"knowledge larger than one context: {len(shards)} shards of {sizes} tokens, "
+                       f"~{_human_bytes(sum(s['bytes'] for s in shards))} in all", err=True)
+
     def progress(self, total: int):
         from tqdm import tqdm
 

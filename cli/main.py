@@ -28,11 +28,12 @@ def ingest(
     model: ModelOpt = None,
     force: Annotated[bool, typer.Option("--force", help="Rebuild from scratch even when a snapshot could be reused.")] = False,
     ttl: Annotated[float | None, typer.Option(help="Seconds after which the snapshot counts as stale.")] = None,
+    shard_tokens: Annotated[int | None, typer.Option("--shard-tokens", help="Cap a shard's prompt at N tokens (default: what fits the context; 0 resets to that). Kept for refreshes.")] = None,
     json_: JsonOpt = False,
 ):
     """Prefill a corpus once and save its KV cache as a snapshot (incremental when documents changed)."""
     engine = _engine(model)
-    r = engine.ingest(path, name=name, force=force, ttl_s=ttl, reporter=_TqdmReporter(quiet=json_))
+    r = engine.ingest(path, name=name, force=force, ttl_s=ttl, reporter=_TqdmReporter(quiet=json_), shard_tokens=shard_tokens)
     if json_:
         _emit(r.to_dict())
         return
@@ -45,6 +46,10 @@ def ingest(
         typer.echo(f"{r.corpus}: {r.status} snapshot {r.snapshot[:12]}: {r.n_documents} documents, {r.n_tokens} tokens "
                    f"({r.reused_tokens} reused, {r.prefilled_tokens} prefilled in {r.prefill_ms / 1e3:.1f} s, {tps:.0f} tok/s), "
                    f"{_human_bytes(r.bytes)}")
+    if r.n_shards > 1:
+        for sh in r.shards:
+            typer.echo(f"  shard {sh['shard']}: {sh['status']} {sh['snapshot'][:12]}, {sh['n_documents']} documents, "
+                       f"{sh['n_tokens']} tokens, {_human_bytes(sh['bytes'])}")
 
 
 @app.command()
@@ -58,6 +63,7 @@ def ask(
     retriever: Annotated[str, typer.Option(help="rag mode: bm25 or dense.")] = "bm25",
     on_stale: Annotated[str, typer.Option(help="serve (warn), refuse (exit 3) or refresh first.")] = "serve",
     stream: Annotated[bool, typer.Option("--stream", help="Print tokens as they are generated.")] = False,
+    shards: Annotated[int, typer.Option("--shards", help="Sharded corpora: answer from the S best shards (BM25 routing), keep the most confident answer.")] = 1,
     model: ModelOpt = None,
     json_: JsonOpt = False,
 ):
@@ -71,7 +77,7 @@ def ask(
     from cag.rag.answer import ask as answer
 
     a = answer(engine, corpus, question, mode=mode, max_tokens=max_tokens, on_text=on_text, on_stale=on_stale,
-               k=k, retriever=retriever)
+               k=k, retriever=retriever, shards=shards)
     if a.stale:
         typer.echo(f"warning: corpus {corpus!r} is stale: {'; '.join(a.stale_reasons)}", err=True)
     if json_:
@@ -88,7 +94,8 @@ def ask(
 def _status_lines(s) -> list[str]:
     state = "STALE" if s.stale else "fresh"
     snap = s.snapshot[:12] if s.snapshot else "-"
-    lines = [f"{s.name}: {state}, snapshot {snap}, {s.n_documents} docs, {s.n_tokens} tokens, "
+    shards = f" in {s.n_shards} shards" if s.n_shards > 1 else ""
+    lines = [f"{s.name}: {state}, snapshot {snap}, {s.n_documents} docs, {s.n_tokens} tokens{shards}, "
              f"{_human_bytes(s.bytes)}, model {s.model}, built {_age(s.created)}, last used {_age(s.last_used)}",
              f"  source: {s.source}"]
     lines += [f"  stale: {r}" for r in s.reasons]

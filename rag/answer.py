@@ -129,11 +129,11 @@ def answer_rag(engine, q, k: int = 3, retriever: str = "bm25", on_text: Callable
 
 def ask(engine, corpus: str, question: str, mode: str = "cag", max_tokens: int | None = None,
         on_text: Callable[[str], None] | None = None, should_stop: Callable[[], bool] | None = None,
-        on_stale: str = "serve", decoding=None, k: int = 3, retriever: str = "bm25"):
+        on_stale: str = "serve", decoding=None, k: int = 3, retriever: str = "bm25", shards: int = 1):
     """Answer in any mode: `cag` and `full` are the engine's own; `rag` is built here, above it.
     The one entry point for the CLI, the API and the comparison runner."""
     if mode != Mode.RAG.value:
         return engine.ask(corpus, question, mode=mode, max_tokens=max_tokens, on_text=on_text,
-                          should_stop=should_stop, on_stale=on_stale, decoding=decoding)
+                          should_stop=should_stop, on_stale=on_stale, decoding=decoding, shards=shards)
     q = engine.check(corpus, question, mode, max_tokens, on_stale, decoding)
     return answer_rag(engine, q, k, retriever, on_text, should_stop)

@@ -59,7 +59,16 @@ def _m2(db: sqlite_utils.Database) -> None:
     db.execute("UPDATE snapshots SET status = 'ready' WHERE status = 'superseded'")
 
 
-MIGRATIONS = [_m1, _m2]
+def _m3(db: sqlite_utils.Database) -> None:
+    # Sharded corpora: one snapshot per shard. Shard 0 is also corpora.current_snapshot, so a
+    # corpus of one shard reads exactly as before.
+    db["shards"].create({"corpus": str, "shard": int, "snapshot": str}, pk=("corpus", "shard"))
+    db.execute("INSERT INTO shards (corpus, shard, snapshot) "
+               "SELECT name, 0, current_snapshot FROM corpora WHERE current_snapshot IS NOT NULL")
+    db["corpora"].add_column("shard_tokens", int)  # the --shard-tokens cap, kept for refreshes
+
+
+MIGRATIONS = [_m1, _m2, _m3]
 
 
 class Index:
@@ -133,9 +142,22 @@ class Index:
         return list(self.db["snapshots"].rows_where("corpus = ?", [corpus], order_by="created"))
 
     def corpora_using(self, digest: str) -> list[str]:
-        """The corpora whose current snapshot is `digest` (several when their contents are identical)."""
-        rows = self.db.execute("SELECT name FROM corpora WHERE current_snapshot = ? ORDER BY name", [digest])
+        """The corpora with `digest` as a current snapshot, of any shard (several when contents are identical)."""
+        rows = self.db.execute("SELECT name FROM corpora WHERE current_snapshot = ? UNION "
+                               "SELECT corpus FROM shards WHERE snapshot = ? ORDER BY 1", [digest, digest])
         return [r[0] for r in rows.fetchall()]
+
+    def users(self) -> dict[str, list[str]]:
+        """Every snapshot some corpus uses (any shard) -> those corpora."""
+        out: dict[str, list[str]] = {}
+        for digest, corpus in self.db.execute("SELECT current_snapshot, name FROM corpora WHERE current_snapshot IS NOT NULL "
+                                              "UNION SELECT snapshot, corpus FROM shards ORDER BY 2").fetchall():
+            out.setdefault(digest, []).append(corpus)
+        return out
+
+    def shards(self, corpus: str) -> list[dict]:
+        """The corpus's shards in order: {corpus, shard, snapshot}."""
+        return list(self.db["shards"].rows_where("corpus = ?", [corpus], order_by="shard"))
 
     def superseded(self, digest: str) -> bool:
         """No corpus points to this snapshot any more (derived per corpus, never stored)."""
@@ -146,22 +168,29 @@ class Index:
 
     def publish(self, corpus: dict, documents: list[dict], snapshot: dict, spans: Iterable[dict]) -> None:
         """Record a ready snapshot and make it the corpus's current one, all in one transaction."""
+        self.publish_shards(corpus, documents, [(snapshot, spans)])
+
+    def publish_shards(self, corpus: dict, documents: list[dict], shards: list[tuple[dict, Iterable[dict]]]) -> None:
+        """Record each shard's ready snapshot (with its document spans) and make them the corpus's
+        current shards, all in one transaction: readers see the old set or the new one."""
         now = time.time()
+        name = corpus["name"]
         with self.atomic():
-            old = self.corpus(corpus["name"])
-            row = dict(corpus, updated=now, current_snapshot=snapshot["digest"], invalidated=None)
+            old = self.corpus(name)
+            row = dict(corpus, updated=now, current_snapshot=shards[0][0]["digest"], invalidated=None)
             row.setdefault("created", old["created"] if old else now)
-            self.db["corpora"].upsert(row, pk="name")
-            self.db["documents"].delete_where("corpus = ?", [corpus["name"]])
-            self.db["documents"].insert_all(
-                [dict(d, corpus=corpus["name"], ordinal=i) for i, d in enumerate(documents)]
-            )
-            # the old snapshot is now superseded for this corpus only: nothing to write on its row
-            self.db["snapshots"].upsert(dict(snapshot, status="ready"), pk="digest")
-            self.db["snapshot_documents"].delete_where("snapshot = ?", [snapshot["digest"]])
-            self.db["snapshot_documents"].insert_all(
-                [dict(s, snapshot=snapshot["digest"], ordinal=i) for i, s in enumerate(spans)]
-            )
+            self.db["corpora"].upsert(row, pk="name", alter=True)
+            self.db["documents"].delete_where("corpus = ?", [name])
+            self.db["documents"].insert_all([dict(d, corpus=name, ordinal=i) for i, d in enumerate(documents)])
+            self.db["shards"].delete_where("corpus = ?", [name])
+            self.db["shards"].insert_all([{"corpus": name, "shard": i, "snapshot": snap["digest"]}
+                                          for i, (snap, _) in enumerate(shards)])
+            # snapshots no longer used are superseded for this corpus only: nothing to write on their rows
+            for snap, spans in shards:
+                self.db["snapshots"].upsert(dict(snap, status="ready"), pk="digest")
+                self.db["snapshot_documents"].delete_where("snapshot = ?", [snap["digest"]])
+                self.db["snapshot_documents"].insert_all(
+                    [dict(s, snapshot=snap["digest"], ordinal=i) for i, s in enumerate(spans)])
 
     def set_snapshot_status(self, digest: str, status: str) -> None:
         """`ready` or `corrupt`: what the file is, the same for every corpus using it."""

@@ -117,6 +117,17 @@ def read_header(path: Path) -> dict:
         raise SnapshotError(f"snapshot unreadable (truncated or corrupt): {path.name}: {e}") from None
 
 
+def read_ids(path: Path) -> list[int]:
+    """The prefix token ids alone (no KV read, no verification: for routing, never for serving)."""
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            return f.get_tensor("prefix_ids").tolist()
+    except FileNotFoundError:
+        raise SnapshotError(f"snapshot file missing: {path}") from None
+    except Exception as e:
+        raise SnapshotError(f"snapshot unreadable (truncated or corrupt): {path.name}: {e}") from None
+
+
 def load(path: Path, expect_key: str | None = None, verify: bool = True) -> Snapshot:
     """Load and check a snapshot: format, key, dtypes and shapes against the header, and (by
     default) the checksum over every tensor's name, dtype, shape and bytes."""

@@ -97,8 +97,8 @@ def test_bad_inputs_are_one_line_errors_and_harm_nothing(ingested, tmp_path, tin
     _fails(["ingest", str(pdf), "--name", "town"], "broken.pdf: broken PDF")
     big = tmp_path / "big"
     big.mkdir()
-    (big / "long.txt").write_text(" ".join(f"zq{i}x" for i in range(6000)))
-    _fails(["ingest", str(big), "--name", "town"], "leaves room for")
+    (big / "long.txt").write_text(" ".join(f"zq{i}x" for i in range(6000)))  # sharded, not refused: test_shards.py
+    _fails(["ingest", str(big), "--name", "town", "--shard-tokens", "20"], "leave no room for knowledge")
     _fails(["ingest", str(tmp_path / "nope")], "no such file, folder or corpus")
     _fails(["ask", "nosuch", "question?"], "unknown corpus 'nosuch'")
     _fails(["ask", "town", "   "], "empty question")

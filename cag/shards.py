@@ -1,0 +1,113 @@
+"""Knowledge larger than one context: documents packed into shards, each prefilled into its own
+snapshot.
+
+A shard's prompt is the same layout as an unsharded corpus's (head | documents | mid), so a corpus
+that fits one context is one shard with exactly today's prefix and key. Documents are the units of
+packing; a document that alone does not fit a shard is cut into parts (paragraphs, then sentences,
+then, as the last resort, token windows), each named `name#partN` and wrapped like a document.
+
+Assignment is sticky so that an edit re-prefills one shard: units keep the shard they were in
+(read from the previous snapshots' spans) while it still fits; new units fill the last shard, then
+open new ones. Only when a shard no longer fits are it and the shards after it packed afresh.
+Token counts add up exactly because each unit is tokenized on its own (cag/prompt.py).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+from .prompt import document_text, encode_text
+
+PART = "#part"
+
+
+@dataclass
+class Unit:
+    name: str  # the document's name, or `name#partN` for a part of a long document
+    doc: str  # the document it comes from (its file, for freshness)
+    text: str
+    content_hash: str
+    n_tokens: int  # tokens of the unit wrapped as a document
+    cut_by_tokens: bool = False  # no sentence boundary was short enough: cut mid-sentence
+
+
+@dataclass
+class ShardPlan:
+    units: list[Unit] = field(default_factory=list)
+
+    def tokens(self, overhead: int) -> int:
+        return overhead + sum(u.n_tokens for u in self.units)
+
+
+def doc_of(unit_name: str) -> str:
+    """The document a unit (or a snapshot span) belongs to: `a.md#part2` -> `a.md`."""
+    head, sep, tail = unit_name.rpartition(PART)
+    return head if sep and tail.isdigit() else unit_name
+
+
+def units_of(tokenizer, docs, capacity: int) -> list[Unit]:
+    """Documents as packing units: whole when one fits `capacity` tokens, else cut into parts."""
+    units = []
+    for d in docs:
+        n = len(encode_text(tokenizer, document_text(d.name, d.text)))
+        if n <= capacity:
+            units.append(Unit(d.name, d.name, d.text, d.content_hash, n))
+            continue
+        for i, (text, by_tokens) in enumerate(_cut(tokenizer, d.name, d.text, capacity), start=1):
+            name = f"{d.name}{PART}{i}"
+            units.append(Unit(name, d.name, text, d.content_hash,
+                              len(encode_text(tokenizer, document_text(name, text))), by_tokens))
+    return units
+
+
+def _cut(tokenizer, name: str, text: str, capacity: int) -> list[tuple[str, bool]]:
+    """Parts of `text` that each fit `capacity` tokens once wrapped: paragraphs, else sentences,
+    else token windows. Returns (part text, cut mid-sentence)."""
+    wrap = len(encode_text(tokenizer, document_text(f"{name}{PART}9999", ""))) + 2  # name, tags, newlines
+    room = max(1, capacity - wrap)
+    count = lambda s: len(encode_text(tokenizer, s))  # noqa: E731
+    pieces: list[tuple[str, bool]] = []
+    for para in re.split(r"\n\s*\n", text):
+        if not para.strip():
+            continue
+        if count(para) <= room:
+            pieces.append((para, False))
+            continue
+        for sent in re.split(r"(?<=[.!?])\s+", para):
+            if count(sent) <= room:
+                pieces.append((sent, False))
+                continue
+            ids = encode_text(tokenizer, sent)
+            pieces += [(tokenizer.decode(ids[i : i + room]), True) for i in range(0, len(ids), room)]
+    parts: list[tuple[str, bool]] = []
+    for piece, by_tokens in pieces:  # greedy: as many pieces per part as fit
+        if parts and count(parts[-1][0] + "\n\n" + piece) <= room:
+            parts[-1] = (parts[-1][0] + "\n\n" + piece, parts[-1][1] or by_tokens)
+        else:
+            parts.append((piece, by_tokens))
+    return parts
+
+
+def pack(units: list[Unit], capacity: int, overhead: int, previous: list[list[str]] | None = None) -> list[ShardPlan]:
+    """Units into shards of at most `capacity` prompt tokens (`overhead` = head + mid tokens).
+    `previous`: unit names per shard of the last build, to keep units where they were."""
+    by_name = {u.name: u for u in units}
+    shards: list[ShardPlan] = []
+    placed: set[str] = set()
+    for names in previous or []:
+        shard = ShardPlan([by_name[n] for n in names if n in by_name and n not in placed])
+        if not shard.units:
+            continue
+        if shard.tokens(overhead) > capacity:
+            break  # this shard grew past the limit: it and what follows are packed afresh
+        shards.append(shard)
+        placed.update(u.name for u in shard.units)
+    for u in units:
+        if u.name in placed:
+            continue
+        if not shards or shards[-1].tokens(overhead) + u.n_tokens > capacity:
+            shards.append(ShardPlan())
+        shards[-1].units.append(u)
+        placed.add(u.name)
+    return shards

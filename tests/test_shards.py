@@ -1,0 +1,116 @@
+"""Knowledge larger than one context: shards at document boundaries, one snapshot each, routing,
+exactness over the routed shard, per-shard refresh."""
+
+from __future__ import annotations
+
+import pytest
+
+from cag.config import get_settings
+from cag.engine import Engine
+from cag.errors import BadInput
+from cag.shards import Unit, doc_of, pack
+
+DOCS = {
+    "a-lighthouse.md": "The lighthouse keeper is Mara Voss. She lights the lamp at dusk and logs every ship.",
+    "b-ferry.txt": "The ferry leaves the harbour at 7:15 every weekday and returns at 18:40 in the evening.",
+    "c-bakery.md": "The bakery on Quay Street sells rye bread on Tuesdays only, and pretzels on Sundays.",
+    "d-school.md": "The village school has forty pupils and one teacher, Mr Alder, who also plays the organ.",
+}
+
+
+@pytest.fixture
+def town(tmp_path):
+    root = tmp_path / "town"
+    root.mkdir()
+    for name, text in DOCS.items():
+        (root / name).write_text(text + "\n")
+    return root
+
+
+@pytest.fixture
+def engine(tiny_model_dir, monkeypatch):
+    monkeypatch.setenv("CAG_MODEL", str(tiny_model_dir))
+    monkeypatch.setenv("CAG_KV_DTYPE", "float32")  # bit-identical state: cag == full exactly on the random model
+    return Engine(get_settings())
+
+
+def _shard_tokens(engine, town, per_shard: int) -> int:
+    """A --shard-tokens that holds `per_shard` of these (similar-sized) documents."""
+    one = engine.ingest(str(town), name="probe")
+    overhead = one.n_tokens - sum(s["end"] - s["start"] for s in engine.index.snapshot_documents(one.snapshot))
+    biggest = max(s["end"] - s["start"] for s in engine.index.snapshot_documents(one.snapshot))
+    return overhead + per_shard * biggest
+
+
+def test_a_corpus_that_fits_is_one_shard_with_the_same_snapshot(engine, town):
+    a = engine.ingest(str(town), name="one")
+    assert a.n_shards == 1 and a.shards[0]["snapshot"] == a.snapshot
+    b = engine.ingest(str(town), name="again", shard_tokens=0)
+    assert b.snapshot == a.snapshot  # same key: nothing about sharding enters an unsharded corpus
+
+
+def test_sharded_ingest_routes_and_answers_exactly(engine, town):
+    cap = _shard_tokens(engine, town, 2)
+    r = engine.ingest(str(town), name="town", shard_tokens=cap)
+    assert r.n_shards == 2 and len({s["snapshot"] for s in r.shards}) == 2
+    assert all(s["n_tokens"] <= cap for s in r.shards) and r.n_tokens == sum(s["n_tokens"] for s in r.shards)
+    assert r.bytes == sum(s["bytes"] for s in r.shards)
+    a = engine.ask("town", "When does the ferry leave the harbour?", max_tokens=12)
+    assert len(a.shards) == 1 and a.shards[0]["shard"] == 0 and a.routing_ms > 0  # b-ferry is in shard 0
+    assert a.cached_tokens == r.shards[0]["n_tokens"] and a.snapshot == r.shards[0]["snapshot"]
+    b = engine.ask("town", "Who teaches at the village school?", max_tokens=12)
+    assert b.shards[0]["shard"] == 1 and b.snapshot == r.shards[1]["snapshot"]
+    full = engine.ask("town", "Who teaches at the village school?", max_tokens=12, mode="full")
+    assert full.token_ids == b.token_ids and len(b.token_ids) == 12  # cag == full over the routed shard
+    both = engine.ask("town", "Who teaches at the village school?", max_tokens=12, shards=5)  # clamped to 2
+    assert len(both.shards) == 2 and sum(s["chosen"] for s in both.shards) == 1
+    assert all(s["mean_logprob"] is not None for s in both.shards)
+    chosen = next(s for s in both.shards if s["chosen"])
+    assert chosen["mean_logprob"] == max(s["mean_logprob"] for s in both.shards)
+    with pytest.raises(BadInput):
+        engine.ask("town", "Who?", shards=0)
+
+
+def test_editing_a_document_reprefills_only_its_shard(engine, town):
+    cap = _shard_tokens(engine, town, 2)
+    first = engine.ingest(str(town), name="town", shard_tokens=cap)
+    (town / "d-school.md").write_text(DOCS["d-school.md"].replace("forty", "fifty") + "\n")
+    st = engine.status("town")
+    assert st.stale and any("d-school.md" in r for r in st.reasons)
+    again = engine.ingest("town")  # the cap is kept for the refresh
+    assert [s["status"] for s in again.shards] == ["fresh", "refreshed"]
+    assert again.shards[0]["snapshot"] == first.shards[0]["snapshot"]
+    assert again.shards[1]["reused_tokens"] > 0 and again.prefilled_tokens < first.shards[1]["n_tokens"]
+    (town / "e-mill.md").write_text("The old mill grinds barley on Mondays.\n")
+    added = engine.ingest("town")
+    assert added.n_shards == 3 or added.shards[-1]["status"] == "refreshed"  # filled the last shard, or opened one
+    assert added.shards[0]["status"] == "fresh" and not engine.status("town").stale
+
+
+def test_a_document_larger_than_a_shard_is_cut_into_parts(engine, town):
+    cap = _shard_tokens(engine, town, 2)
+    (town / "z-long.md").write_text("\n\n".join(f"Paragraph {i} tells how the harbour wall was repaired in year {1900 + i}."
+                                                for i in range(40)))
+    r = engine.ingest(str(town), name="town", shard_tokens=cap)
+    names = [s["path"] for sh in r.shards for s in engine.index.snapshot_documents(sh["snapshot"])]
+    parts = [n for n in names if n.startswith("z-long.md#part")]
+    assert len(parts) > 1 and {doc_of(n) for n in names} == set(DOCS) | {"z-long.md"}
+    assert all(s["n_tokens"] <= cap for s in r.shards)
+    assert not engine.status("town").stale  # parts count as their document for freshness
+    a = engine.ask("town", "When was the harbour wall repaired in paragraph 33?", max_tokens=4)
+    assert any(n.startswith("z-long.md") for n in _docs_of(engine, a.snapshot))
+
+
+def _docs_of(engine, digest):
+    return [s["path"] for s in engine.index.snapshot_documents(digest)]
+
+
+def test_packing_keeps_units_in_their_shards():
+    u = lambda n, t: Unit(n, n, "", "h", t)  # noqa: E731
+    units = [u("a", 30), u("b", 30), u("c", 30), u("d", 30)]
+    assert [[x.name for x in s.units] for s in pack(units, 70, 10)] == [["a", "b"], ["c", "d"]]
+    grown = [u("a", 30), u("b", 45), u("c", 30), u("d", 30), u("e", 5)]  # b grew, e is new
+    shards = pack(grown, 100, 10, previous=[["a", "b"], ["c", "d"]])
+    assert [[x.name for x in s.units] for s in shards] == [["a", "b"], ["c", "d", "e"]]
+    too_big = [u("a", 30), u("b", 60), u("c", 30), u("d", 30)]  # shard 0 no longer fits: repacked from there
+    assert [[x.name for x in s.units] for s in pack(too_big, 90, 10, previous=[["a", "b"], ["c", "d"]])] == [["a"], ["b"], ["c", "d"]]
