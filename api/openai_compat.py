@@ -15,7 +15,7 @@ from fastapi import APIRouter, Request
 
 from cag.errors import BadInput
 from cag.generate import DecodeConfig
-from cag.rag.answer import ask as answer
+from cag.rag.answer import ask as answer_question
 
 from .deps import ReadyService
 from .routes import MODEL_ERRORS, finish_reason, sse_json, stream_errors, streamed
@@ -82,7 +82,7 @@ async def chat_completions(body: ChatRequest, request: Request, svc: ReadyServic
     engine = svc.engine
 
     def work(on_text, should_stop):
-        return answer(engine, body.model, question, mode=body.mode, max_tokens=max_tokens,
+        return answer_question(engine, body.model, question, mode=body.mode, max_tokens=max_tokens,
                       on_text=on_text if body.stream else None, should_stop=should_stop,
                       on_stale=body.on_stale, decoding=decoding)
 

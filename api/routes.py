@@ -14,7 +14,7 @@ from fastapi.responses import JSONResponse
 
 from cag.engine import Answer
 from cag.errors import CagError, NotFound
-from cag.rag.answer import ask as answer
+from cag.rag.answer import ask as answer_question
 
 from .deps import ReadyService, ServiceDep
 from .errors import documented, error_body, status_of
@@ -87,7 +87,7 @@ def start_ask(svc: Service, body: AskRequest) -> Generation:
     engine = svc.engine
 
     def work(on_text, should_stop):
-        return answer(engine, body.corpus, body.question, mode=body.mode, max_tokens=body.max_tokens,
+        return answer_question(engine, body.corpus, body.question, mode=body.mode, max_tokens=body.max_tokens,
                       on_text=on_text if body.stream else None, should_stop=should_stop, on_stale=body.on_stale)
 
     return svc.runner.start(work)
