@@ -83,8 +83,8 @@ async def chat_completions(body: ChatRequest, request: Request, svc: ReadyServic
 
     def work(on_text, should_stop):
         return answer_question(engine, body.model, question, mode=body.mode, max_tokens=max_tokens,
-                      on_text=on_text if body.stream else None, should_stop=should_stop,
-                      on_stale=body.on_stale, decoding=decoding)
+                               on_text=on_text if body.stream else None, should_stop=should_stop,
+                               on_stale=body.on_stale, decoding=decoding)
 
     gen = svc.runner.start(work)
     cid, created = "chatcmpl-" + secrets.token_hex(12), int(time.time())

@@ -88,7 +88,8 @@ def start_ask(svc: Service, body: AskRequest) -> Generation:
 
     def work(on_text, should_stop):
         return answer_question(engine, body.corpus, body.question, mode=body.mode, max_tokens=body.max_tokens,
-                      on_text=on_text if body.stream else None, should_stop=should_stop, on_stale=body.on_stale)
+                               on_text=on_text if body.stream else None, should_stop=should_stop,
+                               on_stale=body.on_stale)
 
     return svc.runner.start(work)
 
