@@ -66,8 +66,11 @@ def answer(engine, q, k: int, on_text, should_stop):
         digest = rows[rt.shard]["snapshot"]
         if engine.index.snapshot(digest) is None:
             raise NotFound(f"shard {rt.shard} of {q.corpus!r} has no snapshot: run `cag ingest {q.corpus}`")
-        gen, n, load_ms, logprob = engine.generate_cached(q, digest, on_text if len(routes) == 1 else None,
-                                                          should_stop, score=len(routes) > 1)
+        try:
+            gen, n, load_ms, logprob = engine.generate_cached(q, digest, on_text if len(routes) == 1 else None,
+                                                              should_stop, score=len(routes) > 1)
+        except SnapshotCorrupt as e:  # the other shards still serve; this one is rebuilt by `cag ingest`
+            raise SnapshotCorrupt(f"shard {rt.shard} of {q.corpus!r}: {e}") from None
         tried.append(ShardAnswer(rt.shard, digest, rt.score, n, gen, load_ms, logprob))
     best = max(tried, key=lambda t: t.mean_logprob if t.mean_logprob is not None else float("-inf"))
     if len(routes) > 1 and on_text and best.gen.text:

@@ -114,3 +114,22 @@ def test_packing_keeps_units_in_their_shards():
     assert [[x.name for x in s.units] for s in shards] == [["a", "b"], ["c", "d", "e"]]
     too_big = [u("a", 30), u("b", 60), u("c", 30), u("d", 30)]  # shard 0 no longer fits: repacked from there
     assert [[x.name for x in s.units] for s in pack(too_big, 90, 10, previous=[["a", "b"], ["c", "d"]])] == [["a"], ["b"], ["c", "d"]]
+
+
+def test_a_lost_shard_is_named_rebuilt_and_the_others_still_serve(engine, town):
+    from cag.errors import SnapshotCorrupt
+
+    r = engine.ingest(str(town), name="town", shard_tokens=_shard_tokens(engine, town, 2))
+    before = engine.ask("town", "When does the ferry leave the harbour?", max_tokens=8).token_ids
+    engine.evict()
+    lost = engine.index.snapshot(r.shards[1]["snapshot"])["path"]
+    with open(lost, "r+b") as f:  # damage the tensor bytes at the end of the file
+        f.seek(-64, 2)
+        f.write(b"\0" * 64)
+    assert engine.ask("town", "When does the ferry leave the harbour?", max_tokens=8).token_ids == before  # shard 0
+    with pytest.raises(SnapshotCorrupt, match="shard 1 of 'town'"):
+        engine.ask("town", "Who teaches at the village school?", max_tokens=8)
+    assert any(x.startswith("shard 1: snapshot is corrupt") for x in engine.status("town").reasons)
+    again = engine.ingest("town")
+    assert [s["status"] for s in again.shards] == ["fresh", "built"]
+    assert engine.ask("town", "Who teaches at the village school?", max_tokens=8).completion_tokens == 8
