@@ -219,7 +219,8 @@ def render_markdown(rows: list[Row], meta: dict, sets: list[dict], notes: list[s
             L += [f"**full vs cag: {len(bad)} of {n_pairs} answers differ (they must be identical):**", ""]
             L += [f"- {b['set']} {b['qid']}: cag {b['cag']!r} / full {b['full']!r}" for b in bad]
         else:
-            L += [f"full vs cag: all {n_pairs} answers asked in both modes are identical."]
+            L += ["full vs cag: the one answer asked in both modes is identical." if n_pairs == 1 else
+                  f"full vs cag: all {n_pairs} answers asked in both modes are identical."]
         L += [""]
     L += _sets_table(sets, meta.get("questions"))
     L += _overview(g, sets, k_main)
