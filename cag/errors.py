@@ -2,7 +2,8 @@
 
 Exit codes: 1 user error (bad input, bad setting, unknown name, corrupt snapshot, unusable index
 ...), 2 command-line usage (typer's own), 3 refused because the corpus is stale under the `refuse`
-policy, 4 busy (lock held); the CLI adds 130 for an interrupt.
+policy, 4 busy (lock held, or another machine published the corpus first), 6 snapshot store
+unreachable; the CLI adds 130 for an interrupt.
 """
 
 from __future__ import annotations
@@ -67,3 +68,14 @@ class Busy(CagError):
     exit_code = 4
     http_status = 429
     code = "busy"
+
+
+class StoreConflict(Busy):
+    """Another ingest (on another machine) published the corpus's ref in the shared store first."""
+
+
+class StoreUnreachable(IndexUnusable):
+    """The shared snapshot store (CAG_STORE) cannot be reached or refuses access; what the local
+    cache holds is still served. Its HTTP code is the index's: the store is the shared index."""
+
+    exit_code = 6

@@ -51,6 +51,7 @@ class Plan:
     ttl_s: float | None
     shard_tokens: int | None
     shards: list[Shard] = field(default_factory=list)
+    ref: object = None  # with a shared store: the corpus's ref read at the start (a conditional write expects it)
 
 
 @dataclass
@@ -66,6 +67,7 @@ class Built:
 def plan(engine, name: str, source: Path, ttl_s: float | None, shard_tokens: int | None) -> Plan:
     """Read the corpus and pack it into shards that each fit the context (and `shard_tokens`)."""
     lm, layout = engine.lm, engine.layout()
+    ref = engine.remote.pull(name) if engine.remote else None  # another machine's newer ref is adopted first
     row = engine.index.corpus(name) or {}
     ttl_s = row.get("ttl_s") if ttl_s is None else ttl_s
     shard_tokens = row.get("shard_tokens") if shard_tokens is None else shard_tokens or None
@@ -81,7 +83,7 @@ def plan(engine, name: str, source: Path, ttl_s: float | None, shard_tokens: int
     if any(u.cut_by_tokens for u in units):
         skipped = skipped + [f"{u.name} (a sentence longer than a shard: cut between tokens)" for u in units if u.cut_by_tokens]
     previous = [[s["path"] for s in engine.index.snapshot_documents(r["snapshot"])] for r in engine.index.shards(name)]
-    out = Plan(name, source, docs, skipped, ttl_s, shard_tokens)
+    out = Plan(name, source, docs, skipped, ttl_s, shard_tokens, ref=ref)
     for i, sp in enumerate(pack(units, capacity, len(head) + len(mid), previous)):
         ids, spans = list(head), []
         for u in sp.units:
@@ -97,12 +99,14 @@ def plan(engine, name: str, source: Path, ttl_s: float | None, shard_tokens: int
 def reuse_fresh(engine, shard: Shard) -> Built | None:
     """An existing snapshot with this shard's key, verified exactly as a question would verify it."""
     row = engine.index.snapshot(shard.digest)
-    if not row or row["status"] == "corrupt" or not Path(row["path"]).exists():
-        return None
+    if not row or row["status"] == "corrupt" or (not Path(row["path"]).exists() and not engine.remote):
+        return None  # with a shared store a file missing here is fetched (and verified) by open_snapshot
     try:
         engine.open_snapshot(row)
     except (SnapshotCorrupt, StaleRefused):
         return None  # rebuilt (a corrupt file is marked so)
+    if engine.remote:  # the ref about to name it needs the blob in the store
+        engine.remote.put_blob(Path(row["path"]), shard.digest)
     return Built(row, "fresh", reused=len(shard.prefix.ids))
 
 
@@ -149,6 +153,8 @@ def build(engine, plan: Plan, shard: Shard, reused: int, old_kv, tick) -> Built:
             "shard": shard.index, "n_shards": len(plan.shards), "shard_tokens": plan.shard_tokens}
     nbytes = snapfiles.save(path, kv.export(cache, n), ids, meta, engine.kv_dtype)
     del cache
+    if engine.remote:  # uploaded whole under its final name before any ref can name it
+        engine.remote.put_blob(path, shard.digest)
     row = {"key": shard.key, "digest": shard.digest, "corpus": plan.name, "model": lm.name,
            "model_fingerprint": lm.fingerprint, "tokenizer_fingerprint": lm.tokenizer_fingerprint,
            "n_tokens": n, "n_documents": len(shard.units), "bytes": nbytes, "dtype": engine.settings.kv_dtype,
@@ -161,4 +167,6 @@ def publish(engine, plan: Plan, built: list[Built]) -> None:
     corpus_row = {"name": plan.name, "source": str(plan.source), "model": engine.lm.name, "ttl_s": plan.ttl_s,
                   "shard_tokens": plan.shard_tokens}
     doc_rows = [{"path": d.name, "content_hash": d.content_hash, "size": d.size, "mtime": d.mtime} for d in plan.docs]
+    if engine.remote:  # the store is the truth: its ref first (conditional), then this machine's index
+        engine.remote.publish(corpus_row, doc_rows, [b.row for b in built], plan.ref)
     engine.index.publish_shards(corpus_row, doc_rows, [(b.row, s.spans) for b, s in zip(built, plan.shards)])

@@ -117,6 +117,13 @@ def gc(settings: Settings, index: Index, max_bytes: int | None = None, dry_run: 
     gone = {d["digest"] for d in out.deleted}
     out.kept_bytes = (sum(r["bytes"] for r in rows if r["digest"] not in gone)  # indexed, still there
                       + sum(k["bytes"] for k in out.kept if k["corpus"] is None))  # unindexed files left
+    if settings.store:  # the shared store: blobs no ref names (never one a ref names), past the grace period
+        from cag.store.sync import Shared
+
+        deleted, kept = Shared(settings, index).gc(dry_run)
+        out.deleted += [dict(d, digest=f"store:{d['digest']}") for d in deleted]
+        out.kept += [dict(k, digest=f"store:{k['digest']}") for k in kept]
+        out.freed_bytes += sum(d["bytes"] for d in deleted)
     return out
 
 
@@ -213,4 +220,10 @@ def reindex(settings: Settings, index: Index) -> dict:
                     {"corpus": name, "path": s["path"], "content_hash": s["content_hash"], "size": -1,
                      "mtime": 0.0, "ordinal": i} for i, s in enumerate(meta["spans"])
                 ])
-    return {"snapshots": len(found), "corpora": sorted(newest), "unreadable": bad}
+    out = {"snapshots": len(found), "corpora": sorted(newest), "unreadable": bad}
+    if settings.store:  # the store's refs say what is current: the index is this machine's cache of them
+        from cag.store.sync import Shared
+
+        out["store_corpora"] = Shared(settings, index).adopt_all()
+        out["corpora"] = sorted(set(out["corpora"]) | set(out["store_corpora"]))
+    return out

@@ -1,0 +1,279 @@
+"""A shared snapshot store on any S3-compatible object store: immutable blobs and one ref per corpus.
+
+Layout under `s3://bucket/prefix`:
+  snapshots/<digest>.safetensors   a snapshot file as written locally; named by its key digest, so
+                                   its content never changes and a reader can verify it (checksum)
+  refs/<corpus>.json               {"corpus", "source", "model", "shards": [digest...], "documents",
+                                   "created", "generation", ...}: which snapshots are current
+
+Order of writes: every blob a ref names is uploaded completely before the ref is written. An S3
+PUT is atomic (an interrupted upload leaves no object), and a blob is uploaded under its final
+name, never renamed (S3 has no atomic rename): a blob without a ref is harmless, a ref never names
+a partial blob. Refs are written with conditional PUTs (`If-None-Match: *` for a new corpus,
+`If-Match: <etag read>` for an update), so of two machines racing on one corpus the second is
+refused (StoreConflict) instead of silently overwriting; a store that ignores those headers is
+caught by reading the ref back after the write.
+
+Why s3fs: it is the S3 filesystem of fsspec (kept by the Dask/fsspec maintainers), reads the usual
+AWS settings (AWS_ENDPOINT_URL, keys, region, profiles), and passes PutObject's IfMatch /
+IfNoneMatch through to botocore; obstore (Rust) is faster per request but adds a compiled
+dependency, and a snapshot fetch is one large sequential download either way.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from urllib.parse import urlparse
+
+from cag.errors import BadSettings, StoreConflict, StoreUnreachable
+
+# Test-only: the path of a flag file. A blob upload writes it once half the blob has been read
+# by the upload (inside the PUT), then sleeps, so a crash test can kill -9 the ingest mid-upload.
+PAUSE_DURING_UPLOAD_ENV = "CAG_TEST_PAUSE_DURING_UPLOAD"
+# A single PUT carries up to 5 GiB; larger blobs go as a multipart upload (also atomic: the object
+# appears only when the upload completes).
+SINGLE_PUT_MAX = 4 * 1024**3
+
+
+def parse_url(url: str) -> tuple[str, str]:
+    """`s3://bucket/prefix` -> (bucket, prefix without slashes at either end)."""
+    u = urlparse(url)
+    if u.scheme != "s3" or not u.netloc:
+        raise BadSettings(f"bad setting CAG_STORE={url!r}: use s3://bucket or s3://bucket/prefix")
+    return u.netloc, u.path.strip("/")
+
+
+@dataclass
+class Ref:
+    """A corpus's ref as read from the store, with the ETag a conditional update must match."""
+
+    body: dict
+    etag: str
+
+    @property
+    def generation(self) -> int:
+        return int(self.body.get("generation", 0))
+
+    @property
+    def shards(self) -> list[str]:
+        return list(self.body.get("shards", []))
+
+
+class _PausingReader:
+    """A file reader for the upload body that pauses (test-only) once half of it was read."""
+
+    def __init__(self, f, size: int, flag: str):
+        self.f, self.half, self.flag, self.done = f, size // 2, flag, 0
+
+    def read(self, n: int = -1) -> bytes:
+        out = self.f.read(n)
+        self.done += len(out)
+        if self.done >= self.half and self.flag:
+            Path(self.flag).write_text(str(self.done))
+            self.flag = ""
+            time.sleep(3600)
+        return out
+
+    def seek(self, *a):
+        return self.f.seek(*a)
+
+    def tell(self):
+        return self.f.tell()
+
+
+class RemoteStore:
+    """Blobs and refs under one bucket prefix. Every network failure is a one-line StoreUnreachable."""
+
+    def __init__(self, url: str, connect_timeout: float = 5.0):
+        import s3fs  # imported where used: only configurations with CAG_STORE pay for it
+
+        self.url = url
+        self.bucket, self.prefix = parse_url(url)
+        # few retries and a short connect timeout: an unreachable store is reported in seconds, not
+        # minutes; AWS_ENDPOINT_URL, keys and region come from the environment as botocore reads them
+        endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+        self.fs = s3fs.S3FileSystem(
+            endpoint_url=endpoint, skip_instance_cache=True,
+            config_kwargs={"connect_timeout": connect_timeout, "read_timeout": 60, "retries": {"max_attempts": 2}},
+        )
+        self.fs.retries = 2  # s3fs's own retry loop around botocore's (default 5, with back-off)
+
+    # -- names -----------------------------------------------------------------------------------
+    def _key(self, *parts: str) -> str:
+        return "/".join(p for p in (self.prefix, *parts) if p)
+
+    def blob_key(self, digest: str) -> str:
+        return self._key("snapshots", f"{digest}.safetensors")
+
+    def ref_key(self, corpus: str) -> str:
+        return self._key("refs", f"{corpus}.json")
+
+    # -- calls -----------------------------------------------------------------------------------
+    def _call(self, method: str, **kwargs):
+        """One S3 call; a missing object is FileNotFoundError, a network failure StoreUnreachable."""
+        try:
+            return self.fs.call_s3(method, Bucket=self.bucket, **kwargs)
+        except (FileNotFoundError, FileExistsError, StoreConflict):
+            raise
+        except OSError as e:
+            if "pre-condition" in str(e).lower() or "precondition" in str(e).lower():
+                raise FileExistsError(str(e)) from None  # 412: a conditional write lost
+            raise self._unreachable(e) from None
+        except Exception as e:  # botocore EndpointConnectionError, aiohttp errors, timeouts
+            raise self._unreachable(e) from None
+
+    def _unreachable(self, e: Exception) -> StoreUnreachable:
+        detail = " ".join(str(e).split())[:200] or type(e).__name__
+        return StoreUnreachable(f"snapshot store {self.url} unreachable: {detail}")
+
+    def _get(self, key: str) -> tuple[bytes, str]:
+        from fsspec.asyn import sync
+
+        async def get():
+            r = await self.fs._call_s3("get_object", Bucket=self.bucket, Key=key)
+            async with r["Body"] as body:
+                return await body.read(), r["ETag"]
+
+        try:
+            return sync(self.fs.loop, get)
+        except FileNotFoundError:
+            raise
+        except OSError as e:
+            raise self._unreachable(e) from None
+        except Exception as e:
+            raise self._unreachable(e) from None
+
+    def ensure_bucket(self) -> None:
+        """Create the bucket when missing (a walk-through on a fresh local server needs it)."""
+        try:
+            self._call("head_bucket")
+        except FileNotFoundError:
+            self._call("create_bucket")
+
+    # -- blobs -----------------------------------------------------------------------------------
+    def blob_size(self, digest: str) -> int | None:
+        try:
+            return int(self._call("head_object", Key=self.blob_key(digest))["ContentLength"])
+        except FileNotFoundError:
+            return None
+
+    def put_blob(self, path: Path, digest: str) -> None:
+        """Upload a finished snapshot file under its final name. A blob already there (same digest,
+        same size: the same content) is not sent again; it is copied onto itself so that its
+        LastModified is now, which keeps `gc` (grace period) from deleting it before the ref that
+        names it again is written."""
+        size = path.stat().st_size
+        key = self.blob_key(digest)
+        if self.blob_size(digest) == size:
+            self._call("copy_object", Key=key, CopySource={"Bucket": self.bucket, "Key": key}, MetadataDirective="REPLACE")
+            return
+        if size > SINGLE_PUT_MAX:
+            try:
+                self.fs.put_file(str(path), f"{self.bucket}/{key}")
+            except OSError as e:
+                raise self._unreachable(e) from None
+            return
+        with open(path, "rb") as f:
+            flag = os.environ.get(PAUSE_DURING_UPLOAD_ENV)  # test-only, see PAUSE_DURING_UPLOAD_ENV
+            body = _PausingReader(f, size, flag) if flag else f
+            self._call("put_object", Key=key, Body=body, ContentLength=size)
+
+    def get_blob(self, digest: str, dest: Path) -> None:
+        """Download a blob to `dest` (a temp name; the cache verifies it and renames it)."""
+        try:
+            self.fs.get_file(f"{self.bucket}/{self.blob_key(digest)}", str(dest))
+        except FileNotFoundError:
+            raise
+        except OSError as e:
+            raise self._unreachable(e) from None
+        except Exception as e:
+            raise self._unreachable(e) from None
+
+    def read_header(self, digest: str) -> tuple[dict, int]:
+        """A blob's safetensors metadata (JSON values decoded) from two ranged reads, and its size."""
+        key = self.blob_key(digest)
+        head = self._call("get_object", Key=key, Range="bytes=0-7")
+        size = int(head["ContentRange"].rsplit("/", 1)[1])
+        n = int.from_bytes(self._read_body(head), "little")
+        raw = self._read_body(self._call("get_object", Key=key, Range=f"bytes=8-{8 + n - 1}"))
+        meta = json.loads(raw).get("__metadata__") or {}
+        return {k: json.loads(v) for k, v in meta.items()}, size
+
+    def _read_body(self, response) -> bytes:
+        from fsspec.asyn import sync
+
+        async def read():
+            async with response["Body"] as body:
+                return await body.read()
+
+        return sync(self.fs.loop, read)
+
+    def blobs(self) -> list[dict]:
+        """Every blob: {digest, bytes, modified (epoch s)}."""
+        out = []
+        for obj in self._list(self._key("snapshots") + "/"):
+            name = obj["Key"].rsplit("/", 1)[1]
+            if name.endswith(".safetensors"):
+                out.append({"digest": name.removesuffix(".safetensors"), "bytes": int(obj["Size"]),
+                            "modified": obj["LastModified"].timestamp()})
+        return out
+
+    def delete_blob(self, digest: str) -> None:
+        self._call("delete_object", Key=self.blob_key(digest))
+
+    def _list(self, prefix: str) -> list[dict]:
+        out, token = [], None
+        while True:
+            kw = {"Prefix": prefix, **({"ContinuationToken": token} if token else {})}
+            r = self._call("list_objects_v2", **kw)
+            out += r.get("Contents", [])
+            if not r.get("IsTruncated"):
+                return out
+            token = r["NextContinuationToken"]
+
+    # -- refs ------------------------------------------------------------------------------------
+    def get_ref(self, corpus: str) -> Ref | None:
+        try:
+            data, etag = self._get(self.ref_key(corpus))
+        except FileNotFoundError:
+            return None
+        try:
+            return Ref(json.loads(data), etag)
+        except ValueError:
+            raise StoreUnreachable(f"ref of {corpus!r} in {self.url} is not JSON; re-ingest the corpus") from None
+
+    def refs(self) -> list[Ref]:
+        out = []
+        for obj in self._list(self._key("refs") + "/"):
+            name = obj["Key"].rsplit("/", 1)[1]
+            if name.endswith(".json"):
+                ref = self.get_ref(name.removesuffix(".json"))
+                if ref is not None:
+                    out.append(ref)
+        return out
+
+    def put_ref(self, body: dict, expect: Ref | None) -> Ref:
+        """Write a corpus's ref if it is still the one read as `expect` (None: there was none).
+        Raises StoreConflict when another machine moved it meanwhile."""
+        corpus = body["corpus"]
+        cond = {"IfMatch": expect.etag} if expect else {"IfNoneMatch": "*"}
+        data = json.dumps(body, ensure_ascii=False, sort_keys=True).encode()
+        try:
+            r = self._call("put_object", Key=self.ref_key(corpus), Body=data, ContentType="application/json", **cond)
+        except (FileExistsError, FileNotFoundError):  # 412, or the ref we expected was deleted
+            raise self._conflict(corpus) from None
+        mine = Ref(body, r["ETag"])
+        back = self.get_ref(corpus)  # a store that ignores conditional headers: last writer wins, and we say so
+        if back is None or back.body != json.loads(data):
+            raise self._conflict(corpus, back)
+        return mine
+
+    def _conflict(self, corpus: str, now: Ref | None = None) -> StoreConflict:
+        now = now or self.get_ref(corpus)
+        gen = f" (now generation {now.generation}, from {now.body.get('host', '?')})" if now else ""
+        return StoreConflict(f"corpus {corpus!r} was published by another ingest meanwhile{gen}; your snapshot "
+                             f"is uploaded but not current: run `cag ingest {corpus}` again")

@@ -1,0 +1,173 @@
+"""This machine and the shared store: the local SQLite index is a cache of the store's refs, and
+`CAG_HOME/snapshots/` a bounded cache of its blobs.
+
+What the engine calls (cag/engine.py, cag/ingest.py, cag/maintenance.py):
+  put_blob(path, digest)        after a snapshot file is saved, before anything names it
+  publish(corpus, docs, rows, expect)   the ref, conditionally, before the local index publishes
+  pull(corpus)                  at the start of an ingest: adopt the store's ref if it moved
+  lookup(corpus)                before a question: adopt the store's ref on a miss, and every
+                                CAG_STORE_REF_TTL_S for a known corpus (best effort: when the store
+                                is unreachable, a known corpus keeps being served from the cache)
+  ensure_local(digest, path)    before a snapshot file is read: fetch and verify it when missing
+  adopt_all() / gc(...)         `cag reindex` and `cag gc`
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+import time
+from pathlib import Path
+
+from cag.errors import StoreUnreachable
+
+from . import cache
+from .index import Index
+from .remote import Ref, RemoteStore
+
+
+def _host() -> str:
+    return f"{socket.gethostname()}:{os.getpid()}"
+
+
+class Shared:
+    def __init__(self, settings, index: Index, remote: RemoteStore | None = None):
+        self.settings, self.index = settings, index
+        self.remote = remote or RemoteStore(settings.store)
+        self.folder: Path = settings.snapshots_dir
+        self._checked: dict[str, float] = {}  # corpus -> when its ref was last looked up
+        self._lock = threading.Lock()
+
+    # -- blobs -----------------------------------------------------------------------------------
+    def put_blob(self, path: Path, digest: str) -> None:
+        self.remote.put_blob(path, digest)
+
+    def ensure_local(self, digest: str, path: Path) -> Path:
+        """The blob as a verified local file: fetched into the cache when missing (SnapshotError
+        when the store's copy fails verification), then the cache is trimmed to its budget."""
+        if not path.exists():
+            with self._lock:  # one fill per blob at a time in this process
+                if not path.exists():
+                    cache.fill(self.remote, digest, path)
+                    self.trim(keep={digest})
+        cache.touch(path)
+        return path
+
+    def trim(self, keep: set[str] = frozenset()) -> list[str]:
+        sizes: dict[str, int] | None = None
+
+        def in_store(digest: str, size: int) -> bool:
+            nonlocal sizes
+            if sizes is None:
+                try:
+                    sizes = {b["digest"]: b["bytes"] for b in self.remote.blobs()}
+                except StoreUnreachable:
+                    sizes = {}  # cannot tell: evict nothing
+            return sizes.get(digest) == size
+
+        return cache.evict(self.folder, self.settings.store_cache_bytes, set(keep), in_store)
+
+    # -- refs ------------------------------------------------------------------------------------
+    def publish(self, corpus: dict, documents: list[dict], snapshots: list[dict], expect: Ref | None) -> Ref:
+        """Write the corpus's ref naming `snapshots` (their blobs are already uploaded)."""
+        body = {"corpus": corpus["name"], "source": corpus["source"], "model": corpus["model"],
+                "ttl_s": corpus.get("ttl_s"), "shard_tokens": corpus.get("shard_tokens"),
+                "shards": [s["digest"] for s in snapshots],
+                "documents": [{"path": d["path"], "content_hash": d["content_hash"]} for d in documents],
+                "created": time.time(), "generation": (expect.generation + 1) if expect else 1, "host": _host()}
+        ref = self.remote.put_ref(body, expect)
+        self._checked[corpus["name"]] = time.monotonic()
+        return ref
+
+    def pull(self, corpus: str) -> Ref | None:
+        """The store's ref of `corpus` (None: not in the store), adopted into the index if it differs."""
+        ref = self.remote.get_ref(corpus)
+        if ref is not None and self._differs(corpus, ref):
+            self.adopt(ref)
+        self._checked[corpus] = time.monotonic()
+        return ref
+
+    def lookup(self, corpus: str) -> bool:
+        """Bring the index up to the store for a question on `corpus`. A corpus unknown here is looked
+        up always (StoreUnreachable when the store cannot say); a known one at most every
+        CAG_STORE_REF_TTL_S, and an unreachable store then leaves it as it is. True if it changed."""
+        known = self.index.corpus(corpus) is not None
+        last = self._checked.get(corpus)
+        if known and last is not None and time.monotonic() - last < self.settings.store_ref_ttl_s:
+            return False
+        try:
+            ref = self.remote.get_ref(corpus)
+        except StoreUnreachable:
+            if known:
+                return False  # the cache still serves what it holds
+            raise
+        self._checked[corpus] = time.monotonic()
+        if ref is None or not self._differs(corpus, ref):
+            return False
+        self.adopt(ref)
+        return True
+
+    def _differs(self, corpus: str, ref: Ref) -> bool:
+        return [r["snapshot"] for r in self.index.shards(corpus)] != ref.shards
+
+    def adopt(self, ref: Ref) -> None:
+        """Make the index say what the ref says: its snapshot rows (from the blobs' headers: two
+        ranged reads each, unless the blob is cached here), documents and shards, in one transaction."""
+        shards = []
+        for digest in ref.shards:
+            path = self.folder / f"{digest}.safetensors"
+            if path.exists():
+                from .snapshots import read_header
+
+                meta, size = read_header(path), path.stat().st_size
+            else:
+                meta, size = self.remote.read_header(digest)
+            shards.append((_snapshot_row(digest, meta, size, path), meta.get("spans", [])))
+        b = ref.body
+        corpus = {"name": b["corpus"], "source": b.get("source"), "model": b.get("model"), "ttl_s": b.get("ttl_s"),
+                  "shard_tokens": b.get("shard_tokens")}
+        docs = [{"path": d["path"], "content_hash": d["content_hash"], "size": -1, "mtime": 0.0}  # size -1: hash on check
+                for d in b.get("documents", [])]
+        if len(shards) > 1:  # routing reads every shard's token ids from its local file
+            for row, _ in shards:
+                self.ensure_local(row["digest"], Path(row["path"]))
+        self.index.publish_shards(corpus, docs, shards)
+
+    def adopt_all(self) -> list[str]:
+        """Adopt every ref in the store (`cag reindex`). Returns the corpora."""
+        out = []
+        for ref in self.remote.refs():
+            if self._differs(ref.body["corpus"], ref):
+                self.adopt(ref)
+            out.append(ref.body["corpus"])
+        return sorted(out)
+
+    # -- gc --------------------------------------------------------------------------------------
+    def gc(self, dry_run: bool) -> tuple[list[dict], list[dict]]:
+        """Blobs in the store that no ref names and that are older than CAG_STORE_GC_GRACE_S (an
+        ingest elsewhere uploads its blobs before it writes the ref that names them: the grace
+        period covers that window). Never a blob a ref names. Returns (deleted, kept) entries."""
+        named = {d for ref in self.remote.refs() for d in ref.shards}
+        now, deleted, kept = time.time(), [], []
+        for b in self.remote.blobs():
+            if b["digest"] in named:
+                continue
+            entry = {"digest": b["digest"], "corpus": None, "bytes": b["bytes"]}
+            if now - b["modified"] < self.settings.store_gc_grace_s:
+                kept.append(dict(entry, why=f"in the store, named by no ref, younger than {self.settings.store_gc_grace_s:g} s "
+                                            "(an ingest may be about to name it)"))
+                continue
+            if not dry_run:
+                self.remote.delete_blob(b["digest"])
+            deleted.append(dict(entry, why="in the store, named by no ref"))
+        return deleted, kept
+
+
+def _snapshot_row(digest: str, meta: dict, size: int, path: Path) -> dict:
+    spans = meta.get("spans", [])
+    return {"key": meta["key"], "digest": digest, "corpus": meta.get("corpus"), "model": meta.get("model"),
+            "model_fingerprint": meta.get("model_fingerprint"), "tokenizer_fingerprint": meta.get("tokenizer_fingerprint"),
+            "n_tokens": meta.get("n_tokens"), "n_documents": len(spans), "bytes": size, "dtype": meta.get("dtype"),
+            "path": str(path), "created": meta.get("created"), "last_used": None, "prefill_ms": meta.get("prefill_ms"),
+            "reused_tokens": meta.get("reused_tokens", 0)}
