@@ -15,7 +15,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from cag.errors import CagError, SnapshotCorrupt
+from cag.errors import CagError
 
 log = logging.getLogger("cag.api")
 
@@ -45,10 +45,8 @@ class Timeout(CagError):
 
 
 def status_of(e: CagError | type[CagError]) -> int:
-    """The error's HTTP status. A corrupt snapshot is 503, not 500: nothing unexpected happened,
-    the server cannot serve that corpus until it is rebuilt (a refresh job does that)."""
-    cls = e if isinstance(e, type) else type(e)
-    return 503 if issubclass(cls, SnapshotCorrupt) else cls.http_status
+    """The error's HTTP status (each named error carries its own)."""
+    return (e if isinstance(e, type) else type(e)).http_status
 
 
 # Every status the API answers with an error body: its codes, and when.

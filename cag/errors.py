@@ -2,8 +2,8 @@
 
 Exit codes: 1 user error (bad input, bad setting, unknown name, corrupt snapshot, unusable index
 ...), 2 command-line usage (typer's own), 3 refused because the corpus is stale under the `refuse`
-policy, 4 busy (lock held, or another machine published the corpus first), 6 snapshot store
-unreachable; the CLI adds 130 for an interrupt.
+policy, 4 busy (lock held, or another machine published the corpus first), 5 `cag compare` incomplete (stopped at
+--max-minutes; --resume continues), 6 snapshot store unreachable; the CLI adds 130 for an interrupt.
 """
 
 from __future__ import annotations
@@ -52,9 +52,10 @@ class ModelError(CagError):
 
 
 class SnapshotCorrupt(CagError):
-    """A snapshot file that fails verification: truncated, tampered with, or built for another key."""
+    """A snapshot file that fails verification: truncated, tampered with, or built for another key.
+    503: the server cannot serve that corpus until it is rebuilt (a refresh job does that)."""
 
-    http_status = 500
+    http_status = 503
     code = "snapshot_corrupt"
 
 
