@@ -113,7 +113,7 @@ class Engine:
         lm = self.lm
         return hash_obj({
             "format": snapfiles.FORMAT_VERSION, "model": lm.fingerprint, "tokenizer": lm.tokenizer_fingerprint,
-            "layout": self.layout().as_dict(), "ids": hash_obj(ids), "dtype": self.settings.kv_dtype,
+            "layout": self.layout().as_dict(), "ids": hash_obj(ids), "dtype": snapfiles.codec(self.settings.kv_dtype),
             "compute_dtype": str(lm.dtype),
         })
 
@@ -151,7 +151,7 @@ class Engine:
             steps.publish(self, plan, built)
         return IngestResult.of(plan, built, est)
 
-    def open_snapshot(self, row: dict) -> snapfiles.Snapshot:
+    def open_snapshot(self, row: dict, dequant=None) -> snapfiles.Snapshot:
         """Load a snapshot file and verify it against its index row and the loaded model: header key,
         checksum, model fingerprint, a key recomputed from its token ids, tensor shapes. Any failure
         marks it corrupt (stale for every corpus on it, rebuilt by the next ingest); a snapshot the index
@@ -162,7 +162,7 @@ class Engine:
         try:
             if self.remote is not None:  # a blob missing here is fetched into the cache, verified on the way
                 self.remote.ensure_local(digest, Path(row["path"]))
-            snap = snapfiles.load(Path(row["path"]), expect_key=row["key"])
+            snap = snapfiles.load(Path(row["path"]), expect_key=row["key"], **({"dequant": dequant} if dequant else {}))
             if snap.meta.get("model_fingerprint") != lm.fingerprint or self.snapshot_key(snap.ids) != snap.meta["key"]:
                 raise snapfiles.SnapshotError(f"snapshot {digest[:12]}: header does not match its key (another model, "
                                               "layout or dtype, or an edited header)")

@@ -12,6 +12,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch
+
 from cag.store import snapshots as snapfiles
 
 from . import documents, kv
@@ -118,8 +120,8 @@ def reusable(engine, corpus: str, shard: Shard) -> tuple[int, list | None]:
     snap = engine.index.snapshot(digest) if digest else None
     if not snap or snap["model_fingerprint"] != engine.lm.fingerprint or snap["dtype"] != engine.settings.kv_dtype:
         return 0, None
-    try:
-        old = engine.open_snapshot(snap)
+    try:  # int8 dequantized in fp32: the kept positions quantize again to the very same bytes
+        old = engine.open_snapshot(snap, dequant=torch.float32)
     except (SnapshotCorrupt, StaleRefused):
         return 0, None
     common = 0

@@ -25,13 +25,20 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from . import kv_int8
+
 # "2": the checksum covers dtype and shape. A version-1 file is refused as an unknown format,
 # and since the version is part of every snapshot key, `cag ingest` rebuilds it.
 FORMAT_VERSION = "2"
 # Test-only: the path of a flag file. `save` creates it once the temp file is written and fsynced,
 # just before the rename, then sleeps, so a crash test can kill -9 the writer at that moment.
 PAUSE_BEFORE_RENAME_ENV = "CAG_TEST_PAUSE_BEFORE_RENAME"
-DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32, "int8": torch.int8}
+
+
+def codec(kv_dtype: str) -> str:
+    """How a storage dtype encodes the tensors, for the snapshot key: int8 names its scheme."""
+    return kv_int8.CODEC if kv_dtype == "int8" else kv_dtype
 
 
 class SnapshotError(Exception):
@@ -41,7 +48,7 @@ class SnapshotError(Exception):
 @dataclass
 class Snapshot:
     meta: dict  # decoded header (JSON values parsed)
-    kv: list[tuple[torch.Tensor, torch.Tensor]]  # per layer (1, H_kv, T, D), storage dtype
+    kv: list[tuple[torch.Tensor, torch.Tensor]]  # per layer (1, H_kv, T, D), storage dtype (int8: dequantized fp16)
     ids: list[int]
 
     @property
@@ -84,10 +91,19 @@ def save(path: Path, kv, ids: list[int], meta: dict, dtype: torch.dtype) -> int:
     A crash before the rename leaves only a dot-named temp file that nothing serves (gc removes it).
     """
     tensors: dict[str, torch.Tensor] = {"prefix_ids": torch.tensor(ids, dtype=torch.int32)}
-    for i, (k, v) in enumerate(kv):
-        tensors[f"layers.{i}.keys"] = k.to(dtype).contiguous()  # safetensors needs contiguous
-        tensors[f"layers.{i}.values"] = v.to(dtype).contiguous()
-    header = dict(meta, format=FORMAT_VERSION, n_layers=len(kv), n_tokens=len(ids),
+    extra = {}
+    if dtype == torch.int8:  # quantized blocks + fp16 scales (store/kv_int8.py)
+        block = kv_int8.block_for(kv[0][0].shape[3]) if kv else kv_int8.BLOCK
+        extra = {"codec": kv_int8.CODEC, "int8_block": block}
+        for i, (k, v) in enumerate(kv):
+            for name, t in (("keys", k), ("values", v)):
+                q, scale = kv_int8.quantize(t, block)
+                tensors[f"layers.{i}.{name}"], tensors[f"layers.{i}.{name}.scale"] = q.contiguous(), scale.contiguous()
+    else:
+        for i, (k, v) in enumerate(kv):
+            tensors[f"layers.{i}.keys"] = k.to(dtype).contiguous()  # safetensors needs contiguous
+            tensors[f"layers.{i}.values"] = v.to(dtype).contiguous()
+    header = dict(meta, **extra, format=FORMAT_VERSION, n_layers=len(kv), n_tokens=len(ids),
                   dtype=str(dtype).removeprefix("torch."), checksum=_checksum(tensors))
     if kv:  # the shape every layer tensor must have on load, from the tensors themselves
         header.update(n_kv_heads=kv[0][0].shape[1], head_dim=kv[0][0].shape[3])
@@ -128,9 +144,12 @@ def read_ids(path: Path) -> list[int]:
         raise SnapshotError(f"snapshot unreadable (truncated or corrupt): {path.name}: {e}") from None
 
 
-def load(path: Path, expect_key: str | None = None, verify: bool = True) -> Snapshot:
+def load(path: Path, expect_key: str | None = None, verify: bool = True, dequant: torch.dtype = torch.float16) -> Snapshot:
     """Load and check a snapshot: format, key, dtypes and shapes against the header, and (by
-    default) the checksum over every tensor's name, dtype, shape and bytes."""
+    default) the checksum over every tensor's name, dtype, shape and bytes. An int8 snapshot is
+    dequantized to `dequant`: fp16 to serve (half the resident bytes of fp32), fp32 where the
+    values are quantized again (a refresh), since q x scale is exact in fp32 and re-quantizes to
+    the same bytes."""
     try:
         with safe_open(str(path), framework="pt") as f:
             meta = _decode(f.metadata() or {})
@@ -149,6 +168,9 @@ def load(path: Path, expect_key: str | None = None, verify: bool = True) -> Snap
         n_layers, n_tokens = int(meta["n_layers"]), int(meta["n_tokens"])
         dtype = DTYPES[meta["dtype"]]
         shape = (1, int(meta["n_kv_heads"]), n_tokens, int(meta["head_dim"])) if n_layers else None
+        block = int(meta["int8_block"]) if dtype == torch.int8 else None
+        if block is not None and (block < 1 or (shape and shape[3] % block)):
+            raise ValueError(f"int8_block {block} does not divide head_dim")
     except (KeyError, TypeError, ValueError) as e:
         raise SnapshotError(f"snapshot {path.name}: header field missing or invalid: {e}") from None
     try:
@@ -166,8 +188,18 @@ def load(path: Path, expect_key: str | None = None, verify: bool = True) -> Snap
             if tuple(t.shape) != shape:
                 raise SnapshotError(f"snapshot {path.name}: layer {i} has shape {tuple(t.shape)}, "
                                     f"the header says {shape}")
+    if block is not None:
+        scales = []
+        for i in range(n_layers):
+            pair = tuple(tensors.get(f"layers.{i}.{name}.scale") for name in ("keys", "values"))
+            for t in pair:
+                if t is None or t.dtype != torch.float16 or tuple(t.shape) != (*shape[:3], shape[3] // block):
+                    raise SnapshotError(f"snapshot {path.name}: layer {i} int8 scales missing or misshapen")
+            scales.append(pair)
     if verify and _checksum(tensors) != meta.get("checksum"):
         raise SnapshotError(f"snapshot {path.name}: checksum mismatch (file was modified or damaged)")
+    if block is not None:  # dequantized once here; the request buffer copy casts to the model's dtype
+        kv = [(kv_int8.dequantize(k, ks, dequant), kv_int8.dequantize(v, vs, dequant)) for (k, v), (ks, vs) in zip(kv, scales)]
     return Snapshot(meta=meta, kv=kv, ids=ids.tolist())
 
 

@@ -253,3 +253,11 @@ def test_reindex_rebuilds_the_index_from_the_store(s3, small_corpus, tmp_path):
     assert out.exit_code == 0 and json.loads(out.stdout)["store_corpora"] == ["corpus"]
     listed = json.loads(cli(tmp_path / "b", "list", "--json").stdout)["corpora"]
     assert [(c["name"], c["snapshot"], c["stale"]) for c in listed] == [("corpus", r.snapshot, False)]
+
+
+def test_int8_snapshots_travel_through_the_store(s3, small_corpus, tmp_path, monkeypatch):
+    monkeypatch.setenv("CAG_KV_DTYPE", "int8")
+    a, b = machine(tmp_path, "a"), machine(tmp_path, "b")
+    r = a.ingest(str(small_corpus), name="corpus")
+    assert RemoteStore(URL).read_header(r.snapshot)[0]["dtype"] == "int8"
+    assert b.ask("corpus", Q, max_tokens=8).token_ids == a.ask("corpus", Q, max_tokens=8).token_ids
