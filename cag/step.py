@@ -107,6 +107,7 @@ class LeanStep:
         self.dtype = inner.embed_tokens.weight.dtype
         self.device = inner.embed_tokens.weight.device
         self.n_kv = config.num_key_value_heads
+        self.rms = _rms_fp32 if self.dtype == torch.float32 else _rms
         self.embed = inner.embed_tokens.weight  # (V, hidden)
         self.rope = inner.rotary_emb
         self.final = (inner.norm.weight, inner.norm.variance_epsilon)
@@ -157,17 +158,18 @@ class _Bound:
         self.step, self.kvs = step, kvs
         self.pos = torch.zeros(1, 1, dtype=torch.long, device=step.device)  # (1, 1) position_ids
 
+    @torch.inference_mode()
     def __call__(self, tok: int, pos: int) -> torch.Tensor:
         """Run token `tok` at position `pos`: write its K/V at `pos`, return its logits (V,)."""
         s = self.step
-        dt, n_kv, rep, d, half = s.dtype, s.n_kv, s.rep, s.head_dim, s.head_dim // 2
+        rms, n_kv, rep, d, half = s.rms, s.n_kv, s.rep, s.head_dim, s.head_dim // 2
         n = pos + 1
         self.pos.fill_(pos)
         h = s.embed.narrow(0, tok, 1)  # (1, hidden), a view: never written in place
         cos, sin = s.rope(h, self.pos)  # (1, 1, D) each: the model's own rope, as transformers calls it
         cos, sin = cos.view(d), sin.view(d) * s.sign  # sin with its first half negated, (D,)
         for (w1, e1, q_f, k_f, v_f, o_f, scale, w2, e2, g_f, u_f, d_f, act), (keys, values, length) in zip(s.layers, self.kvs):
-            x = _rms(h, w1, e1, dt)
+            x = rms(h, w1, e1)
             q = q_f(x).view(1, n_kv, rep, d)  # head kv*rep + r -> (kv, r), as repeat_kv pairs them
             k = k_f(x).view(1, n_kv, d)
             torch.add(k * cos, k.roll(half, -1) * sin, out=keys.select(2, pos))  # roped K, in place
@@ -176,17 +178,22 @@ class _Bound:
             q = q * cos + q.roll(half, -1) * sin
             a = F.scaled_dot_product_attention(q, keys.narrow(2, 0, n), values.narrow(2, 0, n), scale=scale)
             h = h + o_f(a.reshape(1, n_kv * rep * d))  # (1, H_kv, rep, D) -> (1, H*D), head-major
-            x = _rms(h, w2, e2, dt)
+            x = rms(h, w2, e2)
             h = h + d_f(act(g_f(x)) * u_f(x))
         w, e = s.final
-        return s.head(_rms(h, w, e, dt))[0]  # (V,)
+        return s.head(rms(h, w, e))[0]  # (V,)
 
 
-def _rms(x: torch.Tensor, w: torch.Tensor, eps: float, dtype: torch.dtype) -> torch.Tensor:
+def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     """LlamaRMSNorm's formula, op for op (float32 inside, weight applied in the compute dtype)."""
     h = x.float()
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    return w * h.to(dtype)
+    return w * h.to(x.dtype)
+
+
+def _rms_fp32(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """_rms for float32 compute, without its two no-op casts (two calls x 61 norms a token)."""
+    return w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
 
 
 def for_model(model) -> LeanStep | None:
