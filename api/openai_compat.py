@@ -18,7 +18,7 @@ from cag.generate import DecodeConfig
 from cag.rag.answer import ask as answer_question
 
 from .deps import ReadyService
-from .routes import MODEL_ERRORS, finish_reason, sse_json, stream_errors, streamed
+from .routes import MODEL_ERRORS, finish_reason, sse_json, stream_errors, streamed, timings
 from .schemas import ChatCompletion, ChatMessage, ChatRequest
 from .service import Service
 from .streaming import EventStream, TextTrim, event
@@ -42,9 +42,7 @@ def question_of(messages: list[ChatMessage]) -> str:
 
 def _extension(a) -> dict:
     return {"corpus": a.corpus, "mode": a.mode, "snapshot": a.snapshot, "stale": a.stale,
-            "stale_reasons": a.stale_reasons,
-            "timings": {"load_ms": a.load_ms, "ttft_ms": a.ttft_ms, "total_ms": a.total_ms,
-                        "retrieval_ms": a.retrieval_ms}}
+            "stale_reasons": a.stale_reasons, "timings": timings(a), **({"shards": a.shards} if a.shards else {})}
 
 
 def _usage(a) -> dict:
@@ -84,7 +82,7 @@ async def chat_completions(body: ChatRequest, request: Request, svc: ReadyServic
     def work(on_text, should_stop):
         return answer_question(engine, body.model, question, mode=body.mode, max_tokens=max_tokens,
                                on_text=on_text if body.stream else None, should_stop=should_stop,
-                               on_stale=body.on_stale, decoding=decoding)
+                               on_stale=body.on_stale, decoding=decoding, shards=body.shards)
 
     gen = svc.runner.start(work)
     cid, created = "chatcmpl-" + secrets.token_hex(12), int(time.time())

@@ -65,21 +65,28 @@ def finish_reason(svc: Service, answer: Answer, requested: int | None) -> str:
     return "length" if answer.completion_tokens >= svc.effective_max_tokens(requested) else "stop"
 
 
+def timings(a: Answer) -> dict:
+    return {"load_ms": a.load_ms, "ttft_ms": a.ttft_ms, "total_ms": a.total_ms, "retrieval_ms": a.retrieval_ms,
+            "routing_ms": a.routing_ms, "decode_tok_s": a.decode_tok_s}
+
+
 def ask_response(svc: Service, a: Answer, body: AskRequest) -> dict:
     extra = {}
     if body.include_token_ids:
         extra["token_ids"] = list(a.token_ids)
     if a.passages:
         extra["passages"] = a.passages
+    if a.shards:
+        extra["shards"] = a.shards
     out = AskResponse(
         answer=a.answer, corpus=a.corpus, mode=a.mode, snapshot=a.snapshot, stale=a.stale,
         stale_reasons=a.stale_reasons, finish_reason=finish_reason(svc, a, body.max_tokens),
         usage={"prompt_tokens": a.prompt_tokens, "cached_tokens": a.cached_tokens,
                "completion_tokens": a.completion_tokens},
-        timings={"load_ms": a.load_ms, "ttft_ms": a.ttft_ms, "total_ms": a.total_ms, "retrieval_ms": a.retrieval_ms},
+        timings=timings(a),
         **extra,
     )
-    return out.model_dump(exclude_unset=True)  # token_ids and passages only when there are any
+    return out.model_dump(exclude_unset=True)  # token_ids, passages and shards only when there are any
 
 
 def start_ask(svc: Service, body: AskRequest) -> Generation:
@@ -89,7 +96,7 @@ def start_ask(svc: Service, body: AskRequest) -> Generation:
     def work(on_text, should_stop):
         return answer_question(engine, body.corpus, body.question, mode=body.mode, max_tokens=body.max_tokens,
                                on_text=on_text if body.stream else None, should_stop=should_stop,
-                               on_stale=body.on_stale)
+                               on_stale=body.on_stale, shards=body.shards)
 
     return svc.runner.start(work)
 

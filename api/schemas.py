@@ -10,10 +10,11 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
-Mode = Literal["cag", "full", "rag"]
-StalePolicy = Literal["serve", "refuse", "refresh"]
+from cag import results
 
-
+# the engine's enums, as JSON-schema enums of their values (strict validation takes plain strings)
+Mode = Literal.__getitem__(tuple(m.value for m in results.Mode))
+StalePolicy = Literal.__getitem__(tuple(p.value for p in results.StalePolicy))
 
 
 def _integral(v):
@@ -40,6 +41,8 @@ class AskRequest(_Request):
     stream: bool = Field(False, description="Server-sent events: `token` events, then one `answer` event.")
     on_stale: StalePolicy = Field("serve", description="serve (flag it), refuse (409) or refresh first.")
     include_token_ids: bool = Field(False, description="Add the generated token ids to the answer.")
+    shards: Count = Field(1, description="Sharded corpora: answer from the S best shards (BM25 routing) and keep the most "
+                                         "confident answer; more than the corpus has means all.")
 
 
 class Usage(BaseModel):
@@ -53,6 +56,17 @@ class Timings(BaseModel):
     ttft_ms: float
     total_ms: float
     retrieval_ms: float = 0.0
+    routing_ms: float = Field(0.0, description="Sharded corpora: choosing the shard(s).")
+    decode_tok_s: float | None = Field(None, description="Tokens after the first, per second (null below two tokens).")
+
+
+class ShardInfo(BaseModel):
+    shard: int
+    snapshot: str | None = None
+    score: float = Field(description="BM25 routing score of the shard (its best passage).")
+    n_tokens: int
+    mean_logprob: float | None = Field(None, description="Mean log-probability of the shard's answer (when several answered).")
+    chosen: bool = True
 
 
 class AskResponse(BaseModel):
@@ -67,6 +81,7 @@ class AskResponse(BaseModel):
     timings: Timings
     token_ids: list[int] | None = None
     passages: list[dict[str, Any]] | None = None
+    shards: list[ShardInfo] | None = Field(None, description="Sharded corpora: the shard(s) that answered.")
 
 
 # -- corpora, models, jobs ---------------------------------------------------------------------
@@ -152,6 +167,7 @@ class ChatRequest(_Request):
     n: One | None = Field(None, description="Only 1 is supported.")
     mode: Mode = Field("cag", description="Extension: cag | full | rag.")
     on_stale: StalePolicy = Field("serve", description="Extension: serve | refuse | refresh.")
+    shards: Count = Field(1, description="Extension: sharded corpora answer from the S best shards.")
 
 
 class AssistantMessage(BaseModel):
