@@ -15,6 +15,7 @@ from cag.errors import CagError
 from cag.units import human_bytes
 
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON object (for scripts).")]
+StoreOpt = Annotated[str | None, typer.Option("--store", help="Shared snapshot store, s3://bucket/prefix (default: CAG_HOME only). Env: CAG_STORE.")]
 ModelOpt = Annotated[str | None, typer.Option("--model", help="Model: the embedded default, a Hugging Face folder or hub id. Env: CAG_MODEL.")]
 
 

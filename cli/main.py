@@ -11,7 +11,7 @@ from typing import Annotated
 
 import typer
 
-from cag.cli.common import JsonOpt, ModelOpt, _age, _emit, _engine, _human_bytes, _TqdmReporter, handle_errors
+from cag.cli.common import JsonOpt, ModelOpt, StoreOpt, _age, _emit, _engine, _human_bytes, _TqdmReporter, handle_errors
 
 app = typer.Typer(
     help="Cache-augmented generation: prefill a knowledge corpus once, answer questions from its KV snapshot.",
@@ -29,10 +29,11 @@ def ingest(
     force: Annotated[bool, typer.Option("--force", help="Rebuild from scratch even when a snapshot could be reused.")] = False,
     ttl: Annotated[float | None, typer.Option(help="Seconds after which the snapshot counts as stale.")] = None,
     shard_tokens: Annotated[int | None, typer.Option("--shard-tokens", help="Cap a shard's prompt at N tokens (default: what fits the context; 0 resets to that). Kept for refreshes.")] = None,
+    store: StoreOpt = None,
     json_: JsonOpt = False,
 ):
     """Prefill a corpus once and save its KV cache as a snapshot (incremental when documents changed)."""
-    engine = _engine(model)
+    engine = _engine(model, store=store)
     r = engine.ingest(path, name=name, force=force, ttl_s=ttl, reporter=_TqdmReporter(quiet=json_), shard_tokens=shard_tokens)
     if json_:
         _emit(r.to_dict())
@@ -65,10 +66,11 @@ def ask(
     stream: Annotated[bool, typer.Option("--stream", help="Print tokens as they are generated.")] = False,
     shards: Annotated[int, typer.Option("--shards", help="Sharded corpora: answer from the S best shards (BM25 routing), keep the most confident answer.")] = 1,
     model: ModelOpt = None,
+    store: StoreOpt = None,
     json_: JsonOpt = False,
 ):
     """Answer a question from a corpus."""
-    engine = _engine(model)
+    engine = _engine(model, store=store)
     on_text = None
     if stream and not json_:
         def on_text(piece: str) -> None:

@@ -9,13 +9,13 @@ import typer
 from cag.config import get_settings
 from cag.errors import BadInput
 
-from .common import JsonOpt, _emit, _human_bytes, handle_errors
+from .common import JsonOpt, StoreOpt, _emit, _human_bytes, handle_errors
 
 
-def _index_and_settings():
+def _index_and_settings(store: str | None = None):
     from cag.store.index import Index  # sqlite-utils (and torch, via cag.maintenance) load per command, not at start-up
 
-    s = get_settings()
+    s = get_settings(store=store)
     return s, Index(s.index_path)
 
 
@@ -43,6 +43,7 @@ def gc(
     max_bytes: Annotated[int | None, typer.Option("--max-bytes", help="Keep snapshots within this many bytes, deleting least recently used first.")] = None,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Only print what would be deleted.")] = False,
     include_current: Annotated[bool, typer.Option("--include-current", help="Allow deleting a corpus's current snapshot to meet --max-bytes.")] = False,
+    store: StoreOpt = None,
     json_: JsonOpt = False,
 ):
     """Delete snapshots no corpus uses, corrupt ones and leftover temp files, then LRU ones over --max-bytes."""
@@ -50,7 +51,7 @@ def gc(
         raise BadInput(f"--max-bytes must be 0 or more, got {max_bytes}")
     from cag import maintenance
 
-    settings, index = _index_and_settings()
+    settings, index = _index_and_settings(store)
     r = maintenance.gc(settings, index, max_bytes=max_bytes, dry_run=dry_run, include_current=include_current)
     if json_:
         _emit(r.to_dict())
@@ -69,11 +70,11 @@ def _label(d: dict) -> str:
 
 
 @handle_errors
-def reindex(json_: JsonOpt = False):
-    """Rebuild the snapshot index from the snapshot files' own headers (after losing index.db)."""
+def reindex(store: StoreOpt = None, json_: JsonOpt = False):
+    """Rebuild the snapshot index from the snapshot files' own headers and, with a shared store, its refs."""
     from cag import maintenance
 
-    settings, index = _index_and_settings()
+    settings, index = _index_and_settings(store)
     r = maintenance.reindex(settings, index)
     if json_:
         _emit(r)

@@ -20,6 +20,7 @@ def serve(
     max_queue: Annotated[int | None, typer.Option(help="Requests that may wait for a worker; more get 429. Env: CAG_MAX_QUEUE.")] = None,
     timeout: Annotated[float | None, typer.Option(help="Per-request timeout in seconds. Env: CAG_REQUEST_TIMEOUT_S.")] = None,
     log_level: Annotated[str, typer.Option(help="uvicorn log level: critical, error, warning, info, debug.")] = "info",
+    store: Annotated[str | None, typer.Option("--store", help="Shared snapshot store, s3://bucket/prefix (default: CAG_HOME only). Env: CAG_STORE.")] = None,
 ):
     """Serve the knowledge API: POST /v1/ask, the OpenAI-compatible /v1/chat/completions and /v1/models,
     corpora and refresh jobs, /health, /metrics, docs at /docs. API keys come from CAG_API_KEYS
@@ -31,7 +32,7 @@ def serve(
 
     try:  # a bad setting (CAG_API_KEYS=" , ", CAG_WORKERS=0 ...) is one line and exit 1, never an open server
         api_settings = load_api_settings(workers=workers, max_queue=max_queue, request_timeout_s=timeout)
-        app = create_app(api_settings, get_settings(model=model))
+        app = create_app(api_settings, get_settings(model=model, store=store))
     except CagError as e:
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(e.exit_code) from None
