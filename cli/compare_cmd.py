@@ -33,10 +33,11 @@ def compare(
                                                 "$CAG_DATASETS), or a path: SQuAD JSON, HotpotQA JSON, or a jsonl of "
                                                 "{question, answers, context | doc_ids}.")],
     format_: Annotated[str | None, typer.Option("--format", help="squad, hotpot or jsonl (guessed from DATASET when omitted).")] = None,
-    size_tokens: Annotated[str, typer.Option("--size-tokens", help="Knowledge sizes in tokens, comma-separated; sizes that do not fit the context are reported as skipped.")] = "2000,4000,7000",
+    size_tokens: Annotated[str, typer.Option("--size-tokens", help="Knowledge sizes in tokens, comma-separated; a size beyond the context is sharded CAG (routed to its best shard) and `full` is not asked there.")] = "2000,4000,7000",
     questions: Annotated[int, typer.Option("--questions", help="Questions per size (cag and rag at --k-main); a size whose set holds fewer pools sets of further seeds.")] = 50,
     max_sets: Annotated[int, typer.Option("--max-sets", help="Most knowledge sets pooled per size to reach --questions (each one is ingested).")] = 10,
     full_sample: Annotated[int, typer.Option("--full-sample", help="Ask `full` (no cache) on the first N questions per size.")] = 10,
+    shard_tokens: Annotated[str | None, typer.Option("--shard-tokens", help="Shard-size sweep, comma-separated token caps: each N > 0 adds the mode cag@N (every set ingested into shards of at most N tokens, routed like sharded cag, also where one snapshot fits); 0 = what fits, which is cag itself.")] = None,
     modes: Annotated[str, typer.Option("--modes", help="Comma-separated: cag, full, rag-bm25, rag-dense (dense needs the `dense` extra).")] = "cag,full,rag-bm25",
     k: Annotated[str, typer.Option("--k", help="RAG passages for the k sweep, comma-separated.")] = "1,3,5",
     k_main: Annotated[int, typer.Option("--k-main", help="RAG passages on every question.")] = 3,
@@ -51,7 +52,7 @@ def compare(
     model: ModelOpt = None,
     json_: JsonOpt = False,
 ):
-    """Compare CAG, no-cache (full) and RAG on a QA dataset: quality and latency per knowledge size.
+    """Compare CAG, no-cache (full) and RAG on a QA dataset: quality and latency per knowledge size (sharded CAG beyond the context).
 
     Writes OUT/results.jsonl (one row per question, mode, size and k, appended as it goes: Ctrl-C keeps what is done, --resume continues), OUT/report.md and OUT/report.png. Exits 5 when --max-minutes stops the run before it is complete, 130 on Ctrl-C.
     """
@@ -65,6 +66,7 @@ def compare(
         max_sets=max_sets, full_sample=full_sample, modes=[m.strip() for m in modes.split(",") if m.strip()], ks=_ints(k, "--k"),
         k_main=k_main, k_sample=k_sample, max_tokens=max_tokens, seed=seed,
         out=out or Path(f"compare-{label}"), resume=resume, max_minutes=max_minutes, corpora=corpora, docs=docs,
+        shard_tokens=_ints(shard_tokens, "--shard-tokens") if shard_tokens is not None else [],
     )
     cfg.validate()
     engine = _engine(model)

@@ -4,11 +4,19 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .results import Row, label, prefix_range, sizes_run
+from .results import Row, label, prefix_range, shard_cap, sizes_run
 from .stats import Estimate, group, mode_sort_key, stats
 
 STYLES = {"cag": ("tab:blue", "o", "-"), "full": ("tab:red", "s", "--"), "rag-bm25": ("tab:green", "^", "-"),
           "rag-dense": ("tab:purple", "D", "-")}
+# the shard-size sweep's cag@N, smallest cap first: cag's marker, dotted, a colour each
+SWEEP_COLORS = ("tab:cyan", "tab:orange", "tab:brown", "tab:pink", "tab:olive", "tab:gray")
+
+
+def _style(mode: str, sweep: list[str]) -> tuple[str, str, str]:
+    if mode in sweep:
+        return SWEEP_COLORS[sweep.index(mode) % len(SWEEP_COLORS)], "o", ":"
+    return STYLES.get(mode, ("gray", "x", ":"))
 
 
 def _seconds(e: Estimate | None) -> Estimate | None:
@@ -43,6 +51,7 @@ def figure(rows: list[Row], meta: dict, sets: list[dict]):
               (axes[1][0], "time to first token, median (s)", lambda st: _seconds(st["ttft"]), True),
               (axes[1][1], "total time per question, median (s)", lambda st: _seconds(st["total"]), True)]
     n_modes = max(len(mode_keys), 1)
+    sweep = [m for m, _ in mode_keys if m != "cag" and shard_cap(m) is not None]
     for ax, title, get, log in panels:
         for i, (m, k) in enumerate(mode_keys):
             if m == "full" and not log:
@@ -62,7 +71,7 @@ def figure(rows: list[Row], meta: dict, sets: list[dict]):
                 continue
             # modes side by side around each size, so their error bars do not hide one another
             shift = [x * (1 + 0.012 * (i - (n_modes - 1) / 2)) for x in xs]
-            color, marker, ls = STYLES.get(m, ("gray", "x", ":"))
+            color, marker, ls = _style(m, sweep)
             ax.errorbar(shift, ys, yerr=[lo, hi], marker=marker, linestyle=ls, color=color, label=label(m, k),
                         linewidth=2, capsize=3)
             if not log:

@@ -27,6 +27,10 @@ SETS = "sets.json"
 
 _REQUIRED = ("set", "size", "qid", "mode")
 _RAG_ONLY = ("retrieved", "retrieval_hit", "retrieval_recall")
+_SHARDED_ONLY = ("shards", "routing_ms", "routed", "routing_recall", "routing_recall2")
+# `cag@N`: the set ingested into shards of at most N tokens (the shard-size sweep); plain `cag` is
+# what fits, i.e. one snapshot when the set fits the context, shards that fit it when it does not.
+VARIANT = "@"
 
 
 @dataclass
@@ -36,7 +40,7 @@ class Row:
     set: str
     size: int  # the nominal knowledge size the set was pooled for
     qid: str
-    mode: str  # cag | full | rag-bm25 | rag-dense
+    mode: str  # cag | cag@N (shard-size sweep) | full | rag-bm25 | rag-dense
     prefix_tokens: int = 0  # the set's real knowledge prefix
     q_index: int = 0  # the question's place among its size's questions (asking order)
     question: str = ""
@@ -59,6 +63,15 @@ class Row:
     retrieved: list[dict] | None = None  # rag: [{doc, index, score}]
     retrieval_hit: bool | None = None  # rag: every gold document retrieved
     retrieval_recall: float | None = None
+    # cag on a sharded corpus (None otherwise): shard count, the answer's shard(s) with routing scores,
+    # routing time, the 2 best shards by routing, and the share of the question's gold documents in
+    # the shard that answered (recall@1 shard) and in the 2 best shards (recall@2 shards)
+    n_shards: int | None = None
+    shards: list[dict] | None = None
+    routing_ms: float | None = None
+    routed: list[int] | None = None
+    routing_recall: float | None = None
+    routing_recall2: float | None = None
     error: str | None = None
 
     @property
@@ -74,6 +87,9 @@ class Row:
         d = asdict(self)
         if self.retriever is None:
             for name in _RAG_ONLY:
+                d.pop(name)
+        if self.n_shards is None:
+            for name in ("n_shards", *_SHARDED_ONLY):
                 d.pop(name)
         if self.error is None:
             d.pop("error")
@@ -91,8 +107,21 @@ class Row:
 
 
 def label(mode: str, k: int | None) -> str:
-    """How reports name a mode: "cag", "rag-bm25 k=3"."""
+    """How reports name a mode: "cag", "cag@1000", "rag-bm25 k=3"."""
     return f"{mode} k={k}" if k is not None else mode
+
+
+def variant_mode(shard_tokens: int) -> str:
+    """The mode of one shard-size sweep value: 0 (what fits) is `cag` itself, N > 0 is `cag@N`."""
+    return f"cag{VARIANT}{shard_tokens}" if shard_tokens else "cag"
+
+
+def shard_cap(mode: str) -> int | None:
+    """`cag@1000` -> 1000, `cag` -> 0 (what fits), any other mode -> None."""
+    if mode == "cag":
+        return 0
+    base, sep, cap = mode.partition(VARIANT)
+    return int(cap) if base == "cag" and sep and cap.isdigit() else None
 
 
 def read_rows(path: Path) -> list[Row]:
@@ -167,12 +196,24 @@ def read_run(out: Path) -> tuple[dict, list[dict], list[Row]]:
 # -- sets.json: one record per knowledge set (runner.SetInfo) ---------------------------------
 
 
-def set_snapshots(s: dict) -> list[dict]:
-    """The snapshots a set was ingested into (one today; several once sets are sharded).
-    Runs written before the list existed carry a single `ingest` record."""
+def set_snapshots(s: dict, mode: str = "cag") -> list[dict]:
+    """The snapshots (one per shard) a set was ingested into for `mode` (`cag`, or a sweep's
+    `cag@N`). Runs written before the list existed carry a single `ingest` record."""
+    if mode != "cag":
+        return ((s.get("variants") or {}).get(mode) or {}).get("snapshots") or []
     if s.get("snapshots") is not None:
         return s["snapshots"]
     return [s["ingest"]] if s.get("ingest") else []
+
+
+def shards_text(snaps: list[dict]) -> str:
+    """A set's shards as one cell: "1" or "3 (7,612 / 7,598 / 1,204 tokens)"."""
+    if len(snaps) <= 1:
+        return str(len(snaps)) if snaps else "–"
+    toks = [x.get("n_tokens") or 0 for x in snaps]
+    if len(toks) > 6:
+        return f"{len(toks)} ({min(toks):,}–{max(toks):,} tokens each)"
+    return f"{len(toks)} ({' / '.join(f'{t:,}' for t in toks)} tokens)"
 
 
 def ready_sets(sets: list[dict]) -> list[dict]:

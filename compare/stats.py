@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .results import Row
+from .results import Row, shard_cap
 
 N_RESAMPLES = 1000
 CI_SEED = 0
@@ -81,6 +81,15 @@ def stats(rows: list[Row]) -> dict:
         out.update(recall=bootstrap(_vals(ok, "retrieval_recall")),
                    hit_rate=float(np.mean([bool(r.retrieval_hit) for r in ok])),
                    f1_hit=bootstrap(_vals(hit, "f1")), f1_miss=bootstrap(_vals(miss, "f1")), n_miss=len(miss))
+    routed = [r for r in ok if r.routing_recall is not None]
+    if routed:  # sharded cag: is the gold in the shard that answered / in the 2 best shards
+        hit = [r for r in routed if r.routing_recall == 1]
+        miss = [r for r in routed if r.routing_recall < 1]
+        out.update(route1=bootstrap(_vals(routed, "routing_recall")), route2=bootstrap(_vals(routed, "routing_recall2")),
+                   route_hit_rate=len(hit) / len(routed), route_f1_hit=bootstrap(_vals(hit, "f1")),
+                   route_f1_miss=bootstrap(_vals(miss, "f1")), route_n_miss=len(miss),
+                   routing=bootstrap(_vals(routed, "routing_ms"), "median"),
+                   n_shards=bootstrap(_vals(routed, "n_shards"), "median"))
     return out
 
 
@@ -93,7 +102,9 @@ def group(rows: list[Row]) -> dict[tuple, list[Row]]:
 
 
 def mode_sort_key(mode: str, k: int | None) -> tuple:
-    return (MODE_ORDER.get(mode, 9), k or 0)
+    """cag, then the sweep's cag@N by N, then full, rag-bm25, rag-dense, each by k."""
+    cap = shard_cap(mode)
+    return (MODE_ORDER["cag"] if cap is not None else MODE_ORDER.get(mode, 9), cap or 0, k or 0)
 
 
 def paired_vs_cag(rows: list[Row]) -> list[dict]:
@@ -154,7 +165,9 @@ def summary(rows: list[Row], k_main: int | None = None) -> list[dict]:
         for name, key in (("em", "em"), ("f1", "f1"), ("f1_first_sentence", "f1_first"),
                           ("answer_in_output", "aio"), ("ttft_ms_median", "ttft"), ("ttft_ms_p95", "ttft_p95"),
                           ("total_ms_median", "total"), ("total_ms_p95", "total_p95"),
-                          ("retrieval_ms_median", "retrieval"), ("recall_at_k", "recall")):
+                          ("retrieval_ms_median", "retrieval"), ("recall_at_k", "recall"),
+                          ("routing_recall_at_1_shard", "route1"), ("routing_recall_at_2_shards", "route2"),
+                          ("routing_ms_median", "routing")):
             rec[name], rec[name + "_ci95"] = _value(st.get(key)), _ci(st.get(key))
         p = paired.get((size, mode, k))
         if p:

@@ -21,6 +21,7 @@ from cag.compare import datasets as ds
 from cag.compare.datasets import resolve_dataset
 from cag.compare.runner import CompareConfig, plan, run_compare
 from cag.errors import BadInput
+from cag.shards import doc_of
 
 ROW_KEYS = {"set", "size", "prefix_tokens", "qid", "question", "golds", "gold_docs", "mode", "retriever", "k",
             "answer", "em", "f1", "f1_first", "answer_in_output", "prompt_tokens", "cached_tokens",
@@ -63,8 +64,13 @@ def _check_rows(rows: list[dict]) -> None:
         assert r["answer"] is not None and r["em"] in (0.0, 1.0) and 0 <= r["f1"] <= 1 and 0 <= r["f1_first"] <= 1
         assert r["ttft_ms"] > 0 and r["total_ms"] >= r["ttft_ms"] * 0.99
         assert r["completion_tokens"] <= 4
-        if r["mode"] == "cag":
+        if r["mode"].startswith("cag") and r.get("n_shards"):  # sharded: the chosen shard is the cache
+            [chosen] = r["shards"]
+            assert r["cached_tokens"] == chosen["n_tokens"] < r["prefix_tokens"] and r["k"] is None
+            assert 0 <= r["routing_recall"] <= r["routing_recall2"] <= 1
+        elif r["mode"].startswith("cag"):
             assert r["cached_tokens"] == r["prefix_tokens"] and r["k"] is None
+            assert "routing_recall" not in r and "n_shards" not in r
         elif r["mode"] == "full":
             assert r["cached_tokens"] == 0 and r["prompt_tokens"] > r["prefix_tokens"]
         else:
@@ -141,7 +147,7 @@ def test_compare_jsonl_end_to_end_with_resume(qa_jsonl, tmp_path, tiny_model_dir
 
 
 @needs_squad
-def test_compare_squad_small(tiny_engine, tmp_path):
+def test_compare_squad_small_and_sharded_beyond_the_context(tiny_engine, tmp_path):
     cfg = CompareConfig("squad", tmp_path / "sq", sizes=[600, 2000, 5000], questions=2, full_sample=2,
                         ks=[1, 3], k_main=3, k_sample=1, max_tokens=4)
     res = run_compare(tiny_engine, cfg, progress=False)
@@ -149,12 +155,19 @@ def test_compare_squad_small(tiny_engine, tmp_path):
     small, mid, big = res.sets
     assert not small.skipped and small.prefix_tokens + tiny_engine.room <= tiny_engine.lm.max_context
     assert not mid.skipped and mid.n_documents > small.n_documents
-    # the tiny model's context is 4096: a 5000-token set is reported, never truncated
-    assert big.skipped and "context 4096" in big.skipped and not big.snapshots
+    assert len(small.snapshots) == len(mid.snapshots) == 1 and not small.skipped_modes
+    # the tiny model's context is 4096: a 5000-token set is sharded CAG, never truncated, and full,
+    # which would need the whole set in one prompt, is not asked there (with the reason)
+    assert not big.skipped and big.prefix_tokens + tiny_engine.room > tiny_engine.lm.max_context
+    assert len(big.snapshots) >= 2 and all(s["n_tokens"] + tiny_engine.room <= 4096 for s in big.snapshots)
+    assert sum(s["n_documents"] for s in big.snapshots) >= big.n_documents
+    assert all(s["bytes"] > 0 and s["status"] == "built" for s in big.snapshots)
+    assert "context 4096" in big.skipped_modes["full"] and big.router_ms > 0
     rows = _rows(res.out)
     _check_rows(rows)
-    assert {r["set"] for r in rows} == {"squad-600", "squad-2000"}
-    assert len(rows) == 2 * (2 + 2 + 2 + 1)
+    assert {r["set"] for r in rows} == {"squad-600", "squad-2000", "squad-5000"}
+    assert len(rows) == 2 * (2 + 2 + 2 + 1) + (2 + 2 + 1)  # no full at 5000
+    assert not [r for r in rows if r["set"] == "squad-5000" and r["mode"] == "full"]
     # interleaved: question 0 at every size before question 1 anywhere
     assert [r["q_index"] for r in rows] == sorted(r["q_index"] for r in rows)
     assert rows[0]["set"] == "squad-600" and rows[4]["set"] == "squad-2000"
@@ -162,10 +175,126 @@ def test_compare_squad_small(tiny_engine, tmp_path):
     assert all(r["retrieval_hit"] for r in rows if r["mode"] == "rag-bm25" and r["set"] == "squad-600")
     by = {(r["qid"], r["mode"]): r["answer"] for r in rows}
     assert all(by[q, "full"] == by[q, "cag"] for q, m in by if m == "full")
+    # routing recall on the sharded set: the chosen shard's documents hold the gold paragraph or not,
+    # checked here against the shards' own spans
+    sharded = [r for r in rows if r["set"] == "squad-5000" and r["mode"] == "cag"]
+    assert len(sharded) == 2 and all(r["n_shards"] == len(big.snapshots) for r in sharded)
+    for r in sharded:
+        [chosen] = r["shards"]
+        assert r["routed"][0] == chosen["shard"] and len(r["routed"]) == 2 and r["routing_ms"] > 0
+        assert r["cached_tokens"] == chosen["n_tokens"] == big.snapshots[chosen["shard"]]["n_tokens"]
+        in_shard = _shard_doc_ids(tiny_engine, big, chosen["shard"])
+        assert r["routing_recall"] == float(set(r["gold_docs"]) <= in_shard)
+        in_two = in_shard | _shard_doc_ids(tiny_engine, big, r["routed"][1])
+        assert r["routing_recall2"] == float(set(r["gold_docs"]) <= in_two) >= r["routing_recall"]
+    assert not any("routing_recall" in r for r in rows if r["set"] != "squad-5000" or r["mode"] != "cag")
+
     md = (res.out / "report.md").read_text()
-    assert "| 5000 | squad-5000 |" in md and "skipped: prefix" in md and "## Size 5000" not in md
+    assert "## Size 5000" in md and "**cag is sharded CAG** here" in md
+    assert f"- full not asked on squad-5000: {big.skipped_modes['full']}." in md
+    assert "| full | " in md and "not asked (beyond the context)" in md
+    n = len(big.snapshots)
+    assert f"| 5000 | squad-5000 | {big.n_documents} | {big.doc_tokens:,} | {big.prefix_tokens:,} | 2 |" in md
+    per_shard = " / ".join(f"{s['n_tokens']:,}" for s in big.snapshots)
+    assert f"| {n} ({per_shard} tokens); router " in md
+    assert "## Sharded CAG: shard size, routing recall, RAG" in md
+    recall1 = sum(r["routing_recall"] for r in sharded) / 2
+    [line] = [x for x in md.splitlines() if x.startswith(f"| 5000 | cag | {n} (")]
+    cells = [c.strip() for c in line.strip("|").split("|")]
+    assert cells[3] == "2" and cells[7].startswith(f"{recall1:.2f}") and cells[9] == "–"  # n, recall@1, no recall@k
     assert "| cag | 2 |" in md and "| full | 2 |" in md and "| rag-bm25 k=3 | 2 |" in md
+    assert "gold document(s) all in the shard that answered for" in md
     assert (res.out / "report.png").stat().st_size > 10_000
+    from cag.compare.results import read_rows
+    from cag.compare.stats import summary
+
+    [s5] = [x for x in summary(read_rows(res.out / "results.jsonl"), 3) if x["size"] == 5000 and x["mode"] == "cag"]
+    assert s5["routing_recall_at_1_shard"] == pytest.approx(recall1) and s5["n"] == 2
+
+
+def _shard_doc_ids(engine, info, shard: int) -> set[str]:
+    """The dataset doc ids of one shard, read from its snapshot's spans (documents or their parts)."""
+    from cag.shards import doc_of
+
+    spans = engine.index.snapshot_documents(info.snapshots[shard]["snapshot"])
+    return {info.files[doc_of(s["path"])] for s in spans}
+
+
+def test_shard_size_sweep_labels_routing_and_bad_caps(qa_jsonl, tmp_path, tiny_model_dir, tiny_engine, monkeypatch):
+    """--shard-tokens N adds cag@N: the same set ingested into shards of at most N tokens, even where
+    one snapshot fits, routed and reported next to cag and RAG; 0 is cag itself; a cap that leaves no
+    room for knowledge skips that variant with its reason, not the run."""
+    from cag.cli.main import app
+    from cag.prompt import build_prefix, document_text, encode_text
+
+    tok = tiny_engine.lm.tokenizer
+    overhead = len(build_prefix(tok, tiny_engine.layout(), []).ids)
+    biggest = max(len(encode_text(tok, document_text(f"000-{f.stem}.txt", f.read_text())))
+                  for f in (qa_jsonl.parent / "docs").iterdir())
+    cap = overhead + biggest + 30  # about one document a shard: the 5-document set needs several
+    monkeypatch.setenv("CAG_MODEL", str(tiny_model_dir))
+    out = tmp_path / "sweep"
+    args = ["compare", str(qa_jsonl), "--size-tokens", "2000", "--questions", "3", "--modes", "cag,rag-bm25",
+            "--k", "2", "--k-main", "2", "--k-sample", "0", "--max-tokens", "3", "--shard-tokens", f"{cap},0,5",
+            "--out", str(out), "--json"]
+    r = CliRunner().invoke(app, args)
+    assert r.exit_code == 0, r.output
+    summary = json.loads(r.stdout.strip().splitlines()[-1])
+    [s] = summary["sets"]
+    assert len(s["snapshots"]) == 1 and not s["skipped"]  # the set fits: plain cag is one snapshot
+    assert set(s["variants"]) == {f"cag@{cap}", "cag@5"}  # 0 is cag itself, no variant of its own
+    v = s["variants"][f"cag@{cap}"]
+    assert v["shard_tokens"] == cap and len(v["snapshots"]) >= 3 and v["router_ms"] > 0
+    assert all(x["n_tokens"] <= cap for x in v["snapshots"]) and sum(x["n_documents"] for x in v["snapshots"]) == 5
+    assert "leave no room for knowledge" in s["variants"]["cag@5"]["skipped"] and "cag@5" in s["skipped_modes"]
+
+    rows = _rows(out)
+    _check_rows(rows)
+    assert sorted({r["mode"] for r in rows}) == ["cag", f"cag@{cap}", "rag-bm25"]
+    assert len(rows) == 3 * 3
+    swept = [r for r in rows if r["mode"] == f"cag@{cap}"]
+    assert all(r["n_shards"] == len(v["snapshots"]) and r["cached_tokens"] < s["prefix_tokens"] for r in swept)
+    # routing recall against the shards' own spans: is the gold document's text among the texts of the
+    # files in the shard that answered (and in the 2 best shards)
+    contexts = {json.loads(line)["id"]: json.loads(line).get("context") for line in qa_jsonl.read_text().splitlines()}
+    set_dir = out / "corpora" / s["name"]
+
+    def texts_in(shard: int) -> set[str]:
+        spans = tiny_engine.index.snapshot_documents(v["snapshots"][shard]["snapshot"])
+        return {(set_dir / doc_of(x["path"])).read_text().strip() for x in spans}
+
+    for r in swept:
+        [gold] = r["gold_docs"]
+        text = (contexts[r["qid"]] if gold.startswith("ctx:") else (qa_jsonl.parent / "docs" / gold).read_text()).strip()
+        assert r["routing_recall"] == float(text in texts_in(r["shards"][0]["shard"]))
+        assert r["routing_recall2"] == float(text in texts_in(r["routed"][0]) | texts_in(r["routed"][1]))
+    by_mode = {m: [r for r in rows if r["mode"] == m] for m in ("cag", f"cag@{cap}")}
+    assert [r["qid"] for r in by_mode["cag"]] == [r["qid"] for r in by_mode[f"cag@{cap}"]]
+    [rec] = [x for x in summary["summary"] if x["mode"] == f"cag@{cap}"]
+    assert rec["routing_recall_at_1_shard"] == pytest.approx(sum(r["routing_recall"] for r in swept) / 3)
+    assert rec["vs_cag"]["n"] == 3  # paired against cag on the same questions
+
+    md = (out / "report.md").read_text()
+    assert f"| cag@{cap} | 3 |" in md and f"| cag@5 | skipped: {s['variants']['cag@5']['skipped']}" in md
+    assert "## Sharded CAG: shard size, routing recall, RAG" in md
+    assert f"| 2000 | cag@{cap} | {len(v['snapshots'])} (" in md and "| 2000 | rag-bm25 k=2 | – | 3 |" in md
+    assert f"Shard-size sweep {cap}, 0, 5:" in md
+    assert f"- cag@5 not asked on questions-2000: {s['variants']['cag@5']['skipped']}." in md
+    from cag.compare.plot import figure
+    from cag.compare.results import read_run
+
+    meta, sets, got = read_run(out)
+    labels = [c.get_label() for c in figure(got, meta, sets).axes[0].containers]
+    assert labels == ["cag", f"cag@{cap}", "rag-bm25 k=2"]
+
+    r = CliRunner().invoke(app, args + ["--resume"])  # the sweep's rows are resumable like the others
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.stdout.strip().splitlines()[-1])["rows_written"] == 0 and _rows(out) == rows
+    r = CliRunner().invoke(app, [*args[:-1], "--shard-tokens", "500", "--resume"])
+    assert r.exit_code == 1 and "different shard_tokens" in r.output
+    for bad in ("-1", "x", ","):
+        r = CliRunner().invoke(app, [*args[:-4], f"--shard-tokens={bad}", "--out", str(tmp_path / "bad")])
+        assert r.exit_code == 1 and "shard" in r.output and "Traceback" not in r.output, (bad, r.output)
 
 
 def test_ctrl_c_keeps_rows_and_resume_finishes(tiny_engine, qa_jsonl, tmp_path, monkeypatch):
