@@ -77,7 +77,7 @@ def _settings(meta: dict) -> list[str]:
     machine, versions = meta.get("machine", {}), meta.get("versions", {})
     stops = ", ".join(f"`{t}`" for t in dec.get("stop_tokens", []))
     resumed = meta.get("resumed") or []
-    return [
+    lines = [
         (f"model: `{meta.get('model')}`, fingerprint `{meta.get('model_fingerprint')}`; tokenizer "
          f"`{meta.get('tokenizer_fingerprint')}`; context {meta.get('max_context')} tokens; weights "
          f"{meta.get('compute_dtype')}, snapshot KV {meta.get('kv_dtype')}"),
@@ -96,7 +96,7 @@ def _settings(meta: dict) -> list[str]:
          f"{meta.get('passage_overlap')}), cut at paragraph/line/sentence/word boundaries; BM25 "
          f"{json.dumps(meta.get('bm25'))}; dense: {meta.get('dense')}; retrieved passages go into the prompt in "
          "corpus order, named `<document>#<passage index>`"),
-        (f"sharding: a set whose prefix plus the {meta.get('question_room', 0) + meta.get('answer_room', 0)} tokens "
+        (f"sharding: a set whose prefix plus the {(meta.get('question_room') or 0) + (meta.get('answer_room') or 0)} tokens "
          "kept for question and answer exceeds the context is sharded CAG: ingested into shards that each fit "
          "(whole documents, long ones cut at paragraphs), every question routed by BM25 over the shards' text to "
          "the best shard, answered from that shard's snapshot; `full` is not asked there (no single prompt holds "
@@ -124,6 +124,9 @@ def _settings(meta: dict) -> list[str]:
          f"its {CI_LEVEL:.0%} percentile-bootstrap interval over questions ({N_RESAMPLES} resamples, fixed "
          "seed; none when n = 1); n counts questions answered without error."),
     ]
+    if "shard_tokens" not in meta:  # a run from before sharded sets: every set was one snapshot
+        lines = [line for line in lines if not line.startswith("sharding:")]
+    return lines
 
 
 def _sets_table(sets: list[dict], asked: int | None) -> list[str]:

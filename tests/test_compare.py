@@ -609,4 +609,5 @@ def test_rebuild_reads_runs_written_before_this_format(tmp_path):
     md, png = rebuild(tmp_path / "run")
     text = md.read_text()
     assert "## Knowledge sets" in text and "## Size 2000" in text and "F1 first sentence" in text
+    assert "- sharding:" not in text and "## Sharded CAG" not in text  # every set of that run was one snapshot
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
