@@ -16,6 +16,7 @@ from pathlib import Path
 
 from cag.store import snapshots as snapfiles
 from cag.store.index import Index
+from cag.store.sync import shared_store
 
 from . import corpus as corpora
 from . import freshness, kv, sharded
@@ -55,8 +56,7 @@ class Engine:
         self._lm_lock = threading.Lock()
         self.resident = ResidentPool(settings.resident_bytes, settings.warm_buffers)
         self._layout: tuple[LoadedModel, Layout] | None = None
-        self._remote = None
-        self._remote_lock = threading.Lock()
+        self.remote = shared_store(settings, self.index)  # CAG_STORE (store/sync.py); falsy without one
 
     # -- the model and what follows from it ------------------------------------------------------
     @property
@@ -66,27 +66,6 @@ class Engine:
                 s = self.settings
                 self._lm = load_model(s.model, s.models_dir, s.threads, s.dtype, s.weights, s.device)
             return self._lm
-
-    @property
-    def remote(self):
-        """The shared snapshot store (store/sync.py), or None when CAG_STORE is unset."""
-        if not self.settings.store:
-            return None
-        with self._remote_lock:
-            if self._remote is None:
-                from cag.store.sync import Shared
-
-                self._remote = Shared(self.settings, self.index)
-            return self._remote
-
-    def lookup(self, corpus: str) -> None:
-        """With a shared store: adopt the corpus's ref (on a miss, and every CAG_STORE_REF_TTL_S)."""
-        if self.remote is None:
-            return
-        try:
-            self.remote.lookup(corpus)
-        except snapfiles.SnapshotError as e:
-            raise SnapshotCorrupt(f"corpus {corpus!r} in the store: {e}; run `cag ingest` to rebuild it") from None
 
     @property
     def kv_dtype(self):
@@ -160,9 +139,8 @@ class Engine:
         if row.get("model_fingerprint") != lm.fingerprint:  # a sound snapshot of another model: stale, not corrupt
             raise StaleRefused(f"snapshot {digest[:12]} was built for another model; run `cag ingest {row['corpus']}`")
         try:
-            if self.remote is not None:  # a blob missing here is fetched into the cache, verified on the way
-                self.remote.ensure_local(digest, Path(row["path"]))
-            snap = snapfiles.load(Path(row["path"]), expect_key=row["key"], **({"dequant": dequant} if dequant else {}))
+            path = self.remote.ensure_local(digest, Path(row["path"]))  # a shared store's blob is fetched, verified, when missing
+            snap = snapfiles.load(path, expect_key=row["key"], dequant=dequant)
             if snap.meta.get("model_fingerprint") != lm.fingerprint or self.snapshot_key(snap.ids) != snap.meta["key"]:
                 raise snapfiles.SnapshotError(f"snapshot {digest[:12]}: header does not match its key (another model, "
                                               "layout or dtype, or an edited header)")
@@ -185,9 +163,7 @@ class Engine:
         if q.mode is Mode.FULL and len(self.index.shards(corpus)) > 1:  # no context holds it all: the routed shard
             rows, (route, *_), routing_ms = sharded.route(self, corpus, question, 1)
             snap = self.index.snapshot(rows[route.shard]["snapshot"])
-            if self.remote is not None:
-                self.remote.ensure_local(snap["digest"], Path(snap["path"]))
-            ids = snapfiles.read_ids(Path(snap["path"]))
+            ids = snapfiles.read_ids(self.remote.ensure_local(snap["digest"], Path(snap["path"])))
             return self.answer_prompt(q, ids, on_text, should_stop, routing_ms=round(routing_ms, 2),
                                       shards=[{"shard": route.shard, "score": round(route.score, 4), "n_tokens": len(ids)}])
         if q.mode is Mode.FULL:
@@ -214,7 +190,7 @@ class Engine:
             raise BadInput(f"unknown {bad[0]} {bad[1]!r}; use one of {choices(bad[2])}") from None
         if not question or not question.strip():
             raise BadInput("empty question")
-        self.lookup(corpus)
+        self.remote.lookup(corpus)  # a shared store's ref: on a miss, and every CAG_STORE_REF_TTL_S
         row = self.index.corpus(corpus)
         if row is None:
             raise NotFound(f"unknown corpus {corpus!r}; `cag list` shows the known ones")
@@ -316,7 +292,7 @@ class Engine:
         return freshness.corpus_reasons(self, row, check_model)
 
     def status(self, corpus: str, check_model: bool = True) -> CorpusStatus:
-        self.lookup(corpus)
+        self.remote.lookup(corpus)
         return freshness.status(self, corpus, check_model)
 
     def list(self, check_model: bool = True) -> list[CorpusStatus]:

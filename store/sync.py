@@ -20,11 +20,31 @@ import threading
 import time
 from pathlib import Path
 
-from cag.errors import StoreUnreachable
+from cag.errors import SnapshotCorrupt, StoreUnreachable
 
 from . import cache
 from .index import Index
 from .remote import Ref, RemoteStore
+from .snapshots import SnapshotError
+
+
+def shared_store(settings, index: Index) -> Shared | LocalOnly:
+    """The shared store of these settings, or (CAG_STORE unset) a falsy stand-in whose lookups do
+    nothing and whose files are the local ones, so callers need no branch."""
+    return Shared(settings, index) if settings.store else LocalOnly()
+
+
+class LocalOnly:
+    """No shared store: snapshots live in CAG_HOME only."""
+
+    def __bool__(self) -> bool:
+        return False
+
+    def lookup(self, corpus: str) -> bool:
+        return False
+
+    def ensure_local(self, digest: str, path: Path) -> Path:
+        return path
 
 
 def _host() -> str:
@@ -105,7 +125,10 @@ class Shared:
         self._checked[corpus] = time.monotonic()
         if ref is None or not self._differs(corpus, ref):
             return False
-        self.adopt(ref)
+        try:
+            self.adopt(ref)
+        except (SnapshotError, KeyError, ValueError) as e:  # a blob missing or with an unreadable header
+            raise SnapshotCorrupt(f"corpus {corpus!r} in the store: {e}; run `cag ingest {corpus}` to rebuild it") from None
         return True
 
     def _differs(self, corpus: str, ref: Ref) -> bool:
