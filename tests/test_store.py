@@ -261,3 +261,23 @@ def test_int8_snapshots_travel_through_the_store(s3, small_corpus, tmp_path, mon
     r = a.ingest(str(small_corpus), name="corpus")
     assert RemoteStore(URL).read_header(r.snapshot)[0]["dtype"] == "int8"
     assert b.ask("corpus", Q, max_tokens=8).token_ids == a.ask("corpus", Q, max_tokens=8).token_ids
+
+
+def test_of_two_ingests_racing_on_one_corpus_the_second_is_refused_not_lost(s3, small_corpus, tmp_path):
+    from cag import ingest as steps
+
+    a, c = machine(tmp_path, "a"), machine(tmp_path, "c")
+    first = a.ingest(str(small_corpus), name="corpus")
+    (small_corpus / "c.md").write_text("The bakery on Quay Street sells rye bread on Fridays now.\n")
+    plan = steps.plan(c, "corpus", small_corpus, None, None)  # c reads the ref: generation 1
+    (small_corpus / "b.txt").write_text("The ferry leaves the harbour at 9:00 now.\n")
+    won = a.ingest("corpus")  # a publishes generation 2 meanwhile
+    built = [steps.build(c, plan, s, 0, None, None) for s in plan.shards]
+    with pytest.raises(StoreConflict, match="published by another ingest meanwhile"):
+        steps.publish(c, plan, built)
+    ref = RemoteStore(URL).get_ref("corpus")
+    assert ref.shards == [won.snapshot] and ref.generation == 2  # a's update is not lost
+    assert [r["snapshot"] for r in c.index.shards("corpus")] == [first.snapshot]  # c did not publish locally either
+    again = c.ingest("corpus")  # c's next ingest adopts a's ref first, and finds it current
+    assert again.status == "fresh" and again.snapshot == won.snapshot
+    assert RemoteStore(URL).get_ref("corpus").shards == [won.snapshot]
