@@ -144,12 +144,13 @@ def read_ids(path: Path) -> list[int]:
         raise SnapshotError(f"snapshot unreadable (truncated or corrupt): {path.name}: {e}") from None
 
 
-def load(path: Path, expect_key: str | None = None, verify: bool = True, dequant: torch.dtype | None = None) -> Snapshot:
+def load(path: Path, expect_key: str | None = None, verify: bool = True, dequant: torch.dtype | None = None,
+         decode: bool = True) -> Snapshot:
     """Load and check a snapshot: format, key, dtypes and shapes against the header, and (by
     default) the checksum over every tensor's name, dtype, shape and bytes. An int8 snapshot is
     dequantized to `dequant`: fp16 (the default) to serve (half the resident bytes of fp32), fp32 where the
     values are quantized again (a refresh), since q x scale is exact in fp32 and re-quantizes to
-    the same bytes."""
+    the same bytes. `decode=False` checks everything and leaves int8 tensors as stored (a cache fill)."""
     try:
         with safe_open(str(path), framework="pt") as f:
             meta = _decode(f.metadata() or {})
@@ -198,7 +199,7 @@ def load(path: Path, expect_key: str | None = None, verify: bool = True, dequant
             scales.append(pair)
     if verify and _checksum(tensors) != meta.get("checksum"):
         raise SnapshotError(f"snapshot {path.name}: checksum mismatch (file was modified or damaged)")
-    if block is not None:  # dequantized once here; the request buffer copy casts to the model's dtype
+    if block is not None and decode:  # dequantized once here; the request buffer copy casts to the model's dtype
         dequant = dequant or torch.float16
         kv = [(kv_int8.dequantize(k, ks, dequant), kv_int8.dequantize(v, vs, dequant)) for (k, v), (ks, vs) in zip(kv, scales)]
     return Snapshot(meta=meta, kv=kv, ids=ids.tolist())
