@@ -170,9 +170,7 @@ class Engine:
             docs, _ = self.read_corpus(Path(q.row["source"]), corpus)
             prefix = build_prefix(self.lm.tokenizer, self.layout(), [(d.name, d.text) for d in docs])
             return self.answer_prompt(q, prefix.ids, on_text, should_stop)
-        if shards < 1:
-            raise BadInput(f"shards must be at least 1, got {shards}")
-        return self._answer_cached(q, on_text, should_stop, shards)
+        return self._answer_cached(q, on_text, should_stop, max(1, shards))  # sharded.route clamps to the count
 
     def check(self, corpus: str, question: str, mode: str = "cag", max_tokens: int | None = None,
               on_stale: str = "serve", decoding: DecodeConfig | None = None) -> Question:

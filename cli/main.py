@@ -78,6 +78,11 @@ def ask(
             sys.stdout.flush()
     from cag.rag.answer import ask as answer
 
+    if mode == "cag" and shards != 1:
+        n = len(engine.index.shards(corpus))
+        if n and not 1 <= shards <= n:
+            typer.echo(f"warning: --shards {shards} clamped to {max(1, min(shards, n))} ({corpus!r} has {n} shards)", err=True)
+
     a = answer(engine, corpus, question, mode=mode, max_tokens=max_tokens, on_text=on_text, on_stale=on_stale,
                k=k, retriever=retriever, shards=shards)
     if a.stale:

@@ -7,7 +7,6 @@ import pytest
 
 from cag.config import get_settings
 from cag.engine import Engine
-from cag.errors import BadInput
 from cag.shards import Unit, doc_of, pack
 
 DOCS = {
@@ -67,8 +66,7 @@ def test_sharded_ingest_routes_and_answers_exactly(engine, town):
     assert all(s["mean_logprob"] is not None for s in both.shards)
     chosen = next(s for s in both.shards if s["chosen"])
     assert chosen["mean_logprob"] == max(s["mean_logprob"] for s in both.shards)
-    with pytest.raises(BadInput):
-        engine.ask("town", "Who?", shards=0)
+    assert len(engine.ask("town", "Who?", max_tokens=2, shards=0).shards) == 1  # clamped (the CLI warns)
 
 
 def test_editing_a_document_reprefills_only_its_shard(engine, town):
@@ -133,3 +131,23 @@ def test_a_lost_shard_is_named_rebuilt_and_the_others_still_serve(engine, town):
     again = engine.ingest("town")
     assert [s["status"] for s in again.shards] == ["fresh", "built"]
     assert engine.ask("town", "Who teaches at the village school?", max_tokens=8).completion_tokens == 8
+
+
+def test_cli_ingest_and_ask_a_sharded_corpus(engine, town, tiny_model_dir, monkeypatch):
+    import json
+
+    from typer.testing import CliRunner
+
+    from cag.cli.main import app
+
+    cap = _shard_tokens(engine, town, 2)
+    run = lambda *a: CliRunner().invoke(app, list(a))  # noqa: E731
+    r = run("ingest", str(town), "--name", "town", "--shard-tokens", str(cap), "--json")
+    assert r.exit_code == 0, r.output
+    out = json.loads(r.stdout)
+    assert out["n_shards"] == 2 and [s["n_tokens"] <= cap for s in out["shards"]] == [True, True]
+    human = run("status", "town")
+    assert "in 2 shards" in human.stdout
+    r = run("ask", "town", "Who teaches at the village school?", "--shards", "9", "--max-tokens", "3", "--json")
+    assert r.exit_code == 0 and "clamped to 2" in r.stderr
+    assert len(json.loads(r.stdout)["shards"]) == 2
