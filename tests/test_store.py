@@ -281,3 +281,17 @@ def test_of_two_ingests_racing_on_one_corpus_the_second_is_refused_not_lost(s3, 
     again = c.ingest("corpus")  # c's next ingest adopts a's ref first, and finds it current
     assert again.status == "fresh" and again.snapshot == won.snapshot
     assert RemoteStore(URL).get_ref("corpus").shards == [won.snapshot]
+
+
+def test_the_store_flag_and_a_bad_store_url(s3, small_corpus, tmp_path, monkeypatch):
+    monkeypatch.delenv("CAG_STORE")
+    out = cli(tmp_path / "a", "ingest", str(small_corpus), "--name", "corpus", "--store", URL, "--json")
+    assert out.exit_code == 0, out.stderr
+    digest = json.loads(out.stdout)["snapshot"]
+    assert blobs() == {digest}
+    asked = cli(tmp_path / "b", "ask", "corpus", Q, "--max-tokens", "4", "--store", URL, "--json")
+    assert asked.exit_code == 0 and json.loads(asked.stdout)["snapshot"] == digest
+    assert cli(tmp_path / "c", "ask", "corpus", Q).exit_code == 1  # no store: c knows no such corpus
+    bad = cli(tmp_path / "c", "ask", "corpus", Q, "--store", "http://not-s3/x")
+    assert bad.exit_code == 1 and bad.stderr.strip() == (
+        "error: bad setting store='http://not-s3/x': use s3://bucket or s3://bucket/prefix (unset: snapshots stay in CAG_HOME)")
