@@ -65,12 +65,20 @@ class Shared:
 
     def ensure_local(self, digest: str, path: Path) -> Path:
         """The blob as a verified local file: fetched into the cache when missing (SnapshotError
-        when the store's copy fails verification), then the cache is trimmed to its budget."""
-        if not path.exists():
+        when the store's copy fails verification), then the cache is trimmed to its budget. A
+        local copy that failed verification before (its row says corrupt) is fetched again: the
+        store's copy heals this machine's cache, or fails verification in its turn."""
+        row = self.index.snapshot(digest)
+        healing = row is not None and row["status"] == "corrupt"
+        if not path.exists() or healing:
             with self._lock:  # one fill per blob at a time in this process
+                if healing:
+                    path.unlink(missing_ok=True)
                 if not path.exists():
                     cache.fill(self.remote, digest, path)
                     self.trim(keep={digest})
+                if healing:
+                    self.index.set_snapshot_status(digest, "ready")
         cache.touch(path)
         return path
 

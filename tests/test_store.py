@@ -295,3 +295,20 @@ def test_the_store_flag_and_a_bad_store_url(s3, small_corpus, tmp_path, monkeypa
     bad = cli(tmp_path / "c", "ask", "corpus", Q, "--store", "http://not-s3/x")
     assert bad.exit_code == 1 and bad.stderr.strip() == (
         "error: bad setting store='http://not-s3/x': use s3://bucket or s3://bucket/prefix (unset: snapshots stay in CAG_HOME)")
+
+
+def test_a_damaged_cache_file_is_refused_then_fetched_again_from_the_store(s3, small_corpus, tmp_path):
+    a = machine(tmp_path, "a")
+    r = a.ingest(str(small_corpus), name="corpus")
+    want = machine(tmp_path, "b").ask("corpus", Q, max_tokens=8).token_ids
+    cached = tmp_path / "b" / "snapshots" / f"{r.snapshot}.safetensors"
+    data = bytearray(cached.read_bytes())
+    data[-10] ^= 0xFF
+    cached.write_bytes(bytes(data))
+    b = machine(tmp_path, "b")
+    with pytest.raises(SnapshotCorrupt, match="checksum"):
+        b.ask("corpus", Q, max_tokens=8)  # never served
+    healed = machine(tmp_path, "b").ask("corpus", Q, max_tokens=8)  # the next question fetches the store's copy
+    assert healed.token_ids == want
+    assert cached.read_bytes() == RemoteStore(URL).fs.cat(f"cag-test/{RemoteStore(URL).blob_key(r.snapshot)}")
+    assert machine(tmp_path, "b").index.snapshot(r.snapshot)["status"] == "ready"
