@@ -46,6 +46,7 @@ def stale_reasons(
     ttl_s: float = 0.0,
     now: float | None = None,
     more_shards: list[dict] = (),
+    check_documents: bool = True,
 ) -> list[str]:
     """`snapshot` is the corpus's current one (shard 0); `more_shards` the snapshots of its other
     shards, each checked the same way (a reason names its shard)."""
@@ -71,7 +72,8 @@ def stale_reasons(
     age = (now or time.time()) - snapshot["created"]
     if ttl and age > ttl:
         reasons.append(f"expired: built {age:.0f} s ago, ttl {ttl:.0f} s")
-    reasons += document_changes(Path(corpus["source"]), snap_docs, known)
+    if check_documents:
+        reasons += document_changes(Path(corpus["source"]), snap_docs, known)
     return reasons
 
 
@@ -86,6 +88,9 @@ def corpus_reasons(engine, row: dict, check_model: bool = True) -> list[str]:
         engine.index.documents(row["name"]), lm.fingerprint if lm else None,
         lm.tokenizer_fingerprint if lm else None, engine.settings.ttl_s,
         more_shards=[engine.index.snapshot(r["snapshot"]) for r in shards[1:]],
+        # with a shared store, a machine that only serves has no copy of the source: the documents
+        # are checked where the corpus is ingested, and the store's ref says which snapshots are current
+        check_documents=not (engine.remote and not Path(row["source"]).exists()),
     )
 
 

@@ -46,7 +46,7 @@ def route(engine, corpus: str, text: str, k: int) -> tuple[list[dict], list[rout
         for r in rows:
             snap = engine.index.snapshot(r["snapshot"])
             try:
-                ids = snapfiles.read_ids(Path(snap["path"]))
+                ids = snapfiles.read_ids(engine.remote.ensure_local(r["snapshot"], Path(snap["path"])))
             except snapfiles.SnapshotError as e:
                 raise SnapshotCorrupt(f"shard {r['shard']} of {corpus!r}: {e}; run `cag ingest {corpus}`") from None
             spans = engine.index.snapshot_documents(r["snapshot"])

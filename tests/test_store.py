@@ -87,6 +87,9 @@ def test_ingest_on_one_machine_answers_on_another(s3, small_corpus, tmp_path):
     assert got.token_ids == want.token_ids and got.snapshot == r.snapshot and got.cached_tokens == r.n_tokens
     assert (tmp_path / "b" / "snapshots" / f"{r.snapshot}.safetensors").exists()
     assert b.status("corpus").stale is False
+    moved = small_corpus.rename(small_corpus.parent / "elsewhere")  # b serves without a copy of the source
+    assert b.status("corpus").stale is False and b.ask("corpus", Q, max_tokens=8).stale is False
+    moved.rename(small_corpus)
 
 
 def test_refresh_on_the_first_is_served_by_the_second_after_its_lookup(s3, small_corpus, tmp_path, monkeypatch):
