@@ -129,6 +129,14 @@ def _settings(meta: dict) -> list[str]:
     return lines
 
 
+def _reused(snaps: list[dict]) -> str:
+    """" (reused)" when every snapshot existed already, " (2 of 9 shards reused)" when some did."""
+    n = sum(x.get("status") == "fresh" for x in snaps)
+    if not n:
+        return ""
+    return " (reused)" if n == len(snaps) else f" ({n} of {len(snaps)} shards reused)"
+
+
 def _sets_table(sets: list[dict], asked: int | None) -> list[str]:
     L = ["## Knowledge sets", "",
          "| size | set | documents | document tokens | real prefix | questions | cag prefill | snapshot "
@@ -141,7 +149,7 @@ def _sets_table(sets: list[dict], asked: int | None) -> list[str]:
             continue
         snaps = set_snapshots(s)
         prefill = sum(x.get("prefill_ms") or 0 for x in snaps)
-        reused = any(x.get("status") == "fresh" for x in snaps)
+        reused = _reused(snaps)
         size_b = sum(x.get("bytes") or 0 for x in snaps)
         snap = (human_bytes(size_b) + (f" in {len(snaps)} snapshots" if len(snaps) > 1 else "")) if snaps else "–"
         rag = "; ".join(f"{m} {v['build_ms']:.0f} ms, {v['n_passages']} passages"
@@ -153,11 +161,12 @@ def _sets_table(sets: list[dict], asked: int | None) -> list[str]:
             if shard_cap(mode) is None:  # a sweep variant's skip is in the sweep's table
                 shards += f"; {mode} not asked: {why}"
         L += [f"| {s['size']} | {s['name']} | {s['n_documents']} | {s['doc_tokens']:,} | {s['prefix_tokens']:,} "
-              f"| {s['n_questions']} | {prefill / 1e3:.1f} s{' (reused)' if reused else ''} | {snap} | {shards} "
+              f"| {s['n_questions']} | {prefill / 1e3:.1f} s{reused} | {snap} | {shards} "
               f"| {rag} |"]
     L += ["", "Real prefix = the tokens of the knowledge prefix the engine builds (chat template head, documents "
           "with their delimiters, template middle); sets of one nominal size differ. cag prefill and snapshot "
-          "are the one-time cost of each set ((reused) = built by an earlier run, its build time shown); cag "
+          "are the one-time cost of each set ((reused) = a snapshot with the same key existed already, e.g. from "
+          "an earlier run or an identical shard, its build time shown); cag "
           "shards: 1 when the set fits the context, else the shards (tokens each) and the time to build their "
           "router."]
     variants = [(s, m, v) for s in ready_sets(sets) for m, v in (s.get("variants") or {}).items()]
@@ -170,9 +179,9 @@ def _sets_table(sets: list[dict], asked: int | None) -> list[str]:
                 continue
             snaps = v.get("snapshots") or []
             prefill = sum(x.get("prefill_ms") or 0 for x in snaps)
-            reused = any(x.get("status") == "fresh" for x in snaps)
+            reused = _reused(snaps)
             L += [f"| {s['size']} | {s['name']} | {m} | {shards_text(snaps)} "
-                  f"| {prefill / 1e3:.1f} s{' (reused)' if reused else ''} "
+                  f"| {prefill / 1e3:.1f} s{reused} "
                   f"| {human_bytes(sum(x.get('bytes') or 0 for x in snaps))} |"]
     if asked:
         for size in dict.fromkeys(s["size"] for s in sets):
