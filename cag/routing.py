@@ -75,6 +75,6 @@ def router_for(key: str, shard_texts) -> Router:
     router = Router(shard_texts() if callable(shard_texts) else shard_texts)
     with _lock:
         _cache[key] = router
-        while len(_cache) > 16:
+        while len(_cache) > 64:  # a BM25 index of one corpus's passages: small; comparison runs hold many
             _cache.popitem(last=False)
     return router
