@@ -142,9 +142,7 @@ class RemoteStore:
             return sync(self.fs.loop, get)
         except FileNotFoundError:
             raise
-        except OSError as e:
-            raise self._unreachable(e) from None
-        except Exception as e:
+        except Exception as e:  # botocore, aiohttp and OSError alike: the store did not answer
             raise self._unreachable(e) from None
 
     def ensure_bucket(self) -> None:
@@ -188,9 +186,7 @@ class RemoteStore:
             self.fs.get_file(f"{self.bucket}/{self.blob_key(digest)}", str(dest))
         except FileNotFoundError:
             raise
-        except OSError as e:
-            raise self._unreachable(e) from None
-        except Exception as e:
+        except Exception as e:  # botocore, aiohttp and OSError alike: the store did not answer
             raise self._unreachable(e) from None
 
     def read_header(self, digest: str) -> tuple[dict, int]:
