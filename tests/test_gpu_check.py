@@ -10,7 +10,10 @@ import sys
 import pytest
 import torch
 
+from bench.common import ESSAYS
 from tests.conftest import REPO
+
+pytestmark = pytest.mark.skipif(not ESSAYS.exists(), reason=f"the shared essays are not at {ESSAYS}")
 
 
 @pytest.mark.parametrize("device", [
