@@ -20,20 +20,19 @@ from .results import Row, label, prefix_range, read_run, ready_sets, set_snapsho
 from .stats import CI_LEVEL, N_RESAMPLES, Estimate, bootstrap, group, mismatches, mode_sort_key, paired_vs_cag, stats
 
 
-def _num(e: Estimate | None, digits: int = 3) -> str:
+def _estimate(e: Estimate | None, value) -> str:
+    """A statistic as `value [lo, hi]` (the interval only when there is one), `–` for none."""
     if e is None:
         return "–"
-    if e.lo is None:
-        return f"{e.value:.{digits}f}"
-    return f"{e.value:.{digits}f} [{e.lo:.{digits}f}, {e.hi:.{digits}f}]"
+    return value(e.value) if e.lo is None else f"{value(e.value)} [{value(e.lo)}, {value(e.hi)}]"
+
+
+def _num(e: Estimate | None, digits: int = 3) -> str:
+    return _estimate(e, lambda v: f"{v:.{digits}f}")
 
 
 def _diff(e: Estimate | None) -> str:
-    if e is None:
-        return "–"
-    if e.lo is None:
-        return f"{e.value:+.3f}"
-    return f"{e.value:+.3f} [{e.lo:+.3f}, {e.hi:+.3f}]"
+    return _estimate(e, lambda v: f"{v:+.3f}")
 
 
 def _ms_value(v: float) -> str:
@@ -41,19 +40,13 @@ def _ms_value(v: float) -> str:
 
 
 def _ms(e: Estimate | None) -> str:
-    if e is None:
-        return "–"
-    if e.lo is None:
-        return _ms_value(e.value)
-    return f"{_ms_value(e.value)} [{_ms_value(e.lo)}, {_ms_value(e.hi)}]"
+    return _estimate(e, _ms_value)
 
 
-def _ratio(e: Estimate | None) -> str:
+def _ratio(e: Estimate | None) -> str:  # `1.23x [1.10, 1.40]`: the x once, on the value
     if e is None:
         return "–"
-    if e.lo is None:
-        return f"{e.value:.2f}x"
-    return f"{e.value:.2f}x [{e.lo:.2f}, {e.hi:.2f}]"
+    return f"{e.value:.2f}x" + ("" if e.lo is None else f" [{e.lo:.2f}, {e.hi:.2f}]")
 
 
 TABLE_HEAD = ("| mode | n | EM | F1 | F1 first sentence | answer in output | TTFT median | TTFT p95 "
