@@ -324,6 +324,16 @@ def engine(tiny_lm, tiny_model_dir, small_corpus, monkeypatch):
     return e
 
 
+def wait_job(c, job: dict, timeout_s: float = 60) -> dict:
+    """Poll a refresh job until it is neither queued nor running; its last state."""
+    deadline = time.monotonic() + timeout_s
+    while job["status"] in ("queued", "running"):
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+        job = c.get(f"/v1/jobs/{job['id']}").json()
+    return job
+
+
 @contextmanager
 def app_client(engine, **settings):
     from fastapi.testclient import TestClient
@@ -480,11 +490,7 @@ def test_a_corrupt_snapshot_is_503_until_a_refresh_rebuilds_it(engine):
                    "snapshot_corrupt")
         assert err["type"] == "server_error"
         job = c.post("/v1/corpora/notes/refresh").json()
-        deadline = time.monotonic() + 60
-        while job["status"] in ("queued", "running"):
-            assert time.monotonic() < deadline
-            time.sleep(0.05)
-            job = c.get(f"/v1/jobs/{job['id']}").json()
+        job = wait_job(c, job)
         assert job["status"] == "done", job
         assert c.post("/v1/ask", json={"corpus": "notes", "question": "Who keeps the lighthouse?",
                                        "max_tokens": 4}).status_code == 200
@@ -544,11 +550,7 @@ def test_stale_corpus_refuse_409_then_refresh_job(engine, small_corpus):
         assert r.status_code == 202
         job = r.json()
         assert r.headers["location"] == f"/v1/jobs/{job['id']}" and job["corpus"] == "notes"
-        deadline = time.monotonic() + 60
-        while job["status"] in ("queued", "running"):
-            assert time.monotonic() < deadline
-            time.sleep(0.05)
-            job = c.get(f"/v1/jobs/{job['id']}").json()
+        job = wait_job(c, job)
         assert job["status"] == "done", job
         assert job["progress"] == 1.0 and job["result"]["status"] == "refreshed"
         assert job["reused_tokens"] > 0 and job["done_tokens"] == job["total_tokens"] > 0  # only c.md re-prefilled
