@@ -15,8 +15,8 @@ from fastapi import APIRouter, Request
 
 from cag.errors import BadInput
 from cag.generate import DecodeConfig
-from cag.rag.answer import ask as answer_question
 
+from .answers import AskCall
 from .deps import ReadyService
 from .routes import MODEL_ERRORS, finish_reason, sse_json, stream_errors, streamed, timings
 from .schemas import ChatCompletion, ChatMessage, ChatRequest
@@ -77,14 +77,9 @@ async def chat_completions(body: ChatRequest, request: Request, svc: ReadyServic
     # reduced into that range instead of overflowing there
     seed = None if body.seed is None else body.seed % 2**64
     decoding = DecodeConfig(temperature=body.temperature or 0.0, top_p=body.top_p or 1.0, seed=seed)
-    engine = svc.engine
-
-    def work(on_text, should_stop):
-        return answer_question(engine, body.model, question, mode=body.mode, max_tokens=max_tokens,
-                               on_text=on_text if body.stream else None, should_stop=should_stop,
-                               on_stale=body.on_stale, decoding=decoding, shards=body.shards)
-
-    gen = svc.runner.start(work)
+    call = AskCall(body.model, question, mode=body.mode, max_tokens=max_tokens, on_stale=body.on_stale,
+                   shards=body.shards, stream=body.stream, decoding=decoding)
+    gen = svc.runner.start(svc.answers.work(call))
     cid, created = "chatcmpl-" + secrets.token_hex(12), int(time.time())
     if not body.stream:
         try:

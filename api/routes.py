@@ -14,8 +14,8 @@ from fastapi.responses import JSONResponse
 
 from cag.engine import Answer
 from cag.errors import CagError, NotFound
-from cag.rag.answer import ask as answer_question
 
+from .answers import AskCall
 from .deps import ReadyService, ServiceDep
 from .errors import documented, error_body, status_of
 from .metrics import CONTENT_TYPE
@@ -91,14 +91,9 @@ def ask_response(svc: Service, a: Answer, body: AskRequest) -> dict:
 
 def start_ask(svc: Service, body: AskRequest) -> Generation:
     svc.check_question(body.question, body.mode)
-    engine = svc.engine
-
-    def work(on_text, should_stop):
-        return answer_question(engine, body.corpus, body.question, mode=body.mode, max_tokens=body.max_tokens,
-                               on_text=on_text if body.stream else None, should_stop=should_stop,
-                               on_stale=body.on_stale, shards=body.shards)
-
-    return svc.runner.start(work)
+    call = AskCall(body.corpus, body.question, mode=body.mode, max_tokens=body.max_tokens, on_stale=body.on_stale,
+                   shards=body.shards, stream=body.stream)
+    return svc.runner.start(svc.answers.work(call))
 
 
 async def stream_errors(gen: Generation, name: str | None):
@@ -213,12 +208,13 @@ def _card(row: dict) -> dict:
 async def health(svc: ServiceDep):
     """Open to anyone: it names the model once loaded, and says no more than `error` when loading
     failed (the reason, which may hold file paths, is in the server's log)."""
-    if svc.ready:
-        return {"status": "ok", "model": svc.model_name}
+    extra = svc.answers.health()  # under Ray Serve: {"replicas": engine replicas answering}; 0 is not ready
+    if svc.ready and extra.get("replicas", 1):
+        return {"status": "ok", "model": svc.model_name, **extra}
     if svc.load_error:
         return JSONResponse({"status": "error", "error": "the model failed to load; see the server log"},
                             status_code=503)
-    return JSONResponse({"status": "loading"}, status_code=503)
+    return JSONResponse({"status": "loading", **extra}, status_code=503)
 
 
 class PrometheusText(Response):

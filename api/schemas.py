@@ -137,6 +137,8 @@ class Health(BaseModel):
     status: Literal["ok", "loading", "error"]
     model: str | None = None
     error: str | None = None
+    replicas: int | None = Field(None, description="Under Ray Serve (`cag serve --replicas N`): engine replicas answering; "
+                                                    "0 is `loading` (503).")
 
 
 # -- OpenAI-compatible chat ----------------------------------------------------------------------

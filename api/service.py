@@ -8,6 +8,7 @@ import os
 from cag.engine import Engine
 from cag.errors import TooLarge
 
+from .answers import LocalAnswers
 from .errors import NotReady
 from .jobs import Jobs
 from .metrics import Metrics
@@ -30,6 +31,8 @@ class Service:
                              on_stop=lambda reason: self.metrics.stopped.labels(reason).inc(),
                              torch_threads=engine.settings.threads or max(1, (os.cpu_count() or 1) // max(1, settings.workers)))
         self.jobs = Jobs(engine, on_finish=lambda status: self.metrics.jobs.labels(status).inc())
+        # where answers are computed: this engine, or engine replicas on Ray Serve (api/ray_app.py swaps it)
+        self.answers = LocalAnswers(engine)
 
     # -- lifecycle -------------------------------------------------------------------------------
     def load(self) -> None:
