@@ -126,7 +126,14 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--samples", type=int, default=4, help="hit / cold time-to-first-token samples")
     ap.add_argument("--home", help="CAG_HOME to use (default: a fresh temp dir)")
+    ap.add_argument("--replicas", help="e.g. 1,2: instead of the runs above, plain `cag serve` vs Ray Serve with that many "
+                                       "replicas, two corpora, the largest --concurrency (bench/bench_replicas.py)")
     args = ap.parse_args()
+    if args.replicas:
+        from .bench_replicas import run
+
+        clients = max(int(x) for x in args.concurrency.split(","))
+        return run([int(x) for x in args.replicas.split(",")], clients, max(args.requests, 6 * clients), args.max_tokens)
 
     home = Path(args.home) if args.home else Path(tempfile.mkdtemp(prefix="cag-bench-api-"))
     env = {k: v for k, v in os.environ.items() if k not in ("CAG_API_KEYS", "CAG_WORKERS", "CAG_MAX_QUEUE", "CAG_THREADS",

@@ -42,6 +42,14 @@ def test_bad_replica_settings_are_one_line_before_ray_starts(tmp_path):
         "error: bad setting CAG_REPLICAS=3: must lie between the minimum (1) and the maximum (2) replicas"]
 
 
+def test_every_replica_setting_is_in_the_readme():
+    from cag.api.replica_settings import ReplicaSettings
+
+    table = (REPO / "README.md").read_text().split("## Scaling out")[1].split("\n## ")[0]
+    for name in ReplicaSettings.model_fields:
+        assert f"`CAG_{name.upper()}` | `--{name.replace('_', '-')}`" in table, name
+
+
 def test_plain_serve_never_imports_ray():
     code = "import sys, cag.cli.main, cag.cli.serve_cmd, cag.api.app; sys.exit('ray' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], timeout=120).returncode == 0
