@@ -95,7 +95,7 @@ def run(args) -> dict:
         if dev == "cuda":
             torch.cuda.synchronize()
         load_s = time.perf_counter() - t
-        nbytes = sum(k.nbytes + v.nbytes for k, v in res.snap.kv)
+        nbytes = res.prefix.nbytes  # what landed on the device, in the compute dtype
         report.update(questions=rows, all_identical=all(r["identical"] for r in rows),
                       load_gb_s=nbytes / load_s / 1e9, device_copy_gb_s=copy_bandwidth(dev, nbytes) / 1e9,
                       ttft_cag_ms=sorted(r["ttft_cag_ms"] for r in rows)[len(rows) // 2],

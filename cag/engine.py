@@ -21,15 +21,17 @@ from cag.store.sync import shared_store
 from . import corpus as corpora
 from . import freshness, kv, sharded
 from . import ingest as steps
+from .batch import Decoder, Request
 from .config import Settings
 from .errors import BadInput, NotFound, SnapshotCorrupt, StaleRefused, TooLarge
-from .generate import DecodeConfig, Generated, generate
+from .generate import DecodeConfig, Generated
 from .hashing import hash_obj
 from .model import LoadedModel, load_model
 from .names import check_corpus_name
 from .prompt import Layout, build_prefix, build_suffix, layout_for
 from .resident import Resident, ResidentPool
 from .results import Answer, CorpusStatus, IngestResult, Mode, Reporter, StalePolicy, choices
+from .slots import Prefix
 
 __all__ = ["Answer", "CorpusStatus", "Engine", "IngestResult", "Mode", "Reporter", "StalePolicy"]
 
@@ -54,7 +56,8 @@ class Engine:
         self.index = Index(settings.index_path)
         self._lm = lm
         self._lm_lock = threading.Lock()
-        self.resident = ResidentPool(settings.resident_bytes, settings.warm_buffers)
+        self.resident = ResidentPool(settings.resident_bytes)
+        self._decoder: Decoder | None = None
         self._layout: tuple[LoadedModel, Layout] | None = None
         self.remote = shared_store(settings, self.index)  # CAG_STORE (store/sync.py); falsy without one
 
@@ -66,6 +69,16 @@ class Engine:
                 s = self.settings
                 self._lm = load_model(s.model, s.models_dir, s.threads, s.dtype, s.weights, s.device)
             return self._lm
+
+    @property
+    def decoder(self) -> Decoder:
+        """Where answers are decoded: batched across concurrent requests (cag.batch)."""
+        lm = self.lm
+        with self._lm_lock:
+            if self._decoder is None or self._decoder.lm is not lm:
+                s = self.settings
+                self._decoder = Decoder(lm, self.room, s.max_batch, s.threads, s.chunk_tokens)
+            return self._decoder
 
     @property
     def kv_dtype(self):
@@ -210,16 +223,15 @@ class Engine:
 
     def answer_prompt(self, q: Question, prefix_ids: list[int], on_text=None, should_stop=None,
                       **extra) -> Answer:
-        """Answer over a prefix prefilled now, with no snapshot (`full`, and RAG's passages). The
-        buffer has the same length as a snapshot's request buffer, so the operations match `cag`'s."""
-        lm = self.lm
-        self.require_fit(len(prefix_ids), "the prompt's knowledge")
-        cache = kv.new_cache(lm.model, len(prefix_ids) + self.room)
+        """Answer over a prefix prefilled now, with no snapshot (`full`, and RAG's passages): the same
+        prefill as ingest's, then the same question and decode path as `cag`'s."""
+        lm, n = self.lm, len(prefix_ids)
+        self.require_fit(n, "the prompt's knowledge")
+        cache = kv.new_cache(lm.model, n)
         kv.prefill(lm.model, cache, prefix_ids, 0, self.settings.chunk_tokens, should_stop=should_stop)
-        gen = generate(lm, cache, len(prefix_ids), q.suffix, q.decoding, self.settings.chunk_tokens, on_text,
-                       should_stop, q.t_start)
+        gen, _ = self._generate(Prefix(kv.views(cache, n), n), q, on_text, should_stop)
         snapshot = None if q.mode is Mode.RAG else q.row["current_snapshot"]
-        return self._finish(q, gen, len(prefix_ids), 0, 0.0, snapshot, **extra)
+        return self._finish(q, gen, n, 0, 0.0, snapshot, **extra)
 
     def _answer_cached(self, q: Question, on_text, should_stop, shards: int = 1) -> Answer:
         if len(self.index.shards(q.corpus)) > 1:
@@ -233,32 +245,23 @@ class Engine:
         return self._finish(q, gen, n, n, load_ms, digest)
 
     def generate_cached(self, q: Question, digest: str, on_text=None, should_stop=None, score: bool = False):
-        """Answer over a resident request buffer of snapshot `digest`: (Generated, prefix tokens,
-        load ms, mean log-probability of the answer when `score`)."""
+        """Answer over resident snapshot `digest`: (Generated, prefix tokens, load ms, mean
+        log-probability of the answer's tokens when `score`)."""
         t0 = time.perf_counter()
-        res, cache = self.resident.acquire(digest, lambda: self._load_resident(digest), self._new_buffer)
+        res = self.resident.get(digest, lambda: self._load_resident(digest))
         load_ms = (time.perf_counter() - t0) * 1e3
-        try:
-            n = res.snap.n_tokens
-            gen = generate(self.lm, cache, n, q.suffix, q.decoding, self.settings.chunk_tokens, on_text,
-                           should_stop, q.t_start)
-            logprob = sharded.mean_logprob(self, cache, q, n, gen) if score else None
-        finally:
-            self.resident.release(digest, res, cache)
-        return gen, n, load_ms, logprob
+        gen, logprob = self._generate(res.prefix, q, on_text, should_stop, score)
+        return gen, res.prefix.n, load_ms, logprob
+
+    def _generate(self, prefix: Prefix, q: Question, on_text, should_stop, score: bool = False):
+        req = self.decoder.run(Request(prefix, q.suffix, q.decoding, on_text, should_stop, q.t_start, score))
+        return req.result, req.mean_logprob()
 
     def _load_resident(self, digest: str) -> Resident:
         snap = self.open_snapshot(self.index.snapshot(digest))
-        if self.lm.device.type != "cpu":  # resident on the device: a new buffer is a device-to-device copy
-            snap.kv = [(k.to(self.lm.device), v.to(self.lm.device)) for k, v in snap.kv]
-        max_len = snap.n_tokens + self.room
-        nbytes = sum(t.nbytes for pair in snap.kv for t in pair) + self.settings.warm_buffers * self.lm.kv_bytes(max_len)
-        return Resident(snap, max_len, nbytes)
-
-    def _new_buffer(self, res: Resident):
-        cache = kv.new_cache(self.lm.model, res.max_len)
-        kv.load_into(cache, res.snap.kv, self.lm.dtype, self.lm.device)
-        return cache
+        prefix = Prefix.of(snap.kv, self.lm.dtype, self.lm.device)  # once: every request reads this one
+        snap.kv = []  # the storage-dtype tensors are not needed again
+        return Resident(snap, prefix)
 
     def _finish(self, q: Question, gen: Generated, n_prefix: int, cached: int, load_ms: float,
                 snapshot: str | None, **extra) -> Answer:

@@ -9,7 +9,6 @@ from dataclasses import dataclass
 import torch
 
 from . import kv
-from . import step as lean
 
 
 @dataclass(frozen=True)
@@ -61,12 +60,10 @@ def decode(
 ) -> Iterator[int]:
     """Yield generated token ids. `logits` (V,) are those of the last prompt token at pos-1.
 
-    Each step runs the lean step (cag.step: the model's own modules without transformers'
-    per-layer Python) where it applies to the model and cache, else the transformers forward."""
+    Every step is a transformers forward over `cache`: the path for models the batched step
+    (cag.step, cag.batch) does not cover."""
     device = logits.device
     gen = torch.Generator().manual_seed(cfg.seed) if cfg.seed is not None and cfg.temperature > 0 else None
-    built = lean.for_model(model)
-    run = built.bind(cache) if built is not None else None
     for i in range(cfg.max_tokens):
         tok = _pick(logits if gen is None else logits.cpu(), cfg, gen)  # a seeded generator lives on the CPU
         if tok in stops:
@@ -74,17 +71,14 @@ def decode(
         yield tok
         if i + 1 == cfg.max_tokens or (should_stop and should_stop()):
             return
-        if run is not None:
-            logits = run(tok, pos)
-        else:
-            p = torch.tensor([pos], device=device)  # (1,)
-            logits = model(
-                input_ids=torch.tensor([[tok]], device=device),
-                past_key_values=cache,
-                cache_position=p,
-                position_ids=p.unsqueeze(0),
-                use_cache=True,
-            ).logits[0, -1]
+        p = torch.tensor([pos], device=device)  # (1,)
+        logits = model(
+            input_ids=torch.tensor([[tok]], device=device),
+            past_key_values=cache,
+            cache_position=p,
+            position_ids=p.unsqueeze(0),
+            use_cache=True,
+        ).logits[0, -1]
         pos += 1
 
 

@@ -76,9 +76,14 @@ def set_length(cache: StaticCache, n: int) -> None:
         layer.cumulative_length.fill_(n)
 
 
+def views(cache: StaticCache, n: int) -> KV:
+    """Views of the first n positions of every layer, where they are: (1, H_kv, n, D)."""
+    return [(layer.keys[:, :, :n], layer.values[:, :, :n]) for layer in cache.layers]
+
+
 def export(cache: StaticCache, n: int) -> KV:
-    """Views of the first n positions of every layer: (1, H_kv, n, D)."""
-    return [(layer.keys[:, :, :n].cpu(), layer.values[:, :, :n].cpu()) for layer in cache.layers]  # .cpu(): no copy on the CPU
+    """The first n positions of every layer on the CPU (to save): (1, H_kv, n, D)."""
+    return [(k.cpu(), v.cpu()) for k, v in views(cache, n)]  # .cpu(): no copy on the CPU
 
 
 def load_into(cache: StaticCache, kv: KV, dtype: torch.dtype, device: torch.device | str = "cpu") -> None:

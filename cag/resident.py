@@ -1,10 +1,9 @@
-"""Snapshots kept in memory between questions: an LRU of loaded snapshots, each with a few warm
-request buffers whose first n positions already hold the prefix.
+"""Snapshots kept in memory between questions: an LRU of loaded snapshots, each as a `Prefix`
+(its K/V in the compute dtype on the compute device), held once and read by every request on it.
 
-A request takes a buffer (`acquire`), prefills its question at positions n.., decodes, and hands
-the buffer back (`release`), which only resets the write position to n: the prefix is never copied
-per token and never written by a question. The pool owns its state and its lock; the engine tells
-it how to load a snapshot and how to make a buffer.
+A request never writes the prefix: its question and answer go to its own suffix slot (cag.slots),
+so concurrent requests on one snapshot share it with no copy. The pool owns its state and its
+lock; the engine tells it how to load a snapshot.
 """
 
 from __future__ import annotations
@@ -12,54 +11,48 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from cag.store.snapshots import Snapshot
 
-from . import kv
+from .slots import Prefix
 
 
 @dataclass
 class Resident:
-    """A loaded snapshot plus ready request buffers (positions [0, n) hold the prefix)."""
+    """A loaded, verified snapshot (its header and ids; its tensors live on as `prefix`)."""
 
     snap: Snapshot
-    max_len: int  # buffer length: n_tokens + question room + answer room
-    nbytes: int  # snapshot tensors + warm buffers, for the LRU budget
-    free: list = field(default_factory=list)
+    prefix: Prefix
+
+    @property
+    def nbytes(self) -> int:
+        return self.prefix.nbytes
 
 
 class ResidentPool:
-    def __init__(self, budget_bytes: int, warm_buffers: int):
+    def __init__(self, budget_bytes: int):
         self.budget_bytes = budget_bytes
-        self.warm_buffers = warm_buffers
         self._items: OrderedDict[str, Resident] = OrderedDict()
         self._lock = threading.Lock()
         self.stats = {"snapshot_hits": 0, "snapshot_loads": 0}  # read by /metrics
 
-    def acquire(self, digest: str, load: Callable[[], Resident], new_buffer: Callable[[Resident], object]):
-        """(resident, buffer holding its prefix); `load` reads and verifies the file on a miss."""
+    def get(self, digest: str, load: Callable[[], Resident]) -> Resident:
+        """The resident snapshot; `load` reads and verifies the file on a miss. An evicted one stays
+        valid for the requests still holding it."""
         with self._lock:
             res = self._items.get(digest)
             if res is not None:
                 self._items.move_to_end(digest)
                 self.stats["snapshot_hits"] += 1
-                if res.free:
-                    return res, res.free.pop()
-        if res is None:
-            res = load()
-            with self._lock:
-                self.stats["snapshot_loads"] += 1
-                self._items[digest] = res
-                self._items.move_to_end(digest)
-                self._shrink()
-        return res, new_buffer(res)
-
-    def release(self, digest: str, res: Resident, buffer) -> None:
-        kv.set_length(buffer, res.snap.n_tokens)  # positions >= n are scratch for the next question
+                return res
+        res = load()
         with self._lock:
-            if self._items.get(digest) is res and len(res.free) < self.warm_buffers:
-                res.free.append(buffer)  # warm buffers make concurrent hits free; each holds (n + room) KV
+            self.stats["snapshot_loads"] += 1
+            self._items[digest] = res
+            self._items.move_to_end(digest)
+            self._shrink()
+        return res
 
     def evict(self, digest: str | None = None) -> None:
         with self._lock:

@@ -4,7 +4,7 @@ shard's snapshot, keep the answer the model is most confident in.
 Routing reads each shard's text from its snapshot's own token ids (what is served, even when the
 files on disk moved on), so a router is built once per set of shard snapshots and kept. With
 `shards` > 1 every chosen shard answers, each answer is scored by the mean log-probability of its
-tokens (one extra forward over question + answer), and the best one is returned; its text is
+tokens (kept while decoding), and the best one is returned; its text is
 streamed once chosen, since the others were not worth streaming.
 """
 
@@ -16,7 +16,7 @@ from pathlib import Path
 
 from cag.store import snapshots as snapfiles
 
-from . import kv, routing
+from . import routing
 from .errors import NotFound, SnapshotCorrupt
 from .generate import Generated
 
@@ -76,10 +76,3 @@ def answer(engine, q, k: int, on_text, should_stop):
     if len(routes) > 1 and on_text and best.gen.text:
         on_text(best.gen.text)
     return best, tried, routing_ms
-
-
-def mean_logprob(engine, cache, q, n_prefix: int, gen: Generated) -> float | None:
-    if not gen.ids:
-        return None
-    lps = kv.answer_logprobs(engine.lm.model, cache, q.suffix, gen.ids, n_prefix)
-    return sum(lps) / len(lps)

@@ -26,10 +26,10 @@ transformers forward.
 
 from __future__ import annotations
 
+import functools
 import importlib
 
 import torch
-import torch.nn.functional as F
 
 ATTR = "_cag_lean_step"  # where the built step (or the verdict None) is kept on the model
 # model_type -> class-name prefix: decoder layers identical to Llama's (norm -> attention ->
@@ -111,19 +111,20 @@ class LeanStep:
         self.embed = inner.embed_tokens.weight  # (V, hidden)
         self.rope = inner.rotary_emb
         self.final = (inner.norm.weight, inner.norm.variance_epsilon)
-        self.head = model.lm_head.forward
-        self.layers = []
+        self.head = getattr(model.lm_head, "decode", model.lm_head.forward)  # one row per request: the packed copy
         first = inner.layers[0].self_attn
         self.head_dim, self.rep = first.head_dim, first.num_key_value_groups
+        self.layer_fns, self.decode_fns = [], []  # per layer; decode_fns use the packed weights (FastLinear.decode)
         for layer in inner.layers[: config.num_hidden_layers]:
             a, m = layer.self_attn, layer.mlp
-            # Bound forwards skip Module.__call__ (no hooks here: checked) — a few µs x 7 x layers.
-            self.layers.append((
-                layer.input_layernorm.weight, layer.input_layernorm.variance_epsilon,
-                a.q_proj.forward, a.k_proj.forward, a.v_proj.forward, a.o_proj.forward, a.scaling,
-                layer.post_attention_layernorm.weight, layer.post_attention_layernorm.variance_epsilon,
-                m.gate_proj.forward, m.up_proj.forward, m.down_proj.forward, m.act_fn.forward,
-            ))
+            for fns, attr in ((self.layer_fns, "forward"), (self.decode_fns, "decode")):
+                f = functools.partial(_fn, attr=attr)  # bound forwards skip Module.__call__: a few µs x 7 x layers
+                fns.append((
+                    layer.input_layernorm.weight, layer.input_layernorm.variance_epsilon,
+                    f(a.q_proj), f(a.k_proj), f(a.v_proj), f(a.o_proj), a.scaling,
+                    layer.post_attention_layernorm.weight, layer.post_attention_layernorm.variance_epsilon,
+                    f(m.gate_proj), f(m.up_proj), f(m.down_proj), m.act_fn.forward,
+                ))
         half = self.head_dim // 2
         # rotate_half(x) = cat(-x2, x1) = roll(x, D/2) * sign, sign = (-1)*D/2 ++ (+1)*D/2
         self.sign = torch.cat([-torch.ones(half), torch.ones(half)]).to(self.device, self.dtype)  # (D,)
@@ -132,56 +133,84 @@ class LeanStep:
         """Still the model's modules (identity: modules define no __eq__), dtype and device."""
         return self.embed.dtype == self.dtype and self.embed.device == self.device and _refs(model) == self.refs
 
-    def bind(self, cache):
-        """The step function over `cache` (a StaticCache laid out for this model), or None."""
-        from transformers.cache_utils import StaticLayer
-
-        layers = getattr(cache, "layers", None)
-        if not layers or len(layers) != len(self.layers) or _global_hooks():
-            return None
-        kvs = []
-        for layer in layers:
-            if type(layer) is not StaticLayer or not layer.is_initialized:
-                return None
-            k, v = layer.keys, layer.values
-            if (k.dtype != self.dtype or v.dtype != self.dtype or k.device != self.device
-                    or k.shape[:2] != (1, self.n_kv) or k.shape[3] != self.head_dim or v.shape != k.shape):
-                return None
-            kvs.append((k, v, layer.cumulative_length))
-        return _Bound(self, kvs)
-
-
-class _Bound:
-    """One request's decode over one cache. Its position tensor is its own (requests run in threads)."""
-
-    def __init__(self, step: LeanStep, kvs: list):
-        self.step, self.kvs = step, kvs
-        self.pos = torch.zeros(1, 1, dtype=torch.long, device=step.device)  # (1, 1) position_ids
-
     @torch.inference_mode()
-    def __call__(self, tok: int, pos: int) -> torch.Tensor:
-        """Run token `tok` at position `pos`: write its K/V at `pos`, return its logits (V,)."""
-        s = self.step
+    def forward(self, toks: torch.Tensor, prefixes: list, slots: torch.Tensor, starts: torch.Tensor,
+                buffers, all_logits: bool = False) -> torch.Tensor:
+        """m new tokens for each of B requests, in one pass over the weights.
+
+        toks (B, m): request b's tokens, written to suffix positions starts[b] .. starts[b]+m-1 of its
+        slot slots[b] in `buffers` (cag.slots.Slots) and seen at absolute positions n_b + those, where
+        n_b = prefixes[b].n. Each token attends to all of its request's prefix (shared, read-only, never
+        copied: requests on one Prefix read it once per layer together) and causally to its own suffix.
+        Returns logits (B, V) of each request's last token, or (B, m, V) with all_logits."""
+        s = self
         rms, n_kv, rep, d, half = s.rms, s.n_kv, s.rep, s.head_dim, s.head_dim // 2
-        n = pos + 1
-        self.pos.fill_(pos)
-        h = s.embed.narrow(0, tok, 1)  # (1, hidden), a view: never written in place
-        cos, sin = s.rope(h, self.pos)  # (1, 1, D) each: the model's own rope, as transformers calls it
-        cos, sin = cos.view(d), sin.view(d) * s.sign  # sin with its first half negated, (D,)
-        for (w1, e1, q_f, k_f, v_f, o_f, scale, w2, e2, g_f, u_f, d_f, act), (keys, values, length) in zip(s.layers, self.kvs):
+        B, m = toks.shape
+        M = m * rep  # query rows per request and K/V head: token t, head r -> row t*rep + r
+        fns = s.decode_fns if m == 1 else s.layer_fns  # packed weights for decode rows only (see weights.py)
+        n = torch.tensor([p.n for p in prefixes], device=s.device)  # (B,)
+        suf = starts.to(s.device)[:, None] + torch.arange(m, device=s.device)  # (B, m) suffix positions
+        L = int(suf.max()) + 1  # suffix keys anyone can see
+        h = s.embed.index_select(0, toks.reshape(-1).to(s.device))  # (B*m, hidden)
+        cos, sin = s.rope(h, (n[:, None] + suf).view(1, -1))  # (1, B*m, D): the model's rope
+        cos, sin = cos.view(B * m, 1, d), sin.view(B * m, 1, d) * s.sign
+        hidden = (torch.arange(L, device=s.device) > suf.repeat_interleave(rep, 1)[:, :, None])[:, None]  # (B, 1, M, L)
+        rows_slot = slots.repeat_interleave(m)  # (B*m,) where each token's K/V is written
+        rows_pos = suf.reshape(-1)
+        groups = _groups(prefixes, s.device)
+        one = int(slots[0]) if B == 1 else None  # a single request reads its slot as a view
+        up = s.dtype != torch.float32
+        for i, ((w1, e1, q_f, k_f, v_f, o_f, scale, w2, e2, g_f, u_f, d_f, act), K, V) in enumerate(
+                zip(fns, buffers.k, buffers.v)):
             x = rms(h, w1, e1)
-            q = q_f(x).view(1, n_kv, rep, d)  # head kv*rep + r -> (kv, r), as repeat_kv pairs them
-            k = k_f(x).view(1, n_kv, d)
-            torch.add(k * cos, k.roll(half, -1) * sin, out=keys.select(2, pos))  # roped K, in place
-            values.select(2, pos).copy_(v_f(x).view(1, n_kv, d))
-            length.fill_(n)  # the cache's own count: the next transformers forward writes at n
-            q = q * cos + q.roll(half, -1) * sin
-            a = F.scaled_dot_product_attention(q, keys.narrow(2, 0, n), values.narrow(2, 0, n), scale=scale)
-            h = h + o_f(a.reshape(1, n_kv * rep * d))  # (1, H_kv, rep, D) -> (1, H*D), head-major
+            q = q_f(x).view(B * m, n_kv * rep, d)
+            k = k_f(x).view(B * m, n_kv, d)
+            K[rows_slot, :, rows_pos] = k * cos + k.roll(half, -1) * sin  # roped K into the request's slot
+            V[rows_slot, :, rows_pos] = v_f(x).view(B * m, n_kv, d)
+            q = (q * cos + q.roll(half, -1) * sin).view(B, m, n_kv, rep, d).transpose(1, 2).reshape(B, n_kv, M, d)
+            Ks = K[slots, :, :L] if one is None else K[one, None, :, :L]  # (B, H_kv, L, D): only the suffix is per request
+            Vs = V[slots, :, :L] if one is None else V[one, None, :, :L]
+            if up:  # scores of bf16/fp16 products rounded to 8 bits would move the softmax: attend in float32
+                q, Ks, Vs = q.float(), Ks.float(), Vs.float()
+            ss = torch.matmul(q, Ks.transpose(-1, -2)).mul_(scale).masked_fill_(hidden, float("-inf"))  # (B, H_kv, M, L)
+            o = torch.empty_like(q) if len(groups) > 1 else None
+            for prefix, idx in groups:
+                Kp, Vp = prefix.kv[i]  # (1, H_kv, n, D), shared
+                if up:
+                    Kp, Vp = Kp.float(), Vp.float()
+                qg, sg, vg = (q, ss, Vs) if idx is None else (q[idx], ss[idx], Vs[idx])
+                b, np_ = qg.shape[0], Kp.shape[2]
+                sp = torch.matmul(qg.transpose(0, 1).reshape(n_kv, b * M, d), Kp[0].transpose(-1, -2)).mul_(scale)
+                p = torch.cat([sp.view(n_kv, b, M, np_).transpose(0, 1), sg], -1)  # (b, H_kv, M, n + L)
+                p = torch.softmax(p, -1)  # one softmax over prefix and suffix keys
+                og = torch.matmul(p[..., :np_].transpose(0, 1).reshape(n_kv, b * M, np_), Vp[0])  # (H_kv, b*M, D)
+                og = og.view(n_kv, b, M, d).transpose(0, 1) + torch.matmul(p[..., np_:], vg)  # (b, H_kv, M, D)
+                if o is None:
+                    o = og
+                else:
+                    o[idx] = og
+            o = o.view(B, n_kv, m, rep, d).transpose(1, 2).reshape(B * m, n_kv * rep * d).to(h.dtype)  # head-major, as o_proj expects
+            h = h + o_f(o)
             x = rms(h, w2, e2)
             h = h + d_f(act(g_f(x)) * u_f(x))
         w, e = s.final
-        return s.head(rms(h, w, e))[0]  # (V,)
+        h = h.view(B, m, -1)
+        return s.head(rms(h if all_logits else h[:, -1], w, e))
+
+
+def _fn(lin, attr: str):
+    """The module's `attr` method (FastLinear.decode: packed weights for any rows), else its forward."""
+    return getattr(lin, attr, lin.forward)
+
+
+def _groups(prefixes: list, device) -> list[tuple]:
+    """[(prefix, row indices or None for all rows)]: requests that share a Prefix read it together."""
+    if all(p is prefixes[0] for p in prefixes):
+        return [(prefixes[0], None)]
+    by: dict[int, tuple] = {}
+    for b, p in enumerate(prefixes):
+        by.setdefault(id(p), (p, []))[1].append(b)
+    return [(p, torch.tensor(rows, device=device)) for p, rows in by.values()]
 
 
 def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:

@@ -56,7 +56,7 @@ def _pack_int4(w: torch.Tensor):
 
 
 class FastLinear(torch.nn.Module):
-    """nn.Linear with a packed copy of its weight for single-row (decode) products."""
+    """nn.Linear with a packed copy of its weight for decode rows (one per request in a batch)."""
 
     def __init__(self, linear: torch.nn.Linear, fmt: str):
         super().__init__()
@@ -69,7 +69,11 @@ class FastLinear(torch.nn.Module):
         rows = x.numel() // self.in_features
         if rows != 1:
             return F.linear(x, self.weight, self.bias)
-        x2 = x.reshape(1, self.in_features).to(torch.bfloat16)  # (1, in)
+        return self.decode(x)
+
+    def decode(self, x: torch.Tensor) -> torch.Tensor:
+        """The packed product for decode rows: one row per request of a batch (B, in) -> (B, out)."""
+        x2 = x.reshape(-1, self.in_features).to(torch.bfloat16)  # (rows, in)
         if self.fmt == "bf16":
             y = torch.ops.mkldnn._linear_pointwise(x2, self.packed, None, "none", [], "")
         elif self.fmt == "int8":

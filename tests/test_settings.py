@@ -42,7 +42,7 @@ def test_defaults_are_valid_and_flags_win(monkeypatch):
     ("CAG_ANSWER_ROOM", "0", "greater than or equal to 1"),
     ("CAG_MAX_TOKENS", "0", "greater than or equal to 1"),
     ("CAG_THREADS", "-1", "CAG_THREADS='-1': Input should be greater than or equal to 0"),
-    ("CAG_WARM_BUFFERS", "-1", "greater than or equal to 0"),
+    ("CAG_MAX_BATCH", "0", "greater than or equal to 1"),
     ("CAG_RESIDENT_BYTES", "-1", "greater than or equal to 0"),
     ("CAG_TTL_S", "-5", "CAG_TTL_S='-5': Input should be greater than or equal to 0"),
     ("CAG_TTL_S", "nan", "CAG_TTL_S='nan': Input should be a finite number"),

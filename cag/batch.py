@@ -1,0 +1,216 @@
+"""Continuous batching: every active request advances one token per step, in one forward.
+
+Decoding one request reads every weight once per token; B requests decoded together read them
+once for all B (cag.step), and requests on the same snapshot read its prefix once too. One
+scheduler thread owns the model's decode work: a request (from any thread) is queued, joins the
+batch at the next step once its question is prefilled (alone, so its first token never depends on
+what else runs), and leaves when it stops: a stop token, max_tokens, or its `should_stop` (client
+gone, timeout). Its own failure (a callback raising) ends only that request.
+
+Exactness: a request's tokens are computed by the same code whether it runs alone (a batch of
+one) or with others; in a batch, the weight products see B rows instead of one, which a BLAS may
+sum in another order, so a last-bit difference can flip a near-tie (measured in bench/bench_batch.py).
+
+Models the batched step does not cover (cag.step.why_not) decode alone, in the caller's thread,
+through the transformers forward over a buffer holding a copy of the prefix.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from . import kv
+from . import step as lean
+from .generate import DecodeConfig, Generated, TextStream, _pick, generate
+from .slots import Prefix, Slots
+
+log = logging.getLogger("cag")
+
+
+@dataclass(eq=False)
+class Request:
+    prefix: Prefix
+    suffix: list[int]  # question tokens, prefilled at the prefix's end
+    cfg: DecodeConfig
+    on_text: Callable[[str], None] | None = None
+    should_stop: Callable[[], bool] | None = None
+    t_start: float = field(default_factory=time.perf_counter)
+    score: bool = False  # keep each answer token's log-probability (sharded corpora pick by it)
+    # scheduler state
+    slot: int | None = None
+    length: int = 0  # suffix positions written
+    next_tok: int | None = None
+    ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    t_first: float | None = None
+    stream: TextStream | None = None
+    gen: torch.Generator | None = None  # a seeded request's sampler
+    error: BaseException | None = None
+    result: Generated | None = None
+    done: threading.Event = field(default_factory=threading.Event)
+
+    def mean_logprob(self) -> float | None:
+        return sum(self.logprobs) / len(self.logprobs) if self.logprobs else None
+
+
+class Decoder:
+    """Answers over prefixes: batched (one scheduler thread) where cag.step applies, else alone."""
+
+    def __init__(self, lm, room: int, max_batch: int, threads: int = 0, chunk: int = 512):
+        self.lm, self.room, self.max_batch, self.threads, self.chunk = lm, room, max_batch, threads, chunk
+        self.step = lean.for_model(lm.model)
+        self.slots: Slots | None = None
+        self._pending: deque[Request] = deque()
+        self._active: list[Request] = []
+        self._cond = threading.Condition()
+        self._thread: threading.Thread | None = None
+        self.stats = {"decode_steps": 0, "decode_rows": 0, "batch_max": 0}  # read by /metrics
+
+    @property
+    def batched(self) -> bool:
+        return self.step is not None
+
+    @property
+    def active(self) -> int:
+        return len(self._active)
+
+    @property
+    def slot_bytes(self) -> int:
+        lm = self.lm
+        return Slots.slot_bytes(lm.n_layers, lm.n_kv_heads, lm.head_dim, self.room, lm.dtype)
+
+    def run(self, req: Request) -> Request:
+        """Answer `req`; blocks until it is done. Raises its error (kv.Cancelled when it was stopped
+        before its question was prefilled)."""
+        if self.step is None:
+            self._alone(req)
+        else:
+            with self._cond:
+                if self._thread is None:
+                    lm = self.lm
+                    self.slots = Slots(lm.n_layers, lm.n_kv_heads, lm.head_dim, self.room, self.max_batch, lm.dtype, lm.device)
+                    self._thread = threading.Thread(target=self._loop, name="cag-decode", daemon=True)
+                    self._thread.start()
+                self._pending.append(req)
+                self._cond.notify()
+            req.done.wait()
+        if req.error is not None:
+            raise req.error
+        return req
+
+    # -- the scheduler thread ----------------------------------------------------------------------
+    def _loop(self) -> None:
+        if self.threads > 0:
+            torch.set_num_threads(self.threads)
+        with torch.inference_mode():
+            while True:
+                with self._cond:
+                    while not self._pending and not self._active:
+                        self._cond.wait()
+                    new = [self._pending.popleft() for _ in range(min(len(self._pending), self.max_batch - len(self._active)))]
+                for req in new:
+                    self._admit(req)
+                if self._active:
+                    self._step()
+
+    def _admit(self, req: Request) -> None:
+        """Prefill the question alone (a batch of one) and emit the first token."""
+        if req.should_stop and req.should_stop():
+            return self._finish(req, kv.Cancelled("stopped before its question was prefilled"))
+        req.slot = self.slots.take()
+        try:
+            logits = self.step.forward(torch.tensor([req.suffix]), [req.prefix], torch.tensor([req.slot]),
+                                       torch.tensor([0]), self.slots)[0]  # (V,)
+        except Exception as e:  # noqa: BLE001 - this request's failure, handed to its caller
+            return self._finish(req, e)
+        req.length = len(req.suffix)
+        req.stream, req.gen = TextStream(self.lm.tokenizer), _generator(req.cfg)
+        self._active.append(req)
+        self._emit(req, logits)
+
+    def _step(self) -> None:
+        batch = list(self._active)
+        toks = torch.tensor([[r.next_tok] for r in batch])  # (B, 1)
+        try:
+            logits = self.step.forward(toks, [r.prefix for r in batch], torch.tensor([r.slot for r in batch]),
+                                       torch.tensor([r.length for r in batch]), self.slots)  # (B, V)
+        except Exception as e:  # noqa: BLE001 - the step itself failed (memory?): every request in it
+            log.exception("decode step failed")
+            for r in batch:
+                self._finish(r, e)
+            return
+        self.stats["decode_steps"] += 1
+        self.stats["decode_rows"] += len(batch)
+        self.stats["batch_max"] = max(self.stats["batch_max"], len(batch))
+        for i, r in enumerate(batch):
+            r.length += 1
+            self._emit(r, logits[i])
+
+    def _emit(self, req: Request, logits: torch.Tensor) -> None:
+        """Pick the next token from `logits` (V,): stop, or hand it out and schedule it."""
+        cfg = req.cfg
+        tok = _pick(logits if req.gen is None else logits.cpu(), cfg, req.gen)  # a seeded generator lives on the CPU
+        if tok in self.lm.stops:
+            return self._finish(req)
+        if req.t_first is None:
+            req.t_first = time.perf_counter()
+        req.ids.append(tok)
+        if req.score:
+            req.logprobs.append(float(torch.log_softmax(logits.float(), -1)[tok]))
+        try:
+            piece = req.stream.push(tok)
+            if req.on_text and piece:
+                req.on_text(piece)
+            stop = req.should_stop is not None and req.should_stop()
+        except Exception as e:  # noqa: BLE001 - a failing callback ends its own request only
+            return self._finish(req, e)
+        if len(req.ids) >= cfg.max_tokens or stop or req.length >= self.room:
+            return self._finish(req)
+        req.next_tok = tok
+
+    def _finish(self, req: Request, error: BaseException | None = None) -> None:
+        if req in self._active:
+            self._active.remove(req)
+        if req.slot is not None:
+            self.slots.give(req.slot)
+            req.slot = None
+        if error is None:
+            try:
+                if req.on_text and (tail := req.stream.flush()):
+                    req.on_text(tail)  # a partial character held back: the pieces add up to the text
+            except Exception as e:  # noqa: BLE001
+                error = e
+        if error is None:
+            req.result = _generated(req, req.stream.text, time.perf_counter())
+        req.error = error
+        req.done.set()
+
+    # -- models the batched step does not cover -------------------------------------------------------
+    def _alone(self, req: Request) -> None:
+        lm, n = self.lm, req.prefix.n
+        cache = kv.new_cache(lm.model, n + self.room)
+        kv.load_into(cache, req.prefix.kv, lm.dtype, lm.device)
+        try:
+            req.result = generate(lm, cache, n, req.suffix, req.cfg, self.chunk, req.on_text, req.should_stop, req.t_start)
+            if req.score and req.result.ids:
+                req.logprobs = kv.answer_logprobs(lm.model, cache, req.suffix, req.result.ids, n)
+        except Exception as e:  # noqa: BLE001 - raised by run()
+            req.error = e
+
+
+def _generator(cfg: DecodeConfig) -> torch.Generator | None:
+    return torch.Generator().manual_seed(cfg.seed) if cfg.seed is not None and cfg.temperature > 0 else None
+
+
+def _generated(req: Request, text: str, t_end: float) -> Generated:
+    ttft = ((req.t_first or t_end) - req.t_start) * 1e3
+    n = len(req.ids)
+    rate = (n - 1) / (t_end - req.t_first) if req.t_first is not None and n > 1 and t_end > req.t_first else None
+    return Generated(text.strip(), list(req.ids), ttft, round(rate, 2) if rate else None)
