@@ -2,7 +2,8 @@
 
 HTTP: requests by route/method/status, latency histograms by route. Model: tokens by kind
 (prompt, cached = served from a snapshot, completion), time to first token, generations stopped
-early. Engine (read at scrape time): resident snapshot hits and loads, resident bytes, queue.
+early. Engine (read at scrape time): resident snapshot hits and loads, resident bytes, queue, the
+decode batch (steps, rows, size now).
 """
 
 from __future__ import annotations
@@ -34,8 +35,16 @@ class _EngineCollector:
                                   value=stats.get("snapshot_hits", 0))
         yield CounterMetricFamily("cag_snapshot_loads", "Snapshot files loaded (resident cache misses).",
                                   value=stats.get("snapshot_loads", 0))
-        yield GaugeMetricFamily("cag_resident_bytes", "Bytes held by resident snapshots and their buffers (LRU bound: CAG_RESIDENT_BYTES).",
+        yield GaugeMetricFamily("cag_resident_bytes", "Bytes held by resident snapshots (LRU bound: CAG_RESIDENT_BYTES).",
                                 value=engine.resident_bytes)
+        yield CounterMetricFamily("cag_decode_steps", "Batched decode steps (one forward for every active request).",
+                                  value=stats.get("decode_steps", 0))
+        yield CounterMetricFamily("cag_decode_rows", "Tokens decoded in batched steps (rows / steps = mean batch size).",
+                                  value=stats.get("decode_rows", 0))
+        yield GaugeMetricFamily("cag_decode_batch", "Requests in the decode batch now (CAG_MAX_BATCH at most).",
+                                value=stats.get("decode_active", 0))
+        yield GaugeMetricFamily("cag_decode_waiting", "Requests waiting for a place in the decode batch.",
+                                value=stats.get("decode_waiting", 0))
         yield GaugeMetricFamily("cag_generations_running", "Generations running on a worker.", value=self.running())
         yield GaugeMetricFamily("cag_generations_waiting", "Generations admitted and waiting for a worker.", value=self.waiting())
         yield GaugeMetricFamily("cag_model_loaded", "1 once the model is loaded.", value=1 if self.ready() else 0)

@@ -19,10 +19,11 @@ class ApiSettings(BaseSettings):
     api_keys: str | None = Field(default=None, repr=False)
     max_body_bytes: int = Field(1024 * 1024, ge=1)  # larger request bodies get 413
     max_question_chars: int = Field(8000, ge=1)  # longer questions get 413 before any tokenizing
-    # generations running at once, each on its own thread with CAG_THREADS torch threads, or when that
-    # is unset, cores / workers: one thread driving all cores thrashes in OpenMP barriers as soon as
-    # anything else runs on the machine (measured: 0.7 vs 10 tok/s, see bench/bench_api.py)
-    workers: int = Field(2, ge=1)
+    # generations admitted at once, each on its own thread (question checks, snapshot loads, and the
+    # prompt prefill of `full` and RAG, with CAG_THREADS torch threads, or cores / workers when unset);
+    # their decoding runs batched on the engine's one decode thread (CAG_MAX_BATCH at a time), so
+    # up to CAG_MAX_BATCH workers keep the batch full
+    workers: int = Field(16, ge=1)
     max_queue: int = Field(16, ge=0)  # requests allowed to wait for a worker; beyond that 429 + Retry-After
     request_timeout_s: float = Field(300.0, gt=0, allow_inf_nan=False)  # queue wait + generation; past it 504
     cors_origins: str = ""  # comma-separated origins, "*" for any; CORS is off when empty

@@ -1,11 +1,14 @@
 """Load benchmark of `cag serve` on loopback with the embedded model on corpora/handbook.
 
-    python -m bench.bench_api [--requests 16] [--concurrency 4,8] [--configs 2:0,1:1] [--max-tokens 16]
+    python -m bench.bench_api [--requests 16] [--concurrency 1,2,4,8,16] [--configs 16:0:16,16:0:1] [--max-tokens 32]
 
-For each server configuration (CAG_WORKERS:CAG_THREADS; 0 threads = the server's default, cores / workers):
-a real `cag serve` process; a fixed number of /v1/ask requests at each
-concurrency (clients = threads with their own httpx connection), questions from the handbook's
-questions.jsonl: requests/s, p50/p95 latency, errors (must be 0), server peak RSS (VmHWM).
+For each server configuration (CAG_WORKERS:CAG_THREADS:CAG_MAX_BATCH; 0 threads = the server's
+default): a real `cag serve` process; at each concurrency, max(--requests, 3 x clients) /v1/ask
+requests (clients = threads with their own httpx connection, each sending its next request when
+its answer arrived), questions from the handbook's questions.jsonl: aggregate completion tokens/s,
+p50/p95 latency, server TTFT p50, errors (must be 0), the mean decode batch (from /metrics), and
+the server's peak RSS (VmHWM) after each level. The default pair of configurations is batched
+decoding (CAG_MAX_BATCH=16) and one request at a time (CAG_MAX_BATCH=1), side by side in one run.
 Then time to first token of a resident hit vs a cold load (the snapshot evicted by another corpus
 under CAG_RESIDENT_BYTES=1), measured by a streaming client and by the server's own timings.
 Writes bench/results/api.json and bench/results/api.md.
@@ -51,6 +54,16 @@ def proc_status(pid: int) -> dict[str, int]:
             name, value = line.split(":")
             out[name] = int(value.split()[0]) * 1024
     return out
+
+
+def decode_counters(url: str) -> tuple[float, float]:
+    """(decode steps, decode rows) from the server's /metrics."""
+    got = {}
+    for line in httpx.get(f"{url}/metrics").text.splitlines():
+        if line.startswith(("cag_decode_steps_total ", "cag_decode_rows_total ")):
+            name, value = line.split()
+            got[name] = float(value)
+    return got.get("cag_decode_steps_total", 0.0), got.get("cag_decode_rows_total", 0.0)
 
 
 def stream_ask(client: httpx.Client, corpus: str, question: str, max_tokens: int) -> dict:
@@ -119,25 +132,26 @@ def load_run(url: str, questions: list[str], concurrency: int, n_requests: int, 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--requests", type=int, default=16, help="requests per concurrency level")
-    ap.add_argument("--concurrency", default="4,8")
-    ap.add_argument("--configs", default="2:0,1:1",
-                    help="server configurations WORKERS:THREADS (CAG_WORKERS, CAG_THREADS; 0 = the server's "
-                         "default, cores / workers)")
-    ap.add_argument("--max-tokens", type=int, default=16)
+    ap.add_argument("--concurrency", default="1,2,4,8,16")
+    ap.add_argument("--configs", default="16:0:16,16:0:1",
+                    help="server configurations WORKERS:THREADS[:MAX_BATCH] (CAG_WORKERS, CAG_THREADS, CAG_MAX_BATCH; "
+                         "threads 0 = the server's default)")
+    ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--samples", type=int, default=4, help="hit / cold time-to-first-token samples")
     ap.add_argument("--home", help="CAG_HOME to use (default: a fresh temp dir)")
     ap.add_argument("--replicas", help="e.g. 1,2: instead of the runs above, plain `cag serve` vs Ray Serve with that many "
-                                       "replicas, two corpora, the largest --concurrency (bench/bench_replicas.py)")
+                                       "replicas, two corpora, --replica-clients clients (bench/bench_replicas.py)")
+    ap.add_argument("--replica-clients", type=int, default=8, help="clients of the --replicas comparison")
     args = ap.parse_args()
     if args.replicas:
         from .bench_replicas import run
 
-        clients = max(int(x) for x in args.concurrency.split(","))
+        clients = args.replica_clients
         return run([int(x) for x in args.replicas.split(",")], clients, max(args.requests, 6 * clients), args.max_tokens)
 
     home = Path(args.home) if args.home else Path(tempfile.mkdtemp(prefix="cag-bench-api-"))
     env = {k: v for k, v in os.environ.items() if k not in ("CAG_API_KEYS", "CAG_WORKERS", "CAG_MAX_QUEUE", "CAG_THREADS",
-                                                              "CAG_RESIDENT_BYTES", "CAG_HOME")}
+                                                              "CAG_RESIDENT_BYTES", "CAG_HOME", "CAG_MAX_BATCH")}
     env["CAG_HOME"] = str(home)
     env.setdefault("CAG_MODELS_DIR", str(get_settings().models_dir))  # the materialized model, not a new copy
     work = home / "bench"
@@ -162,25 +176,34 @@ def main() -> None:
                    "prefill_ms": ingest["prefill_ms"]},
         "max_tokens": args.max_tokens, "runs": [], "loadavg_start": os.getloadavg(),
     }
+    s = get_settings()
+    results["slot_mib"] = 2 * 30 * 3 * (s.question_room + s.answer_room) * 64 * 4 / 2**20  # SmolLM2: layers, H_kv, D; float32
 
     for config in args.configs.split(","):
-        workers, threads = (int(x) for x in config.split(":"))
-        print(f"serve with CAG_WORKERS={workers} CAG_THREADS={threads}", file=sys.stderr)
-        with serving(dict(env, CAG_WORKERS=str(workers), CAG_THREADS=str(threads), CAG_MAX_QUEUE="64"),
-                     work / f"server-w{workers}-t{threads}.log", timeout_s=300, cwd=REPO) as srv:
-            run: dict = {"workers": workers, "threads": threads, "ready_s": round(srv.ready_s, 1),
+        workers, threads, batch = ([int(x) for x in config.split(":")] + [16])[:3]
+        print(f"serve with CAG_WORKERS={workers} CAG_THREADS={threads} CAG_MAX_BATCH={batch}", file=sys.stderr)
+        with serving(dict(env, CAG_WORKERS=str(workers), CAG_THREADS=str(threads), CAG_MAX_QUEUE="64", CAG_MAX_BATCH=str(batch)),
+                     work / f"server-w{workers}-t{threads}-b{batch}.log", timeout_s=300, cwd=REPO) as srv:
+            run: dict = {"workers": workers, "threads": threads, "max_batch": batch, "ready_s": round(srv.ready_s, 1),
                          "rss_after_start": proc_status(srv.proc.pid)["VmRSS"]}
             with httpx.Client(base_url=srv.url, timeout=600) as c:
                 run["first_request"] = stream_ask(c, "handbook", questions[0], args.max_tokens)  # loads the snapshot
             run["load"] = []
             for conc in [int(x) for x in args.concurrency.split(",")]:
-                print(f"  {conc} clients x {args.requests} requests", file=sys.stderr)
-                run["load"].append(load_run(srv.url, questions, conc, args.requests, args.max_tokens))
+                n = max(args.requests, 3 * conc)
+                print(f"  {conc} clients x {n} requests", file=sys.stderr)
+                before = decode_counters(srv.url)
+                level = load_run(srv.url, questions, conc, n, args.max_tokens)
+                after = decode_counters(srv.url)
+                steps = after[0] - before[0]
+                level["mean_batch"] = round((after[1] - before[1]) / steps, 2) if steps else None
+                level["peak_rss_bytes"] = proc_status(srv.proc.pid)["VmHWM"]
+                run["load"].append(level)
             mem = proc_status(srv.proc.pid)
             run["peak_rss_bytes"], run["rss_bytes"] = mem["VmHWM"], mem["VmRSS"]
             run["metrics_excerpt"] = [line for line in httpx.get(f"{srv.url}/metrics").text.splitlines()
                                       if line.startswith(("cag_snapshot_hits_total", "cag_snapshot_loads_total",
-                                                          "cag_resident_bytes"))]
+                                                          "cag_resident_bytes", "cag_decode_"))]
         results["runs"].append(run)
 
     print("hit vs cold: CAG_RESIDENT_BYTES=1, a second corpus evicts the handbook between pairs", file=sys.stderr)
@@ -226,15 +249,24 @@ def markdown(res: dict) -> str:
         f"snapshot {c['snapshot_bytes'] / 2**20:.1f} MiB), `cag serve` on loopback, {res['machine']}, "
         f"/v1/ask with max_tokens={res['max_tokens']}, greedy.",
         "",
-        "| workers | torch threads each | clients | requests | req/s | completion tok/s | p50 latency s | p95 latency s | server TTFT p50 ms | errors | peak RSS MiB |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| max batch | clients | requests | req/s | completion tok/s | vs 1 client | p50 latency s | p95 latency s | p95 / 1-client p50 | server TTFT p50 ms | mean decode batch | errors | peak RSS MiB |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for run in res["runs"]:
+        one = next((lv for lv in run["load"] if lv["concurrency"] == 1), run["load"][0])
         for lv in run["load"]:
-            threads = run["threads"] or f"{max(1, res['cpus'] // run['workers'])} (default)"
-            lines.append(f"| {run['workers']} | {threads} | {lv['concurrency']} | {lv['requests']} | {lv['requests_per_s']:.2f} | "
-                         f"{lv['completion_tokens_per_s']:.1f} | {lv['latency_p50_s']:.2f} | {lv['latency_p95_s']:.2f} | "
-                         f"{lv['server_ttft_p50_ms']:.0f} | {lv['errors']} | {run['peak_rss_bytes'] / 2**20:.0f} |")
+            lines.append(f"| {run.get('max_batch', '-')} | {lv['concurrency']} | {lv['requests']} | {lv['requests_per_s']:.2f} | "
+                         f"{lv['completion_tokens_per_s']:.1f} | {lv['completion_tokens_per_s'] / one['completion_tokens_per_s']:.2f}x | "
+                         f"{lv['latency_p50_s']:.2f} | {lv['latency_p95_s']:.2f} | {lv['latency_p95_s'] / one['latency_p50_s']:.2f}x | "
+                         f"{lv['server_ttft_p50_ms']:.0f} | {lv.get('mean_batch') or '-'} | {lv['errors']} | "
+                         f"{lv.get('peak_rss_bytes', run['peak_rss_bytes']) / 2**20:.0f} |")
+        lo, hi = run["load"][0], run["load"][-1]
+        if hi["concurrency"] > lo["concurrency"] and "peak_rss_bytes" in hi:
+            per = (hi["peak_rss_bytes"] - lo["peak_rss_bytes"]) / (hi["concurrency"] - lo["concurrency"]) / 2**20
+            lines.append(f"| {run.get('max_batch', '-')} | peak RSS per extra client | | | | | | | | | | | {per:.1f} |")
+    lines += ["", f"Workers {res['runs'][0]['workers']} (CAG_WORKERS); torch threads: the server's default. A suffix buffer "
+              f"(question + answer room, float32) is {res.get('slot_mib', 0):.1f} MiB per concurrent request; the snapshot, "
+              f"resident once, is {res['corpus']['snapshot_bytes'] / 2**20:.1f} MiB on disk (float16), twice that in float32."]
     t = res["ttft"]
     hit, cold = t["resident_hit"], t["cold_load"]
     lines += [

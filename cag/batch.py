@@ -32,6 +32,7 @@ from .generate import DecodeConfig, Generated, TextStream, _pick, generate
 from .slots import Prefix, Slots
 
 log = logging.getLogger("cag")
+IDLE_EXIT_S = 30.0  # an idle decode thread ends, so a dropped engine (and its slots) can be freed
 
 
 @dataclass(eq=False)
@@ -86,6 +87,11 @@ class Decoder:
         lm = self.lm
         return Slots.slot_bytes(lm.n_layers, lm.n_kv_heads, lm.head_dim, self.room, lm.dtype)
 
+    def snapshot(self) -> dict:
+        """Counters and gauges for /metrics: steps, rows (rows / steps = mean batch), active, waiting."""
+        return dict(self.stats, decode_active=len(self._active), decode_waiting=len(self._pending),
+                    slot_bytes=self.slot_bytes if self.batched else 0)
+
     def run(self, req: Request) -> Request:
         """Answer `req`; blocks until it is done. Raises its error (kv.Cancelled when it was stopped
         before its question was prefilled)."""
@@ -93,9 +99,10 @@ class Decoder:
             self._alone(req)
         else:
             with self._cond:
-                if self._thread is None:
+                if self.slots is None:
                     lm = self.lm
                     self.slots = Slots(lm.n_layers, lm.n_kv_heads, lm.head_dim, self.room, self.max_batch, lm.dtype, lm.device)
+                if self._thread is None:
                     self._thread = threading.Thread(target=self._loop, name="cag-decode", daemon=True)
                     self._thread.start()
                 self._pending.append(req)
@@ -113,7 +120,9 @@ class Decoder:
             while True:
                 with self._cond:
                     while not self._pending and not self._active:
-                        self._cond.wait()
+                        if not self._cond.wait(timeout=IDLE_EXIT_S):  # idle: end the thread (the next run starts one)
+                            self._thread = None
+                            return
                     new = [self._pending.popleft() for _ in range(min(len(self._pending), self.max_batch - len(self._active)))]
                 for req in new:
                     self._admit(req)

@@ -278,8 +278,8 @@ class Engine:
 
     # -- resident snapshots ----------------------------------------------------------------------
     @property
-    def stats(self) -> dict:
-        return self.resident.stats
+    def stats(self) -> dict:  # resident snapshot counters, and the decoder's once one runs
+        return self.resident.stats | (self._decoder.snapshot() if self._decoder else {})
 
     @property
     def resident_bytes(self) -> int:

@@ -8,7 +8,8 @@ and one for values, room = question room + answer room. A request takes a slot f
 writes its question and answer K/V there; the slot's memory, not the snapshot's, is the cost of one
 more concurrent request: layers x 2 x H_kv x room x D x dtype bytes (SmolLM2, 512 room, float32:
 23.6 MB, against 189 MB for a 4K-token snapshot in the compute dtype). The tensors are allocated
-with torch.empty, so pages no request has written yet cost no resident memory.
+with torch.empty, so pages no request has used yet cost no resident memory; a slot is zeroed when
+first taken (after that it holds finite values of earlier requests, which the mask hides).
 """
 
 from __future__ import annotations
@@ -43,11 +44,18 @@ class Slots:
         self.v = [torch.empty(shape, dtype=dtype, device=device) for _ in range(n_layers)]
         self.room, self.capacity = room, capacity
         self._free = list(range(capacity - 1, -1, -1))
+        self._fresh = set(range(capacity))  # never written: may hold NaN bit patterns
         self._lock = threading.Lock()
 
     def take(self) -> int | None:
         with self._lock:
-            return self._free.pop() if self._free else None
+            slot = self._free.pop() if self._free else None
+            fresh = slot in self._fresh
+            self._fresh.discard(slot)
+        if fresh:  # a batch reads every slot up to its longest suffix, masked: 0 x NaN would still be NaN
+            for t in (*self.k, *self.v):
+                t[slot].zero_()
+        return slot
 
     def give(self, slot: int) -> None:
         with self._lock:

@@ -47,6 +47,7 @@ def compare(
     out: Annotated[Path | None, typer.Option("--out", help="Output folder (default: ./compare-<dataset>).")] = None,
     corpora: Annotated[Path | None, typer.Option("--corpora", help="Where each set's documents are written for ingest (default: OUT/corpora).")] = None,
     docs: Annotated[Path | None, typer.Option("--docs", help="jsonl format: the documents folder (default: docs/ next to the file).")] = None,
+    batch: Annotated[int, typer.Option("--batch", help="Answer cag rows N at a time, decoded together (cag ask --questions-file's batching): faster; their latency is then under shared load (said in the report). 1 = each alone.")] = 1,
     max_minutes: Annotated[float | None, typer.Option("--max-minutes", help="Stop asking after this many minutes (like Ctrl-C: rows kept, report written, exit code 5, --resume continues).")] = None,
     resume: Annotated[bool, typer.Option("--resume", help="Continue a run in OUT: rows already in results.jsonl are skipped.")] = False,
     model: ModelOpt = None,
@@ -65,7 +66,7 @@ def compare(
         dataset=dataset, format=format_, sizes=_ints(size_tokens, "--size-tokens"), questions=questions,
         max_sets=max_sets, full_sample=full_sample, modes=[m.strip() for m in modes.split(",") if m.strip()], ks=_ints(k, "--k"),
         k_main=k_main, k_sample=k_sample, max_tokens=max_tokens, seed=seed,
-        out=out or Path(f"compare-{label}"), resume=resume, max_minutes=max_minutes, corpora=corpora, docs=docs,
+        out=out or Path(f"compare-{label}"), resume=resume, max_minutes=max_minutes, batch=batch, corpora=corpora, docs=docs,
         shard_tokens=_ints(shard_tokens, "--shard-tokens") if shard_tokens is not None else [],
     )
     cfg.validate()

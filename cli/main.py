@@ -57,7 +57,7 @@ def ingest(
 @handle_errors
 def ask(
     corpus: Annotated[str, typer.Argument(help="Corpus name (see `cag list`).")],
-    question: Annotated[str, typer.Argument(help="The question.")],
+    question: Annotated[str | None, typer.Argument(help="The question (or --questions-file).")] = None,
     mode: Annotated[str, typer.Option(help="cag: from the snapshot; full: whole knowledge in the prompt, no cache; rag: BM25 top-k passages.")] = "cag",
     max_tokens: Annotated[int | None, typer.Option(help="Answer length limit in tokens (clamped to CAG_ANSWER_ROOM).")] = None,
     k: Annotated[int, typer.Option(help="rag mode: passages to retrieve.")] = 3,
@@ -65,12 +65,20 @@ def ask(
     on_stale: Annotated[str, typer.Option(help="serve (warn), refuse (exit 3) or refresh first.")] = "serve",
     stream: Annotated[bool, typer.Option("--stream", help="Print tokens as they are generated.")] = False,
     shards: Annotated[int, typer.Option("--shards", help="Sharded corpora: answer from the S best shards (BM25 routing), keep the most confident answer.")] = 1,
+    questions_file: Annotated[str | None, typer.Option("--questions-file", help="Answer every question of FILE (one per line, or JSON lines with a \"question\" field; - for stdin), decoded together in batches: JSON lines out, in input order.")] = None,
     model: ModelOpt = None,
     store: StoreOpt = None,
     json_: JsonOpt = False,
 ):
-    """Answer a question from a corpus."""
+    """Answer a question from a corpus (or many, with --questions-file)."""
+    if (question is None) == (questions_file is None):
+        raise typer.BadParameter("give a QUESTION or --questions-file FILE, not both", param_hint="QUESTION")
     engine = _engine(model, store=store)
+    if questions_file is not None:
+        from cag.cli.batch_cmd import ask_file
+
+        raise typer.Exit(ask_file(engine, corpus, questions_file, dict(mode=mode, max_tokens=max_tokens, on_stale=on_stale,
+                                                                       k=k, retriever=retriever, shards=shards)))
     on_text = None
     if stream and not json_:
         def on_text(piece: str) -> None:

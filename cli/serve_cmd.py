@@ -16,7 +16,7 @@ def serve(
     host: Annotated[str, typer.Option(help="Interface to bind; loopback by default. Anything else should set CAG_API_KEYS.")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="TCP port.")] = 8000,
     model: Annotated[str | None, typer.Option("--model", help="Model: the embedded default, a Hugging Face folder or hub id. Env: CAG_MODEL.")] = None,
-    workers: Annotated[int | None, typer.Option(help="Generations running at once (default 2). Env: CAG_WORKERS; torch threads of each: CAG_THREADS.")] = None,
+    workers: Annotated[int | None, typer.Option(help="Generations admitted at once (default 16); their decoding is batched (CAG_MAX_BATCH). Env: CAG_WORKERS.")] = None,
     max_queue: Annotated[int | None, typer.Option(help="Requests that may wait for a worker; more get 429. Env: CAG_MAX_QUEUE.")] = None,
     timeout: Annotated[float | None, typer.Option(help="Per-request timeout in seconds. Env: CAG_REQUEST_TIMEOUT_S.")] = None,
     log_level: Annotated[str, typer.Option(help="uvicorn log level: critical, error, warning, info, debug.")] = "info",

@@ -49,6 +49,7 @@ import re
 import sys
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -92,6 +93,7 @@ class CompareConfig:
     corpora: Path | None = None  # where the set folders go; default OUT/corpora
     docs: Path | None = None  # jsonl: the documents folder (default: docs/ next to the file)
     shard_tokens: list[int] = field(default_factory=list)  # sweep: N > 0 adds mode cag@N; 0 (what fits) is cag
+    batch: int = 1  # cag rows answered this many at once, decoded together (1: each alone, latency unshared)
 
     def validate(self) -> None:
         if not self.sizes or any(s < 1 for s in self.sizes):
@@ -113,6 +115,8 @@ class CompareConfig:
             raise BadInput("max minutes must be positive")
         if any(n < 0 for n in self.shard_tokens):
             raise BadInput("shard tokens must be 0 (what fits) or more")
+        if self.batch < 1:
+            raise BadInput("batch must be at least 1")
 
     def all_modes(self) -> list[str]:
         """The modes asked: `modes`, with the sweep's cag@N after cag (0 of the sweep is cag itself)."""
@@ -212,7 +216,7 @@ def run_meta(engine, cfg: CompareConfig, fmt: str, path: Path | None) -> dict:
         "dataset": cfg.dataset, "format": fmt, "dataset_path": str(path or ds.default_source(fmt)),
         "sizes": cfg.sizes, "questions": cfg.questions, "max_sets": cfg.max_sets, "full_sample": cfg.full_sample,
         "modes": cfg.modes, "ks": cfg.ks, "k_main": cfg.k_main, "k_sample": cfg.k_sample,
-        "max_tokens": cfg.max_tokens, "seed": cfg.seed, "shard_tokens": list(cfg.shard_tokens),
+        "max_tokens": cfg.max_tokens, "seed": cfg.seed, "shard_tokens": list(cfg.shard_tokens), "cag_batch": cfg.batch,
         "model": lm.name, "model_fingerprint": lm.fingerprint, "tokenizer_fingerprint": lm.tokenizer_fingerprint,
         "max_context": lm.max_context, "compute_dtype": str(lm.dtype).replace("torch.", ""),
         "kv_dtype": engine.settings.kv_dtype, "question_room": engine.settings.question_room,
@@ -379,16 +383,20 @@ def run_compare(engine, cfg: CompareConfig, log: Callable[[str], None] = lambda 
 
             bar = tqdm(total=len(todo), unit="q", file=sys.stderr, dynamic_ncols=True,
                        disable=not (sys.stderr.isatty() if progress is None else progress))
-        with ResultsLog(results) as results_log:
-            for info, ks, qi, q, mode, k in todo:
+        if cfg.batch > 1:
+            notes.append(f"cag rows were answered {cfg.batch} at a time, decoded together: their TTFT and latency are "
+                         "under that shared load, not a lone question's")
+        with ResultsLog(results) as results_log, ThreadPoolExecutor(cfg.batch) as pool:
+            for group in batches(todo, cfg.batch):
                 if deadline is not None and time.monotonic() > deadline:
                     stopped = f"stopped at the time budget of {cfg.max_minutes:g} minutes"
                     break
-                results_log.append(ask_row(engine, info, qi, q, mode, k, decoding))
-                written += 1
+                for row in pool.map(lambda t: ask_row(engine, t[0], t[2], t[3], t[4], t[5], decoding), group):
+                    results_log.append(row)
+                written += len(group)
                 if bar is not None:
-                    bar.set_description(f"{ks.name} q{qi} {mode}")
-                    bar.update(1)
+                    bar.set_description(f"{group[-1][1].name} q{group[-1][2]} {group[-1][4]}")
+                    bar.update(len(group))
     except KeyboardInterrupt:
         stopped = "interrupted"
     if bar is not None:
@@ -507,6 +515,21 @@ def _loadavg() -> list[float] | None:
         return [round(x, 2) for x in os.getloadavg()]
     except OSError:
         return None
+
+
+def batches(todo: list[tuple], n: int):
+    """The plan in order, one item at a time, except that a cag-family item (cag, cag@N) takes the
+    next n-1 cag-family items along, to be decoded together."""
+    rest = list(todo)
+    while rest:
+        item = rest.pop(0)
+        if n > 1 and shard_cap(item[4]) is not None:
+            more = [t for t in rest if shard_cap(t[4]) is not None][: n - 1]
+            taken = {id(t) for t in more}
+            rest = [t for t in rest if id(t) not in taken]
+            yield [item, *more]
+        else:
+            yield [item]
 
 
 def warm_up(engine, corpus: str, question: str) -> None:

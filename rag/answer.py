@@ -24,11 +24,11 @@ from __future__ import annotations
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
-from cag.errors import BadInput, TooLarge
+from cag.errors import BadInput, CagError, TooLarge
 from cag.hashing import hash_obj
 from cag.prompt import build_prefix, encode_text
 from cag.results import Mode
@@ -137,3 +137,20 @@ def ask(engine, corpus: str, question: str, mode: str = "cag", max_tokens: int |
                           should_stop=should_stop, on_stale=on_stale, decoding=decoding, shards=shards)
     q = engine.check(corpus, question, mode, max_tokens, on_stale, decoding)
     return answer_rag(engine, q, k, retriever, on_text, should_stop)
+
+
+def ask_many(engine, corpus: str, questions: list[str], workers: int | None = None, **kw) -> Iterator:
+    """Answer many questions on one corpus, decoded together (cag.batch): yields (question, Answer or
+    the CagError it raised) in input order. `workers` questions are in flight at once (default
+    CAG_MAX_BATCH); the others wait. `kw` are `ask`'s options."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def one(question: str):
+        try:
+            return question, ask(engine, corpus, question, **kw)
+        except CagError as e:  # this question's failure; the others go on
+            return question, e
+
+    engine.lm  # noqa: B018 - load the model once, before the threads ask for it
+    with ThreadPoolExecutor(max_workers=max(1, workers or engine.settings.max_batch), thread_name_prefix="cag-ask") as pool:
+        yield from pool.map(one, questions)

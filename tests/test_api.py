@@ -256,6 +256,10 @@ def test_eight_concurrent_clients_get_their_sequential_answers(server):
         assert answer == want[q]["answer"], q
         if ids is not None:
             assert ids == want[q]["token_ids"], q
+    with server.client() as c:  # and they were decoded together: more rows than steps
+        counters = {line.split()[0]: float(line.split()[1]) for line in c.get("/metrics").text.splitlines()
+                    if line.startswith(("cag_decode_steps_total ", "cag_decode_rows_total "))}
+    assert counters["cag_decode_rows_total"] > 1.5 * counters["cag_decode_steps_total"] > 0
 
 
 def _stopped(metrics_text: str, reason: str) -> float:

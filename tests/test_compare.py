@@ -19,7 +19,7 @@ from typer.testing import CliRunner
 
 from cag.compare import datasets as ds
 from cag.compare.datasets import resolve_dataset
-from cag.compare.runner import CompareConfig, plan, run_compare
+from cag.compare.runner import CompareConfig, batches, plan, run_compare
 from cag.errors import BadInput
 from cag.shards import doc_of
 
@@ -611,3 +611,14 @@ def test_rebuild_reads_runs_written_before_this_format(tmp_path):
     assert "## Knowledge sets" in text and "## Size 2000" in text and "F1 first sentence" in text
     assert "- sharding:" not in text and "## Sharded CAG" not in text  # every set of that run was one snapshot
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_batch_groups_cag_rows_and_keeps_every_other_row_alone():
+    todo = [(None, None, qi, None, mode, None) for qi in range(3) for mode in ("cag", "full", "cag@1000", "rag-bm25")]
+    groups = list(batches(todo, 4))
+    assert sorted(id(t) for g in groups for t in g) == sorted(id(t) for t in todo)  # each row once
+    assert [len(g) for g in groups] == [4, 1, 1, 1, 1, 2, 1, 1]
+    assert all(t[4].startswith("cag") for g in groups if len(g) > 1 for t in g)
+    assert list(batches(todo, 1)) == [[t] for t in todo]
+    with pytest.raises(BadInput, match="batch"):
+        CompareConfig(dataset="squad", out=Path("x"), batch=0).validate()

@@ -1,0 +1,142 @@
+"""Continuous batching (cag.batch): concurrent questions are decoded together, each getting the
+tokens it gets alone; a request that fails or stops leaves the batch without harming the others;
+`cag ask --questions-file` answers a file of questions in batches."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from cag.errors import TooLarge
+from cag.rag.answer import ask_many
+from tests.conftest import REPO
+
+QUESTIONS = ["Who keeps the lighthouse?", "When does the ferry leave?", "What does the bakery sell on Tuesdays?",
+             "Where is the ferry going?", "Who lights the lamp?", "What is sold on Quay Street?"]
+
+
+def together(engine, calls: list) -> list:
+    """Run the calls at once (a barrier lines them up), so they share decode steps."""
+    barrier = threading.Barrier(len(calls))
+
+    def run(call):
+        barrier.wait()
+        try:
+            return call()
+        except Exception as e:  # noqa: BLE001 - returned for the test to look at
+            return e
+
+    with ThreadPoolExecutor(len(calls)) as pool:
+        return list(pool.map(run, calls))
+
+
+def test_concurrent_questions_are_decoded_together_with_their_alone_tokens(tiny_engine, small_corpus):
+    tiny_engine.ingest(str(small_corpus))
+    alone = [tiny_engine.ask("corpus", q, max_tokens=16).token_ids for q in QUESTIONS]
+    steps0 = tiny_engine.stats["decode_steps"]
+    rows0 = tiny_engine.stats["decode_rows"]
+    got = together(tiny_engine, [lambda q=q: tiny_engine.ask("corpus", q, max_tokens=16).token_ids for q in QUESTIONS])
+    stats = tiny_engine.stats
+    assert got == alone
+    assert stats["batch_max"] > 1 and stats["decode_rows"] - rows0 > 1.5 * (stats["decode_steps"] - steps0)
+    assert stats["decode_active"] == 0 and tiny_engine.decoder.slots.in_use == 0  # every slot given back
+
+
+def test_full_and_cag_in_one_batch_still_agree(tiny_engine, small_corpus, monkeypatch):
+    """`full` prefills its own prefix and joins the same batch: cag == full holds batched too."""
+    monkeypatch.setenv("CAG_KV_DTYPE", "float32")
+    from cag.config import get_settings
+    from cag.engine import Engine
+
+    engine = Engine(get_settings(), lm=tiny_engine.lm)
+    engine.ingest(str(small_corpus))
+    calls = [lambda q=q, m=m: engine.ask("corpus", q, mode=m, max_tokens=16).token_ids
+             for q in QUESTIONS[:3] for m in ("cag", "full")]
+    got = together(engine, calls)
+    assert got[0::2] == got[1::2]
+
+
+def test_a_failing_or_stopped_request_leaves_the_batch_and_the_others_finish(tiny_engine, small_corpus):
+    tiny_engine.ingest(str(small_corpus))
+    alone = {q: tiny_engine.ask("corpus", q, max_tokens=20).token_ids for q in QUESTIONS[:4]}
+
+    class Boom(Exception):
+        pass
+
+    calls_seen = {"fail": 0, "stop": 0}
+
+    def failing() -> bool:  # the client's check itself fails at its third token
+        calls_seen["fail"] += 1
+        if calls_seen["fail"] == 3:
+            raise Boom("the client's check failed")
+        return False
+
+    def stopping() -> bool:  # the client goes away after its third token
+        calls_seen["stop"] += 1
+        return calls_seen["stop"] >= 3
+
+    calls = [lambda: tiny_engine.ask("corpus", QUESTIONS[0], max_tokens=20, should_stop=failing),
+             lambda: tiny_engine.ask("corpus", QUESTIONS[1], max_tokens=20, should_stop=stopping),
+             lambda: tiny_engine.ask("corpus", QUESTIONS[2], max_tokens=20).token_ids,
+             lambda: tiny_engine.ask("corpus", QUESTIONS[3], max_tokens=20).token_ids]
+    failed, stopped, a, b = together(tiny_engine, calls)
+    assert isinstance(failed, Boom)
+    assert stopped.token_ids == alone[QUESTIONS[1]][:2]  # checked before prefill, then after tokens 1 and 2
+    assert [a, b] == [alone[QUESTIONS[2]], alone[QUESTIONS[3]]]
+    assert tiny_engine.decoder.slots.in_use == 0
+
+
+def test_a_request_stopped_while_waiting_never_starts(tiny_engine, small_corpus):
+    from cag.kv import Cancelled
+
+    tiny_engine.ingest(str(small_corpus))
+    with pytest.raises(Cancelled):
+        tiny_engine.ask("corpus", QUESTIONS[0], should_stop=lambda: True)
+
+
+def test_ask_many_keeps_order_and_reports_each_failure(tiny_engine, small_corpus, monkeypatch):
+    tiny_engine.ingest(str(small_corpus))
+    qs = [QUESTIONS[0], "x " * 400, QUESTIONS[1]]  # the middle one is longer than CAG_QUESTION_ROOM
+    out = list(ask_many(tiny_engine, "corpus", qs, max_tokens=8))
+    assert [q for q, _ in out] == qs
+    assert isinstance(out[1][1], TooLarge)
+    assert out[0][1].token_ids == tiny_engine.ask("corpus", QUESTIONS[0], max_tokens=8).token_ids
+
+
+def _cag(env: dict, *args: str, stdin: str | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(["python", "-m", "cag", *args], env=env, cwd=REPO, capture_output=True, text=True,
+                          input=stdin, timeout=300)
+
+
+def test_cli_questions_file(tiny_model_dir, small_corpus, tmp_path):
+    env = dict(os.environ, CAG_MODEL=str(tiny_model_dir))
+    assert _cag(env, "ingest", str(small_corpus)).returncode == 0
+    qfile = tmp_path / "questions.txt"
+    qfile.write_text(f"# a comment\n{QUESTIONS[0]}\n\n{json.dumps({'question': QUESTIONS[1], 'id': 7})}\n{'x ' * 400}\n")
+    r = _cag(env, "ask", "corpus", "--questions-file", str(qfile), "--max-tokens", "8")
+    assert r.returncode == 1, r.stderr  # the first failure's exit code (TooLarge: 1)
+    rows = [json.loads(line) for line in r.stdout.splitlines()]
+    assert [row["line"] for row in rows] == [2, 4, 5]
+    assert rows[1]["input"] == {"question": QUESTIONS[1], "id": 7}
+    assert rows[2]["error"]["code"] == "too_large" and "answer" not in rows[2]
+    single = json.loads(_cag(env, "ask", "corpus", QUESTIONS[0], "--max-tokens", "8", "--json").stdout)
+    assert rows[0]["answer"] == single["answer"] and rows[0]["completion_tokens"] == single["completion_tokens"]
+    assert "questions in" in r.stderr
+
+    stdin = _cag(env, "ask", "corpus", "--questions-file", "-", "--max-tokens", "8", stdin=QUESTIONS[0] + "\n")
+    assert stdin.returncode == 0 and json.loads(stdin.stdout)["answer"] == single["answer"]
+    # bad inputs: one line each, documented exit codes
+    both = _cag(env, "ask", "corpus", QUESTIONS[0], "--questions-file", str(qfile))
+    assert both.returncode == 2 and "--questions-file" in both.stderr
+    missing = _cag(env, "ask", "corpus", "--questions-file", str(tmp_path / "nope.txt"))
+    assert missing.returncode == 1 and len(missing.stderr.strip().splitlines()) == 1
+    empty = tmp_path / "empty.txt"
+    empty.write_text("\n# nothing\n")
+    assert _cag(env, "ask", "corpus", "--questions-file", str(empty)).returncode == 1
+    unknown = _cag(env, "ask", "nope", "--questions-file", str(qfile))
+    assert unknown.returncode == 1 and "unknown corpus" in unknown.stderr and not unknown.stdout
