@@ -183,5 +183,5 @@ def application(api: ApiSettings, cag: Settings, rs: ReplicaSettings):
     # the ingress queues nothing itself beyond its runner (429 past it); headroom for /health, /metrics, listings
     ingress = serve.deployment(name="Ingress", num_replicas=1, max_ongoing_requests=threads + api.max_queue + 32,
                                ray_actor_options={"num_cpus": 0, "runtime_env": env})(serve.ingress()(Ingress))
-    torch_threads = max(1, int(rs.cpus_per_replica) // api.workers)
+    torch_threads = max(1, int(rs.cpus_per_replica))  # process-wide: the replica's decode thread uses its cores
     return ingress.bind(engine.bind(cag, api, rs.corpora_per_replica, torch_threads), api, cag, threads)

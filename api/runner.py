@@ -28,8 +28,8 @@ Work = Callable[[Callable[[str], None], Callable[[], bool]], object]  # (on_text
 
 
 def _set_threads(n: int) -> None:
-    """torch's intra-op thread count (OpenMP) is a per-thread setting: the engine sets CAG_THREADS in
-    the thread that loads the model, so each generation thread sets it again for itself."""
+    """torch's intra-op thread count is process-wide (the last torch.set_num_threads from any thread
+    wins): set once, for the engine's decode thread (cag.batch) that does every request's model work."""
     if n > 0:
         import torch
 
@@ -134,8 +134,8 @@ class Runner:
         self.capacity = self.workers + max(0, max_queue)
         self.timeout_s = timeout_s
         self.on_stop = on_stop
-        self.pool = ThreadPoolExecutor(max_workers=self.workers, thread_name_prefix="cag-gen",
-                                       initializer=_set_threads, initargs=(torch_threads,))
+        _set_threads(torch_threads)
+        self.pool = ThreadPoolExecutor(max_workers=self.workers, thread_name_prefix="cag-gen")
         self.active = 0  # admitted, not yet finished (running or waiting); touched on the event loop only
         self.running = 0  # inside the engine right now; touched by worker threads
         self._count = threading.Lock()

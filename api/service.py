@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import os
 
 from cag.engine import Engine
 from cag.errors import TooLarge
@@ -29,7 +28,7 @@ class Service:
                                ready=lambda: self.ready)
         self.runner = Runner(settings.workers, settings.max_queue, settings.request_timeout_s,
                              on_stop=lambda reason: self.metrics.stopped.labels(reason).inc(),
-                             torch_threads=engine.settings.threads or max(1, (os.cpu_count() or 1) // max(1, settings.workers)))
+                             torch_threads=engine.settings.threads)  # 0: torch's default, every core
         self.jobs = Jobs(engine, on_finish=lambda status: self.metrics.jobs.labels(status).inc())
         # where answers are computed: this engine, or engine replicas on Ray Serve (api/ray_app.py swaps it)
         self.answers = LocalAnswers(engine)

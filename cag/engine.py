@@ -192,7 +192,7 @@ class Engine:
         if self.settings.threads > 0:
             import torch
 
-            torch.set_num_threads(self.settings.threads)  # per calling thread: server workers need it too
+            torch.set_num_threads(self.settings.threads)  # process-wide; the same value from every thread
         t_start = time.perf_counter()
         try:
             mode, policy = Mode(mode), StalePolicy(on_stale)
