@@ -1,4 +1,4 @@
-"""`python -m bench.bench_api --replicas 1,2`: plain `cag serve` vs `cag serve --replicas N` on Ray Serve.
+"""`python -m bench.bench_api --replicas 1,2 [--replica-clients 8] [--max-tokens 16]`: plain `cag serve` vs `cag serve --replicas N` on Ray Serve.
 
 Two corpora (the handbook, and three of its documents as a second corpus) ingested into a shared S3
 store (moto's server, in this process, on loopback); each server configuration is a real process
