@@ -2,10 +2,12 @@
 
 Decoding one request reads every weight once per token; B requests decoded together read them
 once for all B (cag.step), and requests on the same snapshot read its prefix once too. One
-scheduler thread owns the model's decode work: a request (from any thread) is queued, joins the
-batch at the next step once its question is prefilled (alone, so its first token never depends on
-what else runs), and leaves when it stops: a stop token, max_tokens, or its `should_stop` (client
-gone, timeout). Its own failure (a callback raising) ends only that request.
+scheduler thread owns the model's decode work: a request (from any thread) is queued; its question
+is prefilled in the next pass, alone when nothing else runs, else riding along the decode step
+(its rows share the step's weight reads; with packed decode weights it is prefilled alone, in the
+model's own weights); it then decodes with the batch and leaves when it stops: a stop token,
+max_tokens, or its `should_stop` (client gone, timeout). Its own failure (a callback raising)
+ends only that request.
 
 Exactness: a request's tokens are computed by the same code whether it runs alone (a batch of
 one) or with others; in a batch, the weight products see B rows instead of one, which a BLAS may
@@ -30,6 +32,7 @@ from . import kv
 from . import step as lean
 from .generate import DecodeConfig, Generated, TextStream, _pick, generate
 from .slots import Prefix, Slots
+from .step import Part
 
 log = logging.getLogger("cag")
 IDLE_EXIT_S = 30.0  # an idle decode thread ends, so a dropped engine (and its slots) can be freed
@@ -124,43 +127,47 @@ class Decoder:
                             self._thread = None
                             return
                     new = [self._pending.popleft() for _ in range(min(len(self._pending), self.max_batch - len(self._active)))]
-                for req in new:
-                    self._admit(req)
+                if self._active and self.step.mixable:  # questions ride along the decode step's weight reads
+                    self._pass(list(self._active), [r for r in new if self._take_slot(r)])
+                    continue
+                for req in new:  # nothing to decode yet: each question alone, as a lone request runs
+                    if self._take_slot(req):
+                        self._pass([], [req])
                 if self._active:
-                    self._step()
+                    self._pass(list(self._active), [])
 
-    def _admit(self, req: Request) -> None:
-        """Prefill the question alone (a batch of one) and emit the first token."""
+    def _take_slot(self, req: Request) -> bool:
         if req.should_stop and req.should_stop():
-            return self._finish(req, kv.Cancelled("stopped before its question was prefilled"))
+            self._finish(req, kv.Cancelled("stopped before its question was prefilled"))
+            return False
         req.slot = self.slots.take()
-        try:
-            logits = self.step.forward(torch.tensor([req.suffix]), [req.prefix], torch.tensor([req.slot]),
-                                       torch.tensor([0]), self.slots)[0]  # (V,)
-        except Exception as e:  # noqa: BLE001 - this request's failure, handed to its caller
-            return self._finish(req, e)
-        req.length = len(req.suffix)
-        req.stream, req.gen = TextStream(self.lm.tokenizer), _generator(req.cfg)
-        self._active.append(req)
-        self._emit(req, logits)
+        return True
 
-    def _step(self) -> None:
-        batch = list(self._active)
-        toks = torch.tensor([[r.next_tok] for r in batch])  # (B, 1)
+    def _pass(self, batch: list[Request], new: list[Request]) -> None:
+        """One forward: a decode row for each request of `batch`, and the whole question of each of
+        `new` (which then joins the batch). Emits every request's next token."""
+        parts = [Part(torch.tensor([[r.next_tok] for r in batch]), [r.prefix for r in batch],
+                      torch.tensor([r.slot for r in batch]), torch.tensor([r.length for r in batch]))] if batch else []
+        parts += [Part(torch.tensor([r.suffix]), [r.prefix], torch.tensor([r.slot]), torch.tensor([0])) for r in new]
         try:
-            logits = self.step.forward(toks, [r.prefix for r in batch], torch.tensor([r.slot for r in batch]),
-                                       torch.tensor([r.length for r in batch]), self.slots)  # (B, V)
-        except Exception as e:  # noqa: BLE001 - the step itself failed (memory?): every request in it
+            out = self.step.run(parts, self.slots)  # per part (B, V)
+        except Exception as e:  # noqa: BLE001 - the pass itself failed (memory?): every request in it
             log.exception("decode step failed")
-            for r in batch:
+            for r in batch + new:
                 self._finish(r, e)
             return
-        self.stats["decode_steps"] += 1
-        self.stats["decode_rows"] += len(batch)
-        self.stats["batch_max"] = max(self.stats["batch_max"], len(batch))
-        for i, r in enumerate(batch):
-            r.length += 1
-            self._emit(r, logits[i])
+        if batch:
+            self.stats["decode_steps"] += 1
+            self.stats["decode_rows"] += len(batch)
+            self.stats["batch_max"] = max(self.stats["batch_max"], len(batch))
+            for i, r in enumerate(batch):
+                r.length += 1
+                self._emit(r, out[0][i])
+        for r, logits in zip(new, out[len(parts) - len(new):]):
+            r.length = len(r.suffix)
+            r.stream, r.gen = TextStream(self.lm.tokenizer), _generator(r.cfg)
+            self._active.append(r)
+            self._emit(r, logits[0])
 
     def _emit(self, req: Request, logits: torch.Tensor) -> None:
         """Pick the next token from `logits` (V,): stop, or hand it out and schedule it."""

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+from dataclasses import dataclass
 
 import torch
 
@@ -125,6 +126,8 @@ class LeanStep:
                     layer.post_attention_layernorm.weight, layer.post_attention_layernorm.variance_epsilon,
                     f(m.gate_proj), f(m.up_proj), f(m.down_proj), m.act_fn.forward,
                 ))
+        # a question's rows may share a pass with decode rows only where both use the same products
+        self.mixable = not any(hasattr(mod, "decode") for mod in model.modules())
         half = self.head_dim // 2
         # rotate_half(x) = cat(-x2, x1) = roll(x, D/2) * sign, sign = (-1)*D/2 ++ (+1)*D/2
         self.sign = torch.cat([-torch.ones(half), torch.ones(half)]).to(self.device, self.dtype)  # (D,)
@@ -133,7 +136,6 @@ class LeanStep:
         """Still the model's modules (identity: modules define no __eq__), dtype and device."""
         return self.embed.dtype == self.dtype and self.embed.device == self.device and _refs(model) == self.refs
 
-    @torch.inference_mode()
     def forward(self, toks: torch.Tensor, prefixes: list, slots: torch.Tensor, starts: torch.Tensor,
                 buffers, all_logits: bool = False) -> torch.Tensor:
         """m new tokens for each of B requests, in one pass over the weights.
@@ -143,59 +145,109 @@ class LeanStep:
         n_b = prefixes[b].n. Each token attends to all of its request's prefix (shared, read-only, never
         copied: requests on one Prefix read it once per layer together) and causally to its own suffix.
         Returns logits (B, V) of each request's last token, or (B, m, V) with all_logits."""
+        return self.run([Part(toks, prefixes, slots, starts)], buffers, all_logits)[0]
+
+    @torch.inference_mode()
+    def run(self, parts: list[Part], buffers, all_logits: bool = False) -> list[torch.Tensor]:
+        """Several parts (e.g. the decode batch and a newly admitted question) in one pass over the
+        weights: their rows share every product; attention is per part. Parts with m > 1 use the
+        model's own weights, so mix them with decode rows only when `mixable`. Returns per part what
+        `forward` returns."""
         s = self
         rms, n_kv, rep, d, half = s.rms, s.n_kv, s.rep, s.head_dim, s.head_dim // 2
-        B, m = toks.shape
-        M = m * rep  # query rows per request and K/V head: token t, head r -> row t*rep + r
-        fns = s.decode_fns if m == 1 else s.layer_fns  # packed weights for decode rows only (see weights.py)
-        n = torch.tensor([p.n for p in prefixes], device=s.device)  # (B,)
-        suf = starts.to(s.device)[:, None] + torch.arange(m, device=s.device)  # (B, m) suffix positions
-        L = int(suf.max()) + 1  # suffix keys anyone can see
-        h = s.embed.index_select(0, toks.reshape(-1).to(s.device))  # (B*m, hidden)
-        cos, sin = s.rope(h, (n[:, None] + suf).view(1, -1))  # (1, B*m, D): the model's rope
-        cos, sin = cos.view(B * m, 1, d), sin.view(B * m, 1, d) * s.sign
-        hidden = (torch.arange(L, device=s.device) > suf.repeat_interleave(rep, 1)[:, :, None])[:, None]  # (B, 1, M, L)
-        rows_slot = slots.repeat_interleave(m)  # (B*m,) where each token's K/V is written
-        rows_pos = suf.reshape(-1)
-        groups = _groups(prefixes, s.device)
-        one = int(slots[0]) if B == 1 else None  # a single request reads its slot as a view
+        rows = [_Rows(p, s, r0) for p, r0 in zip(parts, _offsets(parts))]
+        fns = s.decode_fns if all(r.m == 1 for r in rows) else s.layer_fns  # packed weights for decode rows only
+        R = rows[-1].r1
+        h = s.embed.index_select(0, torch.cat([p.toks.reshape(-1) for p in parts]).to(s.device))  # (R, hidden)
+        cos, sin = s.rope(h, torch.cat([r.pos for r in rows]).view(1, -1))  # (1, R, D): the model's rope
+        cos, sin = cos.view(R, 1, d), sin.view(R, 1, d) * s.sign
+        rows_slot = torch.cat([r.rows_slot for r in rows])  # (R,) where each token's K/V is written
+        rows_pos = torch.cat([r.rows_pos for r in rows])
         up = s.dtype != torch.float32
         for i, ((w1, e1, q_f, k_f, v_f, o_f, scale, w2, e2, g_f, u_f, d_f, act), K, V) in enumerate(
                 zip(fns, buffers.k, buffers.v)):
             x = rms(h, w1, e1)
-            q = q_f(x).view(B * m, n_kv * rep, d)
-            k = k_f(x).view(B * m, n_kv, d)
+            q = q_f(x).view(R, n_kv * rep, d)
+            k = k_f(x).view(R, n_kv, d)
             K[rows_slot, :, rows_pos] = k * cos + k.roll(half, -1) * sin  # roped K into the request's slot
-            V[rows_slot, :, rows_pos] = v_f(x).view(B * m, n_kv, d)
-            q = (q * cos + q.roll(half, -1) * sin).view(B, m, n_kv, rep, d).transpose(1, 2).reshape(B, n_kv, M, d)
-            Ks = K[slots, :, :L] if one is None else K[one, None, :, :L]  # (B, H_kv, L, D): only the suffix is per request
-            Vs = V[slots, :, :L] if one is None else V[one, None, :, :L]
-            if up:  # scores of bf16/fp16 products rounded to 8 bits would move the softmax: attend in float32
-                q, Ks, Vs = q.float(), Ks.float(), Vs.float()
-            ss = torch.matmul(q, Ks.transpose(-1, -2)).mul_(scale).masked_fill_(hidden, float("-inf"))  # (B, H_kv, M, L)
-            o = torch.empty_like(q) if len(groups) > 1 else None
-            for prefix, idx in groups:
-                Kp, Vp = prefix.kv[i]  # (1, H_kv, n, D), shared
-                if up:
-                    Kp, Vp = Kp.float(), Vp.float()
-                qg, sg, vg = (q, ss, Vs) if idx is None else (q[idx], ss[idx], Vs[idx])
-                b, np_ = qg.shape[0], Kp.shape[2]
-                sp = torch.matmul(qg.transpose(0, 1).reshape(n_kv, b * M, d), Kp[0].transpose(-1, -2)).mul_(scale)
-                p = torch.cat([sp.view(n_kv, b, M, np_).transpose(0, 1), sg], -1)  # (b, H_kv, M, n + L)
-                p = torch.softmax(p, -1)  # one softmax over prefix and suffix keys
-                og = torch.matmul(p[..., :np_].transpose(0, 1).reshape(n_kv, b * M, np_), Vp[0])  # (H_kv, b*M, D)
-                og = og.view(n_kv, b, M, d).transpose(0, 1) + torch.matmul(p[..., np_:], vg)  # (b, H_kv, M, D)
-                if o is None:
-                    o = og
-                else:
-                    o[idx] = og
-            o = o.view(B, n_kv, m, rep, d).transpose(1, 2).reshape(B * m, n_kv * rep * d).to(h.dtype)  # head-major, as o_proj expects
-            h = h + o_f(o)
+            V[rows_slot, :, rows_pos] = v_f(x).view(R, n_kv, d)
+            q = q * cos + q.roll(half, -1) * sin
+            o = [_attend(r, q[r.r0 : r.r1], K, V, i, scale, up) for r in rows]
+            h = h + o_f(o[0] if len(o) == 1 else torch.cat(o))
             x = rms(h, w2, e2)
             h = h + d_f(act(g_f(x)) * u_f(x))
         w, e = s.final
-        h = h.view(B, m, -1)
-        return s.head(rms(h if all_logits else h[:, -1], w, e))
+        if all_logits:
+            return [s.head(rms(h[r.r0 : r.r1].view(r.B, r.m, -1), w, e)) for r in rows]
+        logits = s.head(rms(torch.cat([h[r.r0 : r.r1].view(r.B, r.m, -1)[:, -1] for r in rows]), w, e))  # one product
+        return list(logits.split([r.B for r in rows]))
+
+
+@dataclass
+class Part:
+    """B requests with m new tokens each: toks (B, m), their prefixes, slots (B,) and suffix starts (B,)."""
+
+    toks: torch.Tensor
+    prefixes: list
+    slots: torch.Tensor
+    starts: torch.Tensor
+
+
+class _Rows:
+    """What a part's attention needs, computed once per forward: rows [r0, r1) of the pass."""
+
+    def __init__(self, part: Part, s: LeanStep, r0: int):
+        dev, rep = s.device, s.rep
+        self.B, self.m = part.toks.shape
+        self.M = self.m * rep  # query rows per request and K/V head: token t, head r -> row t*rep + r
+        self.r0, self.r1 = r0, r0 + self.B * self.m
+        suf = part.starts.to(dev)[:, None] + torch.arange(self.m, device=dev)  # (B, m) suffix positions
+        self.L = int(suf.max()) + 1  # suffix keys anyone in the part can see
+        n = torch.tensor([p.n for p in part.prefixes], device=dev)  # (B,)
+        self.pos = (n[:, None] + suf).reshape(-1)  # (B*m,) absolute positions
+        self.hidden = (torch.arange(self.L, device=dev) > suf.repeat_interleave(rep, 1)[:, :, None])[:, None]  # (B, 1, M, L)
+        self.slots = part.slots.to(dev)
+        self.rows_slot, self.rows_pos = self.slots.repeat_interleave(self.m), suf.reshape(-1)
+        self.one = int(part.slots[0]) if self.B == 1 else None  # a single request reads its slot as a view
+        self.groups = _groups(part.prefixes, dev)
+
+
+def _offsets(parts: list[Part]) -> list[int]:
+    out, r = [], 0
+    for p in parts:
+        out.append(r)
+        r += p.toks.numel()
+    return out
+
+
+def _attend(r: _Rows, q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, i: int, scale: float, up: bool) -> torch.Tensor:
+    """One part's attention in layer i: q (B*m, H, D) roped -> (B*m, H*D), head-major as o_proj expects."""
+    B, m, M = r.B, r.m, r.M
+    n_kv, d = K.shape[1], K.shape[3]
+    rep = M // m
+    q = q.view(B, m, n_kv, rep, d).transpose(1, 2).reshape(B, n_kv, M, d)
+    Ks = K[r.slots, :, : r.L] if r.one is None else K[r.one, None, :, : r.L]  # (B, H_kv, L, D): only the suffix is per request
+    Vs = V[r.slots, :, : r.L] if r.one is None else V[r.one, None, :, : r.L]
+    if up:  # scores of bf16/fp16 products rounded to 8 bits would move the softmax: attend in float32
+        q, Ks, Vs = q.float(), Ks.float(), Vs.float()
+    ss = torch.matmul(q, Ks.transpose(-1, -2)).mul_(scale).masked_fill_(r.hidden, float("-inf"))  # (B, H_kv, M, L)
+    o = torch.empty_like(q) if len(r.groups) > 1 else None
+    for prefix, idx in r.groups:
+        Kp, Vp = prefix.kv[i]  # (1, H_kv, n, D), shared
+        if up:
+            Kp, Vp = Kp.float(), Vp.float()
+        qg, sg, vg = (q, ss, Vs) if idx is None else (q[idx], ss[idx], Vs[idx])
+        b, n = qg.shape[0], Kp.shape[2]
+        sp = torch.matmul(qg.transpose(0, 1).reshape(n_kv, b * M, d), Kp[0].transpose(-1, -2)).mul_(scale)
+        p = torch.cat([sp.view(n_kv, b, M, n).transpose(0, 1), sg], -1)  # (b, H_kv, M, n + L)
+        p = torch.softmax(p, -1)  # one softmax over prefix and suffix keys
+        og = torch.matmul(p[..., :n].transpose(0, 1).reshape(n_kv, b * M, n), Vp[0])  # (H_kv, b*M, D)
+        og = og.view(n_kv, b, M, d).transpose(0, 1) + torch.matmul(p[..., n:], vg)  # (b, H_kv, M, D)
+        if o is None:
+            o = og
+        else:
+            o[idx] = og
+    return o.view(B, n_kv, m, rep, d).transpose(1, 2).reshape(B * m, n_kv * rep * d).to(K.dtype)
 
 
 def _fn(lin, attr: str):

@@ -187,3 +187,28 @@ def test_swapped_modules_rebuild_the_step(tiny_model_dir, models_dir):
     second = lean.for_model(model)
     assert second is not first and second.current(model)
     assert_steps_match(model, n_steps=3)
+
+
+@torch.inference_mode()
+def test_a_question_rides_along_a_decode_step(tiny_model_dir, models_dir):
+    """run() with a decode part and a question part (one pass over the weights) gives each part what
+    it gets in a pass of its own, within float tolerance."""
+    from cag.step import Part
+
+    model = tiny(tiny_model_dir, models_dir)
+    built = lean.for_model(model)
+    assert built.mixable
+    pa, pb = prefix_of(model), prefix_of(model, PROMPT[:30])
+    apart, mixed = new_slots(model), new_slots(model)
+    for slots in (apart, mixed):  # two requests already decoding, in slots 0 and 1
+        built.forward(torch.tensor([QUESTION] * 2), [pa, pa], torch.tensor([0, 1]), torch.tensor([0, 0]), slots)
+    decode = Part(torch.tensor([[5], [6]]), [pa, pa], torch.tensor([0, 1]), torch.tensor([len(QUESTION)] * 2))
+    question = Part(torch.tensor([QUESTION[:9]]), [pb], torch.tensor([2]), torch.tensor([0]))
+    want = [built.run([decode], apart)[0], built.run([question], apart)[0]]
+    got = built.run([decode, question], mixed)
+    for w, g in zip(want, got):
+        assert g.shape == w.shape and torch.allclose(g, w, atol=1e-4, rtol=0), (g - w).abs().max()
+    for ka, km in zip(apart.k, mixed.k):  # what each request wrote: 12 + 1 positions, and the question's 9
+        assert torch.allclose(ka[:2, :, : len(QUESTION) + 1], km[:2, :, : len(QUESTION) + 1], atol=1e-5, rtol=0)
+        assert torch.allclose(ka[2, :, :9], km[2, :, :9], atol=1e-5, rtol=0)
+    assert not lean.for_model(tiny(tiny_model_dir, models_dir, fmt="int8")).mixable  # packed decode weights: alone
