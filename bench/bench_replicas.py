@@ -8,9 +8,9 @@ requests, client i always on corpus i % 2: aggregate completion tokens/s, p50/p9
 and for Serve the routing hit rate (answers on a replica that already held the corpus, from the
 replicas' own counters in /metrics). Writes bench/results/replicas.json and replicas.md.
 
-Configurations on this 2-core machine (the same 2 generations at once, 1 torch thread each):
-plain (CAG_WORKERS=2), Serve with 1 replica of 2 CPUs (CAG_WORKERS=2), Serve with 2 replicas of
-1 CPU (CAG_WORKERS=1 each). Two replicas cannot scale on 2 cores; the figure to read is Serve's
+Configurations on this 2-core machine, each with CAG_THREADS=1 (torch's thread count is per process:
+one thread for the process's batched decode): plain (CAG_WORKERS=2), Serve with 1 replica of 2 CPUs
+(CAG_WORKERS=2), Serve with 2 replicas of 1 CPU (CAG_WORKERS=1 each): 2 generations at once in all. Two replicas cannot scale on 2 cores; the figure to read is Serve's
 overhead at 1 replica.
 """
 
@@ -144,8 +144,8 @@ def markdown(res: dict) -> str:
     lines = ["# Replicas on Ray Serve (`python -m bench.bench_api --replicas 1,2`)", "",
              f"{res['machine']}; corpora handbook ({c['handbook']['n_tokens']} tokens) and partner "
              f"({c['partner']['n_tokens']} tokens) from a moto S3 store on loopback; {res['clients']} clients, client i on "
-             f"corpus i % 2, {res['requests']} /v1/ask requests, max_tokens={res['max_tokens']}, greedy, 1 torch thread per "
-             "generation, 2 generations at once in every configuration.", "",
+             f"corpus i % 2, {res['requests']} /v1/ask requests, max_tokens={res['max_tokens']}, greedy, CAG_THREADS=1 (one torch "
+             "thread per server or replica process), 2 generations at once in every configuration.", "",
              "| configuration | replicas x workers | completion tok/s | vs plain | p50 s | p95 s | errors | routing hit rate | corpus loads (total) |",
              "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
     for r in res["runs"]:
