@@ -35,13 +35,7 @@ log = logging.getLogger("cag.api")
 
 def make_resident(engine: Engine, digest: str) -> None:
     """Load and verify snapshot `digest` into the engine's resident pool (a hit costs nothing)."""
-    load = lambda: engine._load_resident(digest)  # noqa: SLF001 - the pool's loader, as Engine itself passes it
-    pool = engine.resident
-    if hasattr(pool, "get"):  # one shared prefix per snapshot
-        pool.get(digest, load)
-    else:  # warm request buffers per snapshot: take one and hand it back filled
-        res, buffer = pool.acquire(digest, load, engine._new_buffer)  # noqa: SLF001
-        pool.release(digest, res, buffer)
+    engine.resident.get(digest, lambda: engine._load_resident(digest))  # the loader Engine itself hands the pool
 
 
 def corpus_snapshots(engine: Engine, corpus: str) -> list[str]:
