@@ -7,8 +7,8 @@ For snapshots of about 1K, 2K, 4K and 7K tokens (Paul Graham essays), for each C
     bandwidth measured in this run (best of a float32 sum over a 512 MB buffer, same threads);
   * the step split: the weight products alone (every decode-row product of the model, timed
     apart) vs everything else (attention over the cache, norms, rope, sampling, Python);
-  * the same decode through the transformers forward (the lean step of cag/step.py refused),
-    measured alternately with the lean step, so their ratio is side by side in one run.
+  * the same decode through the transformers forward over a StaticCache (the path of models
+    cag/step.py does not cover), measured alternately with the step, side by side in one run.
 The snapshot is the same for every format (prefill never uses the packed weights).
 Writes bench/results/decode.json and decode.md.  Run: `python -m bench.bench_decode`.
 """
@@ -30,7 +30,7 @@ from cag.config import get_settings
 from cag.engine import Engine
 from cag.generate import DecodeConfig, decode
 
-from .common import essay_corpus, machine, write
+from .common import essay_corpus, machine, step_decode_rate, write
 
 
 def read_bandwidth(reps: int = 5) -> float:
@@ -44,27 +44,22 @@ def read_bandwidth(reps: int = 5) -> float:
     return buf.nbytes / best
 
 
-def decode_rate(model, cache, start: int, n: int, first: int, use_lean: bool = True) -> float:
-    """Tokens/s of decode (the first token comes from the prefill's logits, so n-1 steps are timed
-    over n tokens, as before). use_lean=False: every step through the transformers forward."""
-    model.__dict__.pop(lean.ATTR, None)
-    if not use_lean:
-        model.__dict__[lean.ATTR] = (None,)  # the kept verdict "unsupported": decode falls back
-    try:
-        logits = kv.prefill(model, cache, [first], start)
-        t = time.perf_counter()
-        out = list(decode(model, cache, logits, start + 1, DecodeConfig(max_tokens=n), stops=set()))
-        return len(out) / (time.perf_counter() - t)
-    finally:
-        model.__dict__.pop(lean.ATTR, None)
+def forward_rate(model, cache, start: int, n: int, first: int) -> float:
+    """Tokens/s of decode through the transformers forward over a StaticCache holding the prefix (the
+    path of models cag/step.py does not cover): n-1 timed steps after a 1-token prompt."""
+    logits = kv.prefill(model, cache, [first], start)
+    t = time.perf_counter()
+    out = list(decode(model, cache, logits, start + 1, DecodeConfig(max_tokens=n), stops=set()))
+    return (len(out) - 1) / (time.perf_counter() - t)
 
 
-def paired_rates(model, cache, start: int, n: int, first: int, rounds: int = 2) -> tuple[float, float]:
-    """Best lean and best forward rate over `rounds` alternating runs (noise hits both alike)."""
+def paired_rates(model, cache, prefix_kv, start: int, n: int, first: int, rounds: int = 2) -> tuple[float, float]:
+    """Best lean-step and best forward rate over `rounds` alternating runs (noise hits both alike)."""
     best = {True: 0.0, False: 0.0}
     for r in range(rounds):
         for use_lean in ((True, False) if r % 2 == 0 else (False, True)):
-            best[use_lean] = max(best[use_lean], decode_rate(model, cache, start, n, first, use_lean))
+            rate = step_decode_rate(model, prefix_kv, n, first) if use_lean else forward_rate(model, cache, start, n, first)
+            best[use_lean] = max(best[use_lean], rate)
     return best[True], best[False]
 
 
@@ -132,7 +127,7 @@ def main() -> None:
                 cache = kv.new_cache(model, ing.n_tokens + engine.room)
                 kv.load_into(cache, snap.kv, lm.dtype)
                 assert lean.why_not(model) is None, lean.why_not(model)
-                tps, fwd = paired_rates(model, cache, ing.n_tokens, args.decode_tokens, first, args.rounds)
+                tps, fwd = paired_rates(model, cache, snap.kv, ing.n_tokens, args.decode_tokens, first, args.rounds)
                 prod[fmt] = min(prod[fmt], products_ms(model))
                 rows.append({"n_tokens": ing.n_tokens, "weights": fmt, "decode_tok_s": tps, "step_ms": 1e3 / tps,
                              "weight_bytes": weight_bytes(model), "cache_bytes": cache_bytes, "forward_tok_s": fwd,

@@ -18,24 +18,13 @@ from pathlib import Path
 
 import torch
 
-from cag import kv
 from cag.config import get_settings
 from cag.engine import Engine
-from cag.generate import DecodeConfig, decode
 from cag.store import snapshots
 
-from .common import essay_corpus, machine, timed, write
+from .common import essay_corpus, machine, step_decode_rate, timed, write
 
 QUESTION = "What does the author say about startups?"
-
-
-def decode_rate(engine: Engine, cache, start: int, n: int) -> float:
-    """Decode n tokens (stop tokens ignored) after a 1-token prompt at position `start`; tokens/s."""
-    model = engine.lm.model
-    logits = kv.prefill(model, cache, [engine.lm.tokenizer.eos_token_id or 0], start)
-    t = time.perf_counter()
-    out = list(decode(model, cache, logits, start + 1, DecodeConfig(max_tokens=n), stops=set()))
-    return len(out) / (time.perf_counter() - t)
 
 
 def main() -> None:
@@ -73,10 +62,10 @@ def main() -> None:
             nbytes = path.stat().st_size
             formula = snapshots.expected_bytes(lm.n_layers, lm.n_kv_heads, lm.head_dim, torch.float16, ing.n_tokens)
 
-            cache = kv.new_cache(lm.model, ing.n_tokens + engine.room)
-            kv.load_into(cache, snapshots.load(path).kv, lm.dtype)
-            dec_snap = decode_rate(engine, cache, ing.n_tokens, args.decode_tokens)
-            dec_empty = decode_rate(engine, kv.new_cache(lm.model, engine.room), 0, args.decode_tokens)
+            first = lm.tokenizer.eos_token_id or 0
+            dec_snap = step_decode_rate(lm.model, snapshots.load(path).kv, args.decode_tokens, first)
+            empty = [(torch.empty(1, lm.n_kv_heads, 0, lm.head_dim),) * 2 for _ in range(lm.n_layers)]
+            dec_empty = step_decode_rate(lm.model, empty, args.decode_tokens, first)
 
             ids = torch.tensor([snapshots.load(path).ids])
             n_nc = args.nocache_tokens

@@ -59,3 +59,25 @@ def write(name: str, payload: dict, table: str) -> None:
     (RESULTS / f"{name}.json").write_text(json.dumps(payload, indent=2))
     (RESULTS / f"{name}.md").write_text(table)
     print(table)
+
+
+def step_decode_rate(model, prefix_kv: list, n: int, first: int, room: int = 64) -> float:
+    """Tokens/s of one request decoding alone over a prefix (the decode path of cag.batch, without its
+    thread hop): the first token from a 1-token question, then n-1 timed steps (stop tokens ignored).
+    `prefix_kv`: per layer (k, v) (1, H_kv, n_prefix, D), any dtype (cast to the model's)."""
+    import torch
+
+    from cag import step as lean
+    from cag.slots import Prefix, Slots
+
+    built = lean.for_model(model)
+    dtype, device = built.dtype, built.device
+    prefix = Prefix.of(prefix_kv, dtype, device)
+    cfg = model.config
+    slots = Slots(cfg.num_hidden_layers, cfg.num_key_value_heads, built.head_dim, max(room, n + 1), 1, dtype, device)
+    slot = torch.tensor([slots.take()])
+    logits = built.forward(torch.tensor([[first]]), [prefix], slot, torch.tensor([0]), slots)[0]
+    t = time.perf_counter()
+    for i in range(1, n):
+        logits = built.forward(logits.argmax().view(1, 1), [prefix], slot, torch.tensor([i]), slots)[0]
+    return (n - 1) / (time.perf_counter() - t)
