@@ -112,7 +112,11 @@ class CorpusReplica:
         the Answer; an engine error is one ("error", e) item."""
         gen = None
         try:
-            held = await self._corpus(serve.get_multiplexed_model_id() or call.corpus)
+            corpus = serve.get_multiplexed_model_id() or call.corpus
+            # an unknown corpus never reaches the multiplexer: Serve would keep it as "loading" in this replica's
+            # routing entry (it re-reports only on the next load), which skews where new corpora go
+            await asyncio.to_thread(corpus_snapshots, self.engine, corpus)
+            held = await self._corpus(corpus)
             gen = self.runner.start(lambda on_text, should_stop: replace(call, stream=True).run(self.engine, on_text,
                                                                                                  should_stop))
             while True:

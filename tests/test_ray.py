@@ -162,8 +162,8 @@ def test_questions_are_routed_by_corpus(served):
         # loaded on one replica, not on every one, and every question on it went there
         assert len(holders) == 1 and holders[0] in answered, stats
         assert answered[holders[0]] >= 4 and sum(s["loads"][corpus] for s in stats.values() if corpus in s["loads"]) == 1
-    # the second corpus went to the replica that held none: one corpus each
-    assert {r for r, s in stats.items() if s["loads"]} == set(stats), stats
+    # which replica a new corpus lands on is Serve's choice (the one holding the fewest, as the controller
+    # last heard): not asserted, it was one corpus per replica in some runs and both on one in others
 
 
 @pytest.mark.ray
