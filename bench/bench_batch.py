@@ -49,13 +49,16 @@ def main() -> None:
             engine.ingest(str(REPO / "corpora/handbook") if name == "handbook" else str(Path(tmp) / name), name=name)
             print("ingested", name, flush=True)
         engine.ask("handbook", handbook[0], max_tokens=2)  # first forwards (allocator, kernels) outside the timings
-        rows, t_alone, t_batch, tok_alone, tok_batch = [], 0.0, 0.0, 0, 0
+        rows, t_alone, t_batch, tok_alone, tok_batch, steps, batch_rows = [], 0.0, 0.0, 0, 0, 0, 0
         for name, questions in sets:
             t0 = time.perf_counter()
             alone = [engine.ask(name, q, max_tokens=args.max_tokens) for q in questions]
             t1 = time.perf_counter()
+            before = engine.stats
             batched = [a for _, a in ask_many(engine, name, questions, max_tokens=args.max_tokens)]
             t2 = time.perf_counter()
+            steps += engine.stats["decode_steps"] - before["decode_steps"]
+            batch_rows += engine.stats["decode_rows"] - before["decode_rows"]
             t_alone, t_batch = t_alone + t1 - t0, t_batch + t2 - t1
             tok_alone += sum(a.completion_tokens for a in alone)
             tok_batch += sum(a.completion_tokens for a in batched)
@@ -63,10 +66,9 @@ def main() -> None:
                 rows.append({"set": name, "question": q, "identical": a.token_ids == b.token_ids,
                              "first_difference": first_difference(a.token_ids, b.token_ids), "alone": a.answer, "batched": b.answer})
             print(name, f"{sum(r['identical'] for r in rows)}/{len(rows)} identical so far", flush=True)
-        stats = engine.stats
     same = sum(r["identical"] for r in rows)
     res = {"machine": machine(), "loadavg": os.getloadavg(), "n": len(rows), "identical": same, "share": same / len(rows),
-           "max_batch": engine.settings.max_batch, "weights": engine.lm.weights, "mean_batch": stats["decode_rows"] / max(1, stats["decode_steps"]),
+           "max_batch": engine.settings.max_batch, "weights": engine.lm.weights, "mean_batch": batch_rows / max(1, steps),  # the batched passes only
            "alone_s": t_alone, "batched_s": t_batch, "alone_tok_s": tok_alone / t_alone, "batched_tok_s": tok_batch / t_batch,
            "differences": [r for r in rows if not r["identical"]]}
     md = (f"Machine: {res['machine']} (load average at the end {'/'.join(f'{x:.1f}' for x in res['loadavg'])}). SmolLM2-135M, "
