@@ -32,6 +32,8 @@ from dataclasses import dataclass
 
 import torch
 
+from . import cascade
+
 ATTR = "_cag_lean_step"  # where the built step (or the verdict None) is kept on the model
 # model_type -> class-name prefix: decoder layers identical to Llama's (norm -> attention ->
 # residual -> norm -> gated MLP -> residual; rope on q and k; biases, if any, inside the Linears).
@@ -172,7 +174,7 @@ class LeanStep:
             K[rows_slot, :, rows_pos] = k * cos + k.roll(half, -1) * sin  # roped K into the request's slot
             V[rows_slot, :, rows_pos] = v_f(x).view(R, n_kv, d)
             q = q * cos + q.roll(half, -1) * sin
-            o = [_attend(r, q[r.r0 : r.r1], K, V, i, scale, up) for r in rows]
+            o = [cascade.attend(r, q[r.r0 : r.r1], K, V, i, scale, up) for r in rows]
             h = h + o_f(o[0] if len(o) == 1 else torch.cat(o))
             x = rms(h, w2, e2)
             h = h + d_f(act(g_f(x)) * u_f(x))
@@ -206,6 +208,7 @@ class _Rows:
         n = torch.tensor([p.n for p in part.prefixes], device=dev)  # (B,)
         self.pos = (n[:, None] + suf).reshape(-1)  # (B*m,) absolute positions
         self.hidden = (torch.arange(self.L, device=dev) > suf.repeat_interleave(rep, 1)[:, :, None])[:, None]  # (B, 1, M, L)
+        self.bias = torch.zeros(self.hidden.shape, device=dev).masked_fill_(self.hidden, float("-inf"))  # float32: attention runs in it
         self.slots = part.slots.to(dev)
         self.rows_slot, self.rows_pos = self.slots.repeat_interleave(self.m), suf.reshape(-1)
         self.one = int(part.slots[0]) if self.B == 1 else None  # a single request reads its slot as a view
@@ -218,36 +221,6 @@ def _offsets(parts: list[Part]) -> list[int]:
         out.append(r)
         r += p.toks.numel()
     return out
-
-
-def _attend(r: _Rows, q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, i: int, scale: float, up: bool) -> torch.Tensor:
-    """One part's attention in layer i: q (B*m, H, D) roped -> (B*m, H*D), head-major as o_proj expects."""
-    B, m, M = r.B, r.m, r.M
-    n_kv, d = K.shape[1], K.shape[3]
-    rep = M // m
-    q = q.view(B, m, n_kv, rep, d).transpose(1, 2).reshape(B, n_kv, M, d)
-    Ks = K[r.slots, :, : r.L] if r.one is None else K[r.one, None, :, : r.L]  # (B, H_kv, L, D): only the suffix is per request
-    Vs = V[r.slots, :, : r.L] if r.one is None else V[r.one, None, :, : r.L]
-    if up:  # scores of bf16/fp16 products rounded to 8 bits would move the softmax: attend in float32
-        q, Ks, Vs = q.float(), Ks.float(), Vs.float()
-    ss = torch.matmul(q, Ks.transpose(-1, -2)).mul_(scale).masked_fill_(r.hidden, float("-inf"))  # (B, H_kv, M, L)
-    o = torch.empty_like(q) if len(r.groups) > 1 else None
-    for prefix, idx in r.groups:
-        Kp, Vp = prefix.kv[i]  # (1, H_kv, n, D), shared
-        if up:
-            Kp, Vp = Kp.float(), Vp.float()
-        qg, sg, vg = (q, ss, Vs) if idx is None else (q[idx], ss[idx], Vs[idx])
-        b, n = qg.shape[0], Kp.shape[2]
-        sp = torch.matmul(qg.transpose(0, 1).reshape(n_kv, b * M, d), Kp[0].transpose(-1, -2)).mul_(scale)
-        p = torch.cat([sp.view(n_kv, b, M, n).transpose(0, 1), sg], -1)  # (b, H_kv, M, n + L)
-        p = torch.softmax(p, -1)  # one softmax over prefix and suffix keys
-        og = torch.matmul(p[..., :n].transpose(0, 1).reshape(n_kv, b * M, n), Vp[0])  # (H_kv, b*M, D)
-        og = og.view(n_kv, b, M, d).transpose(0, 1) + torch.matmul(p[..., n:], vg)  # (b, H_kv, M, D)
-        if o is None:
-            o = og
-        else:
-            o[idx] = og
-    return o.view(B, n_kv, m, rep, d).transpose(1, 2).reshape(B * m, n_kv * rep * d).to(K.dtype)
 
 
 def _fn(lin, attr: str):
