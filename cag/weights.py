@@ -116,16 +116,16 @@ def apply(model: torch.nn.Module, fmt: str) -> int:
 
 
 @functools.lru_cache(maxsize=8)
-def probe(fmts: tuple[str, ...] = FORMATS, in_f: int = 576, out_f: int = 1536, reps: int = 20) -> dict[str, float]:
-    """Milliseconds of one single-row product per format on this CPU (a (out, in) matrix, best of
+def probe(fmts: tuple[str, ...] = FORMATS, in_f: int = 576, out_f: int = 1536, reps: int = 20, rows: int = 1) -> dict[str, float]:
+    """Milliseconds of one product of `rows` rows per format on this CPU (a (out, in) matrix, best of
     `reps`): what `auto` chooses by. A few ms, once per process."""
-    w, x = torch.randn(out_f, in_f) * 0.02, torch.randn(1, in_f)
+    w, x = torch.randn(out_f, in_f) * 0.02, torch.randn(rows, in_f)
     lin = torch.nn.Linear(in_f, out_f, bias=False)
     lin.weight.data = w
     out = {}
     with torch.inference_mode():
         for fmt in fmts:
-            f = lin if fmt == "fp32" else FastLinear(lin, fmt)
+            f = lin if fmt == "fp32" else FastLinear(lin, fmt).decode
             f(x)  # warm up (first call allocates)
             best = float("inf")
             for _ in range(reps):
@@ -138,8 +138,9 @@ def probe(fmts: tuple[str, ...] = FORMATS, in_f: int = 576, out_f: int = 1536, r
 
 
 def choose(model: torch.nn.Module, requested: str, cache_dir: Path | None = None) -> str:
-    """The format to use: `requested`, or for `auto` the faster of fp32 and bf16 on this machine
-    (bf16 changes answers least; int8/int4 are opt-in, see the README's quality table). The probe's
+    """The format to use: `requested`, or for `auto` the faster of fp32 and bf16 on this machine, for
+    one row or for a batch of 8 (bf16 changes answers least; int8/int4 are opt-in, see the README's
+    quality table). The probe's
     verdict is kept in `cache_dir` per CPU, torch version and thread count, so answers do not
     change from one start to the next on a noisy machine."""
     if requested != "auto":
@@ -148,12 +149,15 @@ def choose(model: torch.nn.Module, requested: str, cache_dir: Path | None = None
         return "fp32"
     cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")), "?") \
         if Path("/proc/cpuinfo").exists() else "?"
-    key = f"{cpu}|torch {torch.__version__}|{torch.get_num_threads()} threads"
+    key = f"{cpu}|torch {torch.__version__}|{torch.get_num_threads()} threads|rows 1 and 8"
     path = cache_dir / "weights-auto.json" if cache_dir else None
     known = json.loads(path.read_text()) if path and path.exists() else {}
     if key not in known:
-        times = probe(("fp32", "bf16"))
-        known[key] = "bf16" if times["bf16"] < 0.8 * times["fp32"] else "fp32"
+        one, batch = probe(("fp32", "bf16")), probe(("fp32", "bf16"), rows=8)
+        # bf16 where it is clearly faster for one row, or for a decode batch (cag.batch) without
+        # being clearly slower for one: on AMX its products cost about the same for 1 to 16 rows
+        faster = one["bf16"] < 0.8 * one["fp32"] or (batch["bf16"] < 0.8 * batch["fp32"] and one["bf16"] < 1.25 * one["fp32"])
+        known[key] = "bf16" if faster else "fp32"
         if path:
             path.parent.mkdir(parents=True, exist_ok=True)
             tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
