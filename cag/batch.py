@@ -4,8 +4,8 @@ Decoding one request reads every weight once per token; B requests decoded toget
 once for all B (cag.step), and requests on the same snapshot read its prefix once too. One
 scheduler thread owns the model's decode work: a request (from any thread) is queued; its question
 is prefilled in the next pass, alone when nothing else runs, else riding along the decode step
-(its rows share the step's weight reads; with packed decode weights it is prefilled alone, in the
-model's own weights); it then decodes with the batch and leaves when it stops: a stop token,
+(its rows share the step's weight reads, in the decode format CAG_WEIGHTS, alone or not); it then
+decodes with the batch and leaves when it stops: a stop token,
 max_tokens, or its `should_stop` (client gone, timeout). Its own failure (a callback raising)
 ends only that request.
 
@@ -127,7 +127,7 @@ class Decoder:
                             self._thread = None
                             return
                     new = [self._pending.popleft() for _ in range(min(len(self._pending), self.max_batch - len(self._active)))]
-                if self._active and self.step.mixable:  # questions ride along the decode step's weight reads
+                if self._active:  # questions ride along the decode step's weight reads
                     self._pass(list(self._active), [r for r in new if self._take_slot(r)])
                     continue
                 for req in new:  # nothing to decode yet: each question alone, as a lone request runs

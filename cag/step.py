@@ -117,19 +117,16 @@ class LeanStep:
         self.head = getattr(model.lm_head, "decode", model.lm_head.forward)  # one row per request: the packed copy
         first = inner.layers[0].self_attn
         self.head_dim, self.rep = first.head_dim, first.num_key_value_groups
-        self.layer_fns, self.decode_fns = [], []  # per layer; decode_fns use the packed weights (FastLinear.decode)
+        self.fns = []  # per layer; products through the packed weights where there are any (FastLinear.decode)
+        f = functools.partial(_fn, attr="decode")  # bound methods skip Module.__call__: a few µs x 7 x layers
         for layer in inner.layers[: config.num_hidden_layers]:
             a, m = layer.self_attn, layer.mlp
-            for fns, attr in ((self.layer_fns, "forward"), (self.decode_fns, "decode")):
-                f = functools.partial(_fn, attr=attr)  # bound forwards skip Module.__call__: a few µs x 7 x layers
-                fns.append((
-                    layer.input_layernorm.weight, layer.input_layernorm.variance_epsilon,
-                    f(a.q_proj), f(a.k_proj), f(a.v_proj), f(a.o_proj), a.scaling,
-                    layer.post_attention_layernorm.weight, layer.post_attention_layernorm.variance_epsilon,
-                    f(m.gate_proj), f(m.up_proj), f(m.down_proj), m.act_fn.forward,
-                ))
-        # a question's rows may share a pass with decode rows only where both use the same products
-        self.mixable = not any(hasattr(mod, "decode") for mod in model.modules())
+            self.fns.append((
+                layer.input_layernorm.weight, layer.input_layernorm.variance_epsilon,
+                f(a.q_proj), f(a.k_proj), f(a.v_proj), f(a.o_proj), a.scaling,
+                layer.post_attention_layernorm.weight, layer.post_attention_layernorm.variance_epsilon,
+                f(m.gate_proj), f(m.up_proj), f(m.down_proj), m.act_fn.forward,
+            ))
         half = self.head_dim // 2
         # rotate_half(x) = cat(-x2, x1) = roll(x, D/2) * sign, sign = (-1)*D/2 ++ (+1)*D/2
         self.sign = torch.cat([-torch.ones(half), torch.ones(half)]).to(self.device, self.dtype)  # (D,)
@@ -152,13 +149,13 @@ class LeanStep:
     @torch.inference_mode()
     def run(self, parts: list[Part], buffers, all_logits: bool = False) -> list[torch.Tensor]:
         """Several parts (e.g. the decode batch and a newly admitted question) in one pass over the
-        weights: their rows share every product; attention is per part. Parts with m > 1 use the
-        model's own weights, so mix them with decode rows only when `mixable`. Returns per part what
+        weights: their rows share every product (in the decode format, CAG_WEIGHTS: a question's rows
+        too, alone or not); attention is per part. Returns per part what
         `forward` returns."""
         s = self
         rms, n_kv, rep, d, half = s.rms, s.n_kv, s.rep, s.head_dim, s.head_dim // 2
         rows = [_Rows(p, s, r0) for p, r0 in zip(parts, _offsets(parts))]
-        fns = s.decode_fns if all(r.m == 1 for r in rows) else s.layer_fns  # packed weights for decode rows only
+        fns = s.fns
         R = rows[-1].r1
         h = s.embed.index_select(0, torch.cat([p.toks.reshape(-1) for p in parts]).to(s.device))  # (R, hidden)
         cos, sin = s.rope(h, torch.cat([r.pos for r in rows]).view(1, -1))  # (1, R, D): the model's rope

@@ -2,9 +2,9 @@
 
 A decode step multiplies one token's activations by every weight once, so its time is the time
 to read the weights: fewer bytes per weight is the lever, as long as the kernel runs near memory
-speed. Each nn.Linear is replaced by a `FastLinear` that keeps the model's own weight (used when
-several rows come at once: prefill, the question suffix) and adds a packed copy used for one row
-(decode):
+speed. Each nn.Linear is replaced by a `FastLinear` that keeps the model's own weight (used by
+the transformers forward: prefill of the knowledge) and adds a packed copy used by the batched step
+(`decode`: a question's tokens and every decode row, one per request):
 
   bf16  oneDNN-packed bf16 weight (`mkldnn._linear_pointwise`; AMX / AVX512-BF16 where present)
   int8  per-output-channel symmetric int8 (`aten._weight_int8pack_mm`)
