@@ -138,9 +138,8 @@ def probe(fmts: tuple[str, ...] = FORMATS, in_f: int = 576, out_f: int = 1536, r
 
 
 def choose(model: torch.nn.Module, requested: str, cache_dir: Path | None = None) -> str:
-    """The format to use: `requested`, or for `auto` the faster of fp32 and bf16 on this machine, for
-    one row or for a batch of 8 (bf16 changes answers least; int8/int4 are opt-in, see the README's
-    quality table). The probe's
+    """The format to use: `requested`, or for `auto` the faster of fp32 and bf16 on this machine
+    (bf16 changes answers least; int8/int4 are opt-in, see the README's quality table). The probe's
     verdict is kept in `cache_dir` per CPU, torch version and thread count, so answers do not
     change from one start to the next on a noisy machine."""
     if requested != "auto":
@@ -149,15 +148,15 @@ def choose(model: torch.nn.Module, requested: str, cache_dir: Path | None = None
         return "fp32"
     cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")), "?") \
         if Path("/proc/cpuinfo").exists() else "?"
-    key = f"{cpu}|torch {torch.__version__}|{torch.get_num_threads()} threads|rows 1 and 8"
+    key = f"{cpu}|torch {torch.__version__}|{torch.get_num_threads()} threads"
     path = cache_dir / "weights-auto.json" if cache_dir else None
     known = json.loads(path.read_text()) if path and path.exists() else {}
     if key not in known:
-        one, batch = probe(("fp32", "bf16")), probe(("fp32", "bf16"), rows=8)
-        # bf16 where it is clearly faster for one row, or for a decode batch (cag.batch) without
-        # being clearly slower for one: on AMX its products cost about the same for 1 to 16 rows
-        faster = one["bf16"] < 0.8 * one["fp32"] or (batch["bf16"] < 0.8 * batch["fp32"] and one["bf16"] < 1.25 * one["fp32"])
-        known[key] = "bf16" if faster else "fp32"
+        # bf16 only where one row is clearly faster. Not by a batch probe: bf16's products are far
+        # cheaper for 8 rows on AMX, but a batched bf16 answer equals the same question alone far
+        # less often than fp32's (84% vs 99.5% of answers, bench/bench_batch.py), which batching must keep
+        times = probe(("fp32", "bf16"))
+        known[key] = "bf16" if times["bf16"] < 0.8 * times["fp32"] else "fp32"
         if path:
             path.parent.mkdir(parents=True, exist_ok=True)
             tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
