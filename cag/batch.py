@@ -30,7 +30,7 @@ import torch
 
 from . import kv
 from . import step as lean
-from .generate import DecodeConfig, Generated, TextStream, _pick, generate
+from .generate import DecodeConfig, Generated, TextStream, _pick, generate, generated, sampler
 from .slots import Prefix, Slots
 from .step import Part
 
@@ -82,13 +82,8 @@ class Decoder:
         return self.step is not None
 
     @property
-    def active(self) -> int:
-        return len(self._active)
-
-    @property
     def slot_bytes(self) -> int:
-        lm = self.lm
-        return Slots.slot_bytes(lm.n_layers, lm.n_kv_heads, lm.head_dim, self.room, lm.dtype)
+        return self.lm.kv_bytes(self.room)  # one request's suffix slot: the KV formula over its room
 
     def snapshot(self) -> dict:
         """Counters and gauges for /metrics: steps, rows (rows / steps = mean batch), active, waiting."""
@@ -165,7 +160,7 @@ class Decoder:
                 self._emit(r, out[0][i])
         for r, logits in zip(new, out[len(parts) - len(new):]):
             r.length = len(r.suffix)
-            r.stream, r.gen = TextStream(self.lm.tokenizer), _generator(r.cfg)
+            r.stream, r.gen = TextStream(self.lm.tokenizer), sampler(r.cfg)
             self._active.append(r)
             self._emit(r, logits[0])
 
@@ -204,7 +199,7 @@ class Decoder:
             except Exception as e:  # noqa: BLE001
                 error = e
         if error is None:
-            req.result = _generated(req, req.stream.text, time.perf_counter())
+            req.result = generated(req.stream.text, req.ids, req.t_start, req.t_first, time.perf_counter())
         req.error = error
         req.done.set()
 
@@ -220,13 +215,3 @@ class Decoder:
         except Exception as e:  # noqa: BLE001 - raised by run()
             req.error = e
 
-
-def _generator(cfg: DecodeConfig) -> torch.Generator | None:
-    return torch.Generator().manual_seed(cfg.seed) if cfg.seed is not None and cfg.temperature > 0 else None
-
-
-def _generated(req: Request, text: str, t_end: float) -> Generated:
-    ttft = ((req.t_first or t_end) - req.t_start) * 1e3
-    n = len(req.ids)
-    rate = (n - 1) / (t_end - req.t_first) if req.t_first is not None and n > 1 and t_end > req.t_first else None
-    return Generated(text.strip(), list(req.ids), ttft, round(rate, 2) if rate else None)

@@ -78,4 +78,4 @@ def attend(r, q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, i: int, scale: 
             o = og
         else:
             o[idx] = og
-    return o.view(B, n_kv, m, rep, d).transpose(1, 2).reshape(B * m, n_kv * rep * d).to(K.dtype)
+    return _merge_out(o, B, m, n_kv, rep, d, K.dtype)

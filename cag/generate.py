@@ -63,7 +63,7 @@ def decode(
     Every step is a transformers forward over `cache`: the path for models the batched step
     (cag.step, cag.batch) does not cover."""
     device = logits.device
-    gen = torch.Generator().manual_seed(cfg.seed) if cfg.seed is not None and cfg.temperature > 0 else None
+    gen = sampler(cfg)
     for i in range(cfg.max_tokens):
         tok = _pick(logits if gen is None else logits.cpu(), cfg, gen)  # a seeded generator lives on the CPU
         if tok in stops:
@@ -133,7 +133,16 @@ def generate(lm, cache, n_prefix: int, suffix: list[int], cfg: DecodeConfig, chu
             on_text(piece)
     if on_text and (tail := stream.flush()):
         on_text(tail)  # a trailing partial character held back: the pieces add up to the text
-    t_end = time.perf_counter()
+    return generated(stream.text, ids, t_start, t_first, time.perf_counter())
+
+
+def sampler(cfg: DecodeConfig) -> torch.Generator | None:
+    """A seeded request's random generator (on the CPU); None for greedy or unseeded sampling."""
+    return torch.Generator().manual_seed(cfg.seed) if cfg.seed is not None and cfg.temperature > 0 else None
+
+
+def generated(text: str, ids: list[int], t_start: float, t_first: float | None, t_end: float) -> Generated:
+    """The Generated of an answer: TTFT from t_start, decode rate over the tokens after the first."""
     ttft = ((t_first or t_end) - t_start) * 1e3
     rate = (len(ids) - 1) / (t_end - t_first) if t_first is not None and len(ids) > 1 and t_end > t_first else None
-    return Generated(stream.text.strip(), ids, ttft, round(rate, 2) if rate else None)
+    return Generated(text.strip(), list(ids), ttft, round(rate, 2) if rate else None)

@@ -65,8 +65,3 @@ class Slots:
     def in_use(self) -> int:
         with self._lock:
             return self.capacity - len(self._free)
-
-    @staticmethod
-    def slot_bytes(n_layers: int, n_kv: int, head_dim: int, room: int, dtype: torch.dtype) -> int:
-        """Memory of one request's suffix buffer (keys and values, every layer)."""
-        return 2 * n_layers * n_kv * room * head_dim * torch.empty((), dtype=dtype).element_size()

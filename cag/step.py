@@ -26,7 +26,6 @@ transformers forward.
 
 from __future__ import annotations
 
-import functools
 import importlib
 from dataclasses import dataclass
 
@@ -118,7 +117,7 @@ class LeanStep:
         first = inner.layers[0].self_attn
         self.head_dim, self.rep = first.head_dim, first.num_key_value_groups
         self.fns = []  # per layer; products through the packed weights where there are any (FastLinear.decode)
-        f = functools.partial(_fn, attr="decode")  # bound methods skip Module.__call__: a few µs x 7 x layers
+        f = _decode  # bound methods skip Module.__call__: a few µs x 7 x layers
         for layer in inner.layers[: config.num_hidden_layers]:
             a, m = layer.self_attn, layer.mlp
             self.fns.append((
@@ -220,9 +219,9 @@ def _offsets(parts: list[Part]) -> list[int]:
     return out
 
 
-def _fn(lin, attr: str):
-    """The module's `attr` method (FastLinear.decode: packed weights for any rows), else its forward."""
-    return getattr(lin, attr, lin.forward)
+def _decode(lin):
+    """FastLinear.decode (packed weights, any number of rows) where the module has one, else its forward."""
+    return getattr(lin, "decode", lin.forward)
 
 
 def _groups(prefixes: list, device) -> list[tuple]:
