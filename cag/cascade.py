@@ -35,14 +35,30 @@ def _flash_parts(r, q: torch.Tensor, Ks: torch.Tensor, Vs: torch.Tensor, i: int,
             qg = q if idx is None else q[idx]
             op, lp = _FLASH(qg.transpose(0, 1).reshape(1, n_kv, b * M, d), Kp, Vp, 0.0, False, scale=scale)
             op = op.view(n_kv, b, M, d).transpose(0, 1)  # (b, H_kv, M, D)
-            lp = lp.view(n_kv, b, M).transpose(0, 1)
-            lse = torch.logaddexp(lp, ls)
-            og = op * torch.exp(lp - lse).unsqueeze(-1) + os_ * torch.exp(ls - lse).unsqueeze(-1)
+            wp, ws = _weights(lp.view(n_kv, b, M).transpose(0, 1), ls)  # (b, H_kv, M, 1) each
+            og = op * wp + os_ * ws
         if o is None:
             o = og
         else:
             o[idx] = og
     return o
+
+
+def _weights(lp: torch.Tensor, ls: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The two parts' shares e^(lse_p - lse), e^(lse_s - lse), lse = logaddexp(lse_p, lse_s), from
+    log-sum-exps (b, H_kv, M), as (b, H_kv, M, 1).
+
+    exp and logaddexp are vectorized over all but the tail of a call, and the tail is computed
+    another way (last bits differ): each request's H_kv*M values get a row of their own, padded to
+    a multiple of 32 floats (the vector loop's stride), so every value takes the vector path
+    whatever the number of requests in the call; a request's bits do not depend on its batch."""
+    b, n_kv, M = lp.shape
+    hm = n_kv * M
+    pad = torch.zeros(2, b, -(-hm // 32) * 32, dtype=lp.dtype, device=lp.device)
+    pad[0, :, :hm], pad[1, :, :hm] = lp.reshape(b, hm), ls.reshape(b, hm)
+    lse = torch.logaddexp(pad[0], pad[1])
+    w = torch.exp(pad - lse)[:, :, :hm]  # (2, b, hm)
+    return w[0].view(b, n_kv, M, 1), w[1].view(b, n_kv, M, 1)
 
 
 def _merge_out(o: torch.Tensor, B: int, m: int, n_kv: int, rep: int, d: int, dtype) -> torch.Tensor:

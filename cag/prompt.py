@@ -12,6 +12,7 @@ before it, which is what incremental refresh needs. Document text is tokenized w
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, field
 
 PROMPT_VERSION = 1
@@ -65,14 +66,22 @@ def document_text(name: str, text: str) -> str:
     return f'<document name="{name}">\n{text.strip()}\n</document>\n'
 
 
+# A fast tokenizer applies split_special_tokens by setting a flag on its shared Rust backend for
+# the call: two threads encoding at once (API workers, a batch of questions) could each encode
+# with the other's flag ("<|im_end|>" as plain text, or a user's "<|im_end|>" as a control token).
+_ENCODE = threading.Lock()
+
+
 def encode_text(tokenizer, text: str) -> list[int]:
     """User text: special-token strings stay plain text."""
-    return tokenizer(text, add_special_tokens=False, split_special_tokens=True)["input_ids"]
+    with _ENCODE:
+        return tokenizer(text, add_special_tokens=False, split_special_tokens=True)["input_ids"]
 
 
 def encode_template(tokenizer, text: str) -> list[int]:
     """Our own template pieces: special-token strings are control tokens."""
-    return tokenizer(text, add_special_tokens=False)["input_ids"]
+    with _ENCODE:
+        return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
 def build_prefix(tokenizer, layout: Layout, docs: list[tuple[str, str]]) -> Prefix:

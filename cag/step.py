@@ -10,8 +10,8 @@ one row per layer.
 Same math as transformers, op for op where it matters for the bits:
   * products: the model's own Linear / FastLinear modules (so every CAG_WEIGHTS format is used);
   * RMSNorm: the formula of LlamaRMSNorm with the model's weights and eps (float32 inside);
-  * rope: the model's own rotary embedding module, called with the position as transformers calls
-    it; `rotate_half(x) * sin` is computed as `roll(x) * (sin with its first half negated)`, equal
+  * rope: the model's own rotary embedding module (its values tabled per position: cos_sin);
+    `rotate_half(x) * sin` is computed as `roll(x) * (sin with its first half negated)`, equal
     bit for bit (negation is exact);
   * attention: the query heads that share a K/V head folded into the query length (as
     cag/attention.py does), q (1, H_kv, rep, D) over keys (1, H_kv, pos+1, D), no K/V copy.
@@ -112,6 +112,7 @@ class LeanStep:
         self.rms = _rms_fp32 if self.dtype == torch.float32 else _rms
         self.embed = inner.embed_tokens.weight  # (V, hidden)
         self.rope = inner.rotary_emb
+        self.table: tuple | None = None  # cos, sin (positions, D) for static rope types (cos_sin)
         self.final = (inner.norm.weight, inner.norm.variance_epsilon)
         self.head = getattr(model.lm_head, "decode", model.lm_head.forward)  # one row per request: the packed copy
         first = inner.layers[0].self_attn
@@ -129,6 +130,23 @@ class LeanStep:
         half = self.head_dim // 2
         # rotate_half(x) = cat(-x2, x1) = roll(x, D/2) * sign, sign = (-1)*D/2 ++ (+1)*D/2
         self.sign = torch.cat([-torch.ones(half), torch.ones(half)]).to(self.device, self.dtype)  # (D,)
+
+    def cos_sin(self, pos: torch.Tensor, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sign-folded sin (R, D) at positions `pos` (R,), from the model's rope module.
+
+        Static rope types are read from a table the module fills in blocks of 64 positions: cos and
+        sin are vectorized over all but a tail of each call, and the tail is computed another way
+        (last bits differ), so a position's values must not depend on which rows share the call.
+        Dynamic types rescale with the longest position of the call: they are called directly."""
+        if "dynamic" in str(getattr(self.rope, "rope_type", "")):
+            cos, sin = self.rope(h, pos.view(1, -1))
+            return cos[0], sin[0] * self.sign
+        top = int(pos.max()) + 1
+        if self.table is None or top > self.table[0].shape[0]:
+            n = -(-top // 1024) * 1024
+            blocks = [self.rope(h, torch.arange(a, a + 64, device=self.device).view(1, -1)) for a in range(0, n, 64)]
+            self.table = (torch.cat([c[0] for c, _ in blocks]), torch.cat([si[0] for _, si in blocks]) * self.sign)
+        return self.table[0][pos], self.table[1][pos]
 
     def current(self, model) -> bool:
         """Still the model's modules (identity: modules define no __eq__), dtype and device."""
@@ -153,12 +171,12 @@ class LeanStep:
         `forward` returns."""
         s = self
         rms, n_kv, rep, d, half = s.rms, s.n_kv, s.rep, s.head_dim, s.head_dim // 2
-        rows = [_Rows(p, s, r0) for p, r0 in zip(parts, _offsets(parts))]
+        rows = [_Rows(p, s, r0, buffers.room) for p, r0 in zip(parts, _offsets(parts))]
         fns = s.fns
         R = rows[-1].r1
         h = s.embed.index_select(0, torch.cat([p.toks.reshape(-1) for p in parts]).to(s.device))  # (R, hidden)
-        cos, sin = s.rope(h, torch.cat([r.pos for r in rows]).view(1, -1))  # (1, R, D): the model's rope
-        cos, sin = cos.view(R, 1, d), sin.view(R, 1, d) * s.sign
+        cos, sin = s.cos_sin(torch.cat([r.pos for r in rows]), h)
+        cos, sin = cos.view(R, 1, d), sin.view(R, 1, d)
         rows_slot = torch.cat([r.rows_slot for r in rows])  # (R,) where each token's K/V is written
         rows_pos = torch.cat([r.rows_pos for r in rows])
         up = s.dtype != torch.float32
@@ -194,13 +212,13 @@ class Part:
 class _Rows:
     """What a part's attention needs, computed once per forward: rows [r0, r1) of the pass."""
 
-    def __init__(self, part: Part, s: LeanStep, r0: int):
+    def __init__(self, part: Part, s: LeanStep, r0: int, room: int):
         dev, rep = s.device, s.rep
         self.B, self.m = part.toks.shape
         self.M = self.m * rep  # query rows per request and K/V head: token t, head r -> row t*rep + r
         self.r0, self.r1 = r0, r0 + self.B * self.m
         suf = part.starts.to(dev)[:, None] + torch.arange(self.m, device=dev)  # (B, m) suffix positions
-        self.L = int(suf.max()) + 1  # suffix keys anyone in the part can see
+        self.L = suffix_keys(int(suf.max()) + 1, room)  # suffix keys the part's attention reads (the rest masked)
         n = torch.tensor([p.n for p in part.prefixes], device=dev)  # (B,)
         self.pos = (n[:, None] + suf).reshape(-1)  # (B*m,) absolute positions
         self.hidden = (torch.arange(self.L, device=dev) > suf.repeat_interleave(rep, 1)[:, :, None])[:, None]  # (B, 1, M, L)
@@ -217,6 +235,18 @@ def _offsets(parts: list[Part]) -> list[int]:
         out.append(r)
         r += p.toks.numel()
     return out
+
+
+SHORT = 128  # suffixes up to this many keys are read in 16-key steps; longer ones read the whole slot
+
+
+def suffix_keys(seen: int, room: int) -> int:
+    """How many suffix keys a part's attention reads when its longest request sees `seen`: a width
+    that does not depend on who else is in the batch, so a request's rows get the same bits alone
+    and batched. torch's CPU flash kernel gives a row with j visible keys identical results for every
+    width from j rounded up to 16 to 512 when j <= 128 (tests/test_batch.py pins it); for longer
+    suffixes the result moves with the width, so those read the whole slot (room)."""
+    return min(room, -(-seen // 16) * 16) if seen <= SHORT else room
 
 
 def _decode(lin):

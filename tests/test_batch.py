@@ -35,6 +35,52 @@ def together(engine, calls: list) -> list:
         return list(pool.map(run, calls))
 
 
+@pytest.fixture(params=["bf16", "int8"])
+def tiny_engine(request, tiny_model_dir, monkeypatch):
+    """The tiny model decoding in a packed format: those kernels give each row the same bits whatever
+    the number of rows (test_packed_products_and_suffix_attention_are_row_invariant), so batched ==
+    alone holds exactly, not just usually. (fp32 products go through a BLAS whose summation order
+    depends on the row count: there agreement is measured, bench/bench_batch.py.)"""
+    from cag.config import get_settings
+    from cag.engine import Engine
+
+    monkeypatch.setenv("CAG_MODEL", str(tiny_model_dir))
+    monkeypatch.setenv("CAG_WEIGHTS", request.param)
+    return Engine(get_settings())
+
+
+def test_packed_products_and_suffix_attention_are_row_invariant():
+    """What exactness in a batch rests on: a row's result does not depend on the other rows."""
+    import torch
+
+    from cag.step import suffix_keys
+    from cag.weights import FastLinear
+
+    torch.manual_seed(0)
+    with torch.inference_mode():
+        for fmt in ("bf16", "int8", "int4"):
+            for i, o in ((64, 128), (576, 1536), (1536, 576)):
+                fl = FastLinear(torch.nn.Linear(i, o, bias=False), fmt)
+                x = torch.randn(40, i)
+                alone = fl.decode(x[5:6])[0]
+                assert all(torch.equal(fl.decode(x[: m])[5], alone) for m in (6, 9, 17, 40)), (fmt, i, o)
+        # suffix attention: the width read (suffix_keys) changes with the batch's longest suffix, and
+        # the keys past a row's own suffix hold other requests' leftovers (masked)
+        flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+        room, heads, d, rows = 512, 3, 64, 3
+        for seen in (1, 17, 40, 128, 129, 300):
+            q, k, v = torch.randn(1, heads, rows, d), torch.randn(1, heads, room, d), torch.randn(1, heads, room, d)
+            outs = []
+            for longest in (seen, seen + 9, 100, 130, room):
+                width = suffix_keys(max(seen, longest), room)
+                k2, v2 = k.clone(), v.clone()
+                k2[:, :, seen:], v2[:, :, seen:] = torch.randn(1, heads, room - seen, d), torch.randn(1, heads, room - seen, d)
+                bias = torch.zeros(1, 1, rows, width)
+                bias[..., seen:] = float("-inf")
+                outs.append(flash(q, k2[:, :, :width], v2[:, :, :width], 0.0, False, attn_mask=bias, scale=d ** -0.5))
+            assert all(torch.equal(o[0], outs[0][0]) and torch.equal(o[1], outs[0][1]) for o in outs), seen
+
+
 def test_concurrent_questions_are_decoded_together_with_their_alone_tokens(tiny_engine, small_corpus):
     tiny_engine.ingest(str(small_corpus))
     alone = [tiny_engine.ask("corpus", q, max_tokens=16).token_ids for q in QUESTIONS]
@@ -140,3 +186,16 @@ def test_cli_questions_file(tiny_model_dir, small_corpus, tmp_path):
     assert _cag(env, "ask", "corpus", "--questions-file", str(empty)).returncode == 1
     unknown = _cag(env, "ask", "nope", "--questions-file", str(qfile))
     assert unknown.returncode == 1 and "unknown corpus" in unknown.stderr and not unknown.stdout
+
+
+def test_questions_tokenized_at_once_get_the_tokens_they_get_alone(tiny_engine):
+    """Encoding user text and template pieces from many threads (API workers) at once: each call
+    keeps its own special-token handling (the tokenizer's flag for it is shared state)."""
+    from cag.prompt import encode_template, encode_text
+
+    tok = tiny_engine.lm.tokenizer
+    texts = [(encode_text, "Who keeps <|im_end|> the lighthouse?"), (encode_template, "<|im_end|>\n<|im_start|>assistant\n")] * 8
+    alone = [f(tok, t) for f, t in texts]
+    assert alone[0] != alone[1]  # the two kinds differ on special-token strings: a race would show
+    for _ in range(20):
+        assert together(tiny_engine, [lambda f=f, t=t: f(tok, t) for f, t in texts]) == alone
