@@ -83,7 +83,7 @@ class Decoder:
 
     @property
     def slot_bytes(self) -> int:
-        return self.lm.kv_bytes(self.room)  # one request's suffix slot: the KV formula over its room
+        return self.lm.kv_bytes(self.room, self.lm.attn_dtype)  # one request's suffix slot: the KV formula over its room
 
     def snapshot(self) -> dict:
         """Counters and gauges for /metrics: steps, rows (rows / steps = mean batch), active, waiting."""
@@ -99,7 +99,7 @@ class Decoder:
             with self._cond:
                 if self.slots is None:
                     lm = self.lm
-                    self.slots = Slots(lm.n_layers, lm.n_kv_heads, lm.head_dim, self.room, self.max_batch, lm.dtype, lm.device)
+                    self.slots = Slots(lm.n_layers, lm.n_kv_heads, lm.head_dim, self.room, self.max_batch, lm.attn_dtype, lm.device)
                 if self._thread is None:
                     self._thread = threading.Thread(target=self._loop, name="cag-decode", daemon=True)
                     self._thread.start()

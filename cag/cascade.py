@@ -22,11 +22,11 @@ def _flash_parts(r, q: torch.Tensor, Ks: torch.Tensor, Vs: torch.Tensor, i: int,
     """Cascade attention of q (B, H_kv, M, D) -> (B, H_kv, M, D)."""
     n_kv, M, d = q.shape[1], q.shape[2], q.shape[3]
     o_s, lse_s = _FLASH(q, Ks, Vs, 0.0, False, attn_mask=r.bias, scale=scale)  # (B, H_kv, M, D), (B, H_kv, M)
-    o = torch.empty_like(q) if len(r.groups) > 1 else None
+    o = torch.empty_like(q, dtype=torch.float32) if len(r.groups) > 1 else None
     for prefix, idx in r.groups:
         Kp, Vp = prefix.kv[i]  # (1, H_kv, n, D), shared
-        if Kp.dtype != q.dtype:  # bf16/fp16 compute attends in float32 (see attend)
-            Kp, Vp = Kp.float(), Vp.float()
+        if Kp.dtype != q.dtype:  # a prefix built for another dtype (not the engine's own)
+            Kp, Vp = Kp.to(q.dtype), Vp.to(q.dtype)
         os_, ls = (o_s, lse_s) if idx is None else (o_s[idx], lse_s[idx])
         b = os_.shape[0]
         if Kp.shape[2] == 0:  # an empty prefix: the suffix is all there is
@@ -36,11 +36,11 @@ def _flash_parts(r, q: torch.Tensor, Ks: torch.Tensor, Vs: torch.Tensor, i: int,
             op, lp = _FLASH(qg.transpose(0, 1).reshape(1, n_kv, b * M, d), Kp, Vp, 0.0, False, scale=scale)
             op = op.view(n_kv, b, M, d).transpose(0, 1)  # (b, H_kv, M, D)
             wp, ws = _weights(lp.view(n_kv, b, M).transpose(0, 1), ls)  # (b, H_kv, M, 1) each
-            og = op * wp + os_ * ws
+            og = op.float() * wp + os_.float() * ws  # (b, H_kv, M, D) float32
         if o is None:
             o = og
         else:
-            o[idx] = og
+            o[idx] = og.to(o.dtype)
     return o
 
 
@@ -73,10 +73,11 @@ def attend(r, q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, i: int, scale: 
     q = q.view(B, m, n_kv, rep, d).transpose(1, 2).reshape(B, n_kv, M, d)
     Ks = K[r.slots, :, : r.L] if r.one is None else K[r.one, None, :, : r.L]  # (B, H_kv, L, D): only the suffix is per request
     Vs = V[r.slots, :, : r.L] if r.one is None else V[r.one, None, :, : r.L]
+    out_dtype = q.dtype  # the compute dtype; K/V may be held in a narrower one (LoadedModel.attn_dtype)
+    if _FLASH is not None and q.device.type == "cpu":  # the fused kernel scores and sums in float32 inside
+        return _merge_out(_flash_parts(r, q.to(K.dtype), Ks, Vs, i, scale), B, m, n_kv, rep, d, out_dtype)
     if up:  # scores of bf16/fp16 products rounded to 8 bits would move the softmax: attend in float32
         q, Ks, Vs = q.float(), Ks.float(), Vs.float()
-    if _FLASH is not None and q.dtype == torch.float32 and q.device.type == "cpu":
-        return _merge_out(_flash_parts(r, q, Ks, Vs, i, scale), B, m, n_kv, rep, d, K.dtype)
     ss = torch.matmul(q, Ks.transpose(-1, -2)).mul_(scale).masked_fill_(r.hidden, float("-inf"))  # (B, H_kv, M, L)
     o = torch.empty_like(q) if len(r.groups) > 1 else None
     for prefix, idx in r.groups:

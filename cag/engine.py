@@ -229,7 +229,7 @@ class Engine:
         self.require_fit(n, "the prompt's knowledge")
         cache = kv.new_cache(lm.model, n)
         kv.prefill(lm.model, cache, prefix_ids, 0, self.settings.chunk_tokens, should_stop=should_stop)
-        gen, _ = self._generate(Prefix(kv.views(cache, n), n), q, on_text, should_stop)
+        gen, _ = self._generate(Prefix.of(kv.views(cache, n), lm.attn_dtype, lm.device), q, on_text, should_stop)
         snapshot = None if q.mode is Mode.RAG else q.row["current_snapshot"]
         return self._finish(q, gen, n, 0, 0.0, snapshot, **extra)
 
@@ -259,7 +259,7 @@ class Engine:
 
     def _load_resident(self, digest: str) -> Resident:
         snap = self.open_snapshot(self.index.snapshot(digest))
-        prefix = Prefix.of(snap.kv, self.lm.dtype, self.lm.device)  # once: every request reads this one
+        prefix = Prefix.of(snap.kv, self.lm.attn_dtype, self.lm.device)  # once: every request reads this one
         snap.kv = []  # the storage-dtype tensors are not needed again
         return Resident(snap, prefix)
 

@@ -52,6 +52,17 @@ class LoadedModel:
     def device(self) -> torch.device:
         return next(self.model.parameters()).device
 
+    @property
+    def attn_dtype(self) -> torch.dtype:
+        """The dtype resident prefixes and request buffers are held in, which decode attention reads:
+        the compute dtype, except float32 compute with packed weights (CAG_WEIGHTS bf16/int8/int4) on
+        a CPU, which attends in bfloat16: half the cache bytes per decode step and per resident
+        snapshot. torch's fused CPU attention kernel scores and sums in float32 inside; the scores
+        see K and q rounded to bfloat16, as the packed products see their inputs."""
+        if self.weights != "fp32" and self.dtype == torch.float32 and self.device.type == "cpu":
+            return torch.bfloat16
+        return self.dtype
+
     def kv_bytes(self, n_tokens: int, dtype: torch.dtype | None = None) -> int:
         """The KV-size formula (store.snapshots.expected_bytes) for this model's shapes."""
         return expected_bytes(self.n_layers, self.n_kv_heads, self.head_dim, dtype or self.dtype, n_tokens)

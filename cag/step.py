@@ -185,8 +185,8 @@ class LeanStep:
             x = rms(h, w1, e1)
             q = q_f(x).view(R, n_kv * rep, d)
             k = k_f(x).view(R, n_kv, d)
-            K[rows_slot, :, rows_pos] = k * cos + k.roll(half, -1) * sin  # roped K into the request's slot
-            V[rows_slot, :, rows_pos] = v_f(x).view(R, n_kv, d)
+            K[rows_slot, :, rows_pos] = (k * cos + k.roll(half, -1) * sin).to(K.dtype)  # roped K into the request's slot
+            V[rows_slot, :, rows_pos] = v_f(x).view(R, n_kv, d).to(V.dtype)
             q = q * cos + q.roll(half, -1) * sin
             o = [cascade.attend(r, q[r.r0 : r.r1], K, V, i, scale, up) for r in rows]
             h = h + o_f(o[0] if len(o) == 1 else torch.cat(o))

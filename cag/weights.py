@@ -12,7 +12,8 @@ the transformers forward: prefill of the knowledge) and adds a packed copy used 
         (`aten._weight_int4pack_mm_for_cpu`); the embedded model's GGUF Q4_1 has this exact shape
 
 Activations enter the packed kernels as bf16 (the kernels' input dtype) and leave in the model's
-dtype; the residual stream, norms, attention and the KV cache stay in the compute dtype. Prefill
+dtype; the residual stream and norms stay in the compute dtype; decode attention reads resident
+prefixes and request buffers held in bf16 (LoadedModel.attn_dtype: half the cache bytes a step reads). Prefill
 (and so every snapshot) never touches the packed copy: snapshots do not depend on this setting.
 Both `cag` and `full` decode through the same modules, so cag == full holds in every format.
 """
@@ -139,24 +140,24 @@ def probe(fmts: tuple[str, ...] = FORMATS, in_f: int = 576, out_f: int = 1536, r
 
 def choose(model: torch.nn.Module, requested: str, cache_dir: Path | None = None) -> str:
     """The format to use: `requested`, or for `auto` the faster of fp32 and bf16 on this machine
-    (bf16 changes answers least; int8/int4 are opt-in, see the README's quality table). The probe's
-    verdict is kept in `cache_dir` per CPU, torch version and thread count, so answers do not
-    change from one start to the next on a noisy machine."""
+    for one row and for a batch of 8 together (one user, and a server's busy hours); bf16 changes
+    answers least of the packed formats, int8/int4 are opt-in (the README's quality table). The
+    probe's verdict is kept in `cache_dir` per CPU, torch version and thread count, so answers do
+    not change from one start to the next on a noisy machine."""
     if requested != "auto":
         return requested
     if next(model.parameters()).device.type != "cpu" or supported("bf16", model):
         return "fp32"
     cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")), "?") \
         if Path("/proc/cpuinfo").exists() else "?"
-    key = f"{cpu}|torch {torch.__version__}|{torch.get_num_threads()} threads"
+    key = f"{cpu}|torch {torch.__version__}|{torch.get_num_threads()} threads|1+8 rows"
     path = cache_dir / "weights-auto.json" if cache_dir else None
     known = json.loads(path.read_text()) if path and path.exists() else {}
     if key not in known:
-        # bf16 only where one row is clearly faster. Not by a batch probe: bf16's products are far
-        # cheaper for 8 rows on AMX, but a batched bf16 answer equals the same question alone far
-        # less often than fp32's (84% vs 99.5% of answers, bench/bench_batch.py), which batching must keep
-        times = probe(("fp32", "bf16"))
-        known[key] = "bf16" if times["bf16"] < 0.8 * times["fp32"] else "fp32"
+        # A packed format's rows get the same bits alone and batched (tests/test_batch.py), so a
+        # batch probe is fair: on AMX, bf16 costs about the same for 1 and 16 rows, fp32 twice as much
+        one, eight = probe(("fp32", "bf16")), probe(("fp32", "bf16"), rows=8)
+        known[key] = "bf16" if one["bf16"] + eight["bf16"] < 0.8 * (one["fp32"] + eight["fp32"]) else "fp32"
         if path:
             path.parent.mkdir(parents=True, exist_ok=True)
             tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")

@@ -11,6 +11,7 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+import torch
 
 from cag.errors import TooLarge
 from cag.rag.answer import ask_many
@@ -68,13 +69,13 @@ def test_packed_products_and_suffix_attention_are_row_invariant():
         # the keys past a row's own suffix hold other requests' leftovers (masked)
         flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
         room, heads, d, rows = 512, 3, 64, 3
-        for seen in (1, 17, 40, 128, 129, 300):
-            q, k, v = torch.randn(1, heads, rows, d), torch.randn(1, heads, room, d), torch.randn(1, heads, room, d)
+        for dtype, seen in ((dt, n) for dt in (torch.float32, torch.bfloat16) for n in (1, 17, 40, 128, 129, 300)):
+            q, k, v = (torch.randn(1, heads, n, d).to(dtype) for n in (rows, room, room))
             outs = []
             for longest in (seen, seen + 9, 100, 130, room):
                 width = suffix_keys(max(seen, longest), room)
                 k2, v2 = k.clone(), v.clone()
-                k2[:, :, seen:], v2[:, :, seen:] = torch.randn(1, heads, room - seen, d), torch.randn(1, heads, room - seen, d)
+                k2[:, :, seen:], v2[:, :, seen:] = (torch.randn(1, heads, room - seen, d).to(dtype) for _ in "kv")
                 bias = torch.zeros(1, 1, rows, width)
                 bias[..., seen:] = float("-inf")
                 outs.append(flash(q, k2[:, :, :width], v2[:, :, :width], 0.0, False, attn_mask=bias, scale=d ** -0.5))
@@ -88,6 +89,7 @@ def test_concurrent_questions_are_decoded_together_with_their_alone_tokens(tiny_
     rows0 = tiny_engine.stats["decode_rows"]
     got = together(tiny_engine, [lambda q=q: tiny_engine.ask("corpus", q, max_tokens=16).token_ids for q in QUESTIONS])
     stats = tiny_engine.stats
+    assert tiny_engine.lm.attn_dtype == torch.bfloat16  # packed formats attend over bf16 K/V
     assert got == alone
     assert stats["batch_max"] > 1 and stats["decode_rows"] - rows0 > 1.5 * (stats["decode_steps"] - steps0)
     assert stats["decode_active"] == 0 and tiny_engine.decoder.slots.in_use == 0  # every slot given back
