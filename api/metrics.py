@@ -45,6 +45,9 @@ class _EngineCollector:
                                 value=stats.get("decode_active", 0))
         yield GaugeMetricFamily("cag_decode_waiting", "Requests waiting for a place in the decode batch.",
                                 value=stats.get("decode_waiting", 0))
+        yield GaugeMetricFamily("cag_decode_slot_bytes", "Bytes of one request's suffix slot (question + answer K/V): "
+                                "the memory one more concurrent request costs (0 before the first batched answer).",
+                                value=stats.get("slot_bytes", 0))
         yield GaugeMetricFamily("cag_generations_running", "Generations running on a worker.", value=self.running())
         yield GaugeMetricFamily("cag_generations_waiting", "Generations admitted and waiting for a worker.", value=self.waiting())
         yield GaugeMetricFamily("cag_model_loaded", "1 once the model is loaded.", value=1 if self.ready() else 0)

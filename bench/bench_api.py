@@ -176,8 +176,6 @@ def main() -> None:
                    "prefill_ms": ingest["prefill_ms"]},
         "max_tokens": args.max_tokens, "runs": [], "loadavg_start": os.getloadavg(),
     }
-    s = get_settings()
-    results["slot_mib"] = 2 * 30 * 3 * (s.question_room + s.answer_room) * 64 * 4 / 2**20  # SmolLM2: layers, H_kv, D; float32
 
     for config in args.configs.split(","):
         workers, threads, batch = ([int(x) for x in config.split(":")] + [16])[:3]
@@ -204,6 +202,8 @@ def main() -> None:
             run["metrics_excerpt"] = [line for line in httpx.get(f"{srv.url}/metrics").text.splitlines()
                                       if line.startswith(("cag_snapshot_hits_total", "cag_snapshot_loads_total",
                                                           "cag_resident_bytes", "cag_decode_"))]
+            slot = [float(line.split()[-1]) for line in run["metrics_excerpt"] if line.startswith("cag_decode_slot_bytes ")]
+            results.setdefault("slot_mib", slot[0] / 2**20 if slot else 0.0)  # the server's own figure (its dtype)
         results["runs"].append(run)
 
     print("hit vs cold: CAG_RESIDENT_BYTES=1, a second corpus evicts the handbook between pairs", file=sys.stderr)
@@ -265,8 +265,9 @@ def markdown(res: dict) -> str:
             per = (hi["peak_rss_bytes"] - lo["peak_rss_bytes"]) / (hi["concurrency"] - lo["concurrency"]) / 2**20
             lines.append(f"| {run.get('max_batch', '-')} | peak RSS per extra client | | | | | | | | | | | {per:.1f} |")
     lines += ["", f"Workers {res['runs'][0]['workers']} (CAG_WORKERS); torch threads: the server's default. A suffix buffer "
-              f"(question + answer room, float32) is {res.get('slot_mib', 0):.1f} MiB per concurrent request; the snapshot, "
-              f"resident once, is {res['corpus']['snapshot_bytes'] / 2**20:.1f} MiB on disk (float16), twice that in float32."]
+              f"(question + answer room, in the dtype the server attends in: /metrics cag_decode_slot_bytes) is "
+              f"{res.get('slot_mib', 0):.2f} MiB per concurrent request; the snapshot, resident once, is "
+              f"{res['corpus']['snapshot_bytes'] / 2**20:.1f} MiB on disk (float16; the same in bf16, twice that in float32)."]
     t = res["ttft"]
     hit, cold = t["resident_hit"], t["cold_load"]
     lines += [

@@ -64,14 +64,17 @@ def write(name: str, payload: dict, table: str) -> None:
 def step_decode_rate(model, prefix_kv: list, n: int, first: int, room: int = 64) -> float:
     """Tokens/s of one request decoding alone over a prefix (the decode path of cag.batch, without its
     thread hop): the first token from a 1-token question, then n-1 timed steps (stop tokens ignored).
-    `prefix_kv`: per layer (k, v) (1, H_kv, n_prefix, D), any dtype (cast to the model's)."""
+    `prefix_kv`: per layer (k, v) (1, H_kv, n_prefix, D), any dtype (cast to the one served requests attend in)."""
     import torch
 
     from cag import step as lean
+    from cag.model import attn_dtype
     from cag.slots import Prefix, Slots
+    from cag.weights import FastLinear
 
     built = lean.for_model(model)
-    dtype, device = built.dtype, built.device
+    fmt = next((m.fmt for m in model.modules() if isinstance(m, FastLinear)), "fp32")
+    dtype, device = attn_dtype(fmt, built.dtype, built.device), built.device  # what a served request reads
     prefix = Prefix.of(prefix_kv, dtype, device)
     cfg = model.config
     slots = Slots(cfg.num_hidden_layers, cfg.num_key_value_heads, built.head_dim, max(room, n + 1), 1, dtype, device)

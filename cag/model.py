@@ -59,9 +59,7 @@ class LoadedModel:
         a CPU, which attends in bfloat16: half the cache bytes per decode step and per resident
         snapshot. torch's fused CPU attention kernel scores and sums in float32 inside; the scores
         see K and q rounded to bfloat16, as the packed products see their inputs."""
-        if self.weights != "fp32" and self.dtype == torch.float32 and self.device.type == "cpu":
-            return torch.bfloat16
-        return self.dtype
+        return attn_dtype(self.weights, self.dtype, self.device)
 
     def kv_bytes(self, n_tokens: int, dtype: torch.dtype | None = None) -> int:
         """The KV-size formula (store.snapshots.expected_bytes) for this model's shapes."""
@@ -70,6 +68,11 @@ class LoadedModel:
     def fits(self, n_prefix: int, room: int) -> bool:
         """Whether a prefix leaves `room` tokens (question + answer) inside the context window."""
         return n_prefix + room <= self.max_context
+
+
+def attn_dtype(weights: str, dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """LoadedModel.attn_dtype for a weights format, compute dtype and device."""
+    return torch.bfloat16 if weights != "fp32" and dtype == torch.float32 and device.type == "cpu" else dtype
 
 
 def _gguf_dir() -> Path:

@@ -58,7 +58,9 @@ def served_notes(root: Path, tiny_model_dir: Path, models_dir: Path, **env_vars:
     for name, text in DOCS.items():
         (corpus / name).write_text(text)
     env = {k: v for k, v in os.environ.items() if not k.startswith("CAG_")}
-    env.update(CAG_HOME=str(root / "home"), CAG_MODELS_DIR=str(models_dir), CAG_MODEL=str(tiny_model_dir), **env_vars)
+    env.update(CAG_HOME=str(root / "home"), CAG_MODELS_DIR=str(models_dir), CAG_MODEL=str(tiny_model_dir),
+               CAG_WEIGHTS="fp32")  # as every test pins it: `auto` measures the machine
+    env.update(env_vars)
     r = subprocess.run([*cag_command(), "ingest", str(corpus), "--json"], env=env, cwd=REPO, capture_output=True,
                        text=True, timeout=120)
     assert r.returncode == 0, r.stderr
@@ -150,7 +152,7 @@ def test_ask_equals_cag_ask_and_the_engine(server, tiny_model_dir):
     from cag.config import Settings
     from cag.engine import Engine
 
-    engine = Engine(Settings(home=server.home, model=str(tiny_model_dir), answer_room=1024,
+    engine = Engine(Settings(home=server.home, model=str(tiny_model_dir), answer_room=1024, weights="fp32",
                              models_dir_override=server.env["CAG_MODELS_DIR"]))
     direct = engine.ask("notes", q, max_tokens=24)
     assert direct.token_ids == got["token_ids"] and direct.answer == got["answer"]
