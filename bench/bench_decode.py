@@ -29,6 +29,7 @@ from cag import step as lean
 from cag.config import get_settings
 from cag.engine import Engine
 from cag.generate import DecodeConfig, decode
+from cag.model import attn_dtype
 
 from .common import essay_corpus, machine, step_decode_rate, write
 
@@ -111,7 +112,7 @@ def main() -> None:
         for fmt in formats:
             models[fmt] = lm.model if fmt == "fp32" else copy.deepcopy(lm.model)
             weights.apply(models[fmt], fmt)
-        auto = weights.choose(lm.model, "auto")
+        auto = weights.choose(lm.model, "auto", get_settings().models_dir)  # the verdict a server here uses (cached)
         bw = read_bandwidth()
         # Products (and the bandwidth) are timed again next to every decode cell and the best kept:
         # one load spike at the start must not stand for the whole run.
@@ -122,7 +123,6 @@ def main() -> None:
         for size in sizes:
             ing = engine.ingest(str(essay_corpus(home / f"essays-{size}", size, count)), name=f"essays{size}")
             snap = engine.open_snapshot(engine.index.snapshot(ing.snapshot))
-            cache_bytes = lm.kv_bytes(ing.n_tokens)  # the request buffer is in the compute dtype
             for fmt, model in models.items():
                 cache = kv.new_cache(model, ing.n_tokens + engine.room)
                 kv.load_into(cache, snap.kv, lm.dtype)
@@ -130,7 +130,9 @@ def main() -> None:
                 tps, fwd = paired_rates(model, cache, snap.kv, ing.n_tokens, args.decode_tokens, first, args.rounds)
                 prod[fmt] = min(prod[fmt], products_ms(model))
                 rows.append({"n_tokens": ing.n_tokens, "weights": fmt, "decode_tok_s": tps, "step_ms": 1e3 / tps,
-                             "weight_bytes": weight_bytes(model), "cache_bytes": cache_bytes, "forward_tok_s": fwd,
+                             "weight_bytes": weight_bytes(model), "forward_tok_s": fwd,
+                         # the prefix and request buffer, in the dtype the step attends in (bf16 with packed weights)
+                         "cache_bytes": lm.kv_bytes(ing.n_tokens, attn_dtype(fmt, lm.dtype, lm.device)),
                              "lean_over_forward": tps / fwd})
                 print(rows[-1], flush=True)
             bw = max(bw, read_bandwidth(reps=3))
