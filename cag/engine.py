@@ -229,9 +229,9 @@ class Engine:
         self.require_fit(n, "the prompt's knowledge")
         cache = kv.new_cache(lm.model, n)
         kv.prefill(lm.model, cache, prefix_ids, 0, self.settings.chunk_tokens, should_stop=should_stop)
-        gen, _ = self._generate(Prefix.of(kv.views(cache, n), lm.attn_dtype, lm.device), q, on_text, should_stop)
-        snapshot = None if q.mode is Mode.RAG else q.row["current_snapshot"]
-        return self._finish(q, gen, n, 0, 0.0, snapshot, **extra)
+        views = kv.views(cache, n) if q.mode is Mode.RAG else kv.stored(kv.views(cache, n), self.kv_dtype)  # cag == full, bitwise
+        gen, _ = self._generate(Prefix.of(views, lm.attn_dtype, lm.device), q, on_text, should_stop)
+        return self._finish(q, gen, n, 0, 0.0, None if q.mode is Mode.RAG else q.row["current_snapshot"], **extra)
 
     def _answer_cached(self, q: Question, on_text, should_stop, shards: int = 1) -> Answer:
         if len(self.index.shards(q.corpus)) > 1:

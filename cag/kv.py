@@ -81,6 +81,12 @@ def views(cache: StaticCache, n: int) -> KV:
     return [(layer.keys[:, :, :n], layer.values[:, :, :n]) for layer in cache.layers]
 
 
+def stored(kv: KV, dtype: torch.dtype) -> KV:
+    """K/V at the precision a snapshot in `dtype` keeps them (`full` then reads what `cag` reads);
+    int8 snapshots (a quantized codec) leave them as they are."""
+    return [(k.to(dtype), v.to(dtype)) for k, v in kv] if dtype.is_floating_point else kv
+
+
 def export(cache: StaticCache, n: int) -> KV:
     """The first n positions of every layer on the CPU (to save): (1, H_kv, n, D)."""
     return [(k.cpu(), v.cpu()) for k, v in views(cache, n)]  # .cpu(): no copy on the CPU

@@ -202,3 +202,12 @@ def test_questions_tokenized_at_once_get_the_tokens_they_get_alone(tiny_engine):
     assert alone[0] != alone[1]  # the two kinds differ on special-token strings: a race would show
     for _ in range(20):
         assert together(tiny_engine, [lambda f=f, t=t: f(tok, t) for f, t in texts]) == alone
+
+
+def test_full_equals_cag_with_fp16_snapshots_in_packed_formats(tiny_engine, small_corpus):
+    """`full` holds its freshly prefilled K/V at the snapshot's precision (fp16 by default) before
+    the bf16 attention copy, as cag's prefix is: the same bits, so the same tokens."""
+    tiny_engine.ingest(str(small_corpus))
+    for q in QUESTIONS:
+        cag, full = (tiny_engine.ask("corpus", q, mode=m, max_tokens=16) for m in ("cag", "full"))
+        assert cag.token_ids == full.token_ids, q
