@@ -25,6 +25,7 @@ import time
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from ray import serve
 from ray.exceptions import RayActorError
+from ray.serve.config import RequestRouterConfig
 from ray.serve.exceptions import ReplicaUnavailableError
 from ray.serve.handle import DeploymentHandle
 
@@ -47,7 +48,7 @@ POLL_S = 2.0  # replica stats for /health; /metrics asks afresh at each scrape
 def per_replica(api: ApiSettings) -> int:
     """Serve's max_ongoing_requests of an engine replica: its workers plus one waiting request each, so
     a replica never idles between two answers; beyond that the router waits for a replica holding the
-    corpus (1-2 s) and then spills to another, which makes the corpus resident too."""
+    corpus (CAG_SPILL_AFTER_S) and then spills to another, which makes the corpus resident too."""
     return 2 * api.workers
 
 
@@ -175,7 +176,11 @@ def application(api: ApiSettings, cag: Settings, rs: ReplicaSettings):
     env = {"env_vars": forwarded_env()}
     scale = {"autoscaling_config": rs.autoscaling} if rs.autoscaling else {"num_replicas": rs.replicas}
     # no access log line per call: the ingress polls every replica's stats every POLL_S
+    # questions wait for a replica holding their corpus up to spill_after_s (api/ray_router.py)
+    router = RequestRouterConfig(request_router_class="cag.api.ray_router.CorpusRouter",
+                                 request_router_kwargs={"spill_after_s": rs.spill_after_s})
     engine = serve.deployment(name="CorpusReplica", max_ongoing_requests=per_replica(api), **scale,
+                              request_router_config=router,
                               logging_config={"enable_access_log": False},
                               ray_actor_options={"num_cpus": rs.cpus_per_replica, "num_gpus": rs.gpus_per_replica,
                                                  "runtime_env": env})(CorpusReplica)

@@ -21,6 +21,8 @@ class ReplicaSettings(BaseSettings):
     ray_address: str | None = None  # an existing cluster (ray://... or host:port); unset: a local Ray instance
     # corpora a replica keeps resident (Serve's max_num_models_per_replica); the least recently asked is dropped
     corpora_per_replica: int = Field(3, ge=1)
+    # how long a question waits for a replica holding its corpus (all full) before another replica loads it
+    spill_after_s: float = Field(2.0, gt=0, allow_inf_nan=False)
     cpus_per_replica: float = Field(1.0, gt=0, allow_inf_nan=False)  # Ray CPUs reserved; torch threads follow it
     gpus_per_replica: float = Field(0.0, ge=0, allow_inf_nan=False)  # >0: the replica asks Ray for a GPU (CUDA path)
     # autoscaling (Serve's autoscaling_config) when max_replicas is set: between min and max, starting at `replicas`

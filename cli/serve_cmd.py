@@ -29,6 +29,7 @@ def serve(
     max_replicas: Annotated[int | None, typer.Option("--max-replicas", help="Autoscale up to this many replicas. Env: CAG_MAX_REPLICAS.")] = None,
     target_ongoing_requests: Annotated[float | None, typer.Option("--target-ongoing-requests", help="Autoscaling target per replica (default 2). Env: CAG_TARGET_ONGOING_REQUESTS.")] = None,
     corpora_per_replica: Annotated[int | None, typer.Option("--corpora-per-replica", help="Corpora a replica keeps resident (default 3). Env: CAG_CORPORA_PER_REPLICA.")] = None,
+    spill_after_s: Annotated[float | None, typer.Option("--spill-after-s", help="Seconds a question waits for a replica holding its corpus before another replica loads it (default 2). Env: CAG_SPILL_AFTER_S.")] = None,
 ):
     """Serve the knowledge API: POST /v1/ask, the OpenAI-compatible /v1/chat/completions and /v1/models,
     corpora and refresh jobs, /health, /metrics, docs at /docs. API keys come from CAG_API_KEYS
@@ -44,7 +45,8 @@ def serve(
         cag_settings = get_settings(model=model, store=store)
         scale = load_replica_settings(replicas=replicas, ray_address=ray_address, cpus_per_replica=cpus_per_replica,
                                       gpus_per_replica=gpus_per_replica, min_replicas=min_replicas, max_replicas=max_replicas,
-                                      target_ongoing_requests=target_ongoing_requests, corpora_per_replica=corpora_per_replica)
+                                      target_ongoing_requests=target_ongoing_requests, corpora_per_replica=corpora_per_replica,
+                                      spill_after_s=spill_after_s)
         app = None if scale.replicas else create_app(api_settings, cag_settings)
     except CagError as e:
         typer.echo(f"error: {e}", err=True)
