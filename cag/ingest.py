@@ -53,6 +53,7 @@ class Plan:
     ttl_s: float | None
     shard_tokens: int | None
     shards: list[Shard] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
     ref: object = None  # with a shared store: the corpus's ref read at the start (a conditional write expects it)
 
 
@@ -82,10 +83,9 @@ def plan(engine, name: str, source: Path, ttl_s: float | None, shard_tokens: int
         raise BadInput(f"shards of {capacity} tokens leave no room for knowledge: the prompt layout alone is "
                        f"{len(head) + len(mid)} tokens (raise --shard-tokens)")
     units = units_of(lm.tokenizer, docs, capacity - len(head) - len(mid))
-    if any(u.cut_by_tokens for u in units):
-        skipped = skipped + [f"{u.name} (a sentence longer than a shard: cut between tokens)" for u in units if u.cut_by_tokens]
     previous = [[s["path"] for s in engine.index.snapshot_documents(r["snapshot"])] for r in engine.index.shards(name)]
     out = Plan(name, source, docs, skipped, ttl_s, shard_tokens, ref=ref)
+    out.warnings = [f"{u.name}: a sentence longer than a shard, cut between tokens" for u in units if u.cut_by_tokens]
     for i, sp in enumerate(pack(units, capacity, len(head) + len(mid), previous)):
         ids, spans = list(head), []
         for u in sp.units:

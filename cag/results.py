@@ -54,6 +54,7 @@ class IngestResult:
     path: str = ""
     n_shards: int = 1
     shards: list[dict] = field(default_factory=list)  # per shard: shard, snapshot, n_tokens, bytes, status, ...
+    warnings: list[str] = field(default_factory=list)  # ingested, but not as a user may expect (a sentence cut)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -71,7 +72,7 @@ class IngestResult:
         reused = sum(b.reused for b in built)
         return cls(plan.name, shards[0]["snapshot"], len(plan.docs), n, sum(x["bytes"] for x in shards),
                    round(sum(b.prefill_ms for b in built), 1), status, reused, n - reused, sum(estimates),
-                   plan.skipped, built[0].row["path"], len(shards), shards)
+                   plan.skipped, built[0].row["path"], len(shards), shards, plan.warnings)
 
 
 @dataclass

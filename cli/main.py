@@ -40,6 +40,8 @@ def ingest(
         return
     for s in r.skipped:
         typer.echo(f"skipped: {s}", err=True)
+    for w in r.warnings:
+        typer.echo(f"warning: {w}", err=True)
     if r.status == "fresh":
         typer.echo(f"{r.corpus}: up to date (snapshot {r.snapshot[:12]}, {r.n_tokens} tokens, {r.n_documents} documents)")
     else:

@@ -151,3 +151,19 @@ def test_cli_ingest_and_ask_a_sharded_corpus(engine, town, tiny_model_dir, monke
     r = run("ask", "town", "Who teaches at the village school?", "--shards", "9", "--max-tokens", "3", "--json")
     assert r.exit_code == 0 and "clamped to 2" in r.stderr
     assert len(json.loads(r.stdout)["shards"]) == 2
+
+
+def test_a_sentence_longer_than_a_shard_is_cut_between_tokens_and_said_so(engine, town, tiny_model_dir, monkeypatch):
+    from typer.testing import CliRunner
+
+    from cag.cli.main import app
+
+    cap = _shard_tokens(engine, town, 2)
+    (town / "z-run-on.md").write_text(" ".join(f"word{i} and" for i in range(400)))  # one sentence, no boundary
+    r = CliRunner().invoke(app, ["ingest", str(town), "--name", "town", "--shard-tokens", str(cap)])
+    assert r.exit_code == 0, r.output
+    cut = [line for line in r.stderr.splitlines() if line.startswith("warning: z-run-on.md#part")]
+    assert cut and all(line.endswith("a sentence longer than a shard, cut between tokens") for line in cut)
+    assert "skipped" not in r.stderr  # cut, not skipped: every part is in a shard
+    names = [s["path"] for sh in engine.index.shards("town") for s in engine.index.snapshot_documents(sh["snapshot"])]
+    assert len([n for n in names if n.startswith("z-run-on.md#part")]) == len(cut) > 1
