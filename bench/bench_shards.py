@@ -36,10 +36,13 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--essays", type=int, default=0, help="only the first N essays (a quick run); 0: all")
+    ap.add_argument("--kv-dtype", default=None, help="snapshot dtype (CAG_KV_DTYPE; default: the setting's, float16); "
+                    "results go to shards-<dtype>.md when set")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         home = Path(tmp)
-        engine = Engine(get_settings(home=home / "home", models_dir_override=get_settings().models_dir))
+        over = {"kv_dtype": args.kv_dtype} if args.kv_dtype else {}
+        engine = Engine(get_settings(home=home / "home", models_dir_override=get_settings().models_dir, **over))
         lm = engine.lm
         all_essays = home / "essays"
         all_essays.mkdir()
@@ -77,7 +80,8 @@ def main() -> None:
             })
             print(rows[-1], flush=True)
 
-    head = (f"Machine: {machine()}. Model: {lm.name}, weights {lm.weights}, fp16 snapshots. "
+    head = (f"Machine: {machine()}. Model: {lm.name}, weights {lm.weights} (attention over {str(lm.attn_dtype)[6:]} K/V), "
+            f"{engine.settings.kv_dtype} snapshots. "
             f"Corpus: {big.n_documents} essays, {big.n_tokens:,} tokens in {big.n_shards} shards, "
             f"ingested in {big.prefill_ms / 1e3:.0f} s ({big.n_tokens / (big.prefill_ms / 1e3):.0f} tok/s). "
             f"Median of {args.repeat}, snapshots read from their files.\n\n"
@@ -92,7 +96,7 @@ def main() -> None:
         f"**{r['speedup_vs_scratch']:.0f}x** | {r['cag_equals_full']} | {r['two_shards_chose']} |\n" for r in rows)
     foot = ("\nTargets: TTFT at 100K+ tokens <= 1.3x a single 7K snapshot's; >= 100x faster than prefilling the routed "
             "shard from scratch; bytes within 1% of the formula per shard.\n")
-    write("shards", {"machine": machine(), "corpus_tokens": big.n_tokens, "n_shards": big.n_shards,
+    write(f"shards-{args.kv_dtype}" if args.kv_dtype else "shards", {"machine": machine(), "kv_dtype": engine.settings.kv_dtype, "corpus_tokens": big.n_tokens, "n_shards": big.n_shards,
                      "ingest_ms": big.prefill_ms, "shards": shard_rows, "rows": rows}, head + body + foot)
 
 
