@@ -84,7 +84,7 @@ def weight_bytes(model) -> int:
     total = 0
     for m in model.modules():
         if isinstance(m, weights.FastLinear):
-            total += sum(t.nbytes for t in (m.packed if isinstance(m.packed, tuple) else (m.packed,)))
+            total += weights.packed_bytes(m.packed)  # the copy a decode step reads (bf16: its few-rows layout)
         elif isinstance(m, torch.nn.Linear):
             total += m.weight.nbytes
     return total

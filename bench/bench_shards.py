@@ -80,7 +80,7 @@ def main() -> None:
             })
             print(rows[-1], flush=True)
 
-    head = (f"Machine: {machine()}. Model: {lm.name}, weights {lm.weights} (attention over {str(lm.attn_dtype)[6:]} K/V), "
+    head = (f"Machine: {machine()}. Model: {lm.name}, weights {lm.weights} (attention over {str(lm.attn_dtype).removeprefix('torch.')} K/V), "
             f"{engine.settings.kv_dtype} snapshots. "
             f"Corpus: {big.n_documents} essays, {big.n_tokens:,} tokens in {big.n_shards} shards, "
             f"ingested in {big.prefill_ms / 1e3:.0f} s ({big.n_tokens / (big.prefill_ms / 1e3):.0f} tok/s). "

@@ -84,8 +84,8 @@ def plan(engine, name: str, source: Path, ttl_s: float | None, shard_tokens: int
                        f"{len(head) + len(mid)} tokens (raise --shard-tokens)")
     units = units_of(lm.tokenizer, docs, capacity - len(head) - len(mid))
     previous = [[s["path"] for s in engine.index.snapshot_documents(r["snapshot"])] for r in engine.index.shards(name)]
-    out = Plan(name, source, docs, skipped, ttl_s, shard_tokens, ref=ref)
-    out.warnings = [f"{u.name}: a sentence longer than a shard, cut between tokens" for u in units if u.cut_by_tokens]
+    out = Plan(name, source, docs, skipped, ttl_s, shard_tokens, ref=ref,
+               warnings=[f"{u.name}: a sentence longer than a shard, cut between tokens" for u in units if u.cut_by_tokens])
     for i, sp in enumerate(pack(units, capacity, len(head) + len(mid), previous)):
         ids, spans = list(head), []
         for u in sp.units:

@@ -76,7 +76,7 @@ class FastLinear(torch.nn.Module):
         self.in_features, self.out_features, self.fmt = linear.in_features, linear.out_features, fmt
         self.weight, self.bias = linear.weight, linear.bias  # the model's own (shared if tied)
         w = linear.weight.detach()
-        self.packed = _pack_bf16(w, FEW) if fmt == "bf16" else (_pack_int8 if fmt == "int8" else _pack_int4)(w)
+        self.packed = {"bf16": lambda w: _pack_bf16(w, FEW), "int8": _pack_int8, "int4": _pack_int4}[fmt](w)
         self.packed_many = _pack_bf16(w, 1) if fmt == "bf16" and self.out_features < WIDE else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -132,9 +132,15 @@ def apply(model: torch.nn.Module, fmt: str) -> int:
         parent = model.get_submodule(name.rsplit(".", 1)[0]) if "." in name else model
         fast = FastLinear(lin, fmt)
         setattr(parent, name.rsplit(".", 1)[-1], fast)
-        extra += sum(t.nbytes for p in (fast.packed, fast.packed_many) if p is not None
-                     for t in (p if isinstance(p, tuple) else (p,)))
+        extra += packed_bytes(fast.packed) + packed_bytes(fast.packed_many)
     return extra
+
+
+def packed_bytes(packed) -> int:
+    """Bytes of a packed copy (a tensor, or a tuple of them for int8/int4; None: no copy)."""
+    if packed is None:
+        return 0
+    return sum(t.nbytes for t in (packed if isinstance(packed, tuple) else (packed,)))
 
 
 @functools.lru_cache(maxsize=8)
