@@ -76,7 +76,8 @@ async def chat_completions(body: ChatRequest, request: Request, svc: ReadyServic
     # torch.Generator takes seeds 0 .. 2**64-1 (and wraps negative ones the same way): any integer is
     # reduced into that range instead of overflowing there
     seed = None if body.seed is None else body.seed % 2**64
-    decoding = DecodeConfig(temperature=body.temperature or 0.0, top_p=body.top_p or 1.0, seed=seed)
+    decoding = DecodeConfig(temperature=body.temperature or 0.0, top_p=body.top_p or 1.0, seed=seed,
+                            min_tokens=body.min_tokens)
     call = AskCall(body.model, question, mode=body.mode, max_tokens=max_tokens, on_stale=body.on_stale,
                    shards=body.shards, stream=body.stream, decoding=decoding)
     gen = svc.runner.start(svc.answers.work(call))

@@ -14,6 +14,7 @@ from fastapi.responses import JSONResponse
 
 from cag.engine import Answer
 from cag.errors import CagError, NotFound
+from cag.generate import DecodeConfig
 
 from .answers import AskCall
 from .deps import ReadyService, ServiceDep
@@ -92,7 +93,7 @@ def ask_response(svc: Service, a: Answer, body: AskRequest) -> dict:
 def start_ask(svc: Service, body: AskRequest) -> Generation:
     svc.check_question(body.question, body.mode)
     call = AskCall(body.corpus, body.question, mode=body.mode, max_tokens=body.max_tokens, on_stale=body.on_stale,
-                   shards=body.shards, stream=body.stream)
+                   shards=body.shards, stream=body.stream, decoding=DecodeConfig(min_tokens=body.min_tokens))
     return svc.runner.start(svc.answers.work(call))
 
 

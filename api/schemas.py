@@ -24,6 +24,7 @@ def _integral(v):
 
 # bounds first: then they land in the JSON schema as minimum/maximum
 Count = Annotated[int, Field(ge=1), BeforeValidator(_integral)]
+Count0 = Annotated[int, Field(ge=0), BeforeValidator(_integral)]
 One = Annotated[int, Field(ge=1, le=1), BeforeValidator(_integral)]
 Integer = Annotated[int, BeforeValidator(_integral)]
 
@@ -38,6 +39,8 @@ class AskRequest(_Request):
     question: str = Field(min_length=1, description="The question (limit: CAG_MAX_QUESTION_CHARS characters).")
     mode: Mode = Field("cag", description="cag: from the snapshot; full: whole corpus in the prompt, no cache; rag: top-k passages.")
     max_tokens: Count | None = Field(None, description="Answer length limit; clamped to CAG_ANSWER_ROOM. Default CAG_MAX_TOKENS.")
+    min_tokens: Count0 = Field(0, description="No stop token before this many answer tokens (at most max_tokens), as vLLM's "
+                                              "min_tokens: fixed-length answers for load tests.")
     stream: bool = Field(False, description="Server-sent events: `token` events, then one `answer` event.")
     on_stale: StalePolicy = Field("serve", description="serve (flag it), refuse (409) or refresh first.")
     include_token_ids: bool = Field(False, description="Add the generated token ids to the answer.")
@@ -161,6 +164,7 @@ class ChatRequest(_Request):
     messages: list[ChatMessage] = Field(min_length=1, description="The last user message is the question.")
     max_tokens: Count | None = None
     max_completion_tokens: Count | None = None
+    min_tokens: Count0 = Field(0, description="Extension (as vLLM's): no stop token before this many completion tokens.")
     stream: bool = False
     stream_options: StreamOptions | None = None
     temperature: float | None = Field(None, ge=0, le=2, description="Unset, 0 or below 1e-5: greedy (exact).")

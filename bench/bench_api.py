@@ -1,11 +1,11 @@
 """Load benchmark of `cag serve` on loopback with the embedded model on corpora/handbook.
 
-    python -m bench.bench_api [--requests 16] [--concurrency 1,2,4,8,16] [--configs 16:0:16,16:0:1] [--max-tokens 32]
+    python -m bench.bench_api [--requests 16] [--concurrency 1,2,4,8,16] [--configs 16:0:16,16:0:1] [--max-tokens 32] [--min-tokens N]
 
 For each server configuration (CAG_WORKERS:CAG_THREADS:CAG_MAX_BATCH; 0 threads = the server's
 default): a real `cag serve` process; at each concurrency, max(--requests, 3 x clients) /v1/ask
 requests (clients = threads with their own httpx connection, each sending its next request when
-its answer arrived), questions from the handbook's questions.jsonl: aggregate completion tokens/s,
+its answer arrived; answers of exactly --max-tokens tokens unless --min-tokens says otherwise), questions from the handbook's questions.jsonl: aggregate completion tokens/s,
 p50/p95 latency, server TTFT p50, errors (must be 0), the mean decode batch (from /metrics), and
 the server's peak RSS (VmHWM) after each level. The default pair of configurations is batched
 decoding (CAG_MAX_BATCH=16) and one request at a time (CAG_MAX_BATCH=1), side by side in one run.
@@ -85,7 +85,7 @@ def stream_ask(client: httpx.Client, corpus: str, question: str, max_tokens: int
             "completion_tokens": final["usage"]["completion_tokens"]}
 
 
-def load_run(url: str, questions: list[str], concurrency: int, n_requests: int, max_tokens: int) -> dict:
+def load_run(url: str, questions: list[str], concurrency: int, n_requests: int, max_tokens: int, min_tokens: int = 0) -> dict:
     jobs = iter(range(n_requests))
     lock = threading.Lock()
     latencies, statuses, tokens, ttfts = [], [], [], []
@@ -100,7 +100,7 @@ def load_run(url: str, questions: list[str], concurrency: int, n_requests: int, 
                 t0 = time.perf_counter()
                 try:
                     r = c.post("/v1/ask", json={"corpus": "handbook", "question": questions[i % len(questions)],
-                                                "max_tokens": max_tokens})
+                                                "max_tokens": max_tokens, "min_tokens": min_tokens})
                     status = r.status_code
                 except httpx.HTTPError:
                     status = -1
@@ -125,6 +125,7 @@ def load_run(url: str, questions: list[str], concurrency: int, n_requests: int, 
         "latency_p50_s": round(pct(latencies, "median"), 3), "latency_p95_s": round(pct(latencies, "p95"), 3),
         "server_ttft_p50_ms": round(pct(ttfts, "median"), 1),
         "errors": sum(1 for s in statuses if s != 200),
+        "completion_tokens_min_max": [min(tokens, default=0), max(tokens, default=0)],
         "statuses": {str(s): statuses.count(s) for s in sorted(set(statuses))},
     }
 
@@ -137,12 +138,16 @@ def main() -> None:
                     help="server configurations WORKERS:THREADS[:MAX_BATCH] (CAG_WORKERS, CAG_THREADS, CAG_MAX_BATCH; "
                          "threads 0 = the server's default)")
     ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--min-tokens", type=int, default=None,
+                    help="min_tokens of every load request (default: --max-tokens, i.e. answers of exactly that many "
+                         "tokens, so latency measures the server and not which answers happen to be short; 0: free length)")
     ap.add_argument("--samples", type=int, default=4, help="hit / cold time-to-first-token samples")
     ap.add_argument("--home", help="CAG_HOME to use (default: a fresh temp dir)")
     ap.add_argument("--replicas", help="e.g. 1,2: instead of the runs above, plain `cag serve` vs Ray Serve with that many "
                                        "replicas, two corpora, --replica-clients clients (bench/bench_replicas.py)")
     ap.add_argument("--replica-clients", type=int, default=8, help="clients of the --replicas comparison")
     args = ap.parse_args()
+    args.min_tokens = args.max_tokens if args.min_tokens is None else args.min_tokens
     if args.replicas:
         from .bench_replicas import run
 
@@ -174,7 +179,7 @@ def main() -> None:
         "corpus": {"name": "handbook", "n_tokens": ingest["n_tokens"], "n_documents": ingest["n_documents"],
                    "snapshot_bytes": ingest["bytes"], "ingest_wall_s": round(ingest_wall, 1),
                    "prefill_ms": ingest["prefill_ms"]},
-        "max_tokens": args.max_tokens, "runs": [], "loadavg_start": os.getloadavg(),
+        "max_tokens": args.max_tokens, "min_tokens": args.min_tokens, "runs": [], "loadavg_start": os.getloadavg(),
     }
 
     for config in args.configs.split(","):
@@ -191,7 +196,7 @@ def main() -> None:
                 n = max(args.requests, 3 * conc)
                 print(f"  {conc} clients x {n} requests", file=sys.stderr)
                 before = decode_counters(srv.url)
-                level = load_run(srv.url, questions, conc, n, args.max_tokens)
+                level = load_run(srv.url, questions, conc, n, args.max_tokens, args.min_tokens)
                 after = decode_counters(srv.url)
                 steps = after[0] - before[0]
                 level["mean_batch"] = round((after[1] - before[1]) / steps, 2) if steps else None
@@ -247,7 +252,8 @@ def markdown(res: dict) -> str:
         "",
         f"Embedded SmolLM2-135M on corpora/handbook ({c['n_tokens']} tokens, {c['n_documents']} documents, "
         f"snapshot {c['snapshot_bytes'] / 2**20:.1f} MiB), `cag serve` on loopback, {res['machine']}, "
-        f"/v1/ask with max_tokens={res['max_tokens']}, greedy.",
+        f"/v1/ask with max_tokens={res['max_tokens']}, min_tokens={res.get('min_tokens', 0)} "
+        f"({'answers of exactly that length' if res.get('min_tokens') == res['max_tokens'] else 'answers end at a stop token'}), greedy.",
         "",
         "| max batch | clients | requests | req/s | completion tok/s | vs 1 client | p50 latency s | p95 latency s | p95 / 1-client p50 | server TTFT p50 ms | mean decode batch | errors | peak RSS MiB |",
         "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",

@@ -167,7 +167,7 @@ class Decoder:
     def _emit(self, req: Request, logits: torch.Tensor) -> None:
         """Pick the next token from `logits` (V,): stop, or hand it out and schedule it."""
         cfg = req.cfg
-        tok = _pick(logits if req.gen is None else logits.cpu(), cfg, req.gen)  # a seeded generator lives on the CPU
+        tok = _pick(logits if req.gen is None else logits.cpu(), cfg, req.gen, self.lm.stops, len(req.ids))  # a seeded generator lives on the CPU
         if tok in self.lm.stops:
             return self._finish(req)
         if req.t_first is None:

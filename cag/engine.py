@@ -208,8 +208,7 @@ class Engine:
         max_tokens = self.settings.max_tokens if max_tokens is None else max_tokens
         if max_tokens < 1:
             raise BadInput("max_tokens must be at least 1")
-        d = decoding or DecodeConfig()
-        d = DecodeConfig(min(max_tokens, self.settings.answer_room), d.temperature, d.top_p, d.seed)
+        d = (decoding or DecodeConfig()).within(min(max_tokens, self.settings.answer_room))
         suffix = build_suffix(lm.tokenizer, self.layout(), question)
         if len(suffix) > self.settings.question_room:
             raise TooLarge(f"question is {len(suffix)} tokens; the room left for it is {self.settings.question_room}")

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from . import kv
+from .errors import BadInput
 
 
 @dataclass(frozen=True)
@@ -17,6 +18,13 @@ class DecodeConfig:
     temperature: float = 0.0  # 0 = greedy (exact, the default everywhere)
     top_p: float = 1.0
     seed: int | None = None
+    min_tokens: int = 0  # no stop token is picked before this many answer tokens (vLLM's min_tokens)
+
+    def within(self, limit: int) -> DecodeConfig:
+        """This decoding with `limit` answer tokens at most (min_tokens clamped to it)."""
+        if self.min_tokens < 0:
+            raise BadInput(f"min_tokens must be 0 or more, got {self.min_tokens}")
+        return replace(self, max_tokens=limit, min_tokens=min(self.min_tokens, limit))
 
 
 def stop_ids(model, tokenizer) -> set[int]:
@@ -33,7 +41,12 @@ def stop_ids(model, tokenizer) -> set[int]:
     return ids
 
 
-def _pick(logits: torch.Tensor, cfg: DecodeConfig, gen: torch.Generator | None) -> int:
+def _pick(logits: torch.Tensor, cfg: DecodeConfig, gen: torch.Generator | None, stops: set[int] = frozenset(),
+          n: int = 0) -> int:
+    """The next token from logits (V,), the n-th of the answer: stop tokens are ruled out while
+    n < cfg.min_tokens (on a copy: the caller's logits are not written)."""
+    if n < cfg.min_tokens and stops:
+        logits = logits.index_fill(0, torch.tensor(sorted(stops), device=logits.device), float("-inf"))
     # Below 1e-5 sampling is greedy in all but name, and logits / T overflows float32 to inf
     # (softmax -> nan) long before T reaches 0: a vanishing temperature is greedy. `not >=` also
     # sends a NaN temperature here.
@@ -65,7 +78,7 @@ def decode(
     device = logits.device
     gen = sampler(cfg)
     for i in range(cfg.max_tokens):
-        tok = _pick(logits if gen is None else logits.cpu(), cfg, gen)  # a seeded generator lives on the CPU
+        tok = _pick(logits if gen is None else logits.cpu(), cfg, gen, stops, i)  # a seeded generator lives on the CPU
         if tok in stops:
             return
         yield tok

@@ -12,6 +12,7 @@ from typing import Annotated
 import typer
 
 from cag.cli.common import JsonOpt, ModelOpt, StoreOpt, _age, _emit, _engine, _human_bytes, _TqdmReporter, handle_errors
+from cag.generate import DecodeConfig
 
 app = typer.Typer(
     help="Cache-augmented generation: prefill a knowledge corpus once, answer questions from its KV snapshot.",
@@ -62,6 +63,7 @@ def ask(
     question: Annotated[str | None, typer.Argument(help="The question (or --questions-file).")] = None,
     mode: Annotated[str, typer.Option(help="cag: from the snapshot; full: whole knowledge in the prompt, no cache; rag: BM25 top-k passages.")] = "cag",
     max_tokens: Annotated[int | None, typer.Option(help="Answer length limit in tokens (clamped to CAG_ANSWER_ROOM).")] = None,
+    min_tokens: Annotated[int, typer.Option(help="No stop token before this many answer tokens (fixed-length answers, e.g. for timing).")] = 0,
     k: Annotated[int, typer.Option(help="rag mode: passages to retrieve.")] = 3,
     retriever: Annotated[str, typer.Option(help="rag mode: bm25 or dense.")] = "bm25",
     on_stale: Annotated[str, typer.Option(help="serve (warn), refuse (exit 3) or refresh first.")] = "serve",
@@ -76,11 +78,13 @@ def ask(
     if (question is None) == (questions_file is None):
         raise typer.BadParameter("give a QUESTION or --questions-file FILE, not both", param_hint="QUESTION")
     engine = _engine(model, store=store)
+    decoding = DecodeConfig(min_tokens=min_tokens)
     if questions_file is not None:
         from cag.cli.batch_cmd import ask_file
 
         raise typer.Exit(ask_file(engine, corpus, questions_file, dict(mode=mode, max_tokens=max_tokens, on_stale=on_stale,
-                                                                       k=k, retriever=retriever, shards=shards)))
+                                                                       k=k, retriever=retriever, shards=shards,
+                                                                       decoding=decoding)))
     on_text = None
     if stream and not json_:
         def on_text(piece: str) -> None:
@@ -94,7 +98,7 @@ def ask(
             typer.echo(f"warning: --shards {shards} clamped to {max(1, min(shards, n))} ({corpus!r} has {n} shards)", err=True)
 
     a = answer(engine, corpus, question, mode=mode, max_tokens=max_tokens, on_text=on_text, on_stale=on_stale,
-               k=k, retriever=retriever, shards=shards)
+               k=k, retriever=retriever, shards=shards, decoding=decoding)
     if a.stale:
         typer.echo(f"warning: corpus {corpus!r} is stale: {'; '.join(a.stale_reasons)}", err=True)
     if json_:

@@ -436,6 +436,7 @@ def test_limits_and_validation_errors(engine):
             ({"corpus": "notes"}, "question"),
             ({"corpus": "notes", "question": "q", "mode": "bogus"}, "mode"),
             ({"corpus": "notes", "question": "q", "max_tokens": 0}, "max_tokens"),
+            ({"corpus": "notes", "question": "q", "min_tokens": -1}, "min_tokens"),
             ({"corpus": "notes", "question": "q", "on_stale": "maybe"}, "on_stale"),
             ({"corpus": "notes", "question": ""}, "question"),
             ({"corpus": "notes", "question": ["not", "text"]}, "question"),
@@ -461,12 +462,15 @@ def test_limits_and_validation_errors(engine):
         # strict types: what the schema says is what is accepted (no 0 for false, no "5" for 5)
         ask = {"corpus": "notes", "question": "q", "max_tokens": 2}
         for field, value in [("include_token_ids", 0), ("include_token_ids", "true"), ("stream", 1),
-                             ("max_tokens", "5"), ("max_tokens", 2.5), ("max_tokens", True)]:
+                             ("max_tokens", "5"), ("max_tokens", 2.5), ("max_tokens", True), ("min_tokens", "2")]:
             assert _err(c.post("/v1/ask", json={**ask, field: value}), 400, "invalid_request")["param"] == field
         _err(c.post("/v1/chat/completions", json={**chat, "stream": True, "stream_options": {"include_usage": 1}}),
              400, "invalid_request")
         assert c.post("/v1/ask", json={**ask, "include_token_ids": True}).status_code == 200
         assert c.post("/v1/ask", json={**ask, "max_tokens": 2.0}).status_code == 200  # JSON Schema: an integer
+        fixed = c.post("/v1/ask", json={**ask, "max_tokens": 6, "min_tokens": 6}).json()
+        assert fixed["usage"]["completion_tokens"] == 6 and fixed["finish_reason"] == "length"
+        _err(c.post("/v1/chat/completions", json={**chat, "min_tokens": -1}), 400, "invalid_request")
 
 
 def test_sampling_parameters_at_their_limits_are_answers_not_500(engine):

@@ -211,3 +211,38 @@ def test_full_equals_cag_with_fp16_snapshots_in_packed_formats(tiny_engine, smal
     for q in QUESTIONS:
         cag, full = (tiny_engine.ask("corpus", q, mode=m, max_tokens=16) for m in ("cag", "full"))
         assert cag.token_ids == full.token_ids, q
+
+
+def test_min_tokens_holds_back_stop_tokens_alone_and_batched(tiny_engine, small_corpus, monkeypatch):
+    """`min_tokens` (fixed-length answers for load tests): no stop token is picked before that many
+    answer tokens, and a batched answer is still the answer alone."""
+    from cag.generate import DecodeConfig
+
+    tiny_engine.ingest(str(small_corpus))
+    qs = QUESTIONS[:3]
+    free = {q: tiny_engine.ask("corpus", q, max_tokens=12).token_ids for q in qs}
+    # the tiny random model never stops by itself: make each answer's 4th token a stop token
+    monkeypatch.setattr(tiny_engine.lm, "stops", tiny_engine.lm.stops | {ids[3] for ids in free.values()})
+    short = {q: tiny_engine.ask("corpus", q, max_tokens=12).token_ids for q in qs}
+    assert all(len(ids) <= 3 for ids in short.values())
+    held = DecodeConfig(min_tokens=12)
+    alone = [tiny_engine.ask("corpus", q, max_tokens=12, decoding=held).token_ids for q in qs]
+    assert [len(ids) for ids in alone] == [12] * 3
+    assert [ids[: len(short[q])] for q, ids in zip(qs, alone)] == [short[q] for q in qs]
+    assert together(tiny_engine, [lambda q=q: tiny_engine.ask("corpus", q, max_tokens=12, decoding=held).token_ids
+                                  for q in qs]) == alone
+    assert len(tiny_engine.ask("corpus", qs[0], max_tokens=5, decoding=held).token_ids) == 5  # clamped to max_tokens
+
+
+@pytest.mark.parametrize("src,dst", [(torch.float16, torch.bfloat16), (torch.bfloat16, torch.float16)])
+def test_a_prefix_converted_through_float32_has_the_direct_conversions_bits(src, dst):
+    """Prefix.of converts fp16 <-> bf16 snapshots through float32 (twice as fast): every finite value,
+    subnormal and infinity must get exactly the bits of torch's direct conversion."""
+    from cag.slots import Prefix
+
+    torch.manual_seed(0)
+    x = (torch.randn(1, 3, 512, 64) * torch.logspace(-9, 5, 64)).to(src)  # spans both types' subnormals and overflow
+    x[0, 0, 0, :3] = torch.tensor([float("inf"), -float("inf"), -0.0]).to(src)
+    k, v = Prefix.of([(x, x.neg())], dst, "cpu").kv[0]
+    assert torch.equal(k.view(torch.int16), x.to(dst).view(torch.int16))
+    assert torch.equal(v.view(torch.int16), x.neg().to(dst).view(torch.int16))
