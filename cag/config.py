@@ -28,8 +28,9 @@ class Settings(BaseSettings):
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     # format decode multiplies in (cag/weights.py); auto: measured at load, bf16 where it beats fp32
     weights: Literal["auto", "fp32", "bf16", "int8", "int4"] = "auto"
-    # storage dtype of snapshot tensors; int8: quantized blocks with one fp16 scale each (store/kv_int8.py)
-    kv_dtype: Literal["float16", "bfloat16", "float32", "int8"] = "float16"
+    # storage dtype of snapshot tensors; auto: bfloat16 where decode attends in bf16 (no conversion at
+    # load), else float16; int8: quantized blocks with one fp16 scale each (store/kv_int8.py)
+    kv_dtype: Literal["auto", "float16", "bfloat16", "float32", "int8"] = "auto"
     chunk_tokens: int = Field(512, ge=1)  # prefill chunk: bounds activation memory, drives the progress bar
     question_room: int = Field(256, ge=1)  # tokens reserved after the knowledge for the question suffix
     answer_room: int = Field(256, ge=1)  # tokens reserved for the answer; also the max_tokens ceiling

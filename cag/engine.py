@@ -19,11 +19,11 @@ from cag.store.index import Index
 from cag.store.sync import shared_store
 
 from . import corpus as corpora
-from . import freshness, kv, sharded
+from . import freshness, kv, sharded, verify
 from . import ingest as steps
 from .batch import Decoder, Request
 from .config import Settings
-from .errors import BadInput, NotFound, SnapshotCorrupt, StaleRefused, TooLarge
+from .errors import BadInput, NotFound, StaleRefused, TooLarge
 from .generate import DecodeConfig, Generated
 from .hashing import hash_obj
 from .model import LoadedModel, load_model
@@ -81,8 +81,15 @@ class Engine:
             return self._decoder
 
     @property
+    def kv_name(self) -> str:
+        """Snapshot storage dtype: CAG_KV_DTYPE, `auto` = what decode attends in when that is bf16 (a
+        snapshot then loads with no conversion), else float16 (half of float32's bytes)."""
+        s = self.settings.kv_dtype
+        return s if s != "auto" else "bfloat16" if str(self.lm.attn_dtype) == "torch.bfloat16" else "float16"
+
+    @property
     def kv_dtype(self):
-        return snapfiles.DTYPES[self.settings.kv_dtype]
+        return snapfiles.DTYPES[self.kv_name]
 
     @property
     def room(self) -> int:
@@ -100,12 +107,13 @@ class Engine:
             raise TooLarge(f"{what} is {n_prefix} tokens; with {self.room} reserved for question and answer the "
                            f"model's context of {lm.max_context} leaves room for {lm.max_context - self.room}")
 
-    def snapshot_key(self, ids: list[int]) -> str:
-        """Everything that determines the tensors; see DESIGN.md sections 3-5."""
+    def snapshot_key(self, ids: list[int], kv_name: str | None = None) -> str:
+        """Everything that determines the tensors (stored as `kv_name`, default the configured dtype);
+        see DESIGN.md sections 3-5."""
         lm = self.lm
         return hash_obj({
             "format": snapfiles.FORMAT_VERSION, "model": lm.fingerprint, "tokenizer": lm.tokenizer_fingerprint,
-            "layout": self.layout().as_dict(), "ids": hash_obj(ids), "dtype": snapfiles.codec(self.settings.kv_dtype),
+            "layout": self.layout().as_dict(), "ids": hash_obj(ids), "dtype": snapfiles.codec(kv_name or self.kv_name),
             "compute_dtype": str(lm.dtype),
         })
 
@@ -144,25 +152,8 @@ class Engine:
         return IngestResult.of(plan, built, est)
 
     def open_snapshot(self, row: dict, dequant=None) -> snapfiles.Snapshot:
-        """Load a snapshot file and verify it against its index row and the loaded model: header key,
-        checksum, model fingerprint, a key recomputed from its token ids, tensor shapes. Any failure
-        marks it corrupt (stale for every corpus on it, rebuilt by the next ingest); a snapshot the index
-        records for another model is refused as stale."""
-        lm, digest = self.lm, row["digest"]
-        if row.get("model_fingerprint") != lm.fingerprint:  # a sound snapshot of another model: stale, not corrupt
-            raise StaleRefused(f"snapshot {digest[:12]} was built for another model; run `cag ingest {row['corpus']}`")
-        try:
-            path = self.remote.ensure_local(digest, Path(row["path"]))  # a shared store's blob is fetched, verified, when missing
-            snap = snapfiles.load(path, expect_key=row["key"], dequant=dequant)
-            if snap.meta.get("model_fingerprint") != lm.fingerprint or self.snapshot_key(snap.ids) != snap.meta["key"]:
-                raise snapfiles.SnapshotError(f"snapshot {digest[:12]}: header does not match its key (another model, "
-                                              "layout or dtype, or an edited header)")
-            if not kv.kv_shape_ok(snap.kv, lm.n_layers, lm.n_kv_heads, lm.head_dim, snap.n_tokens):
-                raise snapfiles.SnapshotError(f"snapshot {digest[:12]}: tensor shapes do not fit the model")
-        except snapfiles.SnapshotError as e:
-            self.index.set_snapshot_status(digest, "corrupt")
-            raise SnapshotCorrupt(f"{e}; run `cag ingest {row['corpus']}` to rebuild it") from None
-        return snap
+        """Load a snapshot file and verify it (cag.verify); a failure marks it corrupt."""
+        return verify.open_snapshot(self, row, dequant)
 
     # -- ask -------------------------------------------------------------------------------------
     def ask(self, corpus: str, question: str, mode: str = "cag", max_tokens: int | None = None,

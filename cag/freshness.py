@@ -47,6 +47,7 @@ def stale_reasons(
     now: float | None = None,
     more_shards: list[dict] = (),
     check_documents: bool = True,
+    kv_dtype: str | None = None,
 ) -> list[str]:
     """`snapshot` is the corpus's current one (shard 0); `more_shards` the snapshots of its other
     shards, each checked the same way (a reason names its shard)."""
@@ -68,6 +69,9 @@ def stale_reasons(
             reasons.append(f"{label}model changed: the configured model's weights differ from the snapshot's")
         if tokenizer_fingerprint and snap.get("tokenizer_fingerprint") != tokenizer_fingerprint:
             reasons.append(f"{label}tokenizer changed: the configured tokenizer differs from the snapshot's")
+        if kv_dtype and snap.get("dtype") not in (kv_dtype, None):  # sound, served as stored, but not what `full` rounds to
+            reasons.append(f"{label}snapshot stored as {snap['dtype']}, CAG_KV_DTYPE means {kv_dtype} here: "
+                           "`cag ingest` rebuilds it")
     ttl = corpus.get("ttl_s") or ttl_s
     age = (now or time.time()) - snapshot["created"]
     if ttl and age > ttl:
@@ -91,6 +95,7 @@ def corpus_reasons(engine, row: dict, check_model: bool = True) -> list[str]:
         # with a shared store, a machine that only serves has no copy of the source: the documents
         # are checked where the corpus is ingested, and the store's ref says which snapshots are current
         check_documents=not (engine.remote and not Path(row["source"]).exists()),
+        kv_dtype=engine.kv_name if lm else None,
     )
 
 

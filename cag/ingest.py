@@ -118,7 +118,7 @@ def reusable(engine, corpus: str, shard: Shard) -> tuple[int, list | None]:
     rows = engine.index.shards(corpus)
     digest = rows[shard.index]["snapshot"] if shard.index < len(rows) else None
     snap = engine.index.snapshot(digest) if digest else None
-    if not snap or snap["model_fingerprint"] != engine.lm.fingerprint or snap["dtype"] != engine.settings.kv_dtype:
+    if not snap or snap["model_fingerprint"] != engine.lm.fingerprint or snap["dtype"] != engine.kv_name:
         return 0, None
     try:  # int8 dequantized in fp32: the kept positions quantize again to the very same bytes
         old = engine.open_snapshot(snap, dequant=torch.float32)
@@ -159,7 +159,7 @@ def build(engine, plan: Plan, shard: Shard, reused: int, old_kv, tick) -> Built:
         engine.remote.put_blob(path, shard.digest)
     row = {"key": shard.key, "digest": shard.digest, "corpus": plan.name, "model": lm.name,
            "model_fingerprint": lm.fingerprint, "tokenizer_fingerprint": lm.tokenizer_fingerprint,
-           "n_tokens": n, "n_documents": len(shard.units), "bytes": nbytes, "dtype": engine.settings.kv_dtype,
+           "n_tokens": n, "n_documents": len(shard.units), "bytes": nbytes, "dtype": engine.kv_name,
            "path": str(path), "created": created, "last_used": None, "prefill_ms": prefill_ms, "reused_tokens": reused}
     engine.resident.evict(shard.digest)
     return Built(row, "refreshed" if reused else "built", reused, prefill_ms)

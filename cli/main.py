@@ -12,7 +12,6 @@ from typing import Annotated
 import typer
 
 from cag.cli.common import JsonOpt, ModelOpt, StoreOpt, _age, _emit, _engine, _human_bytes, _TqdmReporter, handle_errors
-from cag.generate import DecodeConfig
 
 app = typer.Typer(
     help="Cache-augmented generation: prefill a knowledge corpus once, answer questions from its KV snapshot.",
@@ -77,6 +76,8 @@ def ask(
     """Answer a question from a corpus (or many, with --questions-file)."""
     if (question is None) == (questions_file is None):
         raise typer.BadParameter("give a QUESTION or --questions-file FILE, not both", param_hint="QUESTION")
+    from cag.generate import DecodeConfig  # torch: imported when a command needs it, not at start
+
     engine = _engine(model, store=store)
     decoding = DecodeConfig(min_tokens=min_tokens)
     if questions_file is not None:

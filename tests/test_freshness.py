@@ -301,3 +301,29 @@ def test_gc_removes_every_leftover_it_reports_and_reports_what_it_keeps(tiny_mod
     assert f"kept {Path(first['path']).name} (-, " in human and "cag reindex" in human
     assert Path(first["path"]).exists() and writing.exists()
     assert json.loads(cag("reindex", "--json").stdout)["snapshots"] == 2  # adopted, as gc said
+
+
+def test_a_snapshot_of_another_kv_dtype_is_stale_not_corrupt(tiny_model_dir, small_corpus, monkeypatch):
+    """`CAG_KV_DTYPE=auto` stores what decode attends in when that is bf16, else float16. A snapshot
+    of another storage dtype (the setting changed, or `auto` resolves otherwise) is sound: served as
+    stored, flagged stale, rebuilt by `cag ingest` in the configured dtype (it was marked corrupt)."""
+    monkeypatch.setenv("CAG_MODEL", str(tiny_model_dir))
+    e = Engine(get_settings())
+    assert e.kv_name == "float16"  # fp32 weights attend in float32
+    e.ingest(str(small_corpus))
+    monkeypatch.setenv("CAG_WEIGHTS", "bf16")
+    e2 = Engine(get_settings())
+    assert e2.kv_name == "bfloat16"  # packed weights attend over bf16 K/V
+    old = e2.index.corpus("corpus")["current_snapshot"]
+    want = "snapshot stored as float16, CAG_KV_DTYPE means bfloat16 here: `cag ingest` rebuilds it"
+    assert e2.status("corpus").reasons == [want]
+    a = e2.ask("corpus", Q, max_tokens=6)
+    assert a.stale and a.stale_reasons == [want] and a.snapshot == old
+    assert e2.index.snapshot(old)["status"] != "corrupt"
+    with pytest.raises(StaleRefused):
+        e2.ask("corpus", Q, max_tokens=6, on_stale="refuse")
+    assert e2.ingest(str(small_corpus)).status == "built"
+    new = e2.index.snapshot(e2.index.corpus("corpus")["current_snapshot"])
+    assert new["dtype"] == "bfloat16" and snapshots.load(Path(new["path"])).kv[0][0].dtype == torch.bfloat16
+    assert not e2.status("corpus").stale
+    assert e2.ask("corpus", Q, max_tokens=6).token_ids == e2.ask("corpus", Q, max_tokens=6, mode="full").token_ids

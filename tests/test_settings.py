@@ -46,7 +46,7 @@ def test_defaults_are_valid_and_flags_win(monkeypatch):
     ("CAG_RESIDENT_BYTES", "-1", "greater than or equal to 0"),
     ("CAG_TTL_S", "-5", "CAG_TTL_S='-5': Input should be greater than or equal to 0"),
     ("CAG_TTL_S", "nan", "CAG_TTL_S='nan': Input should be a finite number"),
-    ("CAG_KV_DTYPE", "int4", "CAG_KV_DTYPE='int4': Input should be 'float16', 'bfloat16', 'float32' or 'int8'"),
+    ("CAG_KV_DTYPE", "int4", "CAG_KV_DTYPE='int4': Input should be 'auto', 'float16', 'bfloat16', 'float32' or 'int8'"),
     ("CAG_DTYPE", "float16", "CAG_DTYPE='float16': Input should be 'auto', 'float32' or 'bfloat16'"),
     ("CAG_MODEL", "", "CAG_MODEL='': String should have at least 1 character"),
     ("CAG_HOME", "", "CAG_HOME='': empty; unset it for the default ~/.cag"),
