@@ -8,7 +8,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from . import kv
+from . import kv, weights
 from .errors import BadInput
 
 
@@ -85,13 +85,14 @@ def decode(
         if i + 1 == cfg.max_tokens or (should_stop and should_stop()):
             return
         p = torch.tensor([pos], device=device)  # (1,)
-        logits = model(
-            input_ids=torch.tensor([[tok]], device=device),
-            past_key_values=cache,
-            cache_position=p,
-            position_ids=p.unsqueeze(0),
-            use_cache=True,
-        ).logits[0, -1]
+        with weights.decoding():  # one row: the products in the decode format (CAG_WEIGHTS)
+            logits = model(
+                input_ids=torch.tensor([[tok]], device=device),
+                past_key_values=cache,
+                cache_position=p,
+                position_ids=p.unsqueeze(0),
+                use_cache=True,
+            ).logits[0, -1]
         pos += 1
 
 

@@ -20,9 +20,11 @@ Both `cag` and `full` decode through the same modules, so cag == full holds in e
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import os
+import threading
 import time
 from pathlib import Path
 
@@ -43,6 +45,21 @@ ROWS = 128
 # result never depends on which one ran (tests/test_batch.py). A vocabulary-sized output (the LM head:
 # one row per request) keeps the FEW layout alone, in calls of at most FEW rows.
 FEW, WIDE = 32, 16384
+_mode = threading.local()
+
+
+@contextlib.contextmanager
+def decoding():
+    """Within it (a decode step through the transformers forward, for models cag.step does not
+    cover), FastLinear.forward multiplies one-row calls through the packed copy. Everywhere else,
+    prefill above all, the model's own weights: a snapshot's key leaves CAG_WEIGHTS out, so a
+    last prefill chunk of one token must not take the packed path."""
+    before = getattr(_mode, "decoding", False)
+    _mode.decoding = True
+    try:
+        yield
+    finally:
+        _mode.decoding = before
 
 
 def _pack_bf16(w: torch.Tensor, rows: int):
@@ -80,10 +97,9 @@ class FastLinear(torch.nn.Module):
         self.packed_many = _pack_bf16(w, 1) if fmt == "bf16" and self.out_features < WIDE else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.numel() // self.in_features
-        if rows != 1:
-            return F.linear(x, self.weight, self.bias)
-        return self.decode(x)
+        if getattr(_mode, "decoding", False) and x.numel() == self.in_features:  # one decode row
+            return self.decode(x)
+        return F.linear(x, self.weight, self.bias)
 
     def decode(self, x: torch.Tensor) -> torch.Tensor:
         """The packed product for decode rows: one row per request of a batch (B, in) -> (B, out)."""

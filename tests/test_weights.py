@@ -17,12 +17,14 @@ def test_packed_product_approximates_the_linear(fmt):
     lin = torch.nn.Linear(128, 64, bias=True)
     fast = weights.FastLinear(lin, fmt)
     x = torch.randn(1, 1, 128)  # one decode row
-    ref, got = lin(x), fast(x)
+    with weights.decoding():
+        ref, got = lin(x), fast(x)
+        rows = torch.randn(1, 5, 128)  # several rows (prefill) use the model's own weight, exactly
+        assert torch.equal(fast(rows), lin(rows))
     assert got.shape == ref.shape and got.dtype == ref.dtype
     err = ((got - ref).norm() / ref.norm()).item()
     assert 0 < err < TOLERANCE[fmt]  # > 0: the packed kernel ran, not the model's own weight
-    rows = torch.randn(1, 5, 128)  # several rows (prefill) use the model's own weight, exactly
-    assert torch.equal(fast(rows), lin(rows))
+    assert torch.equal(fast(x), lin(x))  # outside a decode step even one row is exact: prefill
 
 
 def test_int4_holds_a_4bit_grid_almost_exactly():
@@ -49,3 +51,27 @@ def test_auto_picks_a_runnable_format():
     assert weights.choose(lin, "auto") in ("fp32", "bf16")
     assert weights.choose(lin, "int8") == "int8"
     assert set(weights.probe(("fp32", "bf16"))) == {"fp32", "bf16"}
+
+
+def test_snapshots_do_not_depend_on_the_weights_format(tiny_model_dir, small_corpus, monkeypatch, tmp_path):
+    """The snapshot key leaves CAG_WEIGHTS out, so prefill must never multiply through the packed
+    copies, not even a last prefill chunk of a single token (a one-row product, which the packed
+    kernels serve for decode)."""
+    from pathlib import Path
+
+    from cag.config import get_settings
+    from cag.engine import Engine
+    from cag.store import snapshots
+
+    monkeypatch.setenv("CAG_MODEL", str(tiny_model_dir))
+    monkeypatch.setenv("CAG_KV_DTYPE", "float32")  # one storage dtype for every format
+    n = Engine(get_settings(home=tmp_path / "probe")).ingest(str(small_corpus)).n_tokens
+    monkeypatch.setenv("CAG_CHUNK_TOKENS", str(n - 1))  # the last prefill chunk is one token
+    kv = {}
+    for fmt in ("fp32", "bf16", "int8"):
+        monkeypatch.setenv("CAG_WEIGHTS", fmt)
+        e = Engine(get_settings(home=tmp_path / fmt))
+        e.ingest(str(small_corpus))
+        kv[fmt] = snapshots.load(Path(e.index.snapshot(e.index.corpus("corpus")["current_snapshot"])["path"])).kv
+    for fmt in ("bf16", "int8"):
+        assert all(torch.equal(a, b) for pa, pb in zip(kv["fp32"], kv[fmt]) for a, b in zip(pa, pb)), fmt
