@@ -273,7 +273,7 @@ def markdown(res: dict) -> str:
     lines += ["", f"Workers {res['runs'][0]['workers']} (CAG_WORKERS); torch threads: the server's default. A suffix buffer "
               f"(question + answer room, in the dtype the server attends in: /metrics cag_decode_slot_bytes) is "
               f"{res.get('slot_mib', 0):.2f} MiB per concurrent request; the snapshot, resident once, is "
-              f"{res['corpus']['snapshot_bytes'] / 2**20:.1f} MiB on disk (float16; the same in bf16, twice that in float32)."]
+              f"{res['corpus']['snapshot_bytes'] / 2**20:.1f} MiB on disk (float16 or bfloat16, CAG_KV_DTYPE; twice that in float32)."]
     t = res["ttft"]
     hit, cold = t["resident_hit"], t["cold_load"]
     lines += [
