@@ -5,8 +5,8 @@
 For each server configuration (CAG_WORKERS:CAG_THREADS:CAG_MAX_BATCH; 0 threads = the server's
 default): a real `cag serve` process; at each concurrency, max(--requests, 3 x clients) /v1/ask
 requests (clients = threads with their own httpx connection, each sending its next request when
-its answer arrived; answers of exactly --max-tokens tokens unless --min-tokens says otherwise), questions from the handbook's questions.jsonl: aggregate completion tokens/s,
-p50/p95 latency, server TTFT p50, errors (must be 0), the mean decode batch (from /metrics), and
+its answer arrived; answers of exactly --max-tokens tokens unless --min-tokens says otherwise),
+questions from the handbook's questions.jsonl: aggregate completion tokens/s, p50/p95 latency, server TTFT p50, errors (must be 0), the mean decode batch (from /metrics), and
 the server's peak RSS (VmHWM) after each level. The default pair of configurations is batched
 decoding (CAG_MAX_BATCH=16) and one request at a time (CAG_MAX_BATCH=1), side by side in one run.
 Then time to first token of a resident hit vs a cold load (the snapshot evicted by another corpus

@@ -36,7 +36,7 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--essays", type=int, default=0, help="only the first N essays (a quick run); 0: all")
-    ap.add_argument("--kv-dtype", default=None, help="snapshot dtype (CAG_KV_DTYPE; default: the setting's, float16); "
+    ap.add_argument("--kv-dtype", default=None, help="snapshot dtype (CAG_KV_DTYPE; default: the setting's, auto); "
                     "results go to shards-<dtype>.md when set")
     ap.add_argument("--home", help="keep the corpora here (a rerun reuses their snapshots instead of ingesting "
                                    "again; the ingest time reported is then the first run's); default: a temp dir")

@@ -85,7 +85,7 @@ class Engine:
         """Snapshot storage dtype: CAG_KV_DTYPE, `auto` = what decode attends in when that is bf16 (a
         snapshot then loads with no conversion), else float16 (half of float32's bytes)."""
         s = self.settings.kv_dtype
-        return s if s != "auto" else "bfloat16" if str(self.lm.attn_dtype) == "torch.bfloat16" else "float16"
+        return s if s != "auto" else "bfloat16" if self.lm.attn_dtype == snapfiles.DTYPES["bfloat16"] else "float16"
 
     @property
     def kv_dtype(self):
