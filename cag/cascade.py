@@ -1,9 +1,9 @@
 """Attention of new rows over a shared prefix and each request's own suffix.
 
 Two ways, same math:
-  * cascade (CPU, float32): the prefix part and the suffix part each through torch's fused CPU
-    attention kernel, which also returns each row's log-sum-exp; the two partial outputs are merged
-    by their log-sum-exps (o = o_p * e^(lse_p - lse) + o_s * e^(lse_s - lse), lse = logaddexp).
+  * cascade (CPU): the prefix (in one part, rarely two: _runs) and the suffix each through torch's fused
+    CPU attention kernel, which also returns each row's log-sum-exp; the partial outputs are merged
+    by their log-sum-exps (o = sum_j o_j * e^(lse_j - lse), lse = log sum_j e^lse_j).
     The prefix (1, H_kv, n, D) is read once per layer for all rows of its requests, never copied;
   * one softmax (elsewhere, or without that kernel): scores against the prefix and the suffix
     concatenated, one softmax, two products.
@@ -18,8 +18,29 @@ import torch
 _FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 
 
+def _runs(n: int) -> tuple[int, int]:
+    """How a prefix of n keys is read: c keys, then a tail of t = n - c (0 or 4). torch's CPU flash
+    kernel in float32 gives a row bits that depend on the other rows of its call when the last block
+    of 512 keys holds 1-3 keys (measured: every length 1-3 mod 512 up to 1100, none other), so such a
+    prefix is read as two parts, which the merge below joins like the suffix. Reading every prefix in
+    4 runs as heads (more work items for 2 threads) was measured too: no faster in a decode step."""
+    t = 4 if 0 < n % 512 < 4 and n > 4 else 0
+    return n - t, t
+
+
+def _prefix_parts(q: torch.Tensor, Kp: torch.Tensor, Vp: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """q (1, H_kv, R, D) over a prefix (1, H_kv, n, D) -> outputs (P, H_kv, R, D) and log-sum-exps
+    (P, H_kv, R), one per part the prefix is read in (_runs)."""
+    c, t = _runs(Kp.shape[2])
+    o, lse = _FLASH(q, Kp[:, :, :c], Vp[:, :, :c], 0.0, False, scale=scale)
+    if t:
+        ot, lt = _FLASH(q, Kp[:, :, c:], Vp[:, :, c:], 0.0, False, scale=scale)
+        o, lse = torch.cat([o, ot]), torch.cat([lse, lt])
+    return o, lse
+
+
 def _flash_parts(r, q: torch.Tensor, Ks: torch.Tensor, Vs: torch.Tensor, i: int, scale: float) -> torch.Tensor:
-    """Cascade attention of q (B, H_kv, M, D) -> (B, H_kv, M, D)."""
+    """Cascade attention of q (B, H_kv, M, D) -> (B, H_kv, M, D) float32."""
     n_kv, M, d = q.shape[1], q.shape[2], q.shape[3]
     o_s, lse_s = _FLASH(q, Ks, Vs, 0.0, False, attn_mask=r.bias, scale=scale)  # (B, H_kv, M, D), (B, H_kv, M)
     o = torch.empty_like(q, dtype=torch.float32) if len(r.groups) > 1 else None
@@ -30,13 +51,17 @@ def _flash_parts(r, q: torch.Tensor, Ks: torch.Tensor, Vs: torch.Tensor, i: int,
         os_, ls = (o_s, lse_s) if idx is None else (o_s[idx], lse_s[idx])
         b = os_.shape[0]
         if Kp.shape[2] == 0:  # an empty prefix: the suffix is all there is
-            og = os_
+            og = os_.float()
         else:
             qg = q if idx is None else q[idx]
-            op, lp = _FLASH(qg.transpose(0, 1).reshape(1, n_kv, b * M, d), Kp, Vp, 0.0, False, scale=scale)
-            op = op.view(n_kv, b, M, d).transpose(0, 1)  # (b, H_kv, M, D)
-            wp, ws = _weights(lp.view(n_kv, b, M).transpose(0, 1), ls)  # (b, H_kv, M, 1) each
-            og = op.float() * wp + os_.float() * ws  # (b, H_kv, M, D) float32
+            op, lp = _prefix_parts(qg.transpose(0, 1).reshape(1, n_kv, b * M, d), Kp, Vp, scale)  # (P, H_kv, b*M, ...)
+            P = op.shape[0]
+            op = op.reshape(P, n_kv, b, M, d).transpose(1, 2)  # (P, b, H_kv, M, D)
+            parts = torch.cat([op, os_[None]]).float()  # (P+1, b, H_kv, M, D): the prefix runs, then the suffix
+            w = _weights(torch.cat([lp.reshape(P, n_kv, b, M).transpose(1, 2), ls[None]]))  # (P+1, b, H_kv, M, 1)
+            og = parts[0] * w[0]
+            for j in range(1, P + 1):  # in a fixed order
+                og = og + parts[j] * w[j]
         if o is None:
             o = og
         else:
@@ -44,21 +69,24 @@ def _flash_parts(r, q: torch.Tensor, Ks: torch.Tensor, Vs: torch.Tensor, i: int,
     return o
 
 
-def _weights(lp: torch.Tensor, ls: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The two parts' shares e^(lse_p - lse), e^(lse_s - lse), lse = logaddexp(lse_p, lse_s), from
-    log-sum-exps (b, H_kv, M), as (b, H_kv, M, 1).
+def _weights(lse: torch.Tensor) -> torch.Tensor:
+    """Each part's share e^(lse_j - lse), lse = log sum_j e^(lse_j), from the parts' log-sum-exps
+    (P, b, H_kv, M), as (P, b, H_kv, M, 1).
 
-    exp and logaddexp are vectorized over all but the tail of a call, and the tail is computed
-    another way (last bits differ): each request's H_kv*M values get a row of their own, padded to
-    a multiple of 32 floats (the vector loop's stride), so every value takes the vector path
-    whatever the number of requests in the call; a request's bits do not depend on its batch."""
-    b, n_kv, M = lp.shape
+    exp is vectorized over all but the tail of a call, and the tail is computed another way (last
+    bits differ): each request's H_kv*M values get a row of their own, padded to a multiple of 32
+    floats (the vector loop's stride), so every value takes the vector path whatever the number of
+    requests in the call; max, subtraction, the sums (in part order) and division are exact or
+    elementwise. A request's bits do not depend on its batch."""
+    P, b, n_kv, M = lse.shape
     hm = n_kv * M
-    pad = torch.zeros(2, b, -(-hm // 32) * 32, dtype=lp.dtype, device=lp.device)
-    pad[0, :, :hm], pad[1, :, :hm] = lp.reshape(b, hm), ls.reshape(b, hm)
-    lse = torch.logaddexp(pad[0], pad[1])
-    w = torch.exp(pad - lse)[:, :, :hm]  # (2, b, hm)
-    return w[0].view(b, n_kv, M, 1), w[1].view(b, n_kv, M, 1)
+    pad = torch.zeros(P, b, -(-hm // 32) * 32, dtype=lse.dtype, device=lse.device)
+    pad[:, :, :hm] = lse.reshape(P, b, hm)
+    e = torch.exp(pad - pad.amax(0))  # (P, b, padded)
+    total = e[0]
+    for j in range(1, P):
+        total = total + e[j]
+    return (e / total)[:, :, :hm].reshape(P, b, n_kv, M, 1)
 
 
 def _merge_out(o: torch.Tensor, B: int, m: int, n_kv: int, rep: int, d: int, dtype) -> torch.Tensor:

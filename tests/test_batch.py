@@ -83,6 +83,34 @@ def test_packed_products_and_suffix_attention_are_row_invariant():
             assert all(torch.equal(o[0], outs[0][0]) and torch.equal(o[1], outs[0][1]) for o in outs), seen
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cascade_attention_rows_do_not_depend_on_the_batch_at_any_prefix_length(dtype):
+    """Requests on one prefix attend together: a row's output must be its output alone, and the right
+    attention. torch's float32 flash kernel broke the first for prefixes of 1-3 keys past a multiple
+    of 512 (513, 1027, 2049 below), which cag.cascade reads in two parts."""
+    from types import SimpleNamespace
+
+    from cag import cascade
+
+    torch.manual_seed(0)
+    heads, rows, d, room, seen, B = 3, 3, 64, 16, 5, 4
+    for n in (5, 100, 512, 513, 1027, 2049, 3001):
+        Kp, Vp = (torch.randn(1, heads, n, d).to(dtype) for _ in "kv")
+        Ks, Vs = (torch.randn(B, heads, room, d).to(dtype) for _ in "kv")
+        q = torch.randn(B, heads, rows, d).to(dtype)
+        bias = torch.zeros(B, 1, rows, room)
+        bias[..., seen:] = float("-inf")
+        group = [(SimpleNamespace(kv=[(Kp, Vp)]), None)]
+        together = cascade._flash_parts(SimpleNamespace(bias=bias, groups=group), q, Ks, Vs, 0, d ** -0.5)
+        alone = torch.cat([cascade._flash_parts(SimpleNamespace(bias=bias[b : b + 1], groups=group),
+                                                q[b : b + 1], Ks[b : b + 1], Vs[b : b + 1], 0, d ** -0.5) for b in range(B)])
+        assert torch.equal(together, alone), n
+        K = torch.cat([Kp.expand(B, -1, -1, -1), Ks[:, :, :seen]], 2).double()
+        V = torch.cat([Vp.expand(B, -1, -1, -1), Vs[:, :, :seen]], 2).double()
+        want = torch.softmax(q.double() @ K.transpose(-1, -2) * d ** -0.5, -1) @ V
+        assert (together.double() - want).abs().max() < (1e-5 if dtype == torch.float32 else 2e-2), n
+
+
 def test_concurrent_questions_are_decoded_together_with_their_alone_tokens(tiny_engine, small_corpus):
     tiny_engine.ingest(str(small_corpus))
     alone = [tiny_engine.ask("corpus", q, max_tokens=16).token_ids for q in QUESTIONS]
