@@ -181,16 +181,34 @@ def probe(fmts: tuple[str, ...] = FORMATS, in_f: int = 576, out_f: int = 1536, r
     return out
 
 
+def cpu_flags() -> set[str]:
+    """The CPU's feature flags (Linux /proc/cpuinfo; empty elsewhere)."""
+    path = Path("/proc/cpuinfo")
+    if not path.exists():
+        return set()
+    return next((set(line.split(":", 1)[1].split()) for line in path.read_text().splitlines() if line.startswith("flags")), set())
+
+
+BF16_HARDWARE = ("amx_bf16", "avx512_bf16")  # bf16 dot products in hardware: oneDNN's bf16 kernels run natively
+
+
 def choose(model: torch.nn.Module, requested: str, cache_dir: Path | None = None) -> str:
-    """The format to use: `requested`, or for `auto` the faster of fp32 and bf16 on this machine
-    for one row and for a batch of 8 together (one user, and a server's busy hours); bf16 changes
-    answers least of the packed formats, int8/int4 are opt-in (the README's quality table). The
-    probe's verdict is kept in `cache_dir` per CPU, torch version and thread count, so answers do
-    not change from one start to the next on a noisy machine."""
+    """The format to use: `requested`, or for `auto` fp32 or bf16; bf16 changes answers least of the
+    packed formats, int8/int4 are opt-in (the README's quality table).
+
+    A CPU with bf16 dot products in hardware (AMX, AVX512-BF16) gets bf16, by its flags: one row
+    costs about fp32's time there and a batch of 8 half of it (bench/results/decode.md, batch.md).
+    A timing probe decided this before and flipped between fp32 and bf16 on one machine under load,
+    so identical machines sharing a store disagreed on the snapshot dtype (CAG_KV_DTYPE=auto
+    follows this choice). Other CPUs are probed: the faster of fp32 and bf16 for one row and for a
+    batch of 8 together (one user, and a server's busy hours), the verdict kept in `cache_dir` per
+    CPU, torch version and thread count, so answers do not change from one start to the next."""
     if requested != "auto":
         return requested
     if next(model.parameters()).device.type != "cpu" or supported("bf16", model):
         return "fp32"
+    if cpu_flags() & set(BF16_HARDWARE):
+        return "bf16"
     cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")), "?") \
         if Path("/proc/cpuinfo").exists() else "?"
     key = f"{cpu}|torch {torch.__version__}|{torch.get_num_threads()} threads|1+8 rows"
@@ -198,7 +216,7 @@ def choose(model: torch.nn.Module, requested: str, cache_dir: Path | None = None
     known = json.loads(path.read_text()) if path and path.exists() else {}
     if key not in known:
         # A packed format's rows get the same bits alone and batched (tests/test_batch.py), so a
-        # batch probe is fair: on AMX, bf16 costs about the same for 1 and 16 rows, fp32 twice as much
+        # batch probe is fair
         one, eight = probe(("fp32", "bf16")), probe(("fp32", "bf16"), rows=8)
         known[key] = "bf16" if one["bf16"] + eight["bf16"] < 0.8 * (one["fp32"] + eight["fp32"]) else "fp32"
         if path:

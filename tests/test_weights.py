@@ -46,11 +46,19 @@ def test_int4_holds_a_4bit_grid_almost_exactly():
     assert off.max() < 0.5 and off.mean() < 0.1
 
 
-def test_auto_picks_a_runnable_format():
+def test_auto_picks_a_runnable_format(tmp_path, monkeypatch):
     lin = torch.nn.Sequential(torch.nn.Linear(64, 64))
     assert weights.choose(lin, "auto") in ("fp32", "bf16")
     assert weights.choose(lin, "int8") == "int8"
     assert set(weights.probe(("fp32", "bf16"))) == {"fp32", "bf16"}
+    # bf16 hardware decides by the CPU's flags, whatever a timing probe would say or had said
+    monkeypatch.setattr(weights, "probe", lambda fmts, rows=1: {"fp32": 1.0, "bf16": 9.0})
+    (tmp_path / "weights-auto.json").write_text("{}")
+    monkeypatch.setattr(weights, "cpu_flags", lambda: {"avx512f", "amx_bf16"})
+    assert weights.choose(lin, "auto", tmp_path) == "bf16"
+    monkeypatch.setattr(weights, "cpu_flags", lambda: {"avx2", "fma"})  # no bf16 hardware: the probe's verdict
+    assert weights.choose(lin, "auto", tmp_path) == "fp32"
+    assert "fp32" in (tmp_path / "weights-auto.json").read_text()
 
 
 def test_snapshots_do_not_depend_on_the_weights_format(tiny_model_dir, small_corpus, monkeypatch, tmp_path):
