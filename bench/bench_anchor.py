@@ -22,24 +22,14 @@ from __future__ import annotations
 import argparse
 import ctypes
 import os
-import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-from .common import essay_corpus, machine, write
+from .common import essay_corpus, machine, timed, write
 
 QUESTION = "What does the author say about how to start a startup?"
-
-
-def median_ms(fn, repeat: int) -> tuple[float, object]:
-    times, out = [], None
-    for _ in range(repeat):
-        t = time.perf_counter()
-        out = fn()
-        times.append((time.perf_counter() - t) * 1e3)
-    return statistics.median(times), out
 
 
 class Anchor:
@@ -99,7 +89,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3, help="decode: best of this many alternating runs per engine")
     args = ap.parse_args()
     try:
-        import llama_cpp  # noqa: F401
+        import llama_cpp
     except ImportError:
         print("llama-cpp-python is not installed: `pip install -e '.[anchor]'` builds it (~15 minutes)", file=sys.stderr)
         sys.exit(2)
@@ -147,16 +137,16 @@ def main() -> None:
                 anchor.load_file(path, k)
                 return anchor.first_token(question)
 
-            l_ttft_mem, _ = median_ms(restored_first, args.repeat)
-            l_ttft_file, _ = median_ms(file_first, args.repeat)
+            l_ttft_mem = timed(restored_first, args.repeat)[0] * 1e3
+            l_ttft_file = timed(file_first, args.repeat)[0] * 1e3
 
             # cag on the same corpus: snapshot read from its file (cold), resident (warm), decode
             def cold(corpus=f"essays{size}"):
                 engine.evict()
                 return engine.ask(corpus, QUESTION, max_tokens=1)
 
-            c_ttft_cold, _ = median_ms(cold, args.repeat)
-            c_ttft_warm, _ = median_ms(lambda c=f"essays{size}": engine.ask(c, QUESTION, max_tokens=1), args.repeat)
+            c_ttft_cold = timed(cold, args.repeat)[0] * 1e3
+            c_ttft_warm = timed(lambda c=f"essays{size}": engine.ask(c, QUESTION, max_tokens=1), args.repeat)[0] * 1e3
             # decode: the two engines alternate, best of `rounds` each (a load spike hits both alike)
             c_decode = l_decode = 0.0
             for _ in range(args.rounds):
@@ -177,8 +167,6 @@ def main() -> None:
                 "same_leading_tokens": same,
             })
             print(rows[-1], flush=True)
-
-    import llama_cpp
 
     head = (f"Machine: {machine()}; llama.cpp via llama-cpp-python {llama_cpp.__version__}, {threads} threads, "
             f"built from source here. Model: {lm.name} (llama.cpp: the GGUF file itself, Q4_1; cag: weights "

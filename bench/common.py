@@ -17,7 +17,9 @@ ESSAYS = Path(os.environ.get("CAG_DATASETS", REPO.parent / "shared" / "datasets"
 def machine() -> str:
     import torch
 
-    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")), platform.processor())
+    from cag.weights import cpuinfo
+
+    cpu = cpuinfo("model name") or platform.processor()
     return f"{os.cpu_count()} x {cpu}, torch {torch.__version__}, {torch.get_num_threads()} threads"
 
 

@@ -181,12 +181,16 @@ def probe(fmts: tuple[str, ...] = FORMATS, in_f: int = 576, out_f: int = 1536, r
     return out
 
 
-def cpu_flags() -> set[str]:
-    """The CPU's feature flags (Linux /proc/cpuinfo; empty elsewhere)."""
+def cpuinfo(field: str) -> str | None:
+    """The first value of a /proc/cpuinfo field ("model name", "flags"); None where there is none."""
     path = Path("/proc/cpuinfo")
-    if not path.exists():
-        return set()
-    return next((set(line.split(":", 1)[1].split()) for line in path.read_text().splitlines() if line.startswith("flags")), set())
+    lines = path.read_text().splitlines() if path.exists() else []
+    return next((line.split(":", 1)[1].strip() for line in lines if line.split(":", 1)[0].strip() == field), None)
+
+
+def cpu_flags() -> set[str]:
+    """The CPU's feature flags (empty off Linux)."""
+    return set((cpuinfo("flags") or "").split())
 
 
 BF16_HARDWARE = ("amx_bf16", "avx512_bf16")  # bf16 dot products in hardware: oneDNN's bf16 kernels run natively
@@ -209,9 +213,7 @@ def choose(model: torch.nn.Module, requested: str, cache_dir: Path | None = None
         return "fp32"
     if cpu_flags() & set(BF16_HARDWARE):
         return "bf16"
-    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")), "?") \
-        if Path("/proc/cpuinfo").exists() else "?"
-    key = f"{cpu}|torch {torch.__version__}|{torch.get_num_threads()} threads|1+8 rows"
+    key = f"{cpuinfo('model name') or '?'}|torch {torch.__version__}|{torch.get_num_threads()} threads|1+8 rows"
     path = cache_dir / "weights-auto.json" if cache_dir else None
     known = json.loads(path.read_text()) if path and path.exists() else {}
     if key not in known:
