@@ -107,6 +107,10 @@ def test_packing_keeps_units_in_their_shards():
     u = lambda n, t: Unit(n, n, "", "h", t)  # noqa: E731
     units = [u("a", 30), u("b", 30), u("c", 30), u("d", 30)]
     assert [[x.name for x in s.units] for s in pack(units, 70, 10)] == [["a", "b"], ["c", "d"]]
+    firsts = [u("a", 60), u("b", 40), u("c", 20), u("d", 40)]  # c still fits shard 0 once b opened shard 1
+    assert [[x.name for x in s.units] for s in pack(firsts, 100, 10)] == [["a", "c"], ["b", "d"]]
+    new = pack(firsts + [u("e", 5), u("f", 40)], 100, 10, previous=[["a", "c"], ["b", "d"]])
+    assert [[x.name for x in s.units] for s in new] == [["a", "c"], ["b", "d", "e"], ["f"]]  # new: last shard, then a new one
     grown = [u("a", 30), u("b", 45), u("c", 30), u("d", 30), u("e", 5)]  # b grew, e is new
     shards = pack(grown, 100, 10, previous=[["a", "b"], ["c", "d"]])
     assert [[x.name for x in s.units] for s in shards] == [["a", "b"], ["c", "d", "e"]]
