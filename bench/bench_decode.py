@@ -65,26 +65,32 @@ def paired_rates(model, cache, prefix_kv, start: int, n: int, first: int, rounds
 
 
 def products_ms(model, reps: int = 5) -> float:
-    """One decode step's weight products alone: every linear of the model on one row, best of reps."""
-    lins = [m for m in model.modules() if isinstance(m, (torch.nn.Linear, weights.FastLinear))]
+    """One decode step's weight products alone, one row, as the lean step calls them (q/k/v and
+    gate/up in one call each where their packed weights are stacked) plus the LM head, best of reps."""
+    step, c = lean.for_model(model), model.config
     dtype = next(model.parameters()).dtype
-    xs = [torch.randn(1, 1, m.in_features, dtype=dtype) for m in lins]
+    x, xo, xd = (torch.randn(1, n, dtype=dtype) for n in (c.hidden_size, step.head_dim * c.num_attention_heads,
+                                                        c.intermediate_size))
+    calls = [(f, v) for (_, _, qkv, o, _, _, _, gu, down, _) in step.fns for f, v in ((qkv, x), (o, xo), (gu, x), (down, xd))]
+    calls.append((step.head, x))
     best = float("inf")
     with torch.inference_mode():
         for _ in range(reps):
             t = time.perf_counter()
-            for m, x in zip(lins, xs):
-                m(x)
+            for f, v in calls:
+                f(v)
             best = min(best, time.perf_counter() - t)
     return best * 1e3
 
 
 def weight_bytes(model) -> int:
-    """Bytes a decode step reads for its products: packed copies where there are any, else the weight."""
-    total = 0
+    """Bytes a decode step reads for its products: packed copies where there are any (each stacked
+    group once; bf16: its few-rows layout), else the weight."""
+    seen, total = set(), 0
     for m in model.modules():
-        if isinstance(m, weights.FastLinear):
-            total += weights.packed_bytes(m.packed)  # the copy a decode step reads (bf16: its few-rows layout)
+        if isinstance(m, weights.FastLinear) and id(m.packs) not in seen:
+            seen.add(id(m.packs))
+            total += weights.packed_bytes(m.packs.packed)
         elif isinstance(m, torch.nn.Linear):
             total += m.weight.nbytes
     return total

@@ -28,6 +28,9 @@ QUESTIONS = [
     "What does the author say about how to start a startup?",
     "Why do great hackers like to work on hard problems?",
     "What is the advice about doing what you love?",
+    # routed to the smallest shard (one 3.8K-token essay): the floor of the speedup against a prefill
+    # from scratch, which shrinks with the square of the shard's length while the question's pass does not
+    "What makes an essay useful, according to the author?",
 ]
 
 

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 import torch
 
 from . import cascade
+from .stacking import together
 
 ATTR = "_cag_lean_step"  # where the built step (or the verdict None) is kept on the model
 # model_type -> class-name prefix: decoder layers identical to Llama's (norm -> attention ->
@@ -123,9 +124,9 @@ class LeanStep:
             a, m = layer.self_attn, layer.mlp
             self.fns.append((
                 layer.input_layernorm.weight, layer.input_layernorm.variance_epsilon,
-                f(a.q_proj), f(a.k_proj), f(a.v_proj), f(a.o_proj), a.scaling,
+                together(a.q_proj, a.k_proj, a.v_proj), f(a.o_proj), a.scaling,
                 layer.post_attention_layernorm.weight, layer.post_attention_layernorm.variance_epsilon,
-                f(m.gate_proj), f(m.up_proj), f(m.down_proj), m.act_fn.forward,
+                together(m.gate_proj, m.up_proj), f(m.down_proj), m.act_fn.forward,
             ))
         half = self.head_dim // 2
         # rotate_half(x) = cat(-x2, x1) = roll(x, D/2) * sign, sign = (-1)*D/2 ++ (+1)*D/2
@@ -180,18 +181,19 @@ class LeanStep:
         rows_slot = torch.cat([r.rows_slot for r in rows])  # (R,) where each token's K/V is written
         rows_pos = torch.cat([r.rows_pos for r in rows])
         up = s.dtype != torch.float32
-        for i, ((w1, e1, q_f, k_f, v_f, o_f, scale, w2, e2, g_f, u_f, d_f, act), K, V) in enumerate(
+        for i, ((w1, e1, qkv_f, o_f, scale, w2, e2, gu_f, d_f, act), K, V) in enumerate(
                 zip(fns, buffers.k, buffers.v)):
             x = rms(h, w1, e1)
-            q = q_f(x).view(R, n_kv * rep, d)
-            k = k_f(x).view(R, n_kv, d)
+            q, k, v = qkv_f(x)  # (R, H*D), (R, H_kv*D) x 2: views of one product where the weights are stacked
+            q, k = q.view(R, n_kv * rep, d), k.view(R, n_kv, d)
             K[rows_slot, :, rows_pos] = (k * cos + k.roll(half, -1) * sin).to(K.dtype)  # roped K into the request's slot
-            V[rows_slot, :, rows_pos] = v_f(x).view(R, n_kv, d).to(V.dtype)
+            V[rows_slot, :, rows_pos] = v.view(R, n_kv, d).to(V.dtype)
             q = q * cos + q.roll(half, -1) * sin
             o = [cascade.attend(r, q[r.r0 : r.r1], K, V, i, scale, up) for r in rows]
             h = h + o_f(o[0] if len(o) == 1 else torch.cat(o))
             x = rms(h, w2, e2)
-            h = h + d_f(act(g_f(x)) * u_f(x))
+            g, u = gu_f(x)
+            h = h + d_f(act(g) * u)
         w, e = s.final
         if all_logits:
             return [s.head(rms(h[r.r0 : r.r1].view(r.B, r.m, -1), w, e)) for r in rows]

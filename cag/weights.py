@@ -31,6 +31,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from . import stacking
+
 FORMATS = ("fp32", "bf16", "int8", "int4")
 GROUP = 32  # int4 group size along the input dimension
 # Rows per packed product call. Up to 128 rows, each row's result is bit-identical whatever the
@@ -85,23 +87,21 @@ def _pack_int4(w: torch.Tensor):
     return torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1), scales_zeros
 
 
-class FastLinear(torch.nn.Module):
-    """nn.Linear with a packed copy of its weight for decode rows (one per request in a batch)."""
+class Packed:
+    """Packed copies of one (out, in) weight for decode rows: `packed(x)` (..., in) -> (..., out)."""
 
-    def __init__(self, linear: torch.nn.Linear, fmt: str):
-        super().__init__()
-        self.in_features, self.out_features, self.fmt = linear.in_features, linear.out_features, fmt
-        self.weight, self.bias = linear.weight, linear.bias  # the model's own (shared if tied)
-        w = linear.weight.detach()
+    def __init__(self, w: torch.Tensor, bias: torch.Tensor | None, fmt: str):
+        self.out_features, self.in_features = w.shape
+        self.fmt, self.bias = fmt, bias
+        w = w.detach()
         self.packed = {"bf16": lambda w: _pack_bf16(w, FEW), "int8": _pack_int8, "int4": _pack_int4}[fmt](w)
         self.packed_many = _pack_bf16(w, 1) if fmt == "bf16" and self.out_features < WIDE else None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if getattr(_mode, "decoding", False) and x.numel() == self.in_features:  # one decode row
-            return self.decode(x)
-        return F.linear(x, self.weight, self.bias)
+    @property
+    def nbytes(self) -> int:
+        return packed_bytes(self.packed) + packed_bytes(self.packed_many)
 
-    def decode(self, x: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """The packed product for decode rows: one row per request of a batch (B, in) -> (B, out)."""
         x2 = x.reshape(-1, self.in_features).to(torch.bfloat16)  # (rows, in)
         if self.fmt == "bf16":
@@ -121,6 +121,34 @@ class FastLinear(torch.nn.Module):
         return torch.ops.aten._weight_int4pack_mm_for_cpu(x2, w[0], GROUP, w[1])
 
 
+class FastLinear(torch.nn.Module):
+    """nn.Linear with a packed copy of its weight for decode rows (one per request in a batch).
+
+    Sibling products that read the same input (a layer's q/k/v, its gate/up) share one packed copy of
+    their weights stacked (`packs`, this module's output columns `cols` of it): the lean step makes one
+    call for the group. Columns come out bit for bit as from separate matrices (the kernels block the
+    output columns, never a column's sum: tests/test_batch.py)."""
+
+    def __init__(self, linear: torch.nn.Linear, fmt: str, packs: Packed | None = None, cols: tuple[int, int] | None = None):
+        super().__init__()
+        self.in_features, self.out_features, self.fmt = linear.in_features, linear.out_features, fmt
+        self.weight, self.bias = linear.weight, linear.bias  # the model's own (shared if tied)
+        self.packs = packs or Packed(linear.weight, linear.bias, fmt)
+        self.cols = cols
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if getattr(_mode, "decoding", False) and x.numel() == self.in_features:  # one decode row
+            return self.decode(x)
+        return F.linear(x, self.weight, self.bias)
+
+    def decode(self, x: torch.Tensor) -> torch.Tensor:
+        """This module's product for decode rows (B, in) -> (B, out). In a shared group it computes the
+        group's whole product and keeps its columns: only the transformers forward (models the lean
+        step does not cover) calls members one by one."""
+        y = self.packs(x)
+        return y if self.cols is None else y[..., self.cols[0] : self.cols[1]]
+
+
 def supported(fmt: str, model: torch.nn.Module) -> str | None:
     """None if `fmt` can run for this model here, else why not."""
     if fmt == "fp32":
@@ -138,18 +166,32 @@ def packable(lin: torch.nn.Linear, fmt: str) -> bool:
 
 
 def apply(model: torch.nn.Module, fmt: str) -> int:
-    """Swap every nn.Linear of `model` for a FastLinear in `fmt` (fp32: nothing). Returns the bytes
-    the packed copies take."""
+    """Stack each group's weights (cag.stacking), then swap every nn.Linear of `model` for a FastLinear in
+    `fmt` (fp32: none). Returns the bytes the packed copies take."""
+    stacking.stack(model)
     if fmt == "fp32":
         return 0
+    packs: dict[int, Packed] = {}
+    for parent in list(model.modules()):
+        for names in stacking.GROUPS:
+            lins = [getattr(parent, n, None) for n in names]
+            if not all(isinstance(m, torch.nn.Linear) and packable(m, fmt) for m in lins):
+                continue
+            if len({m.in_features for m in lins}) > 1 or len({m.bias is None for m in lins}) > 1:
+                continue
+            bias = None if lins[0].bias is None else torch.cat([m.bias.detach() for m in lins])
+            group = Packed(torch.cat([m.weight.detach() for m in lins]), bias, fmt)  # (sum of outs, in)
+            packs[id(group)], lo = group, 0
+            for n, m in zip(names, lins):
+                setattr(parent, n, FastLinear(m, fmt, group, (lo, lo + m.out_features)))
+                lo += m.out_features
     swaps = [(name, m) for name, m in model.named_modules() if isinstance(m, torch.nn.Linear) and packable(m, fmt)]
-    extra = 0
     for name, lin in swaps:
         parent = model.get_submodule(name.rsplit(".", 1)[0]) if "." in name else model
         fast = FastLinear(lin, fmt)
         setattr(parent, name.rsplit(".", 1)[-1], fast)
-        extra += packed_bytes(fast.packed) + packed_bytes(fast.packed_many)
-    return extra
+        packs[id(fast.packs)] = fast.packs
+    return sum(p.nbytes for p in packs.values())
 
 
 def packed_bytes(packed) -> int:
@@ -169,7 +211,7 @@ def probe(fmts: tuple[str, ...] = FORMATS, in_f: int = 576, out_f: int = 1536, r
     out = {}
     with torch.inference_mode():
         for fmt in fmts:
-            f = lin if fmt == "fp32" else FastLinear(lin, fmt).decode
+            f = lin if fmt == "fp32" else Packed(lin.weight, None, fmt)
             f(x)  # warm up (first call allocates)
             best = float("inf")
             for _ in range(reps):

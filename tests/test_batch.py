@@ -60,7 +60,8 @@ def test_packed_products_and_suffix_attention_are_row_invariant():
     torch.manual_seed(0)
     with torch.inference_mode():
         for fmt in ("bf16", "int8", "int4"):
-            for i, o in ((64, 128), (576, 1536), (1536, 576), (576, 49152)):  # the last: an LM head's shape
+            # (576, 960), (576, 3072): SmolLM2's stacked q/k/v and gate/up; the last: an LM head's shape
+            for i, o in ((64, 128), (576, 1536), (1536, 576), (576, 960), (576, 3072), (576, 49152)):
                 fl = FastLinear(torch.nn.Linear(i, o, bias=False), fmt)
                 x = torch.randn(256, i)
                 alone = torch.cat([fl.decode(x[r : r + 1]) for r in range(256)])

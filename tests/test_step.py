@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cag import attention, kv, weights
+from cag import attention, kv, stacking, weights
 from cag import step as lean
 from cag.slots import Prefix, Slots
 
@@ -189,8 +189,11 @@ def test_swapped_modules_rebuild_the_step(tiny_model_dir, models_dir):
     weights.apply(model, "int8")
     second = lean.for_model(model)
     assert second is not first and second.current(model)
-    q_proj = model.model.layers[0].self_attn.q_proj
-    assert isinstance(q_proj, weights.FastLinear) and second.fns[0][2].__self__ is q_proj  # its packed decode
+    a = model.model.layers[0].self_attn
+    assert isinstance(a.q_proj, weights.FastLinear) and stacking.group_of(a.q_proj, a.k_proj, a.v_proj) is a.q_proj.packs
+    x = torch.randn(2, a.q_proj.in_features)
+    with torch.inference_mode():  # the step's q/k/v: one product over the stacked packed weights, columns as apart
+        assert all(torch.equal(got, m.decode(x)) for got, m in zip(second.fns[0][2](x), (a.q_proj, a.k_proj, a.v_proj)))
 
 
 @torch.inference_mode()

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cag import weights
+from cag import stacking, weights
 
 TOLERANCE = {"bf16": 0.01, "int8": 0.02, "int4": 0.12}  # relative error of one product, random weights
 
@@ -25,6 +25,51 @@ def test_packed_product_approximates_the_linear(fmt):
     err = ((got - ref).norm() / ref.norm()).item()
     assert 0 < err < TOLERANCE[fmt]  # > 0: the packed kernel ran, not the model's own weight
     assert torch.equal(fast(x), lin(x))  # outside a decode step even one row is exact: prefill
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "int8", "int4"])
+@pytest.mark.parametrize("bias", [False, True])
+def test_stacked_siblings_give_the_columns_of_separate_products(fmt, bias):
+    """q/k/v (and gate/up) share one packed matrix: the step's one call gives each module the very
+    bits its own matrix would, for any number of rows, and the members still work one by one."""
+    torch.manual_seed(2)
+    attn = torch.nn.Module()
+    attn.q_proj, attn.k_proj, attn.v_proj = (torch.nn.Linear(64, o, bias=bias) for o in (96, 32, 32))
+    alone = {n: weights.FastLinear(getattr(attn, n), fmt) for n in ("q_proj", "k_proj", "v_proj")}
+    weights.apply(attn, fmt)
+    mods = [attn.q_proj, attn.k_proj, attn.v_proj]
+    packs = stacking.group_of(*mods)
+    assert packs is not None and packs.out_features == 160 and stacking.group_of(*mods[::-1]) is None
+    with torch.inference_mode():
+        for rows in (1, 3, 17, 40, 130):
+            x = torch.randn(rows, 64)
+            for got, m, name in zip(packs(x).split([96, 32, 32], -1), mods, ("q_proj", "k_proj", "v_proj")):
+                assert torch.equal(got, alone[name].decode(x)) and torch.equal(m.decode(x), got), (rows, name)
+
+
+def test_stacked_fp32_weights_are_views_and_the_step_multiplies_them_once():
+    """fp32 keeps the model's own weights: stacking makes q/k/v views of one matrix (same values,
+    no copy kept), whose one product gives each module's bits; a parameter replaced later (.to())
+    is noticed and the members are multiplied one by one again."""
+    from cag.stacking import together
+
+    torch.manual_seed(3)
+    attn = torch.nn.Module()
+    attn.q_proj, attn.k_proj, attn.v_proj = (torch.nn.Linear(64, o, bias=True) for o in (96, 32, 32))
+    mods = [attn.q_proj, attn.k_proj, attn.v_proj]
+    before = [(m.weight.clone(), m.bias.clone()) for m in mods]
+    weights.apply(attn, "fp32")
+    w, b = stacking.stacked(*mods)
+    assert w.shape == (160, 64) and all(m.weight.untyped_storage().data_ptr() == w.untyped_storage().data_ptr() for m in mods)
+    assert all(torch.equal(m.weight, wb[0]) and torch.equal(m.bias, wb[1]) for m, wb in zip(mods, before))
+    with torch.inference_mode():
+        for rows in (1, 5, 18):
+            x = torch.randn(rows, 64)
+            assert all(torch.equal(got, m(x)) for got, m in zip(together(*mods)(x), mods))
+    attn.to(torch.float64)  # new parameter tensors: no longer views of the stack
+    assert stacking.stacked(*mods) is None
+    x = torch.randn(2, 64, dtype=torch.float64)
+    assert all(torch.equal(got, m(x)) for got, m in zip(together(*mods)(x), mods))
 
 
 def test_int4_holds_a_4bit_grid_almost_exactly():
