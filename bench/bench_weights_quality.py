@@ -54,6 +54,7 @@ def main() -> None:
     ap.add_argument("--squad", type=int, default=100)
     ap.add_argument("--handbook", type=int, default=0, help="only the first N handbook questions (0: all)")
     ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--name", default="weights-quality", help="results file name in bench/results (a partial run: another name)")
     args = ap.parse_args()
     formats = args.formats.split(",")
     handbook = [json.loads(line) for line in (REPO / "corpora/handbook/questions.jsonl").read_text().splitlines() if line.strip()][: args.handbook or None]
@@ -95,7 +96,7 @@ def main() -> None:
             "|---|---|---|---|---|\n")
     body = "".join(f"| {r['weights']} | {100 * r['same_as_fp32']:.0f}% / {100 * r['same_handbook']:.0f}% | {fmt(r['f1'])} | "
                    f"{fmt(r['in_output'])} | {100 * r['cag_equals_full_handbook']:.0f}% |\n" for r in rows)
-    write("weights-quality", {"machine": machine(), "rows": rows}, head + body)
+    write(args.name, {"machine": machine(), "rows": rows}, head + body)
 
 
 if __name__ == "__main__":

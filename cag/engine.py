@@ -168,7 +168,7 @@ class Engine:
             rows, (route, *_), routing_ms = sharded.route(self, corpus, question, 1)
             snap = self.index.snapshot(rows[route.shard]["snapshot"])
             ids = snapfiles.read_ids(self.remote.ensure_local(snap["digest"], Path(snap["path"])))
-            return self.answer_prompt(q, ids, on_text, should_stop, routing_ms=round(routing_ms, 2),
+            return self.answer_prompt(q, ids, on_text, should_stop, held=snap, routing_ms=round(routing_ms, 2),
                                       shards=[{"shard": route.shard, "score": round(route.score, 4), "n_tokens": len(ids)}])
         if q.mode is Mode.FULL:
             docs, _ = self.read_corpus(Path(q.row["source"]), corpus)
@@ -212,14 +212,18 @@ class Engine:
         return Question(corpus, question, mode, row, suffix, d, reasons, t_start)
 
     def answer_prompt(self, q: Question, prefix_ids: list[int], on_text=None, should_stop=None,
-                      **extra) -> Answer:
+                      held: dict | None = None, **extra) -> Answer:
         """Answer over a prefix prefilled now, with no snapshot (`full`, and RAG's passages): the same
-        prefill as ingest's, then the same question and decode path as `cag`'s."""
+        prefill as ingest's, then the same question and decode path as `cag`'s. `full` holds its K/V
+        at the precision of the snapshot `cag` reads (`held`, else the corpus's), which may differ
+        from the setting's (stale, still served): cag == full, bitwise."""
         lm, n = self.lm, len(prefix_ids)
         self.require_fit(n, "the prompt's knowledge")
         cache = kv.new_cache(lm.model, n)
         kv.prefill(lm.model, cache, prefix_ids, 0, self.settings.chunk_tokens, should_stop=should_stop)
-        views = kv.views(cache, n) if q.mode is Mode.RAG else kv.stored(kv.views(cache, n), self.kv_dtype)  # cag == full, bitwise
+        held = held or (self.index.snapshot(q.row["current_snapshot"]) if q.row.get("current_snapshot") else None)
+        dtype = snapfiles.DTYPES.get(held["dtype"], self.kv_dtype) if held else self.kv_dtype
+        views = kv.views(cache, n) if q.mode is Mode.RAG else kv.stored(kv.views(cache, n), dtype)
         gen, _ = self._generate(Prefix.of(views, lm.attn_dtype, lm.device), q, on_text, should_stop)
         return self._finish(q, gen, n, 0, 0.0, None if q.mode is Mode.RAG else q.row["current_snapshot"], **extra)
 

@@ -142,3 +142,22 @@ def test_cag_equals_full_in_every_weights_format(tiny_model_dir, small_corpus, m
         cached = engine.ask("corpus", q, max_tokens=16)
         assert len(cached.token_ids) == 16 and cached.decode_tok_s
         assert cached.token_ids == engine.ask("corpus", q, max_tokens=16, mode="full").token_ids
+
+
+@pytest.mark.parametrize("weights", ["fp32", "bf16"])
+def test_cag_equals_full_over_a_snapshot_stored_in_another_dtype(tiny_model_dir, small_corpus, monkeypatch, weights):
+    """A snapshot stored as float16 while the setting now means bfloat16 (CAG_KV_DTYPE changed, or
+    `auto` resolves otherwise) is stale but served as stored: `full` must hold its fresh K/V at the
+    precision `cag` reads (float16, then what decode attends in), not at the setting's, or a double
+    rounding on one side moves the answer."""
+    monkeypatch.setenv("CAG_MODEL", str(tiny_model_dir))
+    monkeypatch.setenv("CAG_WEIGHTS", weights)
+    monkeypatch.setenv("CAG_KV_DTYPE", "float16")
+    Engine(get_settings()).ingest(str(small_corpus))
+    monkeypatch.setenv("CAG_KV_DTYPE", "bfloat16")
+    engine = Engine(get_settings())
+    assert any("float16" in r for r in engine.status("corpus").reasons)
+    questions = QUESTIONS[:3] + ["Where is the harbour?", "What is sold at the market?", "Who rings the bell?"]
+    for q in questions:
+        cached = engine.ask("corpus", q, max_tokens=24)
+        assert cached.token_ids == engine.ask("corpus", q, max_tokens=24, mode="full").token_ids, q
