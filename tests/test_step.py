@@ -81,6 +81,19 @@ def test_lean_step_equals_the_forward(tiny_model_dir, models_dir, dtype):
     assert_steps_match(tiny(tiny_model_dir, models_dir, dtype=dtype))
 
 
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+def test_integer_formats_keep_the_lm_head_in_bf16(tiny_model_dir, models_dir, fmt):
+    """The head (the tied token embedding here) is not on the layers' 4-bit grid: it stays bf16, and
+    its logits stay within bf16's error of the model's own, while the layers take the format."""
+    model = tiny(tiny_model_dir, models_dir, fmt=fmt)
+    head, down = model.lm_head, model.model.layers[0].mlp.down_proj
+    assert head.fmt == "bf16" and head.packs.fmt == "bf16" and down.fmt == fmt
+    x = torch.randn(4, head.in_features)
+    with torch.inference_mode():
+        ref = torch.nn.functional.linear(x, head.weight)
+        assert ((head.decode(x) - ref).norm() / ref.norm()) < 0.01
+
+
 @pytest.mark.parametrize("fmt", ["bf16", "int8", "int4"])
 def test_lean_step_uses_the_packed_weights(tiny_model_dir, models_dir, fmt):
     """Decode rows go through the packed copies (FastLinear.decode), one row or a batch of them: the
