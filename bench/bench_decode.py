@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from cag import kv, weights
+from cag import choice, kv, weights
 from cag import step as lean
 from cag.config import get_settings
 from cag.engine import Engine
@@ -118,7 +118,7 @@ def main() -> None:
         for fmt in formats:
             models[fmt] = lm.model if fmt == "fp32" else copy.deepcopy(lm.model)
             weights.apply(models[fmt], fmt)
-        auto = weights.choose(lm.model, "auto", get_settings().models_dir)  # the verdict a server here uses (cached)
+        auto = choice.choose(lm.model, "auto", get_settings().models_dir)  # the verdict a server here uses (cached)
         bw = read_bandwidth()
         # Products (and the bandwidth) are timed again next to every decode cell and the best kept:
         # one load spike at the start must not stand for the whole run.

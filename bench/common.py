@@ -17,7 +17,7 @@ ESSAYS = Path(os.environ.get("CAG_DATASETS", REPO.parent / "shared" / "datasets"
 def machine() -> str:
     import torch
 
-    from cag.weights import cpuinfo
+    from cag.choice import cpuinfo
 
     cpu = cpuinfo("model name") or platform.processor()
     return f"{os.cpu_count()} x {cpu}, torch {torch.__version__}, {torch.get_num_threads()} threads"

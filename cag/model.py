@@ -189,6 +189,7 @@ def load_model(name: str, models_dir: Path, threads: int = 0, dtype: str = "auto
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
+    from . import choice
     from . import weights as wformats
 
     hf_logging.disable_progress_bar()  # our own progress goes to the terminal, not theirs
@@ -214,7 +215,7 @@ def load_model(name: str, models_dir: Path, threads: int = 0, dtype: str = "auto
     model.eval().to(device)
     attention.install(model)  # GQA without copying K/V per forward; same results, less memory traffic
     lm = describe(model, tok, name)  # fingerprints the model's own weights, before any packing
-    fmt = wformats.choose(model, weights, models_dir)
+    fmt = choice.choose(model, weights, models_dir)
     if why := wformats.supported(fmt, model):
         raise ModelError(why)
     lm.weights, lm.packed_bytes = fmt, wformats.apply(model, fmt)

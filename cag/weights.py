@@ -22,12 +22,7 @@ Both `cag` and `full` decode through the same modules, so cag == full holds in e
 from __future__ import annotations
 
 import contextlib
-import functools
-import json
-import os
 import threading
-import time
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -209,73 +204,3 @@ def packed_bytes(packed) -> int:
     if packed is None:
         return 0
     return sum(t.nbytes for t in (packed if isinstance(packed, tuple) else (packed,)))
-
-
-@functools.lru_cache(maxsize=8)
-def probe(fmts: tuple[str, ...] = FORMATS, in_f: int = 576, out_f: int = 1536, reps: int = 20, rows: int = 1) -> dict[str, float]:
-    """Milliseconds of one product of `rows` rows per format on this CPU (a (out, in) matrix, best of
-    `reps`): what `auto` chooses by. A few ms, once per process."""
-    w, x = torch.randn(out_f, in_f) * 0.02, torch.randn(rows, in_f)
-    lin = torch.nn.Linear(in_f, out_f, bias=False)
-    lin.weight.data = w
-    out = {}
-    with torch.inference_mode():
-        for fmt in fmts:
-            f = lin if fmt == "fp32" else Packed(lin.weight, None, fmt)
-            f(x)  # warm up (first call allocates)
-            best = float("inf")
-            for _ in range(reps):
-                t = time.perf_counter()
-                for _ in range(8):
-                    f(x)
-                best = min(best, (time.perf_counter() - t) / 8)
-            out[fmt] = best * 1e3
-    return out
-
-
-def cpuinfo(field: str) -> str | None:
-    """The first value of a /proc/cpuinfo field ("model name", "flags"); None where there is none."""
-    path = Path("/proc/cpuinfo")
-    lines = path.read_text().splitlines() if path.exists() else []
-    return next((line.split(":", 1)[1].strip() for line in lines if line.split(":", 1)[0].strip() == field), None)
-
-
-def cpu_flags() -> set[str]:
-    """The CPU's feature flags (empty off Linux)."""
-    return set((cpuinfo("flags") or "").split())
-
-
-BF16_HARDWARE = ("amx_bf16", "avx512_bf16")  # bf16 dot products in hardware: oneDNN's bf16 kernels run natively
-
-
-def choose(model: torch.nn.Module, requested: str, cache_dir: Path | None = None) -> str:
-    """The format to use: `requested`, or for `auto` fp32 or bf16; bf16 changes answers least of the
-    packed formats, int8/int4 are opt-in (the README's quality table).
-
-    A CPU with bf16 dot products in hardware (AMX, AVX512-BF16) gets bf16, by its flags: one row
-    costs about fp32's time there and a batch of 8 half of it (bench/results/decode.md, batch.md).
-    A timing probe decided this before and flipped between fp32 and bf16 on one machine under load,
-    so identical machines sharing a store disagreed on the snapshot dtype (CAG_KV_DTYPE=auto
-    follows this choice). Other CPUs are probed: the faster of fp32 and bf16 for one row and for a
-    batch of 8 together (one user, and a server's busy hours), the verdict kept in `cache_dir` per
-    CPU, torch version and thread count, so answers do not change from one start to the next."""
-    if requested != "auto":
-        return requested
-    if next(model.parameters()).device.type != "cpu" or supported("bf16", model):
-        return "fp32"
-    if cpu_flags() & set(BF16_HARDWARE):
-        return "bf16"
-    key = f"{cpuinfo('model name') or '?'}|torch {torch.__version__}|{torch.get_num_threads()} threads|1+8 rows"
-    path = cache_dir / "weights-auto.json" if cache_dir else None
-    known = json.loads(path.read_text()) if path and path.exists() else {}
-    if key not in known:
-        # A packed format's rows get the same bits alone and batched (tests/test_batch.py), so a
-        # batch probe is fair
-        one, eight = probe(("fp32", "bf16")), probe(("fp32", "bf16"), rows=8)
-        known[key] = "bf16" if one["bf16"] + eight["bf16"] < 0.8 * (one["fp32"] + eight["fp32"]) else "fp32"
-        if path:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-            tmp.write_text(json.dumps(known, indent=1))
-            os.replace(tmp, path)
-    return known[key]

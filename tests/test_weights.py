@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cag import stacking, weights
+from cag import choice, stacking, weights
 
 TOLERANCE = {"bf16": 0.01, "int8": 0.02, "int4": 0.12}  # relative error of one product, random weights
 
@@ -93,16 +93,16 @@ def test_int4_holds_a_4bit_grid_almost_exactly():
 
 def test_auto_picks_a_runnable_format(tmp_path, monkeypatch):
     lin = torch.nn.Sequential(torch.nn.Linear(64, 64))
-    assert weights.choose(lin, "auto") in ("fp32", "bf16")
-    assert weights.choose(lin, "int8") == "int8"
-    assert set(weights.probe(("fp32", "bf16"))) == {"fp32", "bf16"}
+    assert choice.choose(lin, "auto") in ("fp32", "bf16")
+    assert choice.choose(lin, "int8") == "int8"
+    assert set(choice.probe(("fp32", "bf16"))) == {"fp32", "bf16"}
     # bf16 hardware decides by the CPU's flags, whatever a timing probe would say or had said
-    monkeypatch.setattr(weights, "probe", lambda fmts, rows=1: {"fp32": 1.0, "bf16": 9.0})
+    monkeypatch.setattr(choice, "probe", lambda fmts, rows=1: {"fp32": 1.0, "bf16": 9.0})
     (tmp_path / "weights-auto.json").write_text("{}")
-    monkeypatch.setattr(weights, "cpu_flags", lambda: {"avx512f", "amx_bf16"})
-    assert weights.choose(lin, "auto", tmp_path) == "bf16"
-    monkeypatch.setattr(weights, "cpu_flags", lambda: {"avx2", "fma"})  # no bf16 hardware: the probe's verdict
-    assert weights.choose(lin, "auto", tmp_path) == "fp32"
+    monkeypatch.setattr(choice, "cpu_flags", lambda: {"avx512f", "amx_bf16"})
+    assert choice.choose(lin, "auto", tmp_path) == "bf16"
+    monkeypatch.setattr(choice, "cpu_flags", lambda: {"avx2", "fma"})  # no bf16 hardware: the probe's verdict
+    assert choice.choose(lin, "auto", tmp_path) == "fp32"
     assert "fp32" in (tmp_path / "weights-auto.json").read_text()
 
 
@@ -128,3 +128,24 @@ def test_snapshots_do_not_depend_on_the_weights_format(tiny_model_dir, small_cor
         kv[fmt] = snapshots.load(Path(e.index.snapshot(e.index.corpus("corpus")["current_snapshot"])["path"])).kv
     for fmt in ("bf16", "int8"):
         assert all(torch.equal(a, b) for pa, pb in zip(kv["fp32"], kv[fmt]) for a, b in zip(pa, pb)), fmt
+
+
+def test_auto_takes_int4_only_where_the_weights_already_lie_on_its_grid(tmp_path, monkeypatch):
+    """On bf16 hardware `auto` is int4 when every matrix int4 packs is on a 4-bit grid per group of 32
+    (a GGUF Q4_1 model: int4 keeps its weights as they are), else bf16; elsewhere never int4."""
+    torch.manual_seed(4)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 32, bias=False), torch.nn.Linear(64, 48))
+    monkeypatch.setattr(choice, "cpu_flags", lambda: {"avx512f", "amx_bf16"})
+    assert not choice.on_4bit_grid(model) and choice.choose(model, "auto", tmp_path) == "bf16"
+    for lin in model:
+        d = torch.rand(lin.out_features, 2, 1) * 0.01 + 0.001  # (out, groups, 1)
+        q = torch.randint(0, 16, (lin.out_features, 2, 32)).float()
+        q[..., 0], q[..., 1] = 0, 15  # the grid's ends, as the Q4_1 quantizer writes them
+        lin.weight.data = (torch.randn(lin.out_features, 2, 1) * 0.05 + d * q).reshape(lin.out_features, 64)
+    assert choice.on_4bit_grid(model) and choice.choose(model, "auto", tmp_path) == "int4"
+    monkeypatch.setattr(choice, "cpu_flags", lambda: {"avx2", "fma"})  # no bf16 hardware: fp32 or bf16 only
+    monkeypatch.setattr(choice, "probe", lambda fmts, rows=1: {"fp32": 1.0, "bf16": 9.0})
+    assert choice.choose(model, "auto", tmp_path) == "fp32"
+    model[1].weight.data[3, 5] += 0.3 * 0.001  # one weight off its grid point
+    monkeypatch.setattr(choice, "cpu_flags", lambda: {"avx512f", "amx_bf16"})
+    assert not choice.on_4bit_grid(model) and choice.choose(model, "auto", tmp_path) == "bf16"
