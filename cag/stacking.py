@@ -66,10 +66,9 @@ def group_of(*mods):
     return packs if ok else None
 
 
-
 def together(*mods):
     """x -> the products of `mods` (which read the same input): one call where their packed weights
-    are stacked (weights.GROUPS), else one call each."""
+    or own weights are stacked (GROUPS), else one call each."""
     sizes = [m.out_features for m in mods]
     packs = group_of(*mods)
     if packs is not None:
