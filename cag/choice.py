@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from .weights import FORMATS, GROUP, Packed, packable, supported
+from .weights import FORMATS, GROUP, Packed, grid4, packable, supported
 
 
 @functools.lru_cache(maxsize=8)
@@ -70,8 +70,7 @@ def on_4bit_grid(model: torch.nn.Module) -> bool:
                 return False
             # a matrix is stored in one quantization type: its first rows tell (all of them: seconds)
             g = m.weight.detach()[:16].float().reshape(-1, m.in_features // GROUP, GROUP)  # (16, in/32, 32)
-            lo, hi = g.amin(-1, keepdim=True), g.amax(-1, keepdim=True)
-            step = ((hi - lo) / 15).clamp(min=1e-12)
+            lo, step = grid4(g)
             if ((torch.round((g - lo) / step) * step + lo - g).abs() > 1e-3 * step).any():
                 return False
     return bool(lins)

@@ -17,26 +17,33 @@ GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 STACK = "_cag_stack"  # on a group's first Linear: (weight (sum of outs, in), bias or None) its members view
 
 
+def groups(model: torch.nn.Module) -> list[tuple[torch.nn.Module, tuple[str, ...], list[torch.nn.Linear]]]:
+    """(parent, member names, members) of every group of plain Linears that can be stacked: one input
+    width, dtype and device, biases on all or none."""
+    out = []
+    for parent in model.modules():
+        for names in GROUPS:
+            lins = [getattr(parent, n, None) for n in names]
+            if all(type(m) is torch.nn.Linear for m in lins) and len(
+                    {(m.in_features, m.weight.dtype, m.weight.device, m.bias is None) for m in lins}) == 1:
+                out.append((parent, names, lins))
+    return out
+
+
 def stack(model: torch.nn.Module) -> None:
     """Each group's own weights (and biases) copied into one tensor, the members' parameters made
     views of it: the same values in the same memory (prefill and snapshots do not change), and the
     lean step multiplies the group in one call (`stacked`)."""
-    for parent in list(model.modules()):
-        for names in GROUPS:
-            lins = [getattr(parent, n, None) for n in names]
-            if not all(type(m) is torch.nn.Linear for m in lins):
-                continue
-            if len({(m.in_features, m.weight.dtype, m.weight.device, m.bias is None) for m in lins}) > 1:
-                continue
-            w = torch.cat([m.weight.detach() for m in lins])  # (sum of outs, in)
-            b = None if lins[0].bias is None else torch.cat([m.bias.detach() for m in lins])
-            lo = 0
-            for m in lins:
-                m.weight.data = w[lo : lo + m.out_features]
-                if b is not None:
-                    m.bias.data = b[lo : lo + m.out_features]
-                lo += m.out_features
-            object.__setattr__(lins[0], STACK, (w, b))  # a plain attribute: not a parameter, not in state_dict
+    for _, _, lins in groups(model):
+        w = torch.cat([m.weight.detach() for m in lins])  # (sum of outs, in)
+        b = None if lins[0].bias is None else torch.cat([m.bias.detach() for m in lins])
+        lo = 0
+        for m in lins:
+            m.weight.data = w[lo : lo + m.out_features]
+            if b is not None:
+                m.bias.data = b[lo : lo + m.out_features]
+            lo += m.out_features
+        object.__setattr__(lins[0], STACK, (w, b))  # a plain attribute: not a parameter, not in state_dict
 
 
 def stacked(*mods) -> tuple[torch.Tensor, torch.Tensor | None] | None:

@@ -71,13 +71,20 @@ def _pack_int8(w: torch.Tensor):
     return q, scale.to(torch.bfloat16)
 
 
+def grid4(g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each group's 4-bit affine grid, its min and max on the ends (as GGUF Q4_1 writes it):
+    groups (..., 32) -> lo, step (..., 1); the points are lo + q * step, q = 0..15."""
+    lo, hi = g.amin(-1, keepdim=True), g.amax(-1, keepdim=True)
+    return lo, ((hi - lo) / 15).clamp(min=1e-12)
+
+
 def _pack_int4(w: torch.Tensor):
     w = w.float()
     out_f, in_f = w.shape
     g = w.reshape(out_f, in_f // GROUP, GROUP)  # (out, in/32, 32)
-    lo, hi = g.amin(-1), g.amax(-1)
-    scale = ((hi - lo) / 15).clamp(min=1e-12)  # (out, in/32)
-    q = torch.round((g - lo[..., None]) / scale[..., None]).clamp(0, 15).to(torch.int32).reshape(out_f, in_f)
+    lo, scale = grid4(g)  # (out, in/32, 1) each
+    q = torch.round((g - lo) / scale).clamp(0, 15).to(torch.int32).reshape(out_f, in_f)
+    lo, scale = lo[..., 0], scale[..., 0]  # (out, in/32)
     zero = lo + 8 * scale  # the kernel computes (q - 8) * scale + zero
     scales_zeros = torch.stack([scale.t(), zero.t()], dim=-1).to(torch.bfloat16).contiguous()  # (in/32, out, 2)
     return torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1), scales_zeros
@@ -168,19 +175,14 @@ def apply(model: torch.nn.Module, fmt: str) -> int:
     if fmt == "fp32":
         return 0
     packs: dict[int, Packed] = {}
-    for parent in list(model.modules()):
-        for names in stacking.GROUPS:
-            lins = [getattr(parent, n, None) for n in names]
-            if not all(isinstance(m, torch.nn.Linear) and packable(m, fmt) for m in lins):
-                continue
-            if len({m.in_features for m in lins}) > 1 or len({m.bias is None for m in lins}) > 1:
-                continue
-            bias = None if lins[0].bias is None else torch.cat([m.bias.detach() for m in lins])
-            group = Packed(torch.cat([m.weight.detach() for m in lins]), bias, fmt)  # (sum of outs, in)
-            packs[id(group)], lo = group, 0
-            for n, m in zip(names, lins):
-                setattr(parent, n, FastLinear(m, fmt, group, (lo, lo + m.out_features)))
-                lo += m.out_features
+    for parent, names, lins in stacking.groups(model):  # one packed copy of each stacked group
+        if not all(packable(m, fmt) for m in lins) or (st := stacking.stacked(*lins)) is None:
+            continue
+        group = Packed(*st, fmt)  # the stack (sum of outs, in) and its bias
+        packs[id(group)], lo = group, 0
+        for n, m in zip(names, lins):
+            setattr(parent, n, FastLinear(m, fmt, group, (lo, lo + m.out_features)))
+            lo += m.out_features
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     own = lambda m: _head_format(fmt) if m is head else fmt  # noqa: E731
     swaps = [(name, m) for name, m in model.named_modules() if isinstance(m, torch.nn.Linear) and packable(m, own(m))]
