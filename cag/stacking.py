@@ -74,15 +74,15 @@ def group_of(*mods):
 
 
 def together(*mods):
-    """x -> the products of `mods` (which read the same input): one call where their packed weights
-    or own weights are stacked (GROUPS), else one call each."""
+    """(x, roles) -> the products of `mods` (which read the same input; roles: weights.Packed): one call
+    where their packed weights or own weights are stacked (GROUPS), else one call each."""
     sizes = [m.out_features for m in mods]
     packs = group_of(*mods)
     if packs is not None:
-        return lambda x: packs(x).split(sizes, -1)
+        return lambda x, roles=None: packs(x, roles).split(sizes, -1)
     st = stacked(*mods)
     if st is not None:
         w, b = st
-        return lambda x: F.linear(x, w, b).split(sizes, -1)
-    fns = [getattr(m, "decode", m.forward) for m in mods]  # FastLinear.decode: the packed copy
-    return lambda x: tuple(fn(x) for fn in fns)
+        return lambda x, roles=None: F.linear(x, w, b).split(sizes, -1)
+    fns = [m.decode if hasattr(m, "decode") else (lambda x, roles=None, f=m.forward: f(x)) for m in mods]
+    return lambda x, roles=None: tuple(fn(x, roles) for fn in fns)  # FastLinear.decode: the packed copy

@@ -10,6 +10,7 @@ one row per layer.
 Same math as transformers, op for op where it matters for the bits:
   * products: the model's own Linear / FastLinear modules (so every CAG_WEIGHTS format is used), a
     layer's q/k/v and gate/up in one call each over their stacked weights (cag.stacking, same bits);
+    a question's rows (a part of more than one token) in bf16 under int8/int4 (parts.roles, weights.Packed);
   * RMSNorm: the formula of LlamaRMSNorm with the model's weights and eps (float32 inside);
   * rope: the model's own rotary embedding module (its values tabled per position: cos_sin);
     `rotate_half(x) * sin` is computed as `roll(x) * (sin with its first half negated)`, equal
@@ -28,11 +29,12 @@ transformers forward.
 from __future__ import annotations
 
 import importlib
-from dataclasses import dataclass
 
 import torch
 
 from . import cascade
+from .parts import Part, Rows, offsets, suffix_keys  # noqa: F401 - Part, suffix_keys: imported from here
+from .parts import roles as role_runs
 from .stacking import together
 
 ATTR = "_cag_lean_step"  # where the built step (or the verdict None) is kept on the model
@@ -168,12 +170,12 @@ class LeanStep:
     @torch.inference_mode()
     def run(self, parts: list[Part], buffers, all_logits: bool = False) -> list[torch.Tensor]:
         """Several parts (e.g. the decode batch and a newly admitted question) in one pass over the
-        weights: their rows share every product (in the decode format, CAG_WEIGHTS: a question's rows
-        too, alone or not); attention is per part. Returns per part what
-        `forward` returns."""
+        weights: their rows share every product's weight reads (decode rows in CAG_WEIGHTS, a
+        question's rows in its copy for questions: parts.roles), alone or not; attention is per part.
+        Returns per part what `forward` returns."""
         s = self
         rms, n_kv, rep, d, half = s.rms, s.n_kv, s.rep, s.head_dim, s.head_dim // 2
-        rows = [_Rows(p, s, r0, buffers.room) for p, r0 in zip(parts, _offsets(parts))]
+        rows = [Rows(p, s, r0, buffers.room) for p, r0 in zip(parts, offsets(parts))]
         fns = s.fns
         R = rows[-1].r1
         h = s.embed.index_select(0, torch.cat([p.toks.reshape(-1) for p in parts]).to(s.device))  # (R, hidden)
@@ -181,20 +183,21 @@ class LeanStep:
         cos, sin = cos.view(R, 1, d), sin.view(R, 1, d)
         rows_slot = torch.cat([r.rows_slot for r in rows])  # (R,) where each token's K/V is written
         rows_pos = torch.cat([r.rows_pos for r in rows])
+        roles = role_runs(parts)
         up = s.dtype != torch.float32
         for i, ((w1, e1, qkv_f, o_f, scale, w2, e2, gu_f, d_f, act), K, V) in enumerate(
                 zip(fns, buffers.k, buffers.v)):
             x = rms(h, w1, e1)
-            q, k, v = qkv_f(x)  # (R, H*D), (R, H_kv*D) x 2: views of one product where the weights are stacked
+            q, k, v = qkv_f(x, roles)  # (R, H*D), (R, H_kv*D) x 2: views of one product where the weights are stacked
             q, k = q.view(R, n_kv * rep, d), k.view(R, n_kv, d)
             K[rows_slot, :, rows_pos] = (k * cos + k.roll(half, -1) * sin).to(K.dtype)  # roped K into the request's slot
             V[rows_slot, :, rows_pos] = v.view(R, n_kv, d).to(V.dtype)
             q = q * cos + q.roll(half, -1) * sin
             o = [cascade.attend(r, q[r.r0 : r.r1], K, V, i, scale, up) for r in rows]
-            h = h + o_f(o[0] if len(o) == 1 else torch.cat(o))
+            h = h + o_f(o[0] if len(o) == 1 else torch.cat(o), roles)
             x = rms(h, w2, e2)
-            g, u = gu_f(x)
-            h = h + d_f(act(g) * u)
+            g, u = gu_f(x, roles)
+            h = h + d_f(act(g) * u, roles)
         w, e = s.final
         if all_logits:
             return [s.head(rms(h[r.r0 : r.r1].view(r.B, r.m, -1), w, e)) for r in rows]
@@ -202,69 +205,10 @@ class LeanStep:
         return list(logits.split([r.B for r in rows]))
 
 
-@dataclass
-class Part:
-    """B requests with m new tokens each: toks (B, m), their prefixes, slots (B,) and suffix starts (B,)."""
-
-    toks: torch.Tensor
-    prefixes: list
-    slots: torch.Tensor
-    starts: torch.Tensor
-
-
-class _Rows:
-    """What a part's attention needs, computed once per forward: rows [r0, r1) of the pass."""
-
-    def __init__(self, part: Part, s: LeanStep, r0: int, room: int):
-        dev, rep = s.device, s.rep
-        self.B, self.m = part.toks.shape
-        self.M = self.m * rep  # query rows per request and K/V head: token t, head r -> row t*rep + r
-        self.r0, self.r1 = r0, r0 + self.B * self.m
-        suf = part.starts.to(dev)[:, None] + torch.arange(self.m, device=dev)  # (B, m) suffix positions
-        self.L = suffix_keys(int(suf.max()) + 1, room)  # suffix keys the part's attention reads (the rest masked)
-        n = torch.tensor([p.n for p in part.prefixes], device=dev)  # (B,)
-        self.pos = (n[:, None] + suf).reshape(-1)  # (B*m,) absolute positions
-        self.hidden = (torch.arange(self.L, device=dev) > suf.repeat_interleave(rep, 1)[:, :, None])[:, None]  # (B, 1, M, L)
-        self.bias = torch.zeros(self.hidden.shape, device=dev).masked_fill_(self.hidden, float("-inf"))  # float32: attention runs in it
-        self.slots = part.slots.to(dev)
-        self.rows_slot, self.rows_pos = self.slots.repeat_interleave(self.m), suf.reshape(-1)
-        self.one = int(part.slots[0]) if self.B == 1 else None  # a single request reads its slot as a view
-        self.groups = _groups(part.prefixes, dev)
-
-
-def _offsets(parts: list[Part]) -> list[int]:
-    out, r = [], 0
-    for p in parts:
-        out.append(r)
-        r += p.toks.numel()
-    return out
-
-
-SHORT = 128  # suffixes up to this many keys are read in 16-key steps; longer ones read the whole slot
-
-
-def suffix_keys(seen: int, room: int) -> int:
-    """How many suffix keys a part's attention reads when its longest request sees `seen`: a width
-    that does not depend on who else is in the batch, so a request's rows get the same bits alone
-    and batched. torch's CPU flash kernel gives a row with j visible keys identical results for every
-    width from j rounded up to 16 to 512 when j <= 128 (tests/test_batch.py pins it); for longer
-    suffixes the result moves with the width, so those read the whole slot (room)."""
-    return min(room, -(-seen // 16) * 16) if seen <= SHORT else room
-
-
 def _decode(lin):
-    """FastLinear.decode (packed weights, any number of rows) where the module has one, else its forward."""
-    return getattr(lin, "decode", lin.forward)
-
-
-def _groups(prefixes: list, device) -> list[tuple]:
-    """[(prefix, row indices or None for all rows)]: requests that share a Prefix read it together."""
-    if all(p is prefixes[0] for p in prefixes):
-        return [(prefixes[0], None)]
-    by: dict[int, tuple] = {}
-    for b, p in enumerate(prefixes):
-        by.setdefault(id(p), (p, []))[1].append(b)
-    return [(p, torch.tensor(rows, device=device)) for p, rows in by.values()]
+    """(x, roles) -> the product: FastLinear.decode (packed weights, any number of rows) where the
+    module has one, else its forward."""
+    return lin.decode if hasattr(lin, "decode") else (lambda x, roles=None, f=lin.forward: f(x))
 
 
 def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:

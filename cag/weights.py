@@ -12,6 +12,13 @@ the transformers forward: prefill of the knowledge) and adds a packed copy used 
         (`aten._weight_int4pack_mm_for_cpu`); the embedded model's GGUF Q4_1 has this exact shape
   (int8 and int4 keep the LM head in bf16: _head_format)
 
+A question's rows (a part of more than one token per request: cag.step) are multiplied in bf16 in
+int8 and int4 too, from a second, bf16 copy (FEW layout, calls of <= FEW rows): the integer kernels
+dequantize per row (int4 measured here: 6 ms for 1 row of all SmolLM2 products, 39 ms for 18; bf16
+23 ms for either), so a question's pass costs what bf16's does while every decode row still reads
+the small copy. The role, not the
+row count, picks the copy, so a row's bits never depend on what else shares its pass.
+
 Activations enter the packed kernels as bf16 (the kernels' input dtype) and leave in the model's
 dtype; the residual stream and norms stay in the compute dtype; decode attention reads resident
 prefixes and request buffers held in bf16 (LoadedModel.attn_dtype: half the cache bytes a step reads). Prefill
@@ -98,28 +105,42 @@ class Packed:
         self.fmt, self.bias = fmt, bias
         w = w.detach()
         self.packed = {"bf16": lambda w: _pack_bf16(w, FEW), "int8": _pack_int8, "int4": _pack_int4}[fmt](w)
-        self.packed_many = _pack_bf16(w, 1) if fmt == "bf16" and self.out_features < WIDE else None
+        if fmt == "bf16":  # the layout for calls of many rows
+            self.packed_many = _pack_bf16(w, 1) if self.out_features < WIDE else None
+        else:  # int8/int4: the bf16 copy a question's rows use, in the layout for few rows
+            self.packed_many = _pack_bf16(w, FEW) if torch.backends.mkldnn.is_available() else None
 
     @property
     def nbytes(self) -> int:
         return packed_bytes(self.packed) + packed_bytes(self.packed_many)
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        """The packed product for decode rows: one row per request of a batch (B, in) -> (B, out)."""
+    def __call__(self, x: torch.Tensor, roles: list[tuple[int, bool]] | None = None) -> torch.Tensor:
+        """The packed product of a pass's rows (..., in) -> (..., out). `roles`: (rows, question?) runs
+        in row order; None: all decode rows (one per request of a batch)."""
         x2 = x.reshape(-1, self.in_features).to(torch.bfloat16)  # (rows, in)
-        if self.fmt == "bf16":
-            many = x2.shape[0] > FEW and self.packed_many is not None
-            w, most = (self.packed_many, ROWS) if many else (self.packed, FEW)
+        if roles is None or len(roles) == 1 or self.fmt == "bf16":
+            y = self._rows(x2, roles is not None and roles[0][1])
         else:
-            w, most = self.packed, ROWS
-        y = self._mm(x2, w) if x2.shape[0] <= most else torch.cat([self._mm(c, w) for c in x2.split(most)])
+            y = torch.cat([self._rows(c, q) for c, (_, q) in zip(x2.split([n for n, _ in roles]), roles)])
         y = y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)  # (..., out)
         return y if self.bias is None else y + self.bias
 
-    def _mm(self, x2: torch.Tensor, w) -> torch.Tensor:
-        if self.fmt == "bf16":
+    def _rows(self, x2: torch.Tensor, question: bool) -> torch.Tensor:
+        if self.fmt == "bf16":  # both layouts give the same bits up to FEW rows: the count picks
+            many = x2.shape[0] > FEW and self.packed_many is not None
+            fmt, w, most = ("bf16", self.packed_many, ROWS) if many else ("bf16", self.packed, FEW)
+        elif question and self.packed_many is not None:  # calls of <= FEW rows: row-invariant
+            fmt, w, most = "bf16", self.packed_many, FEW
+        else:
+            fmt, w, most = self.fmt, self.packed, ROWS
+        if x2.shape[0] <= most:
+            return self._mm(x2, w, fmt)
+        return torch.cat([self._mm(c, w, fmt) for c in x2.split(most)])
+
+    def _mm(self, x2: torch.Tensor, w, fmt: str) -> torch.Tensor:
+        if fmt == "bf16":
             return torch.ops.mkldnn._linear_pointwise(x2, w, None, "none", [], "")
-        if self.fmt == "int8":
+        if fmt == "int8":
             return torch.ops.aten._weight_int8pack_mm(x2, *w)
         return torch.ops.aten._weight_int4pack_mm_for_cpu(x2, w[0], GROUP, w[1])
 
@@ -144,11 +165,11 @@ class FastLinear(torch.nn.Module):
             return self.decode(x)
         return F.linear(x, self.weight, self.bias)
 
-    def decode(self, x: torch.Tensor) -> torch.Tensor:
-        """This module's product for decode rows (B, in) -> (B, out). In a shared group it computes the
-        group's whole product and keeps its columns: only the transformers forward (models the lean
-        step does not cover) calls members one by one."""
-        y = self.packs(x)
+    def decode(self, x: torch.Tensor, roles: list[tuple[int, bool]] | None = None) -> torch.Tensor:
+        """This module's product for a pass's rows (R, in) -> (R, out) (roles: Packed.__call__). In a
+        shared group it computes the group's whole product and keeps its columns: only the
+        transformers forward (models the lean step does not cover) calls members one by one."""
+        y = self.packs(x, roles)
         return y if self.cols is None else y[..., self.cols[0] : self.cols[1]]
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import struct
+import time
 
 import pytest
 import torch
@@ -89,6 +90,41 @@ def test_tampered_tensor_dtype_is_refused(tmp_path):
         with pytest.raises(snapshots.SnapshotError, match="layer 0 is bfloat16, the header says float16"):
             snapshots.load(path, verify=verify)
 
+
+def test_checksum_once_per_unchanged_file(tmp_path, monkeypatch):
+    """trust=True skips the checksum of a file this process checked that has not changed since; any
+    write (even one that restores size and mtime) brings the check back, and a file checked in the
+    same clock tick as its last change is never trusted."""
+    calls = []
+    real = snapshots._checksum
+    monkeypatch.setattr(snapshots, "_checksum", lambda t: calls.append(1) or real(t))
+    racy, path = tmp_path / "racy.safetensors", tmp_path / "s.safetensors"
+    snapshots.save(racy, _kv(), [1, 2, 3, 4, 5], {"key": "k"}, torch.float16)
+    monkeypatch.setattr(snapshots, "SETTLE_S", 60.0)  # everything just written counts as racy
+    calls.clear()  # save computed one
+    snapshots.load(racy, trust=True)
+    snapshots.load(racy, trust=True)
+    assert len(calls) == 2
+    monkeypatch.setattr(snapshots, "SETTLE_S", 0.05)
+    snapshots.save(path, _kv(), [1, 2, 3, 4, 5], {"key": "k"}, torch.float16)
+    time.sleep(0.1)
+    calls.clear()
+    snapshots.load(path, trust=True)
+    snapshots.load(path, trust=True)
+    snapshots.load(path, expect_key="k", trust=True)
+    assert len(calls) == 1  # checked once
+    snapshots.load(path)
+    assert len(calls) == 2  # without trust: always
+    st = path.stat()
+    data = bytearray(path.read_bytes())
+    data[-3] ^= 0x40
+    with open(path, "r+b") as f:  # in place: same inode and size
+        f.write(bytes(data))
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))  # mtime set back; ctime cannot be
+    with pytest.raises(snapshots.SnapshotError, match="checksum"):
+        snapshots.load(path, trust=True)
+    with pytest.raises(snapshots.SnapshotError, match="checksum"):
+        snapshots.load(path, trust=True)  # a failed check is never remembered
 
 def test_checksum_covers_dtype_and_shape(tmp_path):
     """A consistent rewrite (tensor dtypes and the header's `dtype` together; or a shape with the

@@ -1,0 +1,83 @@
+"""The rows of one pass of the lean step (cag.step): parts (a decode batch, a question), where each
+row's K/V goes, what its attention reads, and which weight copy multiplies it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class Part:
+    """B requests with m new tokens each: toks (B, m), their prefixes, slots (B,) and suffix starts (B,)."""
+
+    toks: torch.Tensor
+    prefixes: list
+    slots: torch.Tensor
+    starts: torch.Tensor
+
+
+class Rows:
+    """What a part's attention needs, computed once per forward: rows [r0, r1) of the pass."""
+
+    def __init__(self, part: Part, s, r0: int, room: int):  # s: cag.step.LeanStep
+        dev, rep = s.device, s.rep
+        self.B, self.m = part.toks.shape
+        self.M = self.m * rep  # query rows per request and K/V head: token t, head r -> row t*rep + r
+        self.r0, self.r1 = r0, r0 + self.B * self.m
+        suf = part.starts.to(dev)[:, None] + torch.arange(self.m, device=dev)  # (B, m) suffix positions
+        self.L = suffix_keys(int(suf.max()) + 1, room)  # suffix keys the part's attention reads (the rest masked)
+        n = torch.tensor([p.n for p in part.prefixes], device=dev)  # (B,)
+        self.pos = (n[:, None] + suf).reshape(-1)  # (B*m,) absolute positions
+        self.hidden = (torch.arange(self.L, device=dev) > suf.repeat_interleave(rep, 1)[:, :, None])[:, None]  # (B, 1, M, L)
+        self.bias = torch.zeros(self.hidden.shape, device=dev).masked_fill_(self.hidden, float("-inf"))  # float32: attention runs in it
+        self.slots = part.slots.to(dev)
+        self.rows_slot, self.rows_pos = self.slots.repeat_interleave(self.m), suf.reshape(-1)
+        self.one = int(part.slots[0]) if self.B == 1 else None  # a single request reads its slot as a view
+        self.groups = groups(part.prefixes, dev)
+
+
+def offsets(parts: list[Part]) -> list[int]:
+    out, r = [], 0
+    for p in parts:
+        out.append(r)
+        r += p.toks.numel()
+    return out
+
+
+SHORT = 128  # suffixes up to this many keys are read in 16-key steps; longer ones read the whole slot
+
+
+def suffix_keys(seen: int, room: int) -> int:
+    """How many suffix keys a part's attention reads when its longest request sees `seen`: a width
+    that does not depend on who else is in the batch, so a request's rows get the same bits alone
+    and batched. torch's CPU flash kernel gives a row with j visible keys identical results for every
+    width from j rounded up to 16 to 512 when j <= 128 (tests/test_batch.py pins it); for longer
+    suffixes the result moves with the width, so those read the whole slot (room)."""
+    return min(room, -(-seen // 16) * 16) if seen <= SHORT else room
+
+
+def roles(parts: list[Part]) -> list[tuple[int, bool]] | None:
+    """(rows, question?) runs of the pass in row order, for the packed products (weights.Packed): a
+    part of more than one token per request is a question; None when every row decodes."""
+    if all(p.toks.shape[1] == 1 for p in parts):
+        return None
+    out: list[tuple[int, bool]] = []
+    for p in parts:
+        q = p.toks.shape[1] > 1
+        if out and out[-1][1] == q:
+            out[-1] = (out[-1][0] + p.toks.numel(), q)
+        else:
+            out.append((p.toks.numel(), q))
+    return out
+
+
+def groups(prefixes: list, device) -> list[tuple]:
+    """[(prefix, row indices or None for all rows)]: requests that share a Prefix read it together."""
+    if all(p is prefixes[0] for p in prefixes):
+        return [(prefixes[0], None)]
+    by: dict[int, tuple] = {}
+    for b, p in enumerate(prefixes):
+        by.setdefault(id(p), (p, []))[1].append(b)
+    return [(p, torch.tensor(rows, device=device)) for p, rows in by.values()]
