@@ -71,7 +71,7 @@ def products_ms(model, reps: int = 5) -> float:
     dtype = next(model.parameters()).dtype
     x, xo, xd = (torch.randn(1, n, dtype=dtype) for n in (c.hidden_size, step.head_dim * c.num_attention_heads,
                                                         c.intermediate_size))
-    calls = [(f, v) for (_, _, qkv, o, _, _, _, gu, down, _) in step.fns for f, v in ((qkv, x), (o, xo), (gu, x), (down, xd))]
+    calls = [(f, v) for ly in step.fns for f, v in ((ly.qkv, x), (ly.o, xo), (ly.gate_up, x), (ly.down, xd))]
     calls.append((step.head, x))
     best = float("inf")
     with torch.inference_mode():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
@@ -41,12 +42,18 @@ def stop_ids(model, tokenizer) -> set[int]:
     return ids
 
 
+@functools.lru_cache(maxsize=16)
+def _stop_index(stops: frozenset[int], device: torch.device) -> torch.Tensor:
+    """The stop token ids as an index tensor, built once (not per step while min_tokens holds)."""
+    return torch.tensor(sorted(stops), device=device)
+
+
 def _pick(logits: torch.Tensor, cfg: DecodeConfig, gen: torch.Generator | None, stops: set[int] = frozenset(),
           n: int = 0) -> int:
     """The next token from logits (V,), the n-th of the answer: stop tokens are ruled out while
     n < cfg.min_tokens (on a copy: the caller's logits are not written)."""
     if n < cfg.min_tokens and stops:
-        logits = logits.index_fill(0, torch.tensor(sorted(stops), device=logits.device), float("-inf"))
+        logits = logits.index_fill(0, _stop_index(frozenset(stops), logits.device), float("-inf"))
     # Below 1e-5 sampling is greedy in all but name, and logits / T overflows float32 to inf
     # (softmax -> nan) long before T reaches 0: a vanishing temperature is greedy. `not >=` also
     # sends a NaN temperature here.

@@ -29,6 +29,8 @@ transformers forward.
 from __future__ import annotations
 
 import importlib
+from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 
@@ -104,6 +106,21 @@ def why_not(model) -> str | None:
     return None
 
 
+class Layer(NamedTuple):
+    """What the step calls and reads in one decoder layer (unpacked by position in `run`)."""
+
+    norm1: torch.Tensor  # input_layernorm weight (hidden,)
+    eps1: float
+    qkv: Callable  # (x, roles) -> q, k, v
+    o: Callable  # (x, roles) -> o_proj(x)
+    scale: float  # attention's 1/sqrt(D)
+    norm2: torch.Tensor  # post_attention_layernorm weight (hidden,)
+    eps2: float
+    gate_up: Callable  # (x, roles) -> gate, up
+    down: Callable  # (x, roles) -> down_proj(x)
+    act: Callable
+
+
 class LeanStep:
     """Per-model references gathered once; `bind(cache)` gives the per-request step function."""
 
@@ -121,11 +138,11 @@ class LeanStep:
         self.head = getattr(model.lm_head, "decode", model.lm_head.forward)  # one row per request: the packed copy
         first = inner.layers[0].self_attn
         self.head_dim, self.rep = first.head_dim, first.num_key_value_groups
-        self.fns = []  # per layer; products through the packed weights where there are any (FastLinear.decode)
+        self.fns: list[Layer] = []  # per layer; products through the packed weights where there are any (FastLinear.decode)
         f = _decode  # bound methods skip Module.__call__: a few µs x 7 x layers
         for layer in inner.layers[: config.num_hidden_layers]:
             a, m = layer.self_attn, layer.mlp
-            self.fns.append((
+            self.fns.append(Layer(
                 layer.input_layernorm.weight, layer.input_layernorm.variance_epsilon,
                 together(a.q_proj, a.k_proj, a.v_proj), f(a.o_proj), a.scaling,
                 layer.post_attention_layernorm.weight, layer.post_attention_layernorm.variance_epsilon,

@@ -67,6 +67,12 @@ def test_packed_products_and_suffix_attention_are_row_invariant():
                 alone = torch.cat([fl.decode(x[r : r + 1]) for r in range(256)])
                 for m in (6, 9, 17, 40, 128, 160, 200, 256):  # over 128 rows: oneDNN's bf16 can re-block the sum
                     assert torch.equal(fl.decode(x[:m]), alone[:m]), (fmt, i, o, m)
+                # a question's rows (int8/int4: the bf16 copy), alone or after decode rows in one call
+                asked = torch.cat([fl.decode(x[r : r + 1], [(1, True)]) for r in range(40)])
+                for m in (2, 17, 33):
+                    assert torch.equal(fl.decode(x[:m], [(m, True)]), asked[:m]), (fmt, i, o, m)
+                    mixed = fl.decode(x[:m + 5], [(5, False), (m, True)])
+                    assert torch.equal(mixed[:5], alone[:5]) and torch.equal(mixed[5:], asked[5 : m + 5]), (fmt, i, o, m)
         # suffix attention: the width read (suffix_keys) changes with the batch's longest suffix, and
         # the keys past a row's own suffix hold other requests' leftovers (masked)
         flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu

@@ -206,7 +206,7 @@ def test_swapped_modules_rebuild_the_step(tiny_model_dir, models_dir):
     assert isinstance(a.q_proj, weights.FastLinear) and stacking.group_of(a.q_proj, a.k_proj, a.v_proj) is a.q_proj.packs
     x = torch.randn(2, a.q_proj.in_features)
     with torch.inference_mode():  # the step's q/k/v: one product over the stacked packed weights, columns as apart
-        assert all(torch.equal(got, m.decode(x)) for got, m in zip(second.fns[0][2](x), (a.q_proj, a.k_proj, a.v_proj)))
+        assert all(torch.equal(got, m.decode(x)) for got, m in zip(second.fns[0].qkv(x), (a.q_proj, a.k_proj, a.v_proj)))
 
 
 @torch.inference_mode()
