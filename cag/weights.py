@@ -16,8 +16,8 @@ A question's rows (a part of more than one token per request: cag.step) are mult
 int8 and int4 too, from a second, bf16 copy (FEW layout, calls of <= FEW rows): the integer kernels
 dequantize per row (int4 measured here: 6 ms for 1 row of all SmolLM2 products, 39 ms for 18; bf16
 23 ms for either), so a question's pass costs what bf16's does while every decode row still reads
-the small copy. The role, not the
-row count, picks the copy, so a row's bits never depend on what else shares its pass.
+the small copy. The role, not the row count, picks the copy, so a row's bits never depend on what
+else shares its pass.
 
 Activations enter the packed kernels as bf16 (the kernels' input dtype) and leave in the model's
 dtype; the residual stream and norms stay in the compute dtype; decode attention reads resident
