@@ -6,16 +6,21 @@ that fits one context is one shard with exactly today's prefix and key. Document
 packing; a document that alone does not fit a shard is cut into parts (paragraphs, then sentences,
 then, as the last resort, token windows), each named `name#partN` and wrapped like a document.
 
-A first build puts units, in prompt order, into the first shard they fit (first fit: each shard
-keeps prompt order and is filled as far as whole documents allow). Assignment is sticky so that an edit re-prefills one
-shard: units keep the shard they were in (read from the previous snapshots' spans) while it still
-fits; new units fill the last shard, then open new ones. Only when a shard no longer fits are it and
-the shards after it packed afresh.
+A first build packs the units by first fit in prompt order, unless even loads (largest unit first,
+each to the least loaded shard: `_balanced`) need fewer shards or leave the smallest one fuller;
+each shard keeps its units in prompt order. Even loads matter: a
+question's speedup over prefilling its shard from scratch shrinks with the shard (the prefill grows
+with the square of its length, the question's own pass does not), and the sum of the shards' prefill
+costs is least when they are even. Assignment is sticky so that an edit re-prefills one shard: units
+keep the shard they were in (read from the previous snapshots' spans) while it still fits; new units
+fill the last shard, then open new ones. Only when a shard no longer fits are it and the shards
+after it packed afresh.
 Token counts add up exactly because each unit is tokenized on its own (cag/prompt.py).
 """
 
 from __future__ import annotations
 
+import heapq
 import re
 from dataclasses import dataclass, field
 
@@ -105,10 +110,11 @@ def pack(units: list[Unit], capacity: int, overhead: int, previous: list[list[st
             break  # this shard grew past the limit: it and what follows are packed afresh
         shards.append(shard)
         placed.update(u.name for u in shard.units)
-    # A first build packs by first fit (a unit that does not fit the newest shard may still fill an
-    # older one: on the 49 essays, 23 shards of at least 3.9K tokens instead of 28 down to 0.6K when
-    # each shard is only filled in turn). A rebuild fills only the last shard, then new ones, so that
-    # the shards after one that outgrew its limit tend to come out as they were (snapshots reused).
+    # A first build: first fit (a unit that does not fit the newest shard may still fill an older one:
+    # on the 49 essays, 23 shards of at least 3.8K tokens instead of 28 down to 0.6K when each shard
+    # is only filled in turn), then even loads in as many shards or fewer (_balanced). A rebuild fills
+    # only the last shard, then new ones, so that the shards after one that outgrew its limit tend to
+    # come out as they were (snapshots reused).
     first_fit = not previous
     for u in units:
         if u.name in placed:
@@ -120,4 +126,28 @@ def pack(units: list[Unit], capacity: int, overhead: int, previous: list[list[st
             shards.append(home)
         home.units.append(u)
         placed.add(u.name)
+    if first_fit and len(shards) > 1 and (even := _balanced(units, capacity - overhead, len(shards))):
+        smallest = lambda plan: min(p.tokens(0) for p in plan)  # noqa: E731
+        if (len(even), -smallest(even)) < (len(shards), -smallest(shards)):  # fewer shards, or a fuller smallest
+            return even
     return shards
+
+
+def _balanced(units: list[Unit], room: int, most: int) -> list[ShardPlan] | None:
+    """`units` into the fewest shards (at most `most`) of at most `room` unit tokens that the
+    largest-first rule fills: each unit, largest first, to the least loaded shard (if that one cannot
+    take it, none can). Shards keep prompt order inside and are ordered by their first unit. None when
+    no count up to `most` works."""
+    order = sorted(range(len(units)), key=lambda i: (-units[i].n_tokens, i))
+    for k in range(max(1, -(-sum(u.n_tokens for u in units) // room)), most + 1):
+        loads = [(0, j) for j in range(k)]  # a heap of (tokens, shard)
+        bins: list[list[int]] = [[] for _ in range(k)]
+        for i in order:
+            load, j = heapq.heappop(loads)
+            if load + units[i].n_tokens > room:
+                break
+            bins[j].append(i)
+            heapq.heappush(loads, (load + units[i].n_tokens, j))
+        else:
+            return [ShardPlan([units[i] for i in sorted(b)]) for b in sorted((b for b in bins if b), key=min)]
+    return None

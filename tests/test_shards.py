@@ -15,6 +15,12 @@ DOCS = {
     "c-bakery.md": "The bakery on Quay Street sells rye bread on Tuesdays only, and pretzels on Sundays.",
     "d-school.md": "The village school has forty pupils and one teacher, Mr Alder, who also plays the organ.",
 }
+ASKS = {  # a question routed to each document's shard (BM25 over the shards' text)
+    "a-lighthouse.md": "Who is the lighthouse keeper?",
+    "b-ferry.txt": "When does the ferry leave the harbour?",
+    "c-bakery.md": "When does the bakery on Quay Street sell rye bread?",
+    "d-school.md": "Who teaches at the village school?",
+}
 
 
 @pytest.fixture
@@ -54,14 +60,15 @@ def test_sharded_ingest_routes_and_answers_exactly(engine, town):
     assert r.n_shards == 2 and len({s["snapshot"] for s in r.shards}) == 2
     assert all(s["n_tokens"] <= cap for s in r.shards) and r.n_tokens == sum(s["n_tokens"] for s in r.shards)
     assert r.bytes == sum(s["bytes"] for s in r.shards)
-    a = engine.ask("town", "When does the ferry leave the harbour?", max_tokens=12)
-    assert len(a.shards) == 1 and a.shards[0]["shard"] == 0 and a.routing_ms > 0  # b-ferry is in shard 0
-    assert a.cached_tokens == r.shards[0]["n_tokens"] and a.snapshot == r.shards[0]["snapshot"]
-    b = engine.ask("town", "Who teaches at the village school?", max_tokens=12)
-    assert b.shards[0]["shard"] == 1 and b.snapshot == r.shards[1]["snapshot"]
-    full = engine.ask("town", "Who teaches at the village school?", max_tokens=12, mode="full")
+    ferry, (other, q) = _shard_of(engine, r, "b-ferry.txt"), _elsewhere(engine, r, "b-ferry.txt")
+    a = engine.ask("town", ASKS["b-ferry.txt"], max_tokens=12)
+    assert len(a.shards) == 1 and a.shards[0]["shard"] == ferry and a.routing_ms > 0
+    assert a.cached_tokens == r.shards[ferry]["n_tokens"] and a.snapshot == r.shards[ferry]["snapshot"]
+    b = engine.ask("town", q, max_tokens=12)
+    assert b.shards[0]["shard"] == other and b.snapshot == r.shards[other]["snapshot"]
+    full = engine.ask("town", q, max_tokens=12, mode="full")
     assert full.token_ids == b.token_ids and len(b.token_ids) == 12  # cag == full over the routed shard
-    both = engine.ask("town", "Who teaches at the village school?", max_tokens=12, shards=5)  # clamped to 2
+    both = engine.ask("town", q, max_tokens=12, shards=5)  # clamped to 2
     assert len(both.shards) == 2 and sum(s["chosen"] for s in both.shards) == 1
     assert all(s["mean_logprob"] is not None for s in both.shards)
     chosen = next(s for s in both.shards if s["chosen"])
@@ -103,6 +110,18 @@ def _docs_of(engine, digest):
     return [s["path"] for s in engine.index.snapshot_documents(digest)]
 
 
+def _shard_of(engine, result, doc: str) -> int:
+    """Which shard of an ingest result holds `doc` (packing decides, not prompt order alone)."""
+    return next(i for i, sh in enumerate(result.shards) if doc in _docs_of(engine, sh["snapshot"]))
+
+
+def _elsewhere(engine, result, doc: str) -> tuple[int, str]:
+    """A shard other than `doc`'s and a question routed to it."""
+    here = _shard_of(engine, result, doc)
+    other = next(d for d in ASKS if _shard_of(engine, result, d) != here)
+    return _shard_of(engine, result, other), ASKS[other]
+
+
 def test_packing_keeps_units_in_their_shards():
     u = lambda n, t: Unit(n, n, "", "h", t)  # noqa: E731
     units = [u("a", 30), u("b", 30), u("c", 30), u("d", 30)]
@@ -114,6 +133,8 @@ def test_packing_keeps_units_in_their_shards():
     grown = [u("a", 30), u("b", 45), u("c", 30), u("d", 30), u("e", 5)]  # b grew, e is new
     shards = pack(grown, 100, 10, previous=[["a", "b"], ["c", "d"]])
     assert [[x.name for x in s.units] for s in shards] == [["a", "b"], ["c", "d", "e"]]
+    uneven = [u("a", 40), u("b", 40), u("c", 80), u("d", 20)]  # first fit: [a, b] [c] [d], the last at 20
+    assert [[x.name for x in s.units] for s in pack(uneven, 100, 10)] == [["a", "d"], ["b"], ["c"]]  # even: 60, 40, 80
     too_big = [u("a", 30), u("b", 60), u("c", 30), u("d", 30)]  # shard 0 no longer fits: repacked from there
     assert [[x.name for x in s.units] for s in pack(too_big, 90, 10, previous=[["a", "b"], ["c", "d"]])] == [["a"], ["b"], ["c", "d"]]
 
@@ -122,19 +143,20 @@ def test_a_lost_shard_is_named_rebuilt_and_the_others_still_serve(engine, town):
     from cag.errors import SnapshotCorrupt
 
     r = engine.ingest(str(town), name="town", shard_tokens=_shard_tokens(engine, town, 2))
-    before = engine.ask("town", "When does the ferry leave the harbour?", max_tokens=8).token_ids
+    school, q = _elsewhere(engine, r, "b-ferry.txt")  # the shard that is lost, and a question for it
+    before = engine.ask("town", ASKS["b-ferry.txt"], max_tokens=8).token_ids
     engine.evict()
-    lost = engine.index.snapshot(r.shards[1]["snapshot"])["path"]
+    lost = engine.index.snapshot(r.shards[school]["snapshot"])["path"]
     with open(lost, "r+b") as f:  # damage the tensor bytes at the end of the file
         f.seek(-64, 2)
         f.write(b"\0" * 64)
-    assert engine.ask("town", "When does the ferry leave the harbour?", max_tokens=8).token_ids == before  # shard 0
-    with pytest.raises(SnapshotCorrupt, match="shard 1 of 'town'"):
-        engine.ask("town", "Who teaches at the village school?", max_tokens=8)
-    assert any(x.startswith("shard 1: snapshot is corrupt") for x in engine.status("town").reasons)
+    assert engine.ask("town", ASKS["b-ferry.txt"], max_tokens=8).token_ids == before  # its shard is sound
+    with pytest.raises(SnapshotCorrupt, match=f"shard {school} of 'town'"):
+        engine.ask("town", q, max_tokens=8)
+    assert any(x.startswith(f"shard {school}: snapshot is corrupt") for x in engine.status("town").reasons)
     again = engine.ingest("town")
-    assert [s["status"] for s in again.shards] == ["fresh", "built"]
-    assert engine.ask("town", "Who teaches at the village school?", max_tokens=8).completion_tokens == 8
+    assert [s["status"] for s in again.shards] == ["built" if i == school else "fresh" for i in range(2)]
+    assert engine.ask("town", q, max_tokens=8).completion_tokens == 8
 
 
 def test_cli_ingest_and_ask_a_sharded_corpus(engine, town, tiny_model_dir, monkeypatch):
