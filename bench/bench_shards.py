@@ -15,6 +15,7 @@ Writes bench/results/shards.json and shards.md.  Run: `python -m bench.bench_sha
 from __future__ import annotations
 
 import argparse
+import os
 import shutil
 import statistics
 import tempfile
@@ -29,8 +30,9 @@ QUESTIONS = [
     "What does the author say about how to start a startup?",
     "Why do great hackers like to work on hard problems?",
     "What is the advice about doing what you love?",
-    # routed to the smallest shard (one 3.8K-token essay): the floor of the speedup against a prefill
-    # from scratch, which shrinks with the square of the shard's length while the question's pass does not
+    # its essay was alone in the smallest shard (3.8K tokens) when shards were packed by first fit: the
+    # floor of the speedup against a prefill from scratch, which shrinks with the square of the shard's
+    # length while the question's pass does not (even packing now leaves no shard that small)
     "What makes an essay useful, according to the author?",
 ]
 
@@ -63,6 +65,7 @@ def main() -> None:
             formula = lm.kv_bytes(s["n_tokens"], engine.kv_dtype)
             shard_rows.append({**s, "formula_bytes": formula, "bytes_over_formula": s["bytes"] / formula - 1})
 
+        load_before = os.getloadavg()
         engine.ask("essays", "warm up", max_tokens=1)  # the router is built once per set of shard snapshots
         rows = []
         for q in QUESTIONS:
@@ -89,6 +92,8 @@ def main() -> None:
                 "single_7k_tokens": a_one.cached_tokens, "cag_equals_full": long.token_ids == full.token_ids,
                 "two_shards_chose": next(s["shard"] for s in two.shards if s["chosen"]),
                 "two_shards_same_answer": two.token_ids == long.token_ids,
+                "ttft_sharded_all_ms": [round(t * 1e3, 1) for t in big_times],
+                "ttft_single_7k_all_ms": [round(t * 1e3, 1) for t in one_times],
             })
             print(rows[-1], flush=True)
 
@@ -97,7 +102,9 @@ def main() -> None:
             f"Corpus: {big.n_documents} essays, {big.n_tokens:,} tokens in {big.n_shards} shards, "
             + (f"ingested in {big.prefill_ms / 1e3:.0f} s ({big.n_tokens / (big.prefill_ms / 1e3):.0f} tok/s). "
                if big.prefill_ms > 1e3 else "snapshots reused from an earlier ingest (--home). ") +
-            f"Median of {args.repeat} cold asks a side, sharded and single alternating, snapshots read from their files.\n\n"
+            f"Median of {args.repeat} cold asks a side, sharded and single alternating, snapshots read from their files. "
+            f"Load average (1, 5, 15 min) before / after: {tuple(round(x, 2) for x in load_before)} / "
+            f"{tuple(round(x, 2) for x in os.getloadavg())}.\n\n"
             "| shard | tokens | bytes | vs formula |\n|---|---|---|---|\n")
     head += "".join(f"| {s['shard']} | {s['n_tokens']:,} | {s['bytes']:,} | {100 * s['bytes_over_formula']:+.2f}% |\n"
                     for s in shard_rows)
