@@ -31,8 +31,8 @@ import torch
 from . import kv
 from . import step as lean
 from .generate import DecodeConfig, Generated, TextStream, _pick, generate, generated, sampler
+from .parts import Part
 from .slots import Prefix, Slots
-from .step import Part
 
 log = logging.getLogger("cag")
 IDLE_EXIT_S = 30.0  # an idle decode thread ends, so a dropped engine (and its slots) can be freed

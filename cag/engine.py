@@ -221,9 +221,10 @@ class Engine:
         self.require_fit(n, "the prompt's knowledge")
         cache = kv.new_cache(lm.model, n)
         kv.prefill(lm.model, cache, prefix_ids, 0, self.settings.chunk_tokens, should_stop=should_stop)
-        held = held or (self.index.snapshot(q.row["current_snapshot"]) if q.row.get("current_snapshot") else None)
-        dtype = snapfiles.DTYPES.get(held["dtype"], self.kv_dtype) if held else self.kv_dtype
-        views = kv.views(cache, n) if q.mode is Mode.RAG else kv.stored(kv.views(cache, n), dtype)
+        views = kv.views(cache, n)
+        if q.mode is not Mode.RAG:  # RAG's passages have no snapshot to match
+            held = held or (self.index.snapshot(q.row["current_snapshot"]) if q.row.get("current_snapshot") else None)
+            views = kv.stored(views, snapfiles.DTYPES.get(held["dtype"], self.kv_dtype) if held else self.kv_dtype)
         gen, _ = self._generate(Prefix.of(views, lm.attn_dtype, lm.device), q, on_text, should_stop)
         return self._finish(q, gen, n, 0, 0.0, None if q.mode is Mode.RAG else q.row["current_snapshot"], **extra)
 

@@ -8,10 +8,9 @@ then, as the last resort, token windows), each named `name#partN` and wrapped li
 
 A first build packs the units by first fit in prompt order, unless even loads (largest unit first,
 each to the least loaded shard: `_balanced`) need fewer shards or leave the smallest one fuller;
-each shard keeps its units in prompt order. Even loads matter: a
-question's speedup over prefilling its shard from scratch shrinks with the shard (the prefill grows
-with the square of its length, the question's own pass does not), and the sum of the shards' prefill
-costs is least when they are even. Assignment is sticky so that an edit re-prefills one shard: units
+each shard keeps its units in prompt order. Even loads matter: a question's speedup over prefilling
+its shard from scratch shrinks with the shard (the prefill grows with the square of its length, the
+question's own pass does not), and the sum of the shards' prefill costs is least when they are even. Assignment is sticky so that an edit re-prefills one shard: units
 keep the shard they were in (read from the previous snapshots' spans) while it still fits; new units
 fill the last shard, then open new ones. Only when a shard no longer fits are it and the shards
 after it packed afresh.

@@ -73,6 +73,12 @@ def group_of(*mods):
     return packs if ok else None
 
 
+def product(lin):
+    """(x, roles) -> `lin`'s product: FastLinear.decode (packed weights, any number of rows; roles:
+    weights.Packed) where the module has one, else its forward (roles do not apply)."""
+    return lin.decode if hasattr(lin, "decode") else (lambda x, roles=None, f=lin.forward: f(x))
+
+
 def together(*mods):
     """(x, roles) -> the products of `mods` (which read the same input; roles: weights.Packed): one call
     where their packed weights or own weights are stacked (GROUPS), else one call each."""
@@ -84,5 +90,5 @@ def together(*mods):
     if st is not None:
         w, b = st
         return lambda x, roles=None: F.linear(x, w, b).split(sizes, -1)
-    fns = [m.decode if hasattr(m, "decode") else (lambda x, roles=None, f=m.forward: f(x)) for m in mods]
-    return lambda x, roles=None: tuple(fn(x, roles) for fn in fns)  # FastLinear.decode: the packed copy
+    fns = [product(m) for m in mods]
+    return lambda x, roles=None: tuple(fn(x, roles) for fn in fns)

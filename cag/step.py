@@ -35,9 +35,9 @@ from typing import NamedTuple
 import torch
 
 from . import cascade
-from .parts import Part, Rows, offsets, suffix_keys  # noqa: F401 - Part, suffix_keys: imported from here
+from .parts import Part, Rows, offsets
 from .parts import roles as role_runs
-from .stacking import together
+from .stacking import product, together
 
 ATTR = "_cag_lean_step"  # where the built step (or the verdict None) is kept on the model
 # model_type -> class-name prefix: decoder layers identical to Llama's (norm -> attention ->
@@ -139,7 +139,7 @@ class LeanStep:
         first = inner.layers[0].self_attn
         self.head_dim, self.rep = first.head_dim, first.num_key_value_groups
         self.fns: list[Layer] = []  # per layer; products through the packed weights where there are any (FastLinear.decode)
-        f = _decode  # bound methods skip Module.__call__: a few µs x 7 x layers
+        f = product  # bound methods skip Module.__call__: a few µs x 7 x layers
         for layer in inner.layers[: config.num_hidden_layers]:
             a, m = layer.self_attn, layer.mlp
             self.fns.append(Layer(
@@ -221,11 +221,6 @@ class LeanStep:
         logits = s.head(rms(torch.cat([h[r.r0 : r.r1].view(r.B, r.m, -1)[:, -1] for r in rows]), w, e))  # one product
         return list(logits.split([r.B for r in rows]))
 
-
-def _decode(lin):
-    """(x, roles) -> the product: FastLinear.decode (packed weights, any number of rows) where the
-    module has one, else its forward."""
-    return lin.decode if hasattr(lin, "decode") else (lambda x, roles=None, f=lin.forward: f(x))
 
 
 def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:

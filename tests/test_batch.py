@@ -54,7 +54,7 @@ def test_packed_products_and_suffix_attention_are_row_invariant():
     """What exactness in a batch rests on: a row's result does not depend on the other rows."""
     import torch
 
-    from cag.step import suffix_keys
+    from cag.parts import suffix_keys
     from cag.weights import FastLinear
 
     torch.manual_seed(0)

@@ -126,6 +126,7 @@ def test_checksum_once_per_unchanged_file(tmp_path, monkeypatch):
     with pytest.raises(snapshots.SnapshotError, match="checksum"):
         snapshots.load(path, trust=True)  # a failed check is never remembered
 
+
 def test_checksum_covers_dtype_and_shape(tmp_path):
     """A consistent rewrite (tensor dtypes and the header's `dtype` together; or a shape with the
     same element count) passes every header check: only the checksum can catch it."""

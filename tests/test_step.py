@@ -213,7 +213,7 @@ def test_swapped_modules_rebuild_the_step(tiny_model_dir, models_dir):
 def test_a_question_rides_along_a_decode_step(tiny_model_dir, models_dir):
     """run() with a decode part and a question part (one pass over the weights) gives each part what
     it gets in a pass of its own, within float tolerance."""
-    from cag.step import Part
+    from cag.parts import Part
 
     model = tiny(tiny_model_dir, models_dir)
     built = lean.for_model(model)
@@ -237,7 +237,7 @@ def test_a_questions_rows_multiply_in_bf16_under_the_integer_formats(tiny_model_
     """int4 decode rows read the 4-bit copy; a question's rows (a part of more than one token per
     request) read a bf16 copy, so a question's pass under int4 gives bf16's bits exactly (the two bf16
     layouts agree up to 32 rows), alone or riding along a decode step. A decode row does not."""
-    from cag.step import Part
+    from cag.parts import Part
 
     int4, bf16 = (tiny(tiny_model_dir, models_dir, fmt=f) for f in ("int4", "bf16"))
     prefix = prefix_of(int4)
