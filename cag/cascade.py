@@ -7,6 +7,8 @@ Two ways, same math:
     The prefix (1, H_kv, n, D) is read once per layer for all rows of its requests, never copied;
   * one softmax (elsewhere, or without that kernel): scores against the prefix and the suffix
     concatenated, one softmax, two products.
+Decode parts (one token per request) over bf16 K/V go to cag.native's AMX kernel instead where
+CAG_DECODE_ATTENTION resolved to amx: prefix and suffix in one call, nothing to merge here.
 Query heads that share a K/V head are folded into the query rows (GQA without repeating K/V):
 (B, H_kv, M, D), M = m * rep, row t*rep + r = token t, head r of the group.
 """
@@ -93,11 +95,16 @@ def _merge_out(o: torch.Tensor, B: int, m: int, n_kv: int, rep: int, d: int, dty
     return o.reshape(B, n_kv, m, rep, d).transpose(1, 2).reshape(B * m, n_kv * rep * d).to(dtype)
 
 
-def attend(r, q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, i: int, scale: float, up: bool) -> torch.Tensor:
-    """One part's attention in layer i: q (B*m, H, D) roped -> (B*m, H*D), head-major as o_proj expects."""
+def attend(r, q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, i: int, scale: float, up: bool,
+           kernel=None) -> torch.Tensor:
+    """One part's attention in layer i: q (B*m, H, D) roped -> (B*m, H*D), head-major as o_proj expects.
+    `kernel`: cag.native's decode attention (CAG_DECODE_ATTENTION=amx), used for decode parts (one
+    token per request) over bf16 K/V; a part's role, not its batch, picks the kernel."""
     B, m, M = r.B, r.m, r.M
     n_kv, d = K.shape[1], K.shape[3]
     rep = M // m
+    if kernel is not None and m == 1 and K.dtype == torch.bfloat16:
+        return _native(kernel, r, q.view(B, n_kv, rep, d), K, V, i, scale).reshape(B, n_kv * rep * d).to(q.dtype)
     q = q.view(B, m, n_kv, rep, d).transpose(1, 2).reshape(B, n_kv, M, d)
     Ks = K[r.slots, :, : r.L] if r.one is None else K[r.one, None, :, : r.L]  # (B, H_kv, L, D): only the suffix is per request
     Vs = V[r.slots, :, : r.L] if r.one is None else V[r.one, None, :, : r.L]
@@ -124,3 +131,24 @@ def attend(r, q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, i: int, scale: 
         else:
             o[idx] = og
     return _merge_out(o, B, m, n_kv, rep, d, K.dtype)
+
+
+def _native(kernel, r, q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, i: int, scale: float) -> torch.Tensor:
+    """Decode rows through the native kernel: q (B, H_kv, rep, D) -> (B, H_kv, rep, D) float32, each
+    request over its prefix (read once per group of requests sharing it) and its own suffix keys
+    [0, r.lens[b]) in its slot, in one call per prefix; no K/V gathered or copied."""
+    q = q.float().contiguous()
+    if len(r.groups) == 1:
+        Kp, Vp = _bf16(r.groups[0][0].kv[i])
+        return kernel(q, Kp[0], Vp[0], K, V, r.slots_cpu, r.lens, scale)
+    o = torch.empty_like(q)
+    for prefix, idx in r.groups:
+        Kp, Vp = _bf16(prefix.kv[i])
+        j = idx.cpu()
+        o[idx] = kernel(q[idx].contiguous(), Kp[0], Vp[0], K, V, r.slots_cpu[j].contiguous(), r.lens[j].contiguous(), scale)
+    return o
+
+
+def _bf16(kv: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    k, v = kv  # (1, H_kv, n, D); a prefix built for another dtype than the engine's own is converted
+    return (k, v) if k.dtype == torch.bfloat16 else (k.to(torch.bfloat16), v.to(torch.bfloat16))

@@ -20,7 +20,7 @@ import torch
 
 from cag.store.snapshots import expected_bytes
 
-from . import attention
+from . import attention, native
 from .config import DEFAULT_MODEL
 from .errors import ModelError
 from .generate import stop_ids
@@ -47,6 +47,7 @@ class LoadedModel:
     stops: frozenset[int] = frozenset()  # token ids that end an answer
     weights: str = "fp32"  # format of the decode-step products (cag.weights)
     packed_bytes: int = 0  # memory of the packed weight copies
+    decode_attention: str = "torch"  # what decode rows attend with: "amx" (cag.native) or "torch"
 
     @property
     def device(self) -> torch.device:
@@ -183,9 +184,10 @@ def resolve_device(device: str) -> str:
 
 
 def load_model(name: str, models_dir: Path, threads: int = 0, dtype: str = "auto", weights: str = "fp32",
-               device: str = "auto") -> LoadedModel:
+               device: str = "auto", decode_attention: str = "auto") -> LoadedModel:
     """dtype: compute dtype (auto: float32 on the CPU, bfloat16 on CUDA); weights: the format decode
-    multiplies in (cag.weights; auto measures); device: cpu, cuda or auto."""
+    multiplies in (cag.weights; auto measures); device: cpu, cuda or auto; decode_attention: auto,
+    amx or torch (cag.native)."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
@@ -219,7 +221,24 @@ def load_model(name: str, models_dir: Path, threads: int = 0, dtype: str = "auto
     if why := wformats.supported(fmt, model):
         raise ModelError(why)
     lm.weights, lm.packed_bytes = fmt, wformats.apply(model, fmt)
+    lm.decode_attention = decode_kernel(decode_attention, lm)
+    setattr(model, native.ATTR, lm.decode_attention)  # read by cag.step
     return lm
+
+
+def decode_kernel(mode: str, lm: LoadedModel) -> str:
+    """What CAG_DECODE_ATTENTION means for this model here: "amx" or "torch" (cag.native). The kernel
+    reads bf16 K/V with heads of 64 or 128 on the CPU; `amx` where those do not hold is refused."""
+    if mode not in native.MODES:
+        raise ModelError(f"unknown decode attention {mode!r}; use one of {', '.join(native.MODES)}")
+    if mode == "torch":
+        return "torch"
+    if lm.device.type == "cpu" and (lm.attn_dtype != torch.bfloat16 or lm.head_dim not in (64, 128)):
+        if mode == "amx":
+            why = "heads of 64 or 128" if lm.head_dim not in (64, 128) else "bf16 K/V (CAG_WEIGHTS bf16, int8 or int4, or CAG_DTYPE=bfloat16)"
+            raise ModelError(f"CAG_DECODE_ATTENTION=amx needs {why}; this model and setting attend otherwise: use auto or torch")
+        return "torch"
+    return native.resolve(mode, lm.device)
 
 
 def describe(model: torch.nn.Module, tok, name: str) -> LoadedModel:

@@ -35,6 +35,8 @@ class Rows:
         self.slots = part.slots.to(dev)
         self.rows_slot, self.rows_pos = self.slots.repeat_interleave(self.m), suf.reshape(-1)
         self.one = int(part.slots[0]) if self.B == 1 else None  # a single request reads its slot as a view
+        self.slots_cpu = part.slots.to(torch.int64).cpu()
+        self.lens = (suf[:, -1] + 1).to(torch.int64).cpu()  # (B,) suffix keys each request sees (its own, causal)
         self.groups = groups(part.prefixes, dev)
 
 

@@ -16,7 +16,8 @@ Same math as transformers, op for op where it matters for the bits:
     `rotate_half(x) * sin` is computed as `roll(x) * (sin with its first half negated)`, equal
     bit for bit (negation is exact);
   * attention: the query heads that share a K/V head folded into the query length (as
-    cag/attention.py does), q (1, H_kv, rep, D) over keys (1, H_kv, pos+1, D), no K/V copy.
+    cag/attention.py does), q (1, H_kv, rep, D) over keys (1, H_kv, pos+1, D), no K/V copy; decode
+    rows over bf16 K/V through cag.native's AMX kernel where CAG_DECODE_ATTENTION resolved to amx.
 The cache is the caller's StaticCache: the new K and V are written in place at `pos` and each
 layer's `cumulative_length` set to pos+1, so the next transformers forward (a question's prefill)
 continues from a consistent cache.
@@ -34,7 +35,7 @@ from typing import NamedTuple
 
 import torch
 
-from . import cascade
+from . import cascade, native
 from .parts import Part, Rows, offsets
 from .parts import roles as role_runs
 from .stacking import product, together
@@ -66,7 +67,8 @@ def _refs(model) -> tuple:
     """Every object the step calls or reads, in a fixed order: a swapped module (weights.apply on a
     copy of the model) makes the tuple differ, and the step is rebuilt."""
     inner = model.model
-    out = [inner.embed_tokens, inner.embed_tokens.weight, inner.rotary_emb, inner.norm, inner.norm.weight, model.lm_head]
+    out = [getattr(model, native.ATTR, "torch"), inner.embed_tokens, inner.embed_tokens.weight, inner.rotary_emb,
+           inner.norm, inner.norm.weight, model.lm_head]
     for layer in inner.layers[: model.config.num_hidden_layers]:
         a, m = layer.self_attn, layer.mlp
         out += [layer, layer.input_layernorm, layer.input_layernorm.weight, a.q_proj, a.k_proj, a.v_proj, a.o_proj,
@@ -149,6 +151,8 @@ class LeanStep:
                 together(m.gate_proj, m.up_proj), f(m.down_proj), m.act_fn.forward,
             ))
         half = self.head_dim // 2
+        # decode rows over bf16 K/V through cag.native's kernel (CAG_DECODE_ATTENTION resolved to amx at load)
+        self.kernel = native.load() if getattr(model, native.ATTR, "torch") == "amx" and self.head_dim in (64, 128) else None
         # rotate_half(x) = cat(-x2, x1) = roll(x, D/2) * sign, sign = (-1)*D/2 ++ (+1)*D/2
         self.sign = torch.cat([-torch.ones(half), torch.ones(half)]).to(self.device, self.dtype)  # (D,)
 
@@ -192,6 +196,7 @@ class LeanStep:
         Returns per part what `forward` returns."""
         s = self
         rms, n_kv, rep, d, half = s.rms, s.n_kv, s.rep, s.head_dim, s.head_dim // 2
+        kernel = s.kernel if s.device.type == "cpu" else None
         rows = [Rows(p, s, r0, buffers.room) for p, r0 in zip(parts, offsets(parts))]
         fns = s.fns
         R = rows[-1].r1
@@ -210,7 +215,7 @@ class LeanStep:
             K[rows_slot, :, rows_pos] = (k * cos + k.roll(half, -1) * sin).to(K.dtype)  # roped K into the request's slot
             V[rows_slot, :, rows_pos] = v.view(R, n_kv, d).to(V.dtype)
             q = q * cos + q.roll(half, -1) * sin
-            o = [cascade.attend(r, q[r.r0 : r.r1], K, V, i, scale, up) for r in rows]
+            o = [cascade.attend(r, q[r.r0 : r.r1], K, V, i, scale, up, kernel) for r in rows]
             h = h + o_f(o[0] if len(o) == 1 else torch.cat(o), roles)
             x = rms(h, w2, e2)
             g, u = gu_f(x, roles)

@@ -45,26 +45,36 @@ def _train_tokenizer(texts: list[str]):
     )
 
 
-@pytest.fixture(scope="session")
-def tiny_model_dir(tmp_path_factory) -> Path:
-    """A tiny random chat model saved as a Hugging Face folder (~1 MB), built in a second."""
+def _tiny(tmp_path_factory, name: str, hidden: int, heads: int, kv_heads: int, init: float) -> Path:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     texts = [p.read_text() for p in sorted(HANDBOOK.glob("*.md"))] + ["What is the answer? The answer is 42."]
     tok = _train_tokenizer(texts)
     torch.manual_seed(0)
     config = LlamaConfig(
-        vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
-        initializer_range=0.3,  # larger than default so a random model gives varied, input-dependent tokens
+        vocab_size=len(tok), hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=2,
+        num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=4096,
+        initializer_range=init,  # larger than default so a random model gives varied, input-dependent tokens
         tie_word_embeddings=True, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
         pad_token_id=tok.pad_token_id,
     )
     model = LlamaForCausalLM(config)
-    out = tmp_path_factory.mktemp("tiny-model")
+    out = tmp_path_factory.mktemp(name)
     model.save_pretrained(out)
     tok.save_pretrained(out)
     return out
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> Path:
+    """A tiny random chat model saved as a Hugging Face folder (~1 MB), built in a second."""
+    return _tiny(tmp_path_factory, "tiny-model", hidden=64, heads=4, kv_heads=2, init=0.3)
+
+
+@pytest.fixture(scope="session")
+def tiny64_model_dir(tmp_path_factory) -> Path:
+    """The tiny model with heads of 64 (SmolLM2's), the width cag.native's decode attention takes."""
+    return _tiny(tmp_path_factory, "tiny64-model", hidden=256, heads=4, kv_heads=2, init=0.15)
 
 
 @pytest.fixture(scope="session")
@@ -80,7 +90,8 @@ def cag_home(tmp_path, monkeypatch, models_dir) -> Path:
     monkeypatch.setenv("CAG_HOME", str(home))
     monkeypatch.setenv("CAG_MODELS_DIR", str(models_dir))
     for var in ("CAG_MODEL", "CAG_KV_DTYPE", "CAG_API_KEYS", "CAG_TTL_S", "CAG_DEVICE", "CAG_DTYPE", "CAG_STORE",
-                "CAG_STORE_CACHE_BYTES", "CAG_STORE_REF_TTL_S", "CAG_STORE_GC_GRACE_S", "CAG_THREADS"):
+                "CAG_STORE_CACHE_BYTES", "CAG_STORE_REF_TTL_S", "CAG_STORE_GC_GRACE_S", "CAG_THREADS",
+                "CAG_DECODE_ATTENTION"):
         monkeypatch.delenv(var, raising=False)
     monkeypatch.setenv("CAG_WEIGHTS", "fp32")  # `auto` measures the machine; tests pin what they compare
     return home

@@ -1,0 +1,254 @@
+// Decode attention on Intel AMX: the query rows of each request (one new token: its heads that share
+// a K/V head) over the prefix the requests share and each request's own suffix, in one call.
+// Built and loaded by cag/native.py; used by cag/cascade.py for decode rows over bf16 K/V.
+//
+// Work: keys are read in items of C keys (a prefix chunk for all rows of every request on it, or a
+// suffix chunk for one request's rows), spread over the threads; each item leaves per row its max
+// score m, its probability sum l and sum_t p_t v_t (unnormalized), merged per row in chunk order.
+// Products run on AMX tiles (bf16 pairs, float32 sums; q and the probabilities rounded to bf16 as in
+// torch's flash kernel); softmax in float32 on AVX-512. A row's result depends on its own query and
+// keys only: AMX computes each output element from its own row of A, and nothing else mixes rows.
+// So a request's bits never depend on which other requests share its step.
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+constexpr int64_t C = 256;  // keys per item: its K (transposed) and V (paired) stay in L2
+constexpr int64_t MAXD = 128;
+
+// e^x for x <= 0 (-inf gives 0): x = n ln2 + f, e^f by a degree-6 polynomial, scaled by 2^n.
+inline __m512 exp16(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-88.0f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 f = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  f = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), f);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(p, _mm512_mul_ps(f, f), _mm512_add_ps(f, _mm512_set1_ps(1.0f)));
+  return _mm512_scalef_ps(p, n);
+}
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 0, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Tiles t0-t7, each 16 rows x 64 bytes: t0 scores (16 rows x 16 keys, fp32), t1 the A operand (16
+// rows x 32 bf16 of q or of probabilities), t2 the B operand (16 pair rows), t4-t7 values (16 rows x
+// 16 dims each). oneDNN keeps its own tile configuration per thread and may rely on it between
+// calls: it is saved here and put back afterwards.
+struct Tiles {
+  TileConfig saved, mine;
+  Tiles() {
+    _tile_storeconfig(&saved);
+    mine.palette = 1;
+    for (int i = 0; i < 8; i++) { mine.colsb[i] = 64; mine.rows[i] = 16; }
+    _tile_loadconfig(&mine);
+  }
+  ~Tiles() {
+    if (saved.palette) _tile_loadconfig(&saved); else _tile_release();
+  }
+};
+
+struct Partial { float m, l; };
+
+// One item: `rows` query rows (fp32, D floats at q[r]) over keys [0, w) whose K and V rows (bf16, D
+// each) start at k and v, `stride` elements apart. Writes part[r] = (max score, probability sum) and
+// acc[r] (D floats) = sum_t p_t V[t]; the probabilities are rounded to bf16 once and both the sum and
+// the products use the rounded values.
+void item(const float* const* q, int64_t rows, const at::BFloat16* k, const at::BFloat16* v, int64_t stride,
+          int64_t w, int64_t D, float scale, Partial* part, float* const* acc) {
+  const int64_t wp = (w + 63) / 64 * 64;  // keys padded to whole blocks (zeros, masked)
+  alignas(64) uint32_t kt[(MAXD / 2) * C];  // (D/2, wp): kt[i][t] = (K[t][2i], K[t][2i+1]), AMX's B for scores
+  alignas(64) uint32_t vp[(C / 2) * MAXD];  // (wp/2, D): vp[u][d] = (V[2u][d], V[2u+1][d]), AMX's B for values
+  alignas(64) uint16_t qb[16 * MAXD];       // (16, D) a block of query rows in bf16
+  alignas(64) float s[16 * C];              // (16, C) scores
+  alignas(64) uint16_t pb[16 * C];          // (16, C) probabilities in bf16
+  alignas(64) float out[16 * MAXD];         // (16, D)
+  const uint32_t* k32 = reinterpret_cast<const uint32_t*>(k);
+  const __m512i lanes = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                           _mm512_set1_epi32((int)(stride / 2)));
+  for (int64_t b = 0; b < wp / 16; b++) {  // 16 keys at a time: pair i of each key into row i
+    const int64_t left = std::max<int64_t>(0, std::min<int64_t>(16, w - b * 16));
+    const __mmask16 mask = (__mmask16)((1u << left) - 1);
+    for (int64_t i = 0; i < D / 2; i++)
+      _mm512_store_si512(kt + i * wp + b * 16,
+                         _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), mask, lanes, k32 + b * 16 * (stride / 2) + i, 4));
+  }
+  for (int64_t t = 0; t < wp; t += 2)  // consecutive keys interleaved per dim
+    for (int64_t j = 0; j < D / 16; j++) {
+      const __m256i a = t < w ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v + t * stride + 16 * j)) : _mm256_setzero_si256();
+      const __m256i c = t + 1 < w ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v + (t + 1) * stride + 16 * j)) : _mm256_setzero_si256();
+      _mm512_store_si512(vp + (t / 2) * D + 16 * j, _mm512_or_si512(_mm512_cvtepu16_epi32(a), _mm512_slli_epi32(_mm512_cvtepu16_epi32(c), 16)));
+    }
+  const __m512 neg = _mm512_set1_ps(-INFINITY);
+  for (int64_t r0 = 0; r0 < rows; r0 += 16) {  // blocks of 16 rows (the last padded with zeros)
+    const int64_t nr = std::min<int64_t>(16, rows - r0);
+    for (int64_t r = 0; r < 16; r++)
+      for (int64_t j = 0; j < D; j += 32) {
+        __m512 lo = _mm512_setzero_ps(), hi = _mm512_setzero_ps();
+        if (r < nr) { lo = _mm512_loadu_ps(q[r0 + r] + j); hi = _mm512_loadu_ps(q[r0 + r] + j + 16); }
+        _mm512_store_si512(qb + r * D + j, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+      }
+    for (int64_t b = 0; b < wp / 16; b++) {  // scores: 16 rows x 16 keys, d in steps of 32
+      _tile_zero(0);
+      for (int64_t g = 0; g < D / 32; g++) {
+        _tile_loadd(1, qb + 32 * g, D * 2);
+        _tile_loadd(2, kt + 16 * g * wp + b * 16, wp * 4);
+        _tile_dpbf16ps(0, 1, 2);
+      }
+      _tile_stored(0, s + b * 16, C * 4);
+    }
+    for (int64_t r = 0; r < nr; r++) {  // softmax of each row, keys past w masked
+      float* sr = s + r * C;
+      __m512 mx = neg;
+      for (int64_t b = 0; b < wp / 16; b++) {
+        const int64_t left = std::max<int64_t>(0, w - b * 16);
+        __m512 x = _mm512_mul_ps(_mm512_load_ps(sr + b * 16), _mm512_set1_ps(scale));
+        if (left < 16) x = _mm512_mask_blend_ps((__mmask16)((1u << left) - 1), neg, x);
+        _mm512_store_ps(sr + b * 16, x);
+        mx = _mm512_max_ps(mx, x);
+      }
+      const float m = _mm512_reduce_max_ps(mx);
+      __m512 tot = _mm512_setzero_ps();
+      for (int64_t b = 0; b < wp / 16; b++) {
+        const __m256bh e = _mm512_cvtneps_pbh(exp16(_mm512_sub_ps(_mm512_load_ps(sr + b * 16), _mm512_set1_ps(m))));
+        _mm256_store_si256(reinterpret_cast<__m256i*>(pb + r * C + b * 16), (__m256i)e);
+        tot = _mm512_add_ps(tot, _mm512_cvtpbh_ps(e));
+      }
+      part[r0 + r] = {m, _mm512_reduce_add_ps(tot)};
+    }
+    for (int64_t r = nr; r < 16; r++) std::memset(pb + r * C, 0, wp * 2);
+    for (int64_t d0 = 0; d0 < D; d0 += 64) {  // values: 16 rows x 64 dims (t4-t7), keys in steps of 32
+      _tile_zero(4); _tile_zero(5); _tile_zero(6); _tile_zero(7);
+      for (int64_t t = 0; t < wp; t += 32) {
+        _tile_loadd(1, pb + t, C * 2);
+        const uint32_t* vb = vp + (t / 2) * D + d0;
+        _tile_loadd(2, vb, D * 4); _tile_dpbf16ps(4, 1, 2);
+        _tile_loadd(2, vb + 16, D * 4); _tile_dpbf16ps(5, 1, 2);
+        _tile_loadd(2, vb + 32, D * 4); _tile_dpbf16ps(6, 1, 2);
+        _tile_loadd(2, vb + 48, D * 4); _tile_dpbf16ps(7, 1, 2);
+      }
+      _tile_stored(4, out + d0, D * 4); _tile_stored(5, out + d0 + 16, D * 4);
+      _tile_stored(6, out + d0 + 32, D * 4); _tile_stored(7, out + d0 + 48, D * 4);
+    }
+    for (int64_t r = 0; r < nr; r++) std::memcpy(acc[r0 + r], out + r * D, D * 4);
+  }
+}
+
+bool amx_permitted() {  // Linux hands out AMX tile state on request, once per process
+  static const bool ok = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
+  return ok;
+}
+
+// q (B, H, R, D) float32: request b, K/V head h, row r (the query heads sharing h); kp, vp (H, n, D)
+// bf16: the shared prefix (n may be 0); ks, vs (S, H, room, D) bf16: the request slots; slots (B,),
+// lens (B,) int64: request b reads keys [0, lens[b]) of slot slots[b]. Returns (B, H, R, D) float32.
+at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& kp, const at::Tensor& vpre, const at::Tensor& ks,
+                            const at::Tensor& vs, const at::Tensor& slots, const at::Tensor& lens, double scale) {
+  TORCH_CHECK(amx_permitted(), "the kernel refused to start: Linux did not grant AMX tile state to this process");
+  TORCH_CHECK(q.dim() == 4 && q.scalar_type() == at::kFloat && q.is_contiguous(), "q: (B, H, R, D) float32, contiguous");
+  TORCH_CHECK(kp.dim() == 3 && vpre.dim() == 3 && ks.dim() == 4 && vs.dim() == 4, "K/V: (H, n, D) prefix and (S, H, room, D) slots");
+  const int64_t B = q.size(0), H = q.size(1), R = q.size(2), D = q.size(3), n = kp.size(1);
+  TORCH_CHECK(D == 64 || D == 128, "head dim 64 or 128");
+  for (const at::Tensor* t : {&kp, &vpre, &ks, &vs})
+    TORCH_CHECK(t->scalar_type() == at::kBFloat16 && t->stride(-1) == 1 && t->stride(-2) % 2 == 0 && t->size(-1) == D &&
+                t->size(-3) == H, "K/V: bfloat16, H heads of D, rows contiguous");
+  TORCH_CHECK(vpre.size(1) == n && vs.size(2) == ks.size(2) && vs.size(0) == ks.size(0), "K and V shapes differ");
+  TORCH_CHECK(slots.scalar_type() == at::kLong && lens.scalar_type() == at::kLong && slots.numel() == B && lens.numel() == B &&
+              slots.is_contiguous() && lens.is_contiguous(), "slots, lens: (B,) int64");
+  const int64_t* slot = slots.data_ptr<int64_t>();
+  const int64_t* len = lens.data_ptr<int64_t>();
+  int64_t most = 0;  // suffix chunks of the longest suffix
+  for (int64_t b = 0; b < B; b++) {
+    TORCH_CHECK(len[b] >= 1 && len[b] <= ks.size(2) && slot[b] >= 0 && slot[b] < ks.size(0), "suffix outside the slots");
+    most = std::max(most, (len[b] + C - 1) / C);
+  }
+  const int64_t np = (n + C - 1) / C, chunks = np + most;  // per row: prefix chunks, then suffix chunks
+  std::vector<Partial> part(B * H * R * chunks);
+  std::vector<float> acc(B * H * R * chunks * D);
+  auto at = [&](int64_t b, int64_t h, int64_t r, int64_t c) { return ((b * H + h) * R + r) * chunks + c; };
+  std::vector<int64_t> items;  // prefix items (h, c), then suffix items (b, h, c)
+  for (int64_t h = 0; h < H; h++)
+    for (int64_t c = 0; c < np; c++) items.push_back(h * np + c);
+  const int64_t n_pre = (int64_t)items.size();
+  for (int64_t b = 0; b < B; b++)
+    for (int64_t h = 0; h < H; h++)
+      for (int64_t c = 0; c < (len[b] + C - 1) / C; c++) items.push_back((b * H + h) * most + c);
+  const int64_t n_items = (int64_t)items.size();
+  const int64_t nt = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), n_items));
+  const float* qd = q.data_ptr<float>();
+  at::parallel_for(0, nt, 1, [&](int64_t p0, int64_t p1) {
+    Tiles tiles;
+    std::vector<const float*> qs(B * R);
+    std::vector<float*> accs(B * R);
+    std::vector<Partial> ps(B * R);
+    for (int64_t p = p0; p < p1; p++)
+      for (int64_t i = p; i < n_items; i += nt) {  // share p takes items p, p + nt, ...: prefix and suffix spread evenly
+        if (i < n_pre) {
+          const int64_t h = items[i] / np, c = items[i] % np, t0 = c * C;
+          for (int64_t b = 0; b < B; b++)
+            for (int64_t r = 0; r < R; r++) {
+              qs[b * R + r] = qd + ((b * H + h) * R + r) * D;
+              accs[b * R + r] = acc.data() + at(b, h, r, c) * D;
+            }
+          item(qs.data(), B * R, kp.data_ptr<at::BFloat16>() + h * kp.stride(0) + t0 * kp.stride(1),
+               vpre.data_ptr<at::BFloat16>() + h * vpre.stride(0) + t0 * vpre.stride(1), kp.stride(1),
+               std::min(C, n - t0), D, (float)scale, ps.data(), accs.data());
+          for (int64_t b = 0; b < B; b++)
+            for (int64_t r = 0; r < R; r++) part[at(b, h, r, c)] = ps[b * R + r];
+        } else {
+          const int64_t f = items[i], c = f % most, b = f / most / H, h = (f / most) % H, t0 = c * C;
+          for (int64_t r = 0; r < R; r++) {
+            qs[r] = qd + ((b * H + h) * R + r) * D;
+            accs[r] = acc.data() + at(b, h, r, np + c) * D;
+          }
+          item(qs.data(), R, ks.data_ptr<at::BFloat16>() + slot[b] * ks.stride(0) + h * ks.stride(1) + t0 * ks.stride(2),
+               vs.data_ptr<at::BFloat16>() + slot[b] * vs.stride(0) + h * vs.stride(1) + t0 * vs.stride(2), ks.stride(2),
+               std::min(C, len[b] - t0), D, (float)scale, ps.data(), accs.data());
+          for (int64_t r = 0; r < R; r++) part[at(b, h, r, np + c)] = ps[r];
+        }
+      }
+  });
+  at::Tensor out = at::empty({B, H, R, D}, q.options());
+  float* od = out.data_ptr<float>();
+  for (int64_t b = 0; b < B; b++)  // each row's chunks merged in a fixed order: prefix, then suffix
+    for (int64_t h = 0; h < H; h++)
+      for (int64_t r = 0; r < R; r++) {
+        const int64_t k0 = at(b, h, r, 0), kn = np + (len[b] + C - 1) / C;
+        float m = -INFINITY, l = 0.f;
+        for (int64_t c = 0; c < kn; c++) m = std::max(m, part[k0 + c].m);
+        std::vector<float> e(kn);
+        for (int64_t c = 0; c < kn; c++) { e[c] = std::exp(part[k0 + c].m - m); l += part[k0 + c].l * e[c]; }
+        float* dst = od + ((b * H + h) * R + r) * D;
+        for (int64_t j = 0; j < D; j += 16) {
+          __m512 o = _mm512_setzero_ps();
+          for (int64_t c = 0; c < kn; c++)
+            o = _mm512_fmadd_ps(_mm512_set1_ps(e[c]), _mm512_loadu_ps(acc.data() + (k0 + c) * D + j), o);
+          _mm512_storeu_ps(dst + j, _mm512_div_ps(o, _mm512_set1_ps(l)));
+        }
+      }
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(cag, m) {
+  m.def("decode_attention(Tensor q, Tensor kp, Tensor vp, Tensor ks, Tensor vs, Tensor slots, Tensor lens, float scale) -> Tensor");
+}
+TORCH_LIBRARY_IMPL(cag, CPU, m) { m.impl("decode_attention", decode_attention); }

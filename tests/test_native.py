@@ -1,0 +1,131 @@
+"""cag.native's AMX decode attention: the attention it computes, rows that never depend on the batch,
+its bad inputs, the CAG_DECODE_ATTENTION modes, and cag == full through it on a model with heads of
+64. Where the kernel cannot be built here (another CPU, no compiler) its tests skip with the reason;
+where it can, a failed build fails them."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from cag import native
+from cag.config import get_settings
+from cag.engine import Engine
+from cag.errors import ModelError
+from tests.test_batch import together
+from tests.test_exactness import QUESTIONS
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    if why := native.why_not():
+        pytest.skip(f"the AMX kernel cannot run here: {why}")
+    fn = native.load()
+    assert fn is not None, native.reason()  # a machine that has what it needs must build it
+    return fn
+
+
+def case(B, R, n, lens, D=64, H=2, S=4, room=300, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, H, R, D, generator=g)
+    kp, vp = (torch.randn(H, n, D, generator=g) * 2).bfloat16(), torch.randn(H, n, D, generator=g).bfloat16()
+    ks, vs = (torch.randn(S, H, room, D, generator=g) * 2).bfloat16(), torch.randn(S, H, room, D, generator=g).bfloat16()
+    slots = torch.tensor([(3 * b + 1) % S for b in range(B)])
+    return q, kp, vp, ks, vs, slots, torch.tensor(lens)
+
+
+def reference(q, kp, vp, ks, vs, slots, lens, scale):
+    """float64 softmax attention of each request over prefix ++ its own suffix keys, q rounded to bf16."""
+    out = torch.empty(q.shape, dtype=torch.float64)
+    for b in range(q.shape[0]):
+        K = torch.cat([kp, ks[slots[b], :, : lens[b]]], 1).double()  # (H, n + len, D)
+        V = torch.cat([vp, vs[slots[b], :, : lens[b]]], 1).double()
+        s = q[b].bfloat16().double() @ K.transpose(-1, -2) * scale
+        out[b] = torch.softmax(s, -1) @ V
+    return out
+
+
+@pytest.mark.parametrize(("B", "R", "n", "lens", "D"), [
+    (1, 3, 4096, [1], 64),          # one request, SmolLM2's shapes: a 4K prefix, the first answer token
+    (3, 3, 1000, [5, 300, 17], 64),  # prefix and suffixes that end mid-chunk; a suffix over one chunk
+    (2, 2, 0, [3, 40], 64),         # no prefix
+    (2, 5, 257, [1, 2], 128),        # heads of 128; a prefix one key past a chunk
+    (6, 3, 300, [7] * 6, 64),        # 18 rows on one prefix: more than one block of 16 rows
+])
+def test_kernel_computes_attention(kernel, B, R, n, lens, D):
+    args = case(B, R, n, lens, D)
+    got = kernel(*args, D ** -0.5)
+    assert got.shape == args[0].shape and got.dtype == torch.float32
+    want = reference(*args, D ** -0.5)
+    assert (got.double() - want).abs().max() < 2e-2  # probabilities rounded to bf16, as torch's flash kernel does
+
+
+def test_rows_never_depend_on_the_batch(kernel):
+    """Each request alone, and in another order, gets the bits it gets in the batch."""
+    q, kp, vp, ks, vs, slots, lens = case(5, 3, 700, [1, 9, 260, 4, 33])
+    together = kernel(q, kp, vp, ks, vs, slots, lens, 0.125)
+    for b in range(5):
+        alone = kernel(q[b : b + 1].contiguous(), kp, vp, ks, vs, slots[b : b + 1], lens[b : b + 1], 0.125)
+        assert torch.equal(alone, together[b : b + 1])
+    order = torch.tensor([4, 2, 0, 3, 1])
+    shuffled = kernel(q[order].contiguous(), kp, vp, ks, vs, slots[order].contiguous(), lens[order].contiguous(), 0.125)
+    assert torch.equal(shuffled, together[order])
+
+
+def test_bad_inputs_are_refused(kernel):
+    q, kp, vp, ks, vs, slots, lens = case(1, 3, 64, [4])
+    with pytest.raises(RuntimeError, match="bfloat16"):
+        kernel(q, kp.float(), vp, ks, vs, slots, lens, 0.125)
+    with pytest.raises(RuntimeError, match="suffix outside"):
+        kernel(q, kp, vp, ks, vs, slots, torch.tensor([301]), 0.125)
+    with pytest.raises(RuntimeError, match="head dim"):
+        kernel(q[..., :32].contiguous(), kp[..., :32], vp[..., :32], ks[..., :32], vs[..., :32], slots, lens, 0.125)
+
+
+def test_modes(kernel):
+    assert native.resolve("torch") == "torch" and native.resolve("auto") == "amx" == native.resolve("amx")
+    with pytest.raises(ModelError, match="unknown decode attention"):
+        native.resolve("fast")
+    with pytest.raises(ModelError, match="CPU kernel"):
+        native.resolve("amx", "cuda")
+
+
+def test_a_failed_build_falls_back_or_refuses(monkeypatch, tmp_path, caplog):
+    """A machine that should build the kernel but cannot (here: a compiler that fails): `auto` decodes
+    with torch's kernel after one warning, `amx` refuses with the reason."""
+    monkeypatch.setattr(native, "_state", {})
+    monkeypatch.setattr(native, "why_not", lambda: None)
+    monkeypatch.setenv("CXX", "false")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    with caplog.at_level(logging.WARNING, logger="cag.native"):
+        assert native.resolve("auto") == "torch"
+    assert "falls back to torch" in caplog.text and "did not build" in caplog.text
+    with pytest.raises(ModelError, match="cannot run here: it did not build"):
+        native.resolve("amx")
+    assert not list(tmp_path.rglob("*.so*"))  # no half-written library left behind
+
+
+def test_amx_is_refused_where_decode_attends_in_float32(tiny64_model_dir, monkeypatch):
+    monkeypatch.setenv("CAG_MODEL", str(tiny64_model_dir))
+    monkeypatch.setenv("CAG_DECODE_ATTENTION", "amx")
+    with pytest.raises(ModelError, match="needs bf16 K/V"):
+        Engine(get_settings()).lm  # noqa: B018 (loads the model)
+
+
+@pytest.mark.parametrize("weights", ["bf16", "int4"])
+def test_cag_equals_full_through_the_kernel(kernel, tiny64_model_dir, small_corpus, monkeypatch, weights):
+    """Decode rows attend through the kernel (heads of 64, bf16 K/V): cached and uncached answers
+    agree token for token, alone and asked together, and differ from torch's kernel only in bits."""
+    monkeypatch.setenv("CAG_MODEL", str(tiny64_model_dir))
+    monkeypatch.setenv("CAG_WEIGHTS", weights)
+    engine = Engine(get_settings())
+    assert engine.lm.decode_attention == "amx"
+    engine.ingest(str(small_corpus))
+    alone = []
+    for q in QUESTIONS[:3]:
+        cached = engine.ask("corpus", q, max_tokens=16).token_ids
+        assert len(cached) == 16 and cached == engine.ask("corpus", q, max_tokens=16, mode="full").token_ids
+        alone.append(cached)
+    assert together(engine, [lambda q=q: engine.ask("corpus", q, max_tokens=16).token_ids for q in QUESTIONS[:3]]) == alone
