@@ -8,7 +8,9 @@ For snapshots of about 1K, 2K, 4K and 7K tokens (Paul Graham essays), for each C
   * the step split: the weight products alone (every decode-row product of the model, timed
     apart) vs everything else (attention over the cache, norms, rope, sampling, Python);
   * the same decode through the transformers forward over a StaticCache (the path of models
-    cag/step.py does not cover), measured alternately with the step, side by side in one run.
+    cag/step.py does not cover), measured alternately with the step, side by side in one run;
+  * packed formats once per decode attention (--attention): cag's AMX kernel (cag/native.py) where
+    it runs here, and torch's fused kernel, side by side.
 The snapshot is the same for every format (prefill never uses the packed weights).
 Writes bench/results/decode.json and decode.md.  Run: `python -m bench.bench_decode`.
 """
@@ -24,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from cag import choice, kv, weights
+from cag import choice, kv, native, weights
 from cag import step as lean
 from cag.config import get_settings
 from cag.engine import Engine
@@ -103,6 +105,7 @@ def main() -> None:
     ap.add_argument("--decode-tokens", type=int, default=32)
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     ap.add_argument("--rounds", type=int, default=2, help="alternating lean/forward runs per cell (best of)")
+    ap.add_argument("--attention", default="amx,torch", help="decode attentions for the packed formats (amx: where it runs here)")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -114,28 +117,33 @@ def main() -> None:
         home = Path(tmp)
         engine = Engine(get_settings(home=home / "home", models_dir_override=get_settings().models_dir, weights="fp32"))
         lm = engine.lm
-        models = {}
+        models = {}  # (format, decode attention) -> model
+        attentions = [a for a in args.attention.split(",") if a == "torch" or (a == "amx" and native.load() is not None)]
         for fmt in formats:
-            models[fmt] = lm.model if fmt == "fp32" else copy.deepcopy(lm.model)
-            weights.apply(models[fmt], fmt)
+            base = lm.model if fmt == "fp32" else copy.deepcopy(lm.model)
+            weights.apply(base, fmt)
+            for att in ["torch"] if fmt == "fp32" else attentions:
+                m = base if att == attentions[-1] or fmt == "fp32" else copy.copy(base)  # shares the weights
+                object.__setattr__(m, native.ATTR, att)
+                models[fmt, att] = m
         auto = choice.choose(lm.model, "auto", get_settings().models_dir)  # the verdict a server here uses (cached)
         bw = read_bandwidth()
         # Products (and the bandwidth) are timed again next to every decode cell and the best kept:
         # one load spike at the start must not stand for the whole run.
-        prod = {fmt: products_ms(m) for fmt, m in models.items()}
+        prod = {key: products_ms(m) for key, m in models.items()}
         count = lambda t: len(lm.tokenizer(t, add_special_tokens=False)["input_ids"])  # noqa: E731
         first = lm.tokenizer.eos_token_id or 0
         rows = []
         for size in sizes:
             ing = engine.ingest(str(essay_corpus(home / f"essays-{size}", size, count)), name=f"essays{size}")
             snap = engine.open_snapshot(engine.index.snapshot(ing.snapshot))
-            for fmt, model in models.items():
+            for (fmt, att), model in models.items():
                 cache = kv.new_cache(model, ing.n_tokens + engine.room)
                 kv.load_into(cache, snap.kv, lm.dtype)
                 assert lean.why_not(model) is None, lean.why_not(model)
                 tps, fwd = paired_rates(model, cache, snap.kv, ing.n_tokens, args.decode_tokens, first, args.rounds)
-                prod[fmt] = min(prod[fmt], products_ms(model))
-                rows.append({"n_tokens": ing.n_tokens, "weights": fmt, "decode_tok_s": tps, "step_ms": 1e3 / tps,
+                prod[fmt, att] = min(prod[fmt, att], products_ms(model))
+                rows.append({"n_tokens": ing.n_tokens, "weights": fmt, "attention": att, "decode_tok_s": tps, "step_ms": 1e3 / tps,
                              "weight_bytes": weight_bytes(model), "forward_tok_s": fwd,
                          # the prefix and request buffer, in the dtype the step attends in (bf16 with packed weights)
                          "cache_bytes": lm.kv_bytes(ing.n_tokens, attn_dtype(fmt, lm.dtype, lm.device)),
@@ -145,7 +153,7 @@ def main() -> None:
             for r in rows[-len(models):]:
                 r["vs_fp32"] = r["decode_tok_s"] / next(x["decode_tok_s"] for x in rows[-len(models):] if x["weights"] == "fp32")
         for r in rows:  # with the best products time and bandwidth of the whole run
-            p = r["products_ms"] = prod[r["weights"]]
+            p = r["products_ms"] = prod[r["weights"], r["attention"]]
             r["rest_ms"], r["forward_rest_ms"] = r["step_ms"] - p, 1e3 / r["forward_tok_s"] - p
             r["bound_ms"] = (r["weight_bytes"] + r["cache_bytes"]) / bw * 1e3
             r["step_over_bound"] = r["step_ms"] / r["bound_ms"]
@@ -154,11 +162,11 @@ def main() -> None:
             f"(best measured in this run). `auto` picks **{auto}** here. {args.decode_tokens} tokens per rate, best of "
             f"{args.rounds} runs alternating the lean step and the transformers forward. Load average (1, 5, 15 min) "
             f"before / after: {load_before} / {os.getloadavg()}.\n\n"
-            "| prefix tokens | weights | decode tok/s (lean step) | transformers forward tok/s | lean / forward | vs fp32 | step ms | "
+            "| prefix tokens | weights | attention | decode tok/s (lean step) | transformers forward tok/s | lean / forward | vs fp32 | step ms | "
             "bound ms (weights + cache read once) | step / bound | weight products ms | rest ms (lean) | rest ms (forward) |\n"
-            "|---|---|---|---|---|---|---|---|---|---|---|---|\n")
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|\n")
     body = "".join(
-        f"| {r['n_tokens']} | {r['weights']} | {r['decode_tok_s']:.1f} | {r['forward_tok_s']:.1f} | {r['lean_over_forward']:.2f}x | "
+        f"| {r['n_tokens']} | {r['weights']} | {r['attention']} | {r['decode_tok_s']:.1f} | {r['forward_tok_s']:.1f} | {r['lean_over_forward']:.2f}x | "
         f"{r['vs_fp32']:.2f}x | {r['step_ms']:.1f} | "
         f"{r['bound_ms']:.1f} ({r['weight_bytes'] / 1e6:.0f} + {r['cache_bytes'] / 1e6:.0f} MB) | {r['step_over_bound']:.2f} | "
         f"{r['products_ms']:.1f} | {r['rest_ms']:.1f} | {r['forward_rest_ms']:.1f} |\n" for r in rows)
