@@ -67,6 +67,17 @@ struct Tiles {
 
 struct Partial { float m, l; };
 
+// An item's working memory (~165 KB), per thread: not on the stack of a pool thread.
+struct Scratch {
+  alignas(64) uint32_t kt[(MAXD / 2) * C];  // (D/2, wp): kt[i][t] = (K[t][2i], K[t][2i+1]), AMX's B for scores
+  alignas(64) uint32_t vp[(C / 2) * MAXD];  // (wp/2, D): vp[u][d] = (V[2u][d], V[2u+1][d]), AMX's B for values
+  alignas(64) uint16_t qb[16 * MAXD];       // (16, D) a block of query rows in bf16
+  alignas(64) float s[16 * C];              // (16, C) scores
+  alignas(64) uint16_t pb[16 * C];          // (16, C) probabilities in bf16
+  alignas(64) float out[16 * MAXD];         // (16, D)
+};
+thread_local Scratch scratch;
+
 // One item: `rows` query rows (fp32, D floats at q[r]) over keys [0, w) whose K and V rows (bf16, D
 // each) start at k and v, `stride` elements apart. Writes part[r] = (max score, probability sum) and
 // acc[r] (D floats) = sum_t p_t V[t]; the probabilities are rounded to bf16 once and both the sum and
@@ -74,12 +85,13 @@ struct Partial { float m, l; };
 void item(const float* const* q, int64_t rows, const at::BFloat16* k, const at::BFloat16* v, int64_t stride,
           int64_t w, int64_t D, float scale, Partial* part, float* const* acc) {
   const int64_t wp = (w + 63) / 64 * 64;  // keys padded to whole blocks (zeros, masked)
-  alignas(64) uint32_t kt[(MAXD / 2) * C];  // (D/2, wp): kt[i][t] = (K[t][2i], K[t][2i+1]), AMX's B for scores
-  alignas(64) uint32_t vp[(C / 2) * MAXD];  // (wp/2, D): vp[u][d] = (V[2u][d], V[2u+1][d]), AMX's B for values
-  alignas(64) uint16_t qb[16 * MAXD];       // (16, D) a block of query rows in bf16
-  alignas(64) float s[16 * C];              // (16, C) scores
-  alignas(64) uint16_t pb[16 * C];          // (16, C) probabilities in bf16
-  alignas(64) float out[16 * MAXD];         // (16, D)
+  Scratch& sc = scratch;
+  uint32_t* kt = sc.kt;
+  uint32_t* vp = sc.vp;
+  uint16_t* qb = sc.qb;
+  float* s = sc.s;
+  uint16_t* pb = sc.pb;
+  float* out = sc.out;
   const uint32_t* k32 = reinterpret_cast<const uint32_t*>(k);
   const __m512i lanes = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
                                            _mm512_set1_epi32((int)(stride / 2)));
