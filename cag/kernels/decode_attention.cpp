@@ -98,6 +98,10 @@ void item(const float* const* q, int64_t rows, const at::BFloat16* k, const at::
   for (int64_t b = 0; b < wp / 16; b++) {  // 16 keys at a time: pair i of each key into row i
     const int64_t left = std::max<int64_t>(0, std::min<int64_t>(16, w - b * 16));
     const __mmask16 mask = (__mmask16)((1u << left) - 1);
+    if (b + 1 < wp / 16)  // the next block's rows on their way while this one is gathered (gathers defeat the prefetcher)
+      for (int64_t u = 0; u < 16 && (b + 1) * 16 + u < w; u++)
+        for (int64_t off = 0; off < D * 2; off += 64)
+          _mm_prefetch(reinterpret_cast<const char*>(k + ((b + 1) * 16 + u) * stride) + off, _MM_HINT_T0);
     for (int64_t i = 0; i < D / 2; i++)
       _mm512_store_si512(kt + i * wp + b * 16,
                          _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), mask, lanes, k32 + b * 16 * (stride / 2) + i, 4));
