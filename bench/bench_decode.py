@@ -106,6 +106,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     ap.add_argument("--rounds", type=int, default=2, help="alternating lean/forward runs per cell (best of)")
     ap.add_argument("--attention", default="amx,torch", help="decode attentions for the packed formats (amx: where it runs here)")
+    ap.add_argument("--name", default="decode", help="results file name in bench/results (a partial run: another name)")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -174,7 +175,7 @@ def main() -> None:
             "'rest' is a decode step less its weight products: attention over the cache, norms, rope, sampling and "
             "the Python of 30 layers; the lean step (cag/step.py) cuts the forward's per-layer Python, mask and cache "
             "bookkeeping.\n")
-    write("decode", {"machine": machine(), "auto": auto, "read_bandwidth": bw, "load_before": load_before,
+    write(args.name, {"machine": machine(), "auto": auto, "read_bandwidth": bw, "load_before": load_before,
                      "load_after": os.getloadavg(), "rows": rows}, head + body + foot)
 
 
