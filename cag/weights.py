@@ -103,6 +103,7 @@ class Packed:
     def __init__(self, w: torch.Tensor, bias: torch.Tensor | None, fmt: str):
         self.out_features, self.in_features = w.shape
         self.fmt, self.bias = fmt, bias
+        self.out_dtype = w.dtype  # the compute dtype, whatever the input's (the step may hand over bf16 rows)
         w = w.detach()
         self.packed = {"bf16": lambda w: _pack_bf16(w, FEW), "int8": _pack_int8, "int4": _pack_int4}[fmt](w)
         if fmt == "bf16":  # the layout for calls of many rows
@@ -122,7 +123,7 @@ class Packed:
             y = self._rows(x2, roles is not None and roles[0][1])
         else:
             y = torch.cat([self._rows(c, q) for c, (_, q) in zip(x2.split([n for n, _ in roles]), roles)])
-        y = y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)  # (..., out)
+        y = y.to(self.out_dtype).reshape(*x.shape[:-1], self.out_features)  # (..., out)
         return y if self.bias is None else y + self.bias
 
     def _rows(self, x2: torch.Tensor, question: bool) -> torch.Tensor:

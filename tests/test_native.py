@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from cag import native
+from cag import step as lean
 from cag.config import get_settings
 from cag.engine import Engine
 from cag.errors import ModelError
@@ -84,6 +85,39 @@ def test_bad_inputs_are_refused(kernel):
         kernel(q[..., :32].contiguous(), kp[..., :32], vp[..., :32], ks[..., :32], vs[..., :32], slots, lens, 0.125)
 
 
+def test_rope_write_is_the_formula_bit_for_bit(kernel):
+    """The step's rope and K/V write in one call: q, and the bf16 K and V it writes, equal torch's
+    `x * cos + roll(x, D/2) * sin` (then `.to(bf16)`) bit for bit; other slots and positions untouched."""
+    R, H, Hk, D = 5, 6, 2, 64
+    g = torch.Generator().manual_seed(1)
+    qkv = torch.randn(R, (H + 2 * Hk) * D, generator=g)
+    cos, sin = torch.randn(R, D, generator=g), torch.randn(R, D, generator=g)
+    slots, pos = torch.tensor([0, 2, 2, 1, 0]), torch.tensor([3, 0, 1, 7, 4])
+    K, V = torch.zeros(3, Hk, 8, D, dtype=torch.bfloat16), torch.zeros(3, Hk, 8, D, dtype=torch.bfloat16)
+    q = torch.ops.cag.rope_write(qkv, cos, sin, K, V, slots, pos, H)
+    rope = lambda x: x * cos[:, None] + x.roll(D // 2, -1) * sin[:, None]  # noqa: E731
+    want_q, k, v = qkv.split([H * D, Hk * D, Hk * D], -1)
+    assert torch.equal(q, rope(want_q.reshape(R, H, D)))
+    wk, wv = torch.zeros_like(K), torch.zeros_like(V)
+    wk[slots, :, pos] = rope(k.reshape(R, Hk, D)).bfloat16()
+    wv[slots, :, pos] = v.reshape(R, Hk, D).bfloat16()
+    assert torch.equal(K, wk) and torch.equal(V, wv)
+    with pytest.raises(RuntimeError, match="outside the buffers"):
+        torch.ops.cag.rope_write(qkv, cos, sin, K, V, slots, torch.tensor([3, 0, 1, 8, 4]), H)
+
+
+def test_rms_bf16_is_the_norm_rounded_once(kernel):
+    """RMSNorm straight to bf16: within one bf16 rounding of torch's float32 formula, a row's bits its own."""
+    g = torch.Generator().manual_seed(2)
+    x, w = torch.randn(7, 576, generator=g) * 3, torch.rand(576, generator=g) + 0.5
+    got = torch.ops.cag.rms_bf16(x, w, 1e-5)
+    want = w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5))
+    assert got.dtype == torch.bfloat16 and ((got.float() - want).abs() <= want.abs() * 2 ** -8 + 1e-6).all()
+    assert torch.equal(torch.cat([torch.ops.cag.rms_bf16(x[i : i + 1], w, 1e-5) for i in range(7)]), got)
+    with pytest.raises(RuntimeError, match="float32"):
+        torch.ops.cag.rms_bf16(x.double(), w, 1e-5)
+
+
 def test_modes(kernel):
     assert native.resolve("torch") == "torch" and native.resolve("auto") == "amx" == native.resolve("amx")
     with pytest.raises(ModelError, match="unknown decode attention"):
@@ -121,7 +155,7 @@ def test_cag_equals_full_through_the_kernel(kernel, tiny64_model_dir, small_corp
     monkeypatch.setenv("CAG_MODEL", str(tiny64_model_dir))
     monkeypatch.setenv("CAG_WEIGHTS", weights)
     engine = Engine(get_settings())
-    assert engine.lm.decode_attention == "amx"
+    assert engine.lm.decode_attention == "amx" and lean.for_model(engine.lm.model).glue is not None  # the fused norm and rope too
     engine.ingest(str(small_corpus))
     alone = []
     for q in QUESTIONS[:3]:

@@ -1,6 +1,7 @@
 // Decode attention on Intel AMX: the query rows of each request (one new token: its heads that share
 // a K/V head) over the prefix the requests share and each request's own suffix, in one call.
-// Built and loaded by cag/native.py; used by cag/cascade.py for decode rows over bf16 K/V.
+// Built and loaded by cag/native.py; used by cag/cascade.py for decode rows over bf16 K/V. At the end of
+// the file, the step's glue (rms_bf16, rope_write) that cag/step.py calls in the same configuration.
 //
 // Work: keys are read in items of C keys (a prefix chunk for all rows of every request on it, or a
 // suffix chunk for one request's rows), spread over the threads; each item leaves per row its max
@@ -262,9 +263,94 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& kp, const at:
   return out;
 }
 
+// The step's glue around the products, one call each instead of ~8 and ~14 small torch ops a layer.
+
+// x (R, N) float32, w (N,) float32 -> (R, N) bfloat16: LlamaRMSNorm in float32, w * (x * rsqrt(mean(x^2)
+// + eps)), rounded once to bf16 (the packed products' input). Each row's sum runs in 16 lanes, then
+// across them in a fixed order: a row's bits are its own.
+at::Tensor rms_bf16(const at::Tensor& x, const at::Tensor& w, double eps) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x: (R, N) float32, contiguous");
+  TORCH_CHECK(w.dim() == 1 && w.scalar_type() == at::kFloat && w.is_contiguous() && w.size(0) == x.size(1), "w: (N,) float32");
+  const int64_t R = x.size(0), N = x.size(1);
+  at::Tensor out = at::empty({R, N}, x.options().dtype(at::kBFloat16));
+  const float* xd = x.data_ptr<float>();
+  const float* wd = w.data_ptr<float>();
+  uint16_t* od = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
+  for (int64_t r = 0; r < R; r++) {
+    const float* xr = xd + r * N;
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t j = 0; j < N; j += 16) {
+      const __mmask16 m = (__mmask16)(N - j >= 16 ? 0xFFFF : (1u << (N - j)) - 1);
+      const __m512 v = _mm512_maskz_loadu_ps(m, xr + j);
+      acc = _mm512_fmadd_ps(v, v, acc);
+    }
+    const float inv = 1.0f / std::sqrt(_mm512_reduce_add_ps(acc) / (float)N + (float)eps);
+    for (int64_t j = 0; j < N; j += 16) {
+      const __mmask16 m = (__mmask16)(N - j >= 16 ? 0xFFFF : (1u << (N - j)) - 1);
+      const __m512 y = _mm512_mul_ps(_mm512_maskz_loadu_ps(m, wd + j), _mm512_mul_ps(_mm512_maskz_loadu_ps(m, xr + j), _mm512_set1_ps(inv)));
+      _mm256_mask_storeu_epi16(od + r * N + j, m, (__m256i)_mm512_cvtneps_pbh(y));
+    }
+  }
+  return out;
+}
+
+// qkv (R, (H + 2 Hk) D) float32: each row's q, k and v; cos, sin (R, D) float32 (sin's first half
+// negated, cag.step). Writes roped k and v as bf16 to K, V (S, Hk, room, D) at [slot[r], :, pos[r]]
+// and returns roped q (R, H, D) float32. rope is x * cos + roll(x, D/2) * sin with a rounding after
+// each product and the sum, as torch computes it: the same bits.
+at::Tensor rope_write(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, at::Tensor K, at::Tensor V,
+                      const at::Tensor& slots, const at::Tensor& pos, int64_t H) {
+  TORCH_CHECK(qkv.dim() == 2 && qkv.scalar_type() == at::kFloat && qkv.stride(1) == 1, "qkv: (R, (H + 2 Hk) D) float32");
+  TORCH_CHECK(K.dim() == 4 && K.scalar_type() == at::kBFloat16 && K.is_contiguous() && V.sizes() == K.sizes() &&
+              V.scalar_type() == at::kBFloat16 && V.is_contiguous(), "K, V: (S, Hk, room, D) bfloat16, contiguous");
+  const int64_t R = qkv.size(0), Hk = K.size(1), D = K.size(3);
+  TORCH_CHECK(D % 32 == 0 && qkv.size(1) == (H + 2 * Hk) * D, "qkv width and heads disagree");
+  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat &&
+              cos.numel() == R * D && sin.numel() == R * D, "cos, sin: (R, D) float32");
+  TORCH_CHECK(slots.scalar_type() == at::kLong && pos.scalar_type() == at::kLong && slots.numel() == R && pos.numel() == R &&
+              slots.is_contiguous() && pos.is_contiguous(), "slots, pos: (R,) int64");
+  const int64_t* sl = slots.data_ptr<int64_t>();
+  const int64_t* ps = pos.data_ptr<int64_t>();
+  for (int64_t r = 0; r < R; r++)
+    TORCH_CHECK(sl[r] >= 0 && sl[r] < K.size(0) && ps[r] >= 0 && ps[r] < K.size(2), "slot or position outside the buffers");
+  at::Tensor q = at::empty({R, H, D}, qkv.options().dtype(at::kFloat).memory_format(at::MemoryFormat::Contiguous));
+  float* qd = q.data_ptr<float>();
+  const float* cd = cos.data_ptr<float>();
+  const float* sd = sin.data_ptr<float>();
+  uint16_t* kd = reinterpret_cast<uint16_t*>(K.data_ptr<at::BFloat16>());
+  uint16_t* vd = reinterpret_cast<uint16_t*>(V.data_ptr<at::BFloat16>());
+  const int64_t half = D / 2, room = K.size(2);
+  for (int64_t r = 0; r < R; r++) {
+    const float* row = qkv.data_ptr<float>() + r * qkv.stride(0);
+    const float* c = cd + r * D;
+    const float* sn = sd + r * D;
+    for (int64_t h = 0; h < H + Hk; h++) {  // q heads, then k heads
+      const float* x = row + h * D;
+      for (int64_t j = 0; j < D; j += 16) {
+        const int64_t o = j < half ? j + half : j - half;  // roll(x, D/2)[j] = x[j - D/2 mod D]
+        const __m512 y = _mm512_add_ps(_mm512_mul_ps(_mm512_loadu_ps(x + j), _mm512_loadu_ps(c + j)),
+                                       _mm512_mul_ps(_mm512_loadu_ps(x + o), _mm512_loadu_ps(sn + j)));
+        if (h < H) _mm512_storeu_ps(qd + (r * H + h) * D + j, y);
+        else _mm256_storeu_si256(reinterpret_cast<__m256i*>(kd + ((sl[r] * Hk + (h - H)) * room + ps[r]) * D + j), (__m256i)_mm512_cvtneps_pbh(y));
+      }
+    }
+    for (int64_t h = 0; h < Hk; h++)
+      for (int64_t j = 0; j < D; j += 16)
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(vd + ((sl[r] * Hk + h) * room + ps[r]) * D + j),
+                            (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(row + (H + Hk + h) * D + j)));
+  }
+  return q;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(cag, m) {
+  m.def("rms_bf16(Tensor x, Tensor w, float eps) -> Tensor");
+  m.def("rope_write(Tensor qkv, Tensor cos, Tensor sin, Tensor(a!) K, Tensor(b!) V, Tensor slots, Tensor pos, int H) -> Tensor");
   m.def("decode_attention(Tensor q, Tensor kp, Tensor vp, Tensor ks, Tensor vs, Tensor slots, Tensor lens, float scale) -> Tensor");
 }
-TORCH_LIBRARY_IMPL(cag, CPU, m) { m.impl("decode_attention", decode_attention); }
+TORCH_LIBRARY_IMPL(cag, CPU, m) {
+  m.impl("decode_attention", decode_attention);
+  m.impl("rms_bf16", rms_bf16);
+  m.impl("rope_write", rope_write);
+}
