@@ -227,15 +227,13 @@ def load_model(name: str, models_dir: Path, threads: int = 0, dtype: str = "auto
 
 
 def decode_kernel(mode: str, lm: LoadedModel) -> str:
-    """What CAG_DECODE_ATTENTION means for this model here: "amx" or "torch" (cag.native). The kernel
-    reads bf16 K/V with heads of 64 or 128 on the CPU; `amx` where those do not hold is refused."""
-    if mode not in native.MODES:
-        raise ModelError(f"unknown decode attention {mode!r}; use one of {', '.join(native.MODES)}")
-    if mode == "torch":
-        return "torch"
-    if lm.device.type == "cpu" and (lm.attn_dtype != torch.bfloat16 or lm.head_dim not in (64, 128)):
+    """What CAG_DECODE_ATTENTION means for this model here: "amx" or "torch" (cag.native, which also
+    refuses an unknown mode). The kernel reads bf16 K/V with heads of 64 or 128 on the CPU; `amx` where
+    those do not hold is refused."""
+    on_cpu = lm.device.type == "cpu"
+    if mode in ("auto", "amx") and on_cpu and (lm.attn_dtype != torch.bfloat16 or lm.head_dim not in native.HEAD_DIMS):
         if mode == "amx":
-            why = "heads of 64 or 128" if lm.head_dim not in (64, 128) else "bf16 K/V (CAG_WEIGHTS bf16, int8 or int4, or CAG_DTYPE=bfloat16)"
+            why = "heads of 64 or 128" if lm.head_dim not in native.HEAD_DIMS else "bf16 K/V (CAG_WEIGHTS bf16, int8 or int4, or CAG_DTYPE=bfloat16)"
             raise ModelError(f"CAG_DECODE_ATTENTION=amx needs {why}; this model and setting attend otherwise: use auto or torch")
         return "torch"
     return native.resolve(mode, lm.device)

@@ -43,6 +43,7 @@ log = logging.getLogger(__name__)
 SOURCE = Path(__file__).parent / "kernels" / "decode_attention.cpp"
 MODES = ("auto", "amx", "torch")
 ATTR = "cag_decode_attention"  # on a loaded model: what CAG_DECODE_ATTENTION resolved to ("amx" or "torch")
+HEAD_DIMS = (64, 128)  # the head widths the kernel takes
 FLAGS = ("amx_tile", "amx_bf16", "avx512_bf16", "avx512f")
 _lock = threading.Lock()
 _state: dict = {}  # "fn": the loaded op, or "why": why it cannot run here (once per process)

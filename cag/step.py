@@ -122,7 +122,6 @@ class Layer(NamedTuple):
     down: Callable  # (x, roles) -> down_proj(x)
     act: Callable
     qkv_packed: Callable | None  # (x, roles) -> the stacked q/k/v product (R, (H + 2 H_kv) D) where packed, else None
-    gate_up_packed: bool  # gate/up share one packed copy (it takes bf16 input)
 
 
 class LeanStep:
@@ -144,6 +143,7 @@ class LeanStep:
         self.head_dim, self.rep = first.head_dim, first.num_key_value_groups
         self.fns: list[Layer] = []  # per layer; products through the packed weights where there are any (FastLinear.decode)
         f = product  # bound methods skip Module.__call__: a few µs x 7 x layers
+        packed = True  # every layer's q/k/v and gate/up share packed copies (they take bf16 input)
         for layer in inner.layers[: config.num_hidden_layers]:
             a, m = layer.self_attn, layer.mlp
             self.fns.append(Layer(
@@ -151,14 +151,14 @@ class LeanStep:
                 together(a.q_proj, a.k_proj, a.v_proj), f(a.o_proj), a.scaling,
                 layer.post_attention_layernorm.weight, layer.post_attention_layernorm.variance_epsilon,
                 together(m.gate_proj, m.up_proj), f(m.down_proj), m.act_fn.forward,
-                group_of(a.q_proj, a.k_proj, a.v_proj), group_of(m.gate_proj, m.up_proj) is not None,
+                group_of(a.q_proj, a.k_proj, a.v_proj),
             ))
+            packed = packed and self.fns[-1].qkv_packed is not None and group_of(m.gate_proj, m.up_proj) is not None
         half = self.head_dim // 2
         # decode rows over bf16 K/V through cag.native's kernel (CAG_DECODE_ATTENTION resolved to amx at load)
-        self.kernel = native.load() if getattr(model, native.ATTR, "torch") == "amx" and self.head_dim in (64, 128) else None
+        self.kernel = native.load() if getattr(model, native.ATTR, "torch") == "amx" and self.head_dim in native.HEAD_DIMS else None
         # and with it, for float32 compute over packed products, the glue around them in one call each: RMSNorm
         # straight to the products' bf16 input, rope of q and k with the K/V write (same bits as the formulas below)
-        packed = all(ly.qkv_packed is not None and ly.gate_up_packed for ly in self.fns)
         self.glue = (torch.ops.cag.rms_bf16, torch.ops.cag.rope_write) if self.kernel and packed and self.dtype == torch.float32 else None
         # rotate_half(x) = cat(-x2, x1) = roll(x, D/2) * sign, sign = (-1)*D/2 ++ (+1)*D/2
         self.sign = torch.cat([-torch.ones(half), torch.ones(half)]).to(self.device, self.dtype)  # (D,)
@@ -214,14 +214,13 @@ class LeanStep:
         rows_pos = torch.cat([r.rows_pos for r in rows])
         roles = role_runs(parts)
         up = s.dtype != torch.float32
-        glue = s.glue
+        glue, norm = s.glue, rms  # a layer's norms: with the glue, (R, hidden) float32 -> bf16, the products' input
         if glue:
             norm, rope_write = glue
-            rms = norm  # (R, hidden) float32 -> bf16, the packed products' input
             cos2, sin2 = cos.view(R, d), sin.view(R, d)
-        for i, ((w1, e1, qkv_f, o_f, scale, w2, e2, gu_f, d_f, act, qkv_all, _), K, V) in enumerate(
+        for i, ((w1, e1, qkv_f, o_f, scale, w2, e2, gu_f, d_f, act, qkv_all), K, V) in enumerate(
                 zip(fns, buffers.k, buffers.v)):
-            x = rms(h, w1, e1)
+            x = norm(h, w1, e1)
             if glue:  # roped q (R, H, D); roped k and v written to each row's slot and position
                 q = rope_write(qkv_all(x, roles), cos2, sin2, K, V, rows_slot, rows_pos, n_kv * rep)
             else:
@@ -232,11 +231,10 @@ class LeanStep:
                 q = q * cos + q.roll(half, -1) * sin
             o = [cascade.attend(r, q[r.r0 : r.r1], K, V, i, scale, up, kernel) for r in rows]
             h = h + o_f(o[0] if len(o) == 1 else torch.cat(o), roles)
-            x = rms(h, w2, e2)
+            x = norm(h, w2, e2)
             g, u = gu_f(x, roles)
             h = h + d_f(act(g) * u, roles)
         w, e = s.final
-        rms = s.rms
         if all_logits:
             return [s.head(rms(h[r.r0 : r.r1].view(r.B, r.m, -1), w, e)) for r in rows]
         logits = s.head(rms(torch.cat([h[r.r0 : r.r1].view(r.B, r.m, -1)[:, -1] for r in rows]), w, e))  # one product
