@@ -170,7 +170,7 @@ def main() -> None:
 
     head = (f"Machine: {machine()}; llama.cpp via llama-cpp-python {llama_cpp.__version__}, {threads} threads, "
             f"built from source here. Model: {lm.name} (llama.cpp: the GGUF file itself, Q4_1; cag: weights "
-            f"{lm.weights}, decode attention {lm.decode_attention}, {engine.kv_name} snapshots). Same prompt token ids on both sides; TTFT median of "
+            f"{lm.weights}, decode kernels {lm.kernels}, {engine.kv_name} snapshots). Same prompt token ids on both sides; TTFT median of "
             f"{args.repeat}; decode: {n} greedy tokens, stop tokens ignored, best of {args.rounds} runs alternating "
             f"the two engines. Load average before / after: "
             f"{load_before} / {os.getloadavg()}.\n\n"

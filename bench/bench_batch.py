@@ -68,11 +68,11 @@ def main() -> None:
             print(name, f"{sum(r['identical'] for r in rows)}/{len(rows)} identical so far", flush=True)
     same = sum(r["identical"] for r in rows)
     res = {"machine": machine(), "loadavg": os.getloadavg(), "n": len(rows), "identical": same, "share": same / len(rows),
-           "max_batch": engine.settings.max_batch, "weights": engine.lm.weights, "decode_attention": engine.lm.decode_attention, "mean_batch": batch_rows / max(1, steps),  # the batched passes only
+           "max_batch": engine.settings.max_batch, "weights": engine.lm.weights, "kernels": engine.lm.kernels, "mean_batch": batch_rows / max(1, steps),  # the batched passes only
            "alone_s": t_alone, "batched_s": t_batch, "alone_tok_s": tok_alone / t_alone, "batched_tok_s": tok_batch / t_batch,
            "differences": [r for r in rows if not r["identical"]]}
     md = (f"Machine: {res['machine']} (load average at the end {'/'.join(f'{x:.1f}' for x in res['loadavg'])}). SmolLM2-135M, "
-          f"weights {res['weights']}, decode attention {res['decode_attention']}, fp16 snapshots, greedy, {args.max_tokens} tokens; {len(handbook)} handbook + "
+          f"weights {res['weights']}, decode kernels {res['kernels']}, fp16 snapshots, greedy, {args.max_tokens} tokens; {len(handbook)} handbook + "
           f"{len(rows) - len(handbook)} SQuAD questions (folders of ~{args.folder_tokens} tokens).\n\n"
           "| answers identical, batched vs alone | alone: wall s, completion tok/s | batched: wall s, completion tok/s, mean decode batch | speed-up |\n"
           "|---|---|---|---|\n"

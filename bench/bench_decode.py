@@ -9,8 +9,9 @@ For snapshots of about 1K, 2K, 4K and 7K tokens (Paul Graham essays), for each C
     apart) vs everything else (attention over the cache, norms, rope, sampling, Python);
   * the same decode through the transformers forward over a StaticCache (the path of models
     cag/step.py does not cover), measured alternately with the step, side by side in one run;
-  * packed formats once per decode attention (--attention): cag's AMX kernel (cag/native.py) where
-    it runs here, and torch's fused kernel, side by side.
+  * packed formats once per decode kernels setting (--kernels): cag's own (cag/native.py: attention
+    on AMX tiles or by AVX512-BF16 dot products, int4/bf16 products, fused norm and rope) where they
+    run here, and torch's, side by side.
 The snapshot is the same for every format (prefill never uses the packed weights).
 Writes bench/results/decode.json and decode.md.  Run: `python -m bench.bench_decode`.
 """
@@ -105,7 +106,7 @@ def main() -> None:
     ap.add_argument("--decode-tokens", type=int, default=32)
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     ap.add_argument("--rounds", type=int, default=2, help="alternating lean/forward runs per cell (best of)")
-    ap.add_argument("--attention", default="amx,torch", help="decode attentions for the packed formats (amx: where it runs here)")
+    ap.add_argument("--kernels", default="amx,avx512,torch", help="CAG_DECODE_KERNELS settings for the packed formats (those that run here)")
     ap.add_argument("--name", default="decode", help="results file name in bench/results (a partial run: another name)")
     args = ap.parse_args()
     if args.threads:
@@ -118,15 +119,15 @@ def main() -> None:
         home = Path(tmp)
         engine = Engine(get_settings(home=home / "home", models_dir_override=get_settings().models_dir, weights="fp32"))
         lm = engine.lm
-        models = {}  # (format, decode attention) -> model
-        attentions = [a for a in args.attention.split(",") if a == "torch" or (a == "amx" and native.load() is not None)]
+        models = {}  # (format, decode kernels) -> model
+        here = lambda k: k == "torch" or native.load() is not None and (k == "avx512" or native.tiles())  # noqa: E731
+        kernels = [k for k in args.kernels.split(",") if here(k)]
         for fmt in formats:
-            base = lm.model if fmt == "fp32" else copy.deepcopy(lm.model)
-            weights.apply(base, fmt)
-            for att in ["torch"] if fmt == "fp32" else attentions:
-                m = base if att == attentions[-1] or fmt == "fp32" else copy.copy(base)  # shares the weights
-                object.__setattr__(m, native.ATTR, att)
-                models[fmt, att] = m
+            for ker in ["torch"] if fmt == "fp32" else kernels:
+                m = lm.model if fmt == "fp32" else copy.deepcopy(lm.model)  # cag's products pack their own layout
+                weights.apply(m, fmt, native=ker != "torch")
+                object.__setattr__(m, native.ATTR, ker)
+                models[fmt, ker] = m
         auto = choice.choose(lm.model, "auto", get_settings().models_dir)  # the verdict a server here uses (cached)
         bw = read_bandwidth()
         # Products (and the bandwidth) are timed again next to every decode cell and the best kept:
@@ -138,13 +139,13 @@ def main() -> None:
         for size in sizes:
             ing = engine.ingest(str(essay_corpus(home / f"essays-{size}", size, count)), name=f"essays{size}")
             snap = engine.open_snapshot(engine.index.snapshot(ing.snapshot))
-            for (fmt, att), model in models.items():
+            for (fmt, ker), model in models.items():
                 cache = kv.new_cache(model, ing.n_tokens + engine.room)
                 kv.load_into(cache, snap.kv, lm.dtype)
                 assert lean.why_not(model) is None, lean.why_not(model)
                 tps, fwd = paired_rates(model, cache, snap.kv, ing.n_tokens, args.decode_tokens, first, args.rounds)
-                prod[fmt, att] = min(prod[fmt, att], products_ms(model))
-                rows.append({"n_tokens": ing.n_tokens, "weights": fmt, "attention": att, "decode_tok_s": tps, "step_ms": 1e3 / tps,
+                prod[fmt, ker] = min(prod[fmt, ker], products_ms(model))
+                rows.append({"n_tokens": ing.n_tokens, "weights": fmt, "kernels": ker, "decode_tok_s": tps, "step_ms": 1e3 / tps,
                              "weight_bytes": weight_bytes(model), "forward_tok_s": fwd,
                          # the prefix and request buffer, in the dtype the step attends in (bf16 with packed weights)
                          "cache_bytes": lm.kv_bytes(ing.n_tokens, attn_dtype(fmt, lm.dtype, lm.device)),
@@ -154,7 +155,7 @@ def main() -> None:
             for r in rows[-len(models):]:
                 r["vs_fp32"] = r["decode_tok_s"] / next(x["decode_tok_s"] for x in rows[-len(models):] if x["weights"] == "fp32")
         for r in rows:  # with the best products time and bandwidth of the whole run
-            p = r["products_ms"] = prod[r["weights"], r["attention"]]
+            p = r["products_ms"] = prod[r["weights"], r["kernels"]]
             r["rest_ms"], r["forward_rest_ms"] = r["step_ms"] - p, 1e3 / r["forward_tok_s"] - p
             r["bound_ms"] = (r["weight_bytes"] + r["cache_bytes"]) / bw * 1e3
             r["step_over_bound"] = r["step_ms"] / r["bound_ms"]
@@ -163,11 +164,11 @@ def main() -> None:
             f"(best measured in this run). `auto` picks **{auto}** here. {args.decode_tokens} tokens per rate, best of "
             f"{args.rounds} runs alternating the lean step and the transformers forward. Load average (1, 5, 15 min) "
             f"before / after: {load_before} / {os.getloadavg()}.\n\n"
-            "| prefix tokens | weights | attention | decode tok/s (lean step) | transformers forward tok/s | lean / forward | vs fp32 | step ms | "
+            "| prefix tokens | weights | kernels | decode tok/s (lean step) | transformers forward tok/s | lean / forward | vs fp32 | step ms | "
             "bound ms (weights + cache read once) | step / bound | weight products ms | rest ms (lean) | rest ms (forward) |\n"
             "|---|---|---|---|---|---|---|---|---|---|---|---|---|\n")
     body = "".join(
-        f"| {r['n_tokens']} | {r['weights']} | {r['attention']} | {r['decode_tok_s']:.1f} | {r['forward_tok_s']:.1f} | {r['lean_over_forward']:.2f}x | "
+        f"| {r['n_tokens']} | {r['weights']} | {r['kernels']} | {r['decode_tok_s']:.1f} | {r['forward_tok_s']:.1f} | {r['lean_over_forward']:.2f}x | "
         f"{r['vs_fp32']:.2f}x | {r['step_ms']:.1f} | "
         f"{r['bound_ms']:.1f} ({r['weight_bytes'] / 1e6:.0f} + {r['cache_bytes'] / 1e6:.0f} MB) | {r['step_over_bound']:.2f} | "
         f"{r['products_ms']:.1f} | {r['rest_ms']:.1f} | {r['forward_rest_ms']:.1f} |\n" for r in rows)

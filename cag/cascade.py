@@ -7,8 +7,8 @@ Two ways, same math:
     The prefix (1, H_kv, n, D) is read once per layer for all rows of its requests, never copied;
   * one softmax (elsewhere, or without that kernel): scores against the prefix and the suffix
     concatenated, one softmax, two products.
-Decode parts (one token per request) over bf16 K/V go to cag.native's AMX kernel instead where
-CAG_DECODE_ATTENTION resolved to amx: prefix and suffix in one call, nothing to merge here.
+Decode parts (one token per request) over bf16 K/V go to cag.native's kernel instead where
+CAG_DECODE_KERNELS resolved to amx or avx512: prefix and suffix in one call, nothing to merge here.
 Query heads that share a K/V head are folded into the query rows (GQA without repeating K/V):
 (B, H_kv, M, D), M = m * rep, row t*rep + r = token t, head r of the group.
 """
@@ -98,7 +98,7 @@ def _merge_out(o: torch.Tensor, B: int, m: int, n_kv: int, rep: int, d: int, dty
 def attend(r, q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, i: int, scale: float, up: bool,
            kernel=None) -> torch.Tensor:
     """One part's attention in layer i: q (B*m, H, D) roped -> (B*m, H*D), head-major as o_proj expects.
-    `kernel`: cag.native's decode attention (CAG_DECODE_ATTENTION=amx), used for decode parts (one
+    `kernel`: cag.native's decode attention (CAG_DECODE_KERNELS amx or avx512), used for decode parts (one
     token per request) over bf16 K/V; a part's role, not its batch, picks the kernel."""
     B, m, M = r.B, r.m, r.M
     n_kv, d = K.shape[1], K.shape[3]

@@ -28,9 +28,10 @@ class Settings(BaseSettings):
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     # format decode multiplies in (cag/weights.py); auto: measured at load, bf16 where it beats fp32
     weights: Literal["auto", "fp32", "bf16", "int8", "int4"] = "auto"
-    # what decode rows attend with (cag/native.py): amx = cag's AMX kernel (built once per machine),
-    # torch = torch's fused kernel; auto: amx where it can run over bf16 K/V, else torch
-    decode_attention: Literal["auto", "amx", "torch"] = "auto"
+    # the kernels decode rows run on (cag/native.py, built once per machine): amx / avx512 = cag's own
+    # (attention on AMX tiles / by AVX512-BF16 dot products; int4 and bf16 products; fused norm and
+    # rope), torch = torch's; auto: amx, else avx512, where they can run over bf16 K/V, else torch
+    decode_kernels: Literal["auto", "amx", "avx512", "torch"] = "auto"
     # storage dtype of snapshot tensors; auto: bfloat16 where decode attends in bf16 (no conversion at
     # load), else float16; int8: quantized blocks with one fp16 scale each (store/kv_int8.py)
     kv_dtype: Literal["auto", "float16", "bfloat16", "float32", "int8"] = "auto"

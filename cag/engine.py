@@ -67,7 +67,7 @@ class Engine:
         with self._lm_lock:
             if self._lm is None:
                 s = self.settings
-                self._lm = load_model(s.model, s.models_dir, s.threads, s.dtype, s.weights, s.device, s.decode_attention)
+                self._lm = load_model(s.model, s.models_dir, s.threads, s.dtype, s.weights, s.device, s.decode_kernels)
             return self._lm
 
     @property

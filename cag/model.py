@@ -47,7 +47,7 @@ class LoadedModel:
     stops: frozenset[int] = frozenset()  # token ids that end an answer
     weights: str = "fp32"  # format of the decode-step products (cag.weights)
     packed_bytes: int = 0  # memory of the packed weight copies
-    decode_attention: str = "torch"  # what decode rows attend with: "amx" (cag.native) or "torch"
+    kernels: str = "torch"  # what decode rows run on: "amx", "avx512" (cag.native) or "torch"
 
     @property
     def device(self) -> torch.device:
@@ -184,10 +184,10 @@ def resolve_device(device: str) -> str:
 
 
 def load_model(name: str, models_dir: Path, threads: int = 0, dtype: str = "auto", weights: str = "fp32",
-               device: str = "auto", decode_attention: str = "auto") -> LoadedModel:
+               device: str = "auto", kernels: str = "auto") -> LoadedModel:
     """dtype: compute dtype (auto: float32 on the CPU, bfloat16 on CUDA); weights: the format decode
-    multiplies in (cag.weights; auto measures); device: cpu, cuda or auto; decode_attention: auto,
-    amx or torch (cag.native)."""
+    multiplies in (cag.weights; auto measures); device: cpu, cuda or auto; kernels: auto, amx,
+    avx512 or torch (cag.native)."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
@@ -220,21 +220,22 @@ def load_model(name: str, models_dir: Path, threads: int = 0, dtype: str = "auto
     fmt = choice.choose(model, weights, models_dir)
     if why := wformats.supported(fmt, model):
         raise ModelError(why)
-    lm.weights, lm.packed_bytes = fmt, wformats.apply(model, fmt)
-    lm.decode_attention = decode_kernel(decode_attention, lm)
-    setattr(model, native.ATTR, lm.decode_attention)  # read by cag.step
+    lm.weights = fmt
+    lm.kernels = decode_kernels(kernels, lm)  # before packing: cag's own products take their own layout
+    lm.packed_bytes = wformats.apply(model, fmt, native=lm.kernels != "torch")
+    setattr(model, native.ATTR, lm.kernels)  # read by cag.step
     return lm
 
 
-def decode_kernel(mode: str, lm: LoadedModel) -> str:
-    """What CAG_DECODE_ATTENTION means for this model here: "amx" or "torch" (cag.native, which also
-    refuses an unknown mode). The kernel reads bf16 K/V with heads of 64 or 128 on the CPU; `amx` where
-    those do not hold is refused."""
+def decode_kernels(mode: str, lm: LoadedModel) -> str:
+    """What CAG_DECODE_KERNELS means for this model here: "amx", "avx512" or "torch" (cag.native, which
+    also refuses an unknown mode). The attention reads bf16 K/V with heads of 64 or 128 on the CPU;
+    `amx` or `avx512` where those do not hold is refused."""
     on_cpu = lm.device.type == "cpu"
-    if mode in ("auto", "amx") and on_cpu and (lm.attn_dtype != torch.bfloat16 or lm.head_dim not in native.HEAD_DIMS):
-        if mode == "amx":
+    if mode != "torch" and mode in native.MODES and on_cpu and (lm.attn_dtype != torch.bfloat16 or lm.head_dim not in native.HEAD_DIMS):
+        if mode != "auto":
             why = "heads of 64 or 128" if lm.head_dim not in native.HEAD_DIMS else "bf16 K/V (CAG_WEIGHTS bf16, int8 or int4, or CAG_DTYPE=bfloat16)"
-            raise ModelError(f"CAG_DECODE_ATTENTION=amx needs {why}; this model and setting attend otherwise: use auto or torch")
+            raise ModelError(f"CAG_DECODE_KERNELS={mode} needs {why}; this model and setting decode otherwise: use auto or torch")
         return "torch"
     return native.resolve(mode, lm.device)
 

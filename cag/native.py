@@ -1,26 +1,24 @@
-"""cag's native kernels (kernels/decode_attention.cpp): decode attention on Intel AMX, and the step's
-glue around the products (RMSNorm straight to bf16; rope with the K/V write), all in one library.
+"""cag's native CPU kernels for decode rows, all in one library: decode attention (on AMX tiles, or
+by AVX512-BF16 dot products), int4 and bf16 weight products at the speed of reading the weights, and
+the step's glue around them (RMSNorm straight to bf16; rope with the K/V write).
 
-Why: a decode step's attention reads the whole prefix once per layer for a few query rows (a
-request's heads that share a K/V head). torch's fused CPU kernel spends 12.5-14 ms doing that at 4K
-tokens of SmolLM2 (94 MB of bf16 K/V that a plain read takes ~7 ms for), and cag's cascade around
-it (the request's own suffix in a second call, the merge of the two, layout ops) another ~6.5 ms a
-step. This kernel reads prefix and suffix in one call at near read speed, with AMX for the products
-so that 16 requests on one prefix cost about what torch's kernel costs for them (bench_decode).
+Why: a decode step reads every weight and the whole cache once, so its floor is the time of that
+read. torch's kernels run well below it for one row (int4: the weights dequantized per row at
+10-17 GB/s; flash attention over 4K bf16 keys at ~7 GB/s; ~30 small ops a layer between them).
+These run near it (bench_decode).
 
-With it, a float32 step over packed products runs each layer's two RMSNorms and its rope + K/V write
-as one call each (cag.step's `glue`): ~30 small torch ops a layer fewer, 3-4 ms a step here; the rope
-gives the formula's bits, the norm its own (a row's bits its own).
+How: compiled on first use for this machine (-march=native) with the system C++ compiler, against
+the installed torch, into ~/.cache/cag/kernels (key: sources, torch version, compiler, CPU flags),
+then loaded as torch.ops.cag.*. A build takes ~20 s once per machine; concurrent first uses each
+build to a private name and the last rename wins. The floor is a Linux x86-64 CPU with AVX512-BF16
+(Intel Cooper Lake / Sapphire Rapids and later, AMD Zen 4 and later); the AMX attention is compiled
+in where the CPU has AMX.
 
-How: compiled on first use for this machine (-march=native) with the C++ compiler torch's own
-extensions use, against the installed torch, into ~/.cache/cag/kernels (key: source, torch
-version, compiler, CPU flags), then loaded as torch.ops.cag.decode_attention. A build takes ~10 s
-once per machine; concurrent first uses each build to a private name and the last rename wins.
-
-CAG_DECODE_ATTENTION picks it: `auto` where it can run (a Linux x86-64 CPU with AMX-BF16 and a
-compiler), else torch's kernel with one warning; `amx` refuses to start without it; `torch` never
-uses it. The two give different last bits, so `cag` == `full` holds within one setting (both use
-the same), as across CAG_WEIGHTS formats; snapshots (prefill) never depend on it.
+CAG_DECODE_KERNELS picks them: `auto` = amx where the CPU has AMX, else avx512 where the library
+builds, else torch's kernels (with one warning on a machine that should have built it); `amx` and
+`avx512` refuse to start where they cannot run, with the reason; `torch` never uses them. Kernels
+give different last bits, so `cag` == `full` holds within one setting (both use the same), as across
+CAG_WEIGHTS formats; snapshots (prefill) never depend on it.
 """
 
 from __future__ import annotations
@@ -40,11 +38,12 @@ import torch
 from .errors import ModelError
 
 log = logging.getLogger(__name__)
-SOURCE = Path(__file__).parent / "kernels" / "decode_attention.cpp"
-MODES = ("auto", "amx", "torch")
-ATTR = "cag_decode_attention"  # on a loaded model: what CAG_DECODE_ATTENTION resolved to ("amx" or "torch")
-HEAD_DIMS = (64, 128)  # the head widths the kernel takes
-FLAGS = ("amx_tile", "amx_bf16", "avx512_bf16", "avx512f")
+SOURCES = tuple(Path(__file__).parent / "kernels" / f for f in ("decode_attention.cpp", "products.cpp"))
+MODES = ("auto", "amx", "avx512", "torch")
+ATTR = "cag_decode_kernels"  # on a loaded model: what CAG_DECODE_KERNELS resolved to ("amx", "avx512" or "torch")
+HEAD_DIMS = (64, 128)  # the head widths the attention kernel takes
+FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16")  # the library's floor
+TILES = ("amx_tile", "amx_bf16")  # and the AMX attention's
 _lock = threading.Lock()
 _state: dict = {}  # "fn": the loaded op, or "why": why it cannot run here (once per process)
 
@@ -67,8 +66,13 @@ def cache_dir() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "cag" / "kernels"
 
 
+def tiles() -> bool:
+    """Whether this CPU has AMX tiles for bf16 (the library then holds the AMX attention too)."""
+    return all(f in _cpu_flags() for f in TILES)
+
+
 def why_not() -> str | None:
-    """None where the kernel can be built here, else why not (one line)."""
+    """None where the library can be built here, else why not (one line)."""
     if platform.system() != "Linux" or platform.machine() not in ("x86_64", "AMD64"):
         return f"it needs Linux on x86-64 (this is {platform.system()} on {platform.machine()})"
     missing = [f for f in FLAGS if f not in _cpu_flags()]
@@ -86,15 +90,15 @@ def _build() -> Path:
     flags = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c++17", "-ffp-contract=off",
              f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"]
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=30).stdout
-    key = hashlib.sha256("\n".join([SOURCE.read_text(), torch.__version__, cxx, version, " ".join(flags),
+    key = hashlib.sha256("\n".join([*(f.read_text() for f in SOURCES), torch.__version__, cxx, version, " ".join(flags),
                                     " ".join(sorted(_cpu_flags()))]).encode()).hexdigest()[:16]
-    out = cache_dir() / f"decode_attention-{key}.so"
+    out = cache_dir() / f"cag_kernels-{key}.so"
     if out.exists():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.{os.getpid()}.{threading.get_ident()}")
-    log.warning("cag: building the AMX decode attention kernel for this machine (once, ~10 s)")
-    cmd = [cxx, *flags, *(f"-I{p}" for p in include_paths()), str(SOURCE), "-o", str(tmp),
+    log.warning("cag: building cag's decode kernels for this machine (once, ~20 s)")
+    cmd = [cxx, *flags, *(f"-I{p}" for p in include_paths()), *map(str, SOURCES), "-o", str(tmp),
            f"-L{lib}", "-lc10", "-ltorch_cpu", f"-Wl,-rpath,{lib}"]
     try:
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
@@ -108,8 +112,8 @@ def _build() -> Path:
 
 
 def load() -> Callable | None:
-    """torch.ops.cag.decode_attention, built and loaded once per process; None where it cannot run
-    (the reason: `reason()`)."""
+    """The library, built and loaded once per process (its AMX attention op as a handle); None where
+    it cannot run (the reason: `reason()`)."""
     with _lock:
         if not _state:
             why = why_not()
@@ -117,7 +121,7 @@ def load() -> Callable | None:
                 try:
                     torch.ops.load_library(str(_build()))
                     _state["fn"] = torch.ops.cag.decode_attention
-                except Exception as e:  # a failed build or load: torch's kernel serves instead
+                except Exception as e:  # a failed build or load: torch's kernels serve instead
                     why = f"it did not build or load: {str(e).splitlines()[0] if str(e) else type(e).__name__}"
             _state.setdefault("why", why)
         return _state.get("fn")
@@ -128,23 +132,30 @@ def reason() -> str | None:
     return _state.get("why")
 
 
+def attention(mode: str) -> Callable:
+    """The decode attention op of a resolved mode ("amx" or "avx512")."""
+    return torch.ops.cag.decode_attention if mode == "amx" else torch.ops.cag.decode_attention_avx512
+
+
 def resolve(mode: str, device: torch.device | str = "cpu") -> str:
-    """What CAG_DECODE_ATTENTION `mode` means here: "amx" or "torch". `amx` where it cannot run raises
-    ModelError (one line); `auto` falls back to "torch" with one warning."""
+    """What CAG_DECODE_KERNELS `mode` means here: "amx", "avx512" or "torch". `amx` or `avx512` where
+    they cannot run raise ModelError (one line); `auto` falls back to "torch" with one warning."""
     if mode not in MODES:
-        raise ModelError(f"unknown decode attention {mode!r}; use one of {', '.join(MODES)}")
+        raise ModelError(f"unknown decode kernels {mode!r}; use one of {', '.join(MODES)}")
     if mode == "torch":
         return "torch"
     if torch.device(device).type != "cpu":
-        if mode == "amx":
-            raise ModelError(f"CAG_DECODE_ATTENTION=amx is a CPU kernel; on {torch.device(device).type} use auto or torch")
+        if mode != "auto":
+            raise ModelError(f"CAG_DECODE_KERNELS={mode} is for the CPU; on {torch.device(device).type} use auto or torch")
         return "torch"
     if load() is not None:
-        return "amx"
-    if mode == "amx":
-        raise ModelError(f"CAG_DECODE_ATTENTION=amx cannot run here: {reason()}; use auto or torch")
+        if mode == "amx" and not tiles():
+            raise ModelError(f"CAG_DECODE_KERNELS=amx cannot run here: this CPU lacks {', '.join(f for f in TILES if f not in _cpu_flags())}; use avx512 or auto")
+        return mode if mode != "auto" else "amx" if tiles() else "avx512"
+    if mode != "auto":
+        raise ModelError(f"CAG_DECODE_KERNELS={mode} cannot run here: {reason()}; use auto or torch")
     if not _state.get("warned"):
         _state["warned"] = True
-        if why_not() is None:  # a machine that should have had it: say so; elsewhere torch's kernel is simply the one
-            log.warning("cag: decode attention falls back to torch's kernel: %s", reason())
+        if why_not() is None:  # a machine that should have had it: say so; elsewhere torch's kernels are simply the ones
+            log.warning("cag: decode falls back to torch's kernels: %s", reason())
     return "torch"

@@ -17,7 +17,7 @@ Same math as transformers, op for op where it matters for the bits:
     bit for bit (negation is exact);
   * attention: the query heads that share a K/V head folded into the query length (as
     cag/attention.py does), q (1, H_kv, rep, D) over keys (1, H_kv, pos+1, D), no K/V copy; decode
-    rows over bf16 K/V through cag.native's AMX kernel where CAG_DECODE_ATTENTION resolved to amx.
+    rows over bf16 K/V through cag.native's kernel where CAG_DECODE_KERNELS resolved to amx or avx512.
 The cache is the caller's StaticCache: the new K and V are written in place at `pos` and each
 layer's `cumulative_length` set to pos+1, so the next transformers forward (a question's prefill)
 continues from a consistent cache.
@@ -155,8 +155,9 @@ class LeanStep:
             ))
             packed = packed and self.fns[-1].qkv_packed is not None and group_of(m.gate_proj, m.up_proj) is not None
         half = self.head_dim // 2
-        # decode rows over bf16 K/V through cag.native's kernel (CAG_DECODE_ATTENTION resolved to amx at load)
-        self.kernel = native.load() if getattr(model, native.ATTR, "torch") == "amx" and self.head_dim in native.HEAD_DIMS else None
+        # decode rows over bf16 K/V through cag.native's kernel (CAG_DECODE_KERNELS resolved to amx or avx512 at load)
+        mode = getattr(model, native.ATTR, "torch")
+        self.kernel = native.attention(mode) if mode != "torch" and native.load() and self.head_dim in native.HEAD_DIMS else None
         # and with it, for float32 compute over packed products, the glue around them in one call each: RMSNorm
         # straight to the products' bf16 input, rope of q and k with the K/V write (same bits as the formulas below)
         self.glue = (torch.ops.cag.rms_bf16, torch.ops.cag.rope_write) if self.kernel and packed and self.dtype == torch.float32 else None

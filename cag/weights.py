@@ -11,6 +11,9 @@ the transformers forward: prefill of the knowledge) and adds a packed copy used 
   int4  groups of 32 along the input, asymmetric: w = (q - 8) * scale + zero, q in 0..15
         (`aten._weight_int4pack_mm_for_cpu`); the embedded model's GGUF Q4_1 has this exact shape
   (int8 and int4 keep the LM head in bf16: _head_format)
+With cag's own kernels (CAG_DECODE_KERNELS amx or avx512: `native`), decode rows multiply int4 and bf16
+weights through cag.native instead, at the speed of reading them: int4 as GGUF Q4_1 holds it (a
+float16 step and min per group of 32: w = m + q * d), bf16 as a plain matrix; both return float32.
 
 A question's rows (a part of more than one token per request: cag.step) are multiplied in bf16 in
 int8 and int4 too, from a second, bf16 copy (FEW layout, calls of <= FEW rows): the integer kernels
@@ -34,6 +37,7 @@ import threading
 import torch
 import torch.nn.functional as F
 
+from . import native as cag_native
 from . import stacking
 
 FORMATS = ("fp32", "bf16", "int8", "int4")
@@ -85,6 +89,19 @@ def grid4(g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return lo, ((hi - lo) / 15).clamp(min=1e-12)
 
 
+def pack_int4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """cag.native's int4 layout of an (out, in) weight, in % 64 == 0: qw (out, in/2) uint8, byte j of a
+    group's 16 holding its input j (low nibble) and j + 16 (high); dm (out, 2, in/32) float16, each
+    group's step d and min m (as GGUF Q4_1 stores them), the points m + q * d, q = 0..15."""
+    out_f, in_f = w.shape
+    g = w.detach().float().reshape(out_f, in_f // GROUP, GROUP)  # (out, in/32, 32)
+    lo, step = grid4(g)
+    d, m = step.clamp(min=2 ** -24).half(), lo.half()  # (out, in/32, 1) each; 2^-24: float16's least step
+    q = torch.round((g - m.float()) / d.float()).clamp(0, 15).to(torch.uint8)  # (out, in/32, 32)
+    qw = (q[..., :16] | (q[..., 16:] << 4)).reshape(out_f, in_f // 2).contiguous()
+    return qw, torch.stack([d[..., 0], m[..., 0]], 1).contiguous()
+
+
 def _pack_int4(w: torch.Tensor):
     w = w.float()
     out_f, in_f = w.shape
@@ -100,13 +117,27 @@ def _pack_int4(w: torch.Tensor):
 class Packed:
     """Packed copies of one (out, in) weight for decode rows: `packed(x)` (..., in) -> (..., out)."""
 
-    def __init__(self, w: torch.Tensor, bias: torch.Tensor | None, fmt: str):
+    def __init__(self, w: torch.Tensor, bias: torch.Tensor | None, fmt: str, native: bool = False):
         self.out_features, self.in_features = w.shape
         self.fmt, self.bias = fmt, bias
         self.out_dtype = w.dtype  # the compute dtype, whatever the input's (the step may hand over bf16 rows)
         w = w.detach()
-        self.packed = {"bf16": lambda w: _pack_bf16(w, FEW), "int8": _pack_int8, "int4": _pack_int4}[fmt](w)
-        if fmt == "bf16":  # the layout for calls of many rows
+        # decode rows through cag.native (float32 out, any number of rows in one call, each row's bits its own)
+        # with cag.native: decode rows in int4 / bf16 through its products, and a question's rows (int8,
+        # int4: a plain bf16 copy) through its bf16 product; oneDNN's bf16 sums depend on the row count
+        # on some CPUs (AMD Zen 4), these never do
+        native = native and self.in_features % 32 == 0 and cag_native.load() is not None
+        self.native = native and (fmt == "bf16" or fmt == "int4" and self.in_features % 64 == 0)
+        self.native_questions = native and fmt != "bf16"
+        if self.native:
+            self.packed = pack_int4(w) if fmt == "int4" else w.to(torch.bfloat16).contiguous()
+        else:
+            self.packed = {"bf16": lambda w: _pack_bf16(w, FEW), "int8": _pack_int8, "int4": _pack_int4}[fmt](w)
+        if self.native_questions:
+            self.packed_many = w.to(torch.bfloat16).contiguous()
+        elif self.native:  # bf16: the same matrix serves a question's rows
+            self.packed_many = None
+        elif fmt == "bf16":  # the layout for calls of many rows
             self.packed_many = _pack_bf16(w, 1) if self.out_features < WIDE else None
         else:  # int8/int4: the bf16 copy a question's rows use, in the layout for few rows
             self.packed_many = _pack_bf16(w, FEW) if torch.backends.mkldnn.is_available() else None
@@ -119,7 +150,7 @@ class Packed:
         """The packed product of a pass's rows (..., in) -> (..., out). `roles`: (rows, question?) runs
         in row order; None: all decode rows (one per request of a batch)."""
         x2 = x.reshape(-1, self.in_features).to(torch.bfloat16)  # (rows, in)
-        if roles is None or len(roles) == 1 or self.fmt == "bf16":
+        if roles is None or len(roles) == 1 or self.fmt == "bf16":  # one kernel for every row
             y = self._rows(x2, roles is not None and roles[0][1])
         else:
             y = torch.cat([self._rows(c, q) for c, (_, q) in zip(x2.split([n for n, _ in roles]), roles)])
@@ -127,6 +158,12 @@ class Packed:
         return y if self.bias is None else y + self.bias
 
     def _rows(self, x2: torch.Tensor, question: bool) -> torch.Tensor:
+        # cag.native's: any number of rows in one call, each row's bits its own
+        if question and self.native_questions:
+            return torch.ops.cag.bf16_mm(x2.contiguous(), self.packed_many)
+        if self.native:
+            x2 = x2.contiguous()
+            return torch.ops.cag.int4_mm(x2, *self.packed) if self.fmt == "int4" else torch.ops.cag.bf16_mm(x2, self.packed)
         if self.fmt == "bf16":  # both layouts give the same bits up to FEW rows: the count picks
             many = x2.shape[0] > FEW and self.packed_many is not None
             fmt, w, most = ("bf16", self.packed_many, ROWS) if many else ("bf16", self.packed, FEW)
@@ -154,11 +191,12 @@ class FastLinear(torch.nn.Module):
     call for the group. Columns come out bit for bit as from separate matrices (the kernels block the
     output columns, never a column's sum: tests/test_batch.py)."""
 
-    def __init__(self, linear: torch.nn.Linear, fmt: str, packs: Packed | None = None, cols: tuple[int, int] | None = None):
+    def __init__(self, linear: torch.nn.Linear, fmt: str, packs: Packed | None = None, cols: tuple[int, int] | None = None,
+                 native: bool = False):
         super().__init__()
         self.in_features, self.out_features, self.fmt = linear.in_features, linear.out_features, fmt
         self.weight, self.bias = linear.weight, linear.bias  # the model's own (shared if tied)
-        self.packs = packs or Packed(linear.weight, linear.bias, fmt)
+        self.packs = packs or Packed(linear.weight, linear.bias, fmt, native)
         self.cols = cols
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -190,9 +228,10 @@ def packable(lin: torch.nn.Linear, fmt: str) -> bool:
     return fmt != "int4" or (lin.in_features % GROUP == 0 and lin.out_features % 16 == 0)
 
 
-def apply(model: torch.nn.Module, fmt: str) -> int:
+def apply(model: torch.nn.Module, fmt: str, native: bool = False) -> int:
     """Stack each group's weights (cag.stacking), then swap every nn.Linear of `model` for a FastLinear in
-    `fmt` (fp32: none). Returns the bytes the packed copies take."""
+    `fmt` (fp32: none); `native`: decode rows through cag.native's products where it has them. Returns
+    the bytes the packed copies take."""
     stacking.stack(model)
     if fmt == "fp32":
         return 0
@@ -200,7 +239,7 @@ def apply(model: torch.nn.Module, fmt: str) -> int:
     for parent, names, lins in stacking.groups(model):  # one packed copy of each stacked group
         if not all(packable(m, fmt) for m in lins) or (st := stacking.stacked(*lins)) is None:
             continue
-        group = Packed(*st, fmt)  # the stack (sum of outs, in) and its bias
+        group = Packed(*st, fmt, native)  # the stack (sum of outs, in) and its bias
         packs[id(group)], lo = group, 0
         for n, m in zip(names, lins):
             setattr(parent, n, FastLinear(m, fmt, group, (lo, lo + m.out_features)))
@@ -210,7 +249,7 @@ def apply(model: torch.nn.Module, fmt: str) -> int:
     swaps = [(name, m) for name, m in model.named_modules() if isinstance(m, torch.nn.Linear) and packable(m, own(m))]
     for name, lin in swaps:
         parent = model.get_submodule(name.rsplit(".", 1)[0]) if "." in name else model
-        fast = FastLinear(lin, own(lin))
+        fast = FastLinear(lin, own(lin), native=native)
         setattr(parent, name.rsplit(".", 1)[-1], fast)
         packs[id(fast.packs)] = fast.packs
     return sum(p.nbytes for p in packs.values())

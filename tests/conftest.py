@@ -91,7 +91,7 @@ def cag_home(tmp_path, monkeypatch, models_dir) -> Path:
     monkeypatch.setenv("CAG_MODELS_DIR", str(models_dir))
     for var in ("CAG_MODEL", "CAG_KV_DTYPE", "CAG_API_KEYS", "CAG_TTL_S", "CAG_DEVICE", "CAG_DTYPE", "CAG_STORE",
                 "CAG_STORE_CACHE_BYTES", "CAG_STORE_REF_TTL_S", "CAG_STORE_GC_GRACE_S", "CAG_THREADS",
-                "CAG_DECODE_ATTENTION"):
+                "CAG_DECODE_KERNELS"):
         monkeypatch.delenv(var, raising=False)
     monkeypatch.setenv("CAG_WEIGHTS", "fp32")  # `auto` measures the machine; tests pin what they compare
     return home

@@ -13,6 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
+from cag import native
 from cag.errors import TooLarge
 from cag.rag.answer import ask_many
 from tests.conftest import REPO
@@ -50,19 +51,25 @@ def tiny_engine(request, tiny_model_dir, monkeypatch):
     return Engine(get_settings())
 
 
-def test_packed_products_and_suffix_attention_are_row_invariant():
+@pytest.mark.parametrize("kernels", [
+    "native",
+    # oneDNN's bf16 kernel sums a 1536-wide input differently by row count on CPUs without AMX
+    # (measured on AMD Zen 4): CAG_DECODE_KERNELS=torch is batch-exact on AMX machines; `auto` runs
+    # cag's own kernels elsewhere
+    pytest.param("torch", marks=pytest.mark.xfail(not native.tiles(), reason="oneDNN bf16 re-blocks its sum here", strict=False)),
+])
+def test_packed_products_are_row_invariant(kernels):
     """What exactness in a batch rests on: a row's result does not depend on the other rows."""
-    import torch
-
-    from cag.parts import suffix_keys
     from cag.weights import FastLinear
 
+    if kernels == "native" and (why := native.why_not()):
+        pytest.skip(f"cag's kernels cannot run here: {why}")
     torch.manual_seed(0)
     with torch.inference_mode():
         for fmt in ("bf16", "int8", "int4"):
             # (576, 960), (576, 3072): SmolLM2's stacked q/k/v and gate/up; the last: an LM head's shape
             for i, o in ((64, 128), (576, 1536), (1536, 576), (576, 960), (576, 3072), (576, 49152)):
-                fl = FastLinear(torch.nn.Linear(i, o, bias=False), fmt)
+                fl = FastLinear(torch.nn.Linear(i, o, bias=False), fmt, native=kernels == "native")
                 x = torch.randn(256, i)
                 alone = torch.cat([fl.decode(x[r : r + 1]) for r in range(256)])
                 for m in (6, 9, 17, 40, 128, 160, 200, 256):  # over 128 rows: oneDNN's bf16 can re-block the sum
@@ -73,6 +80,13 @@ def test_packed_products_and_suffix_attention_are_row_invariant():
                     assert torch.equal(fl.decode(x[:m], [(m, True)]), asked[:m]), (fmt, i, o, m)
                     mixed = fl.decode(x[:m + 5], [(5, False), (m, True)])
                     assert torch.equal(mixed[:5], alone[:5]) and torch.equal(mixed[5:], asked[5 : m + 5]), (fmt, i, o, m)
+
+
+def test_suffix_attention_is_row_invariant():
+    from cag.parts import suffix_keys
+
+    torch.manual_seed(0)
+    with torch.inference_mode():
         # suffix attention: the width read (suffix_keys) changes with the batch's longest suffix, and
         # the keys past a row's own suffix hold other requests' leftovers (masked)
         flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
@@ -90,6 +104,10 @@ def test_packed_products_and_suffix_attention_are_row_invariant():
             assert all(torch.equal(o[0], outs[0][0]) and torch.equal(o[1], outs[0][1]) for o in outs), seen
 
 
+# torch's CPU flash kernel gives rows bits that depend on the rows beside them at more prefix lengths on
+# CPUs without AMX (measured on AMD Zen 4: 5 and 100 keys below), so CAG_DECODE_KERNELS=torch is
+# batch-exact on AMX machines only; `auto` attends through cag's kernel on AVX512-BF16 CPUs
+@pytest.mark.xfail(not native.tiles(), reason="torch's flash kernel is not row-invariant on this CPU", strict=False)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cascade_attention_rows_do_not_depend_on_the_batch_at_any_prefix_length(dtype):
     """Requests on one prefix attend together: a row's output must be its output alone, and the right

@@ -1,7 +1,7 @@
-"""cag.native's AMX decode attention: the attention it computes, rows that never depend on the batch,
-its bad inputs, the CAG_DECODE_ATTENTION modes, and cag == full through it on a model with heads of
-64. Where the kernel cannot be built here (another CPU, no compiler) its tests skip with the reason;
-where it can, a failed build fails them."""
+"""cag.native's decode attention (AVX512-BF16, and AMX where the CPU has it): the attention it computes,
+rows that never depend on the batch, its bad inputs; the step's glue; the CAG_DECODE_KERNELS modes; and
+cag == full through the kernels on a model with heads of 64. Where the library cannot be built here
+(another CPU, no compiler) its tests skip with the reason; where it can, a failed build fails them."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import torch
 
 from cag import native
 from cag import step as lean
+from cag import weights as weights_mod
 from cag.config import get_settings
 from cag.engine import Engine
 from cag.errors import ModelError
@@ -20,12 +21,18 @@ from tests.test_exactness import QUESTIONS
 
 
 @pytest.fixture(scope="module")
-def kernel():
+def library():
     if why := native.why_not():
-        pytest.skip(f"the AMX kernel cannot run here: {why}")
-    fn = native.load()
-    assert fn is not None, native.reason()  # a machine that has what it needs must build it
-    return fn
+        pytest.skip(f"cag's kernels cannot run here: {why}")
+    assert native.load() is not None, native.reason()  # a machine that has what it needs must build it
+
+
+HERE = ["avx512"] + (["amx"] if native.tiles() else [])  # the attention variants this CPU runs
+
+
+@pytest.fixture(params=HERE)
+def kernel(request, library):
+    return native.attention(request.param)
 
 
 def case(B, R, n, lens, D=64, H=2, S=4, room=300, seed=0):
@@ -85,7 +92,7 @@ def test_bad_inputs_are_refused(kernel):
         kernel(q[..., :32].contiguous(), kp[..., :32], vp[..., :32], ks[..., :32], vs[..., :32], slots, lens, 0.125)
 
 
-def test_rope_write_is_the_formula_bit_for_bit(kernel):
+def test_rope_write_is_the_formula_bit_for_bit(library):
     """The step's rope and K/V write in one call: q, and the bf16 K and V it writes, equal torch's
     `x * cos + roll(x, D/2) * sin` (then `.to(bf16)`) bit for bit; other slots and positions untouched."""
     R, H, Hk, D = 5, 6, 2, 64
@@ -106,7 +113,7 @@ def test_rope_write_is_the_formula_bit_for_bit(kernel):
         torch.ops.cag.rope_write(qkv, cos, sin, K, V, slots, torch.tensor([3, 0, 1, 8, 4]), H)
 
 
-def test_rms_bf16_is_the_norm_rounded_once(kernel):
+def test_rms_bf16_is_the_norm_rounded_once(library):
     """RMSNorm straight to bf16: within one bf16 rounding of torch's float32 formula, a row's bits its own."""
     g = torch.Generator().manual_seed(2)
     x, w = torch.randn(7, 576, generator=g) * 3, torch.rand(576, generator=g) + 0.5
@@ -118,17 +125,31 @@ def test_rms_bf16_is_the_norm_rounded_once(kernel):
         torch.ops.cag.rms_bf16(x.double(), w, 1e-5)
 
 
-def test_modes(kernel):
-    assert native.resolve("torch") == "torch" and native.resolve("auto") == "amx" == native.resolve("amx")
-    with pytest.raises(ModelError, match="unknown decode attention"):
+def test_the_amx_op_refuses_on_a_library_built_without_it(library):
+    if native.tiles():
+        pytest.skip("this CPU has AMX: the library holds the AMX attention")
+    with pytest.raises(RuntimeError, match="without AMX"):
+        native.attention("amx")(*case(1, 3, 64, [4]), 0.125)
+
+
+def test_modes(library):
+    assert native.resolve("torch") == "torch" and native.resolve("avx512") == "avx512"
+    assert native.resolve("auto") == ("amx" if native.tiles() else "avx512")
+    if native.tiles():
+        assert native.resolve("amx") == "amx"
+    else:
+        with pytest.raises(ModelError, match="lacks amx_tile"):
+            native.resolve("amx")
+    with pytest.raises(ModelError, match="unknown decode kernels"):
         native.resolve("fast")
-    with pytest.raises(ModelError, match="CPU kernel"):
-        native.resolve("amx", "cuda")
+    with pytest.raises(ModelError, match="for the CPU"):
+        native.resolve("avx512", "cuda")
+    assert native.resolve("auto", "cuda") == "torch"
 
 
 def test_a_failed_build_falls_back_or_refuses(monkeypatch, tmp_path, caplog):
-    """A machine that should build the kernel but cannot (here: a compiler that fails): `auto` decodes
-    with torch's kernel after one warning, `amx` refuses with the reason."""
+    """A machine that should build the library but cannot (here: a compiler that fails): `auto` decodes
+    with torch's kernels after one warning, `amx` and `avx512` refuse with the reason."""
     monkeypatch.setattr(native, "_state", {})
     monkeypatch.setattr(native, "why_not", lambda: None)
     monkeypatch.setenv("CXX", "false")
@@ -136,26 +157,32 @@ def test_a_failed_build_falls_back_or_refuses(monkeypatch, tmp_path, caplog):
     with caplog.at_level(logging.WARNING, logger="cag.native"):
         assert native.resolve("auto") == "torch"
     assert "falls back to torch" in caplog.text and "did not build" in caplog.text
-    with pytest.raises(ModelError, match="cannot run here: it did not build"):
-        native.resolve("amx")
+    for mode in ("amx", "avx512"):
+        with pytest.raises(ModelError, match="cannot run here: it did not build"):
+            native.resolve(mode)
     assert not list(tmp_path.rglob("*.so*"))  # no half-written library left behind
 
 
-def test_amx_is_refused_where_decode_attends_in_float32(tiny64_model_dir, monkeypatch):
+def test_native_kernels_are_refused_where_decode_attends_in_float32(tiny64_model_dir, monkeypatch):
     monkeypatch.setenv("CAG_MODEL", str(tiny64_model_dir))
-    monkeypatch.setenv("CAG_DECODE_ATTENTION", "amx")
+    monkeypatch.setenv("CAG_DECODE_KERNELS", "avx512")
     with pytest.raises(ModelError, match="needs bf16 K/V"):
         Engine(get_settings()).lm  # noqa: B018 (loads the model)
 
 
+@pytest.mark.parametrize("mode", HERE)
 @pytest.mark.parametrize("weights", ["bf16", "int4"])
-def test_cag_equals_full_through_the_kernel(kernel, tiny64_model_dir, small_corpus, monkeypatch, weights):
-    """Decode rows attend through the kernel (heads of 64, bf16 K/V): cached and uncached answers
-    agree token for token, alone and asked together, and differ from torch's kernel only in bits."""
+def test_cag_equals_full_through_the_kernels(library, tiny64_model_dir, small_corpus, monkeypatch, weights, mode):
+    """Decode rows run on cag's kernels (attention over bf16 K/V with heads of 64, the fused norm and
+    rope, the products): cached and uncached answers agree token for token, alone and asked together."""
     monkeypatch.setenv("CAG_MODEL", str(tiny64_model_dir))
     monkeypatch.setenv("CAG_WEIGHTS", weights)
+    monkeypatch.setenv("CAG_DECODE_KERNELS", mode)
     engine = Engine(get_settings())
-    assert engine.lm.decode_attention == "amx" and lean.for_model(engine.lm.model).glue is not None  # the fused norm and rope too
+    step = lean.for_model(engine.lm.model)
+    assert engine.lm.kernels == mode and step.kernel is not None and step.glue is not None
+    packs = [m.packs for m in engine.lm.model.modules() if isinstance(m, weights_mod.FastLinear)]
+    assert packs and all(p.native for p in packs)  # every product through cag's own kernel
     engine.ingest(str(small_corpus))
     alone = []
     for q in QUESTIONS[:3]:

@@ -1,15 +1,17 @@
-// Decode attention on Intel AMX: the query rows of each request (one new token: its heads that share
-// a K/V head) over the prefix the requests share and each request's own suffix, in one call.
+// Decode attention on AVX512-BF16, or on Intel AMX tiles where the compiler targets them: the query
+// rows of each request (one new token: its heads that share a K/V head) over the prefix the requests
+// share and each request's own suffix, in one call.
 // Built and loaded by cag/native.py; used by cag/cascade.py for decode rows over bf16 K/V. At the end of
 // the file, the step's glue (rms_bf16, rope_write) that cag/step.py calls in the same configuration.
 //
 // Work: keys are read in items of C keys (a prefix chunk for all rows of every request on it, or a
 // suffix chunk for one request's rows), spread over the threads; each item leaves per row its max
 // score m, its probability sum l and sum_t p_t v_t (unnormalized), merged per row in chunk order.
-// Products run on AMX tiles (bf16 pairs, float32 sums; q and the probabilities rounded to bf16 as in
-// torch's flash kernel); softmax in float32 on AVX-512. A row's result depends on its own query and
-// keys only: AMX computes each output element from its own row of A, and nothing else mixes rows.
-// So a request's bits never depend on which other requests share its step.
+// Products are bf16 pairs with float32 sums (q and the probabilities rounded to bf16, as in torch's
+// flash kernel): on AMX tiles (`decode_attention`) or by AVX512-BF16 dot products
+// (`decode_attention_avx512`; the two differ in the last bits); softmax in float32 on AVX-512. A row's
+// result depends on its own query and keys only: each output element comes from its own row, and
+// nothing else mixes rows. So a request's bits never depend on which other requests share its step.
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/Parallel.h>
@@ -19,6 +21,7 @@
 #include <unistd.h>
 #include <cmath>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -43,6 +46,8 @@ inline __m512 exp16(__m512 x) {
   return _mm512_scalef_ps(p, n);
 }
 
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#define CAG_AMX 1
 struct alignas(64) TileConfig {
   uint8_t palette = 0, start_row = 0, reserved[14] = {};
   uint16_t colsb[16] = {};
@@ -65,6 +70,9 @@ struct Tiles {
     if (saved.palette) _tile_loadconfig(&saved); else _tile_release();
   }
 };
+#else
+struct Tiles {};  // built for a CPU without AMX: only the AVX512-BF16 kernel
+#endif
 
 struct Partial { float m, l; };
 
@@ -76,15 +84,52 @@ struct Scratch {
   alignas(64) float s[16 * C];              // (16, C) scores
   alignas(64) uint16_t pb[16 * C];          // (16, C) probabilities in bf16
   alignas(64) float out[16 * MAXD];         // (16, D)
+  std::vector<uint16_t> qrows;              // the AVX-512 item's q rows in bf16
 };
 thread_local Scratch scratch;
 
-// One item: `rows` query rows (fp32, D floats at q[r]) over keys [0, w) whose K and V rows (bf16, D
-// each) start at k and v, `stride` elements apart. Writes part[r] = (max score, probability sum) and
-// acc[r] (D floats) = sum_t p_t V[t]; the probabilities are rounded to bf16 once and both the sum and
-// the products use the rounded values.
-void item(const float* const* q, int64_t rows, const at::BFloat16* k, const at::BFloat16* v, int64_t stride,
-          int64_t w, int64_t D, float scale, Partial* part, float* const* acc) {
+// The softmax of `nr` rows of scores s (rows C apart, keys [0, w) of wp), keys past w masked: writes the
+// probabilities rounded to bf16 to pb (rows C apart) and part[r] = (max, sum of the rounded values).
+void softmax_rows(float* s, uint16_t* pb, int64_t nr, int64_t w, int64_t wp, float scale, Partial* part) {
+  const __m512 neg = _mm512_set1_ps(-INFINITY);
+  for (int64_t r = 0; r < nr; r++) {
+    float* sr = s + r * C;
+    __m512 mx = neg;
+    for (int64_t b = 0; b < wp / 16; b++) {
+      const int64_t left = std::max<int64_t>(0, w - b * 16);
+      __m512 x = _mm512_mul_ps(_mm512_load_ps(sr + b * 16), _mm512_set1_ps(scale));
+      if (left < 16) x = _mm512_mask_blend_ps((__mmask16)((1u << left) - 1), neg, x);
+      _mm512_store_ps(sr + b * 16, x);
+      mx = _mm512_max_ps(mx, x);
+    }
+    const float m = _mm512_reduce_max_ps(mx);
+    __m512 tot = _mm512_setzero_ps();
+    for (int64_t b = 0; b < wp / 16; b++) {
+      const __m256bh e = _mm512_cvtneps_pbh(exp16(_mm512_sub_ps(_mm512_load_ps(sr + b * 16), _mm512_set1_ps(m))));
+      _mm256_store_si256(reinterpret_cast<__m256i*>(pb + r * C + b * 16), (__m256i)e);
+      tot = _mm512_add_ps(tot, _mm512_cvtpbh_ps(e));
+    }
+    part[r] = {m, _mm512_reduce_add_ps(tot)};
+  }
+}
+
+// q rows (fp32, D floats each) rounded to bf16 into qb (rows D apart); rows past nr (up to `to`) zero.
+void round_q(const float* const* q, int64_t nr, int64_t to, int64_t D, uint16_t* qb) {
+  for (int64_t r = 0; r < to; r++)
+    for (int64_t j = 0; j < D; j += 32) {
+      __m512 lo = _mm512_setzero_ps(), hi = _mm512_setzero_ps();
+      if (r < nr) { lo = _mm512_loadu_ps(q[r] + j); hi = _mm512_loadu_ps(q[r] + j + 16); }
+      _mm512_storeu_si512(qb + r * D + j, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+    }
+}
+
+#ifdef CAG_AMX
+// One item on AMX tiles: `rows` query rows (fp32, D floats at q[r]) over keys [0, w) whose K and V rows
+// (bf16, D each) start at k and v, `stride` elements apart. Writes part[r] = (max score, probability
+// sum) and acc[r] (D floats) = sum_t p_t V[t]; the probabilities are rounded to bf16 once and both the
+// sum and the products use the rounded values.
+void item_amx(const float* const* q, int64_t rows, const at::BFloat16* k, const at::BFloat16* v, int64_t stride,
+              int64_t w, int64_t D, float scale, Partial* part, float* const* acc) {
   const int64_t wp = (w + 63) / 64 * 64;  // keys padded to whole blocks (zeros, masked)
   Scratch& sc = scratch;
   uint32_t* kt = sc.kt;
@@ -113,15 +158,9 @@ void item(const float* const* q, int64_t rows, const at::BFloat16* k, const at::
       const __m256i c = t + 1 < w ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v + (t + 1) * stride + 16 * j)) : _mm256_setzero_si256();
       _mm512_store_si512(vp + (t / 2) * D + 16 * j, _mm512_or_si512(_mm512_cvtepu16_epi32(a), _mm512_slli_epi32(_mm512_cvtepu16_epi32(c), 16)));
     }
-  const __m512 neg = _mm512_set1_ps(-INFINITY);
   for (int64_t r0 = 0; r0 < rows; r0 += 16) {  // blocks of 16 rows (the last padded with zeros)
     const int64_t nr = std::min<int64_t>(16, rows - r0);
-    for (int64_t r = 0; r < 16; r++)
-      for (int64_t j = 0; j < D; j += 32) {
-        __m512 lo = _mm512_setzero_ps(), hi = _mm512_setzero_ps();
-        if (r < nr) { lo = _mm512_loadu_ps(q[r0 + r] + j); hi = _mm512_loadu_ps(q[r0 + r] + j + 16); }
-        _mm512_store_si512(qb + r * D + j, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
-      }
+    round_q(q + r0, nr, 16, D, qb);
     for (int64_t b = 0; b < wp / 16; b++) {  // scores: 16 rows x 16 keys, d in steps of 32
       _tile_zero(0);
       for (int64_t g = 0; g < D / 32; g++) {
@@ -131,25 +170,7 @@ void item(const float* const* q, int64_t rows, const at::BFloat16* k, const at::
       }
       _tile_stored(0, s + b * 16, C * 4);
     }
-    for (int64_t r = 0; r < nr; r++) {  // softmax of each row, keys past w masked
-      float* sr = s + r * C;
-      __m512 mx = neg;
-      for (int64_t b = 0; b < wp / 16; b++) {
-        const int64_t left = std::max<int64_t>(0, w - b * 16);
-        __m512 x = _mm512_mul_ps(_mm512_load_ps(sr + b * 16), _mm512_set1_ps(scale));
-        if (left < 16) x = _mm512_mask_blend_ps((__mmask16)((1u << left) - 1), neg, x);
-        _mm512_store_ps(sr + b * 16, x);
-        mx = _mm512_max_ps(mx, x);
-      }
-      const float m = _mm512_reduce_max_ps(mx);
-      __m512 tot = _mm512_setzero_ps();
-      for (int64_t b = 0; b < wp / 16; b++) {
-        const __m256bh e = _mm512_cvtneps_pbh(exp16(_mm512_sub_ps(_mm512_load_ps(sr + b * 16), _mm512_set1_ps(m))));
-        _mm256_store_si256(reinterpret_cast<__m256i*>(pb + r * C + b * 16), (__m256i)e);
-        tot = _mm512_add_ps(tot, _mm512_cvtpbh_ps(e));
-      }
-      part[r0 + r] = {m, _mm512_reduce_add_ps(tot)};
-    }
+    softmax_rows(s, pb, nr, w, wp, scale, part + r0);
     for (int64_t r = nr; r < 16; r++) std::memset(pb + r * C, 0, wp * 2);
     for (int64_t d0 = 0; d0 < D; d0 += 64) {  // values: 16 rows x 64 dims (t4-t7), keys in steps of 32
       _tile_zero(4); _tile_zero(5); _tile_zero(6); _tile_zero(7);
@@ -167,6 +188,113 @@ void item(const float* const* q, int64_t rows, const at::BFloat16* k, const at::
     for (int64_t r = 0; r < nr; r++) std::memcpy(acc[r0 + r], out + r * D, D * 4);
   }
 }
+#endif
+
+// r[0..15] (16 rows of 16 dwords) transposed in registers: r[i] becomes dword i of every row.
+inline void transpose16(__m512 r[16]) {
+  __m512 t[16];
+  for (int i = 0; i < 16; i += 2) { t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]); t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]); }
+  for (int i = 0; i < 16; i += 4) {
+    r[i] = _mm512_shuffle_ps(t[i], t[i + 2], 0x44); r[i + 1] = _mm512_shuffle_ps(t[i], t[i + 2], 0xEE);
+    r[i + 2] = _mm512_shuffle_ps(t[i + 1], t[i + 3], 0x44); r[i + 3] = _mm512_shuffle_ps(t[i + 1], t[i + 3], 0xEE);
+  }
+  for (int i = 0; i < 4; i++) {
+    t[i] = _mm512_shuffle_f32x4(r[i], r[i + 4], 0x88); t[i + 4] = _mm512_shuffle_f32x4(r[i], r[i + 4], 0xDD);
+    t[i + 8] = _mm512_shuffle_f32x4(r[i + 8], r[i + 12], 0x88); t[i + 12] = _mm512_shuffle_f32x4(r[i + 8], r[i + 12], 0xDD);
+  }
+  for (int i = 0; i < 8; i++) { r[i] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0x88); r[i + 8] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0xDD); }
+}
+
+// The same item by AVX512-BF16 dot products (CPUs without AMX: AMD Zen 4 and later, Intel before
+// Sapphire Rapids with avx512_bf16). Gathers are slow on some of these (5 of 9 ms at 4K on Zen 4):
+// K's pairs are transposed in registers instead, and V's pairs interleaved in registers as they are
+// used. Scores: per row, 4 chains of 16 keys, one q pair per step; values: per row block of 4, the D
+// dims in D/16 chains, one pair of probabilities per step (dims come out permuted within 128-bit
+// lanes by the interleave, put back at the end).
+void item_avx512(const float* const* q, int64_t rows, const at::BFloat16* k, const at::BFloat16* v, int64_t stride,
+                 int64_t w, int64_t D, float scale, Partial* part, float* const* acc) {
+  const int64_t wp = (w + 63) / 64 * 64;
+  Scratch& sc = scratch;
+  uint32_t* kt = sc.kt;  // (D/2, wp) as for AMX
+  float* s = sc.s;
+  uint16_t* pb = sc.pb;
+  const int64_t nd = D / 32;  // zmm per K/V row
+  for (int64_t b = 0; b < wp / 16; b++) {
+    for (int64_t h = 0; h < nd; h++) {  // dword pairs 16h .. 16h + 15 of 16 keys
+      __m512 r[16];
+      if (h == 0)  // the next block's rows on their way (measured on Zen 4: 5.6 -> 4.8 ms at 4K)
+        for (int64_t u = 0; u < 16 && (b + 1) * 16 + u < w; u++)
+          for (int64_t off = 0; off < D * 2; off += 64)
+            _mm_prefetch(reinterpret_cast<const char*>(k + ((b + 1) * 16 + u) * stride) + off, _MM_HINT_T0);
+      for (int64_t u = 0; u < 16; u++) {
+        const int64_t t = b * 16 + u;
+        r[u] = t < w ? _mm512_loadu_ps(reinterpret_cast<const float*>(k + t * stride) + 16 * h) : _mm512_setzero_ps();
+      }
+      transpose16(r);
+      for (int64_t i = 0; i < 16; i++) _mm512_store_ps(reinterpret_cast<float*>(kt + (16 * h + i) * wp + b * 16), r[i]);
+    }
+  }
+  std::vector<uint16_t>& qbv = sc.qrows;
+  if ((int64_t)qbv.size() < rows * D) qbv.resize(rows * D);
+  for (int64_t r0 = 0; r0 < rows; r0 += 16) {  // blocks of 16 rows: the scratch holds 16 rows of scores
+    const int64_t nr = std::min<int64_t>(16, rows - r0);
+    uint16_t* qb = qbv.data() + r0 * D;
+    round_q(q + r0, nr, nr, D, qb);
+    for (int64_t r = 0; r < nr; r++) {
+      const uint32_t* qp = reinterpret_cast<const uint32_t*>(qb + r * D);
+      for (int64_t b = 0; b < wp / 16; b += 4) {
+        __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+        for (int64_t i = 0; i < D / 2; i++) {
+          const __m512bh qq = (__m512bh)_mm512_set1_epi32((int)qp[i]);
+          const uint32_t* kr = kt + i * wp + b * 16;
+          a0 = _mm512_dpbf16_ps(a0, (__m512bh)_mm512_load_si512(kr), qq);
+          a1 = _mm512_dpbf16_ps(a1, (__m512bh)_mm512_load_si512(kr + 16), qq);
+          a2 = _mm512_dpbf16_ps(a2, (__m512bh)_mm512_load_si512(kr + 32), qq);
+          a3 = _mm512_dpbf16_ps(a3, (__m512bh)_mm512_load_si512(kr + 48), qq);
+        }
+        float* sr = s + r * C + b * 16;
+        _mm512_store_ps(sr, a0); _mm512_store_ps(sr + 16, a1); _mm512_store_ps(sr + 32, a2); _mm512_store_ps(sr + 48, a3);
+      }
+    }
+    softmax_rows(s, pb, nr, w, wp, scale, part + r0);
+    for (int64_t g0 = 0; g0 < nr; g0 += 4) {  // values, 4 rows at a time
+      const int64_t ng = std::min<int64_t>(4, nr - g0);
+      __m512 a[4][2 * MAXD / 32];  // [row][lo/hi half of each zmm of V]
+      for (auto& row : a) for (auto& x : row) x = _mm512_setzero_ps();
+      for (int64_t t = 0; t < w; t += 2) {
+        const at::BFloat16* v0 = v + t * stride;
+        const bool two = t + 1 < w;
+        if (g0 == 0 && t + 16 < w)  // 16 keys ahead
+          for (int64_t off = 0; off < D * 4; off += 64)
+            _mm_prefetch(reinterpret_cast<const char*>(v0 + 16 * stride) + off, _MM_HINT_T0);
+        for (int64_t h = 0; h < nd; h++) {
+          const __m512i x0 = _mm512_loadu_si512(v0 + 32 * h);
+          const __m512i x1 = two ? _mm512_loadu_si512(v0 + stride + 32 * h) : _mm512_setzero_si512();
+          const __m512bh lo = (__m512bh)_mm512_unpacklo_epi16(x0, x1), hi = (__m512bh)_mm512_unpackhi_epi16(x0, x1);
+          for (int64_t g = 0; g < ng; g++) {
+            const __m512bh pp = (__m512bh)_mm512_set1_epi32(*reinterpret_cast<const int32_t*>(pb + (g0 + g) * C + t));
+            a[g][2 * h] = _mm512_dpbf16_ps(a[g][2 * h], lo, pp);
+            a[g][2 * h + 1] = _mm512_dpbf16_ps(a[g][2 * h + 1], hi, pp);
+          }
+        }
+      }
+      // lane 4L + j of lo holds dim 8L + j of its 32 (j < 4), of hi dim 8L + 4 + j: back in order
+      const __m512i i0 = _mm512_set_epi32(23, 22, 21, 20, 7, 6, 5, 4, 19, 18, 17, 16, 3, 2, 1, 0);
+      const __m512i i1 = _mm512_set_epi32(31, 30, 29, 28, 15, 14, 13, 12, 27, 26, 25, 24, 11, 10, 9, 8);
+      for (int64_t g = 0; g < ng; g++)
+        for (int64_t h = 0; h < nd; h++) {
+          _mm512_storeu_ps(acc[r0 + g0 + g] + 32 * h, _mm512_permutex2var_ps(a[g][2 * h], i0, a[g][2 * h + 1]));
+          _mm512_storeu_ps(acc[r0 + g0 + g] + 32 * h + 16, _mm512_permutex2var_ps(a[g][2 * h], i1, a[g][2 * h + 1]));
+        }
+    }
+  }
+}
+
+#ifdef CAG_AMX
+constexpr auto item_tiles = item_amx;
+#else
+constexpr auto item_tiles = item_avx512;  // never called: attend<true> refuses first
+#endif
 
 bool amx_permitted() {  // Linux hands out AMX tile state on request, once per process
   static const bool ok = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
@@ -176,9 +304,13 @@ bool amx_permitted() {  // Linux hands out AMX tile state on request, once per p
 // q (B, H, R, D) float32: request b, K/V head h, row r (the query heads sharing h); kp, vp (H, n, D)
 // bf16: the shared prefix (n may be 0); ks, vs (S, H, room, D) bf16: the request slots; slots (B,),
 // lens (B,) int64: request b reads keys [0, lens[b]) of slot slots[b]. Returns (B, H, R, D) float32.
-at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& kp, const at::Tensor& vpre, const at::Tensor& ks,
-                            const at::Tensor& vs, const at::Tensor& slots, const at::Tensor& lens, double scale) {
-  TORCH_CHECK(amx_permitted(), "the kernel refused to start: Linux did not grant AMX tile state to this process");
+template <bool AMX>
+at::Tensor attend(const at::Tensor& q, const at::Tensor& kp, const at::Tensor& vpre, const at::Tensor& ks,
+                  const at::Tensor& vs, const at::Tensor& slots, const at::Tensor& lens, double scale) {
+#ifndef CAG_AMX
+  TORCH_CHECK(!AMX, "this library was built for a CPU without AMX: use decode_attention_avx512");
+#endif
+  TORCH_CHECK(!AMX || amx_permitted(), "the kernel refused to start: Linux did not grant AMX tile state to this process");
   TORCH_CHECK(q.dim() == 4 && q.scalar_type() == at::kFloat && q.is_contiguous(), "q: (B, H, R, D) float32, contiguous");
   TORCH_CHECK(kp.dim() == 3 && vpre.dim() == 3 && ks.dim() == 4 && vs.dim() == 4, "K/V: (H, n, D) prefix and (S, H, room, D) slots");
   const int64_t B = q.size(0), H = q.size(1), R = q.size(2), D = q.size(3), n = kp.size(1);
@@ -211,7 +343,7 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& kp, const at:
   const int64_t nt = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), n_items));
   const float* qd = q.data_ptr<float>();
   at::parallel_for(0, nt, 1, [&](int64_t p0, int64_t p1) {
-    Tiles tiles;
+    [[maybe_unused]] std::conditional_t<AMX, Tiles, int> tiles{};
     std::vector<const float*> qs(B * R);
     std::vector<float*> accs(B * R);
     std::vector<Partial> ps(B * R);
@@ -224,7 +356,7 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& kp, const at:
               qs[b * R + r] = qd + ((b * H + h) * R + r) * D;
               accs[b * R + r] = acc.data() + at(b, h, r, c) * D;
             }
-          item(qs.data(), B * R, kp.data_ptr<at::BFloat16>() + h * kp.stride(0) + t0 * kp.stride(1),
+          (AMX ? item_tiles : item_avx512)(qs.data(), B * R, kp.data_ptr<at::BFloat16>() + h * kp.stride(0) + t0 * kp.stride(1),
                vpre.data_ptr<at::BFloat16>() + h * vpre.stride(0) + t0 * vpre.stride(1), kp.stride(1),
                std::min(C, n - t0), D, (float)scale, ps.data(), accs.data());
           for (int64_t b = 0; b < B; b++)
@@ -235,7 +367,7 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& kp, const at:
             qs[r] = qd + ((b * H + h) * R + r) * D;
             accs[r] = acc.data() + at(b, h, r, np + c) * D;
           }
-          item(qs.data(), R, ks.data_ptr<at::BFloat16>() + slot[b] * ks.stride(0) + h * ks.stride(1) + t0 * ks.stride(2),
+          (AMX ? item_tiles : item_avx512)(qs.data(), R, ks.data_ptr<at::BFloat16>() + slot[b] * ks.stride(0) + h * ks.stride(1) + t0 * ks.stride(2),
                vs.data_ptr<at::BFloat16>() + slot[b] * vs.stride(0) + h * vs.stride(1) + t0 * vs.stride(2), ks.stride(2),
                std::min(C, len[b] - t0), D, (float)scale, ps.data(), accs.data());
           for (int64_t r = 0; r < R; r++) part[at(b, h, r, np + c)] = ps[r];
@@ -261,6 +393,16 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& kp, const at:
         }
       }
   return out;
+}
+
+at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& kp, const at::Tensor& vpre, const at::Tensor& ks,
+                            const at::Tensor& vs, const at::Tensor& slots, const at::Tensor& lens, double scale) {
+  return attend<true>(q, kp, vpre, ks, vs, slots, lens, scale);
+}
+
+at::Tensor decode_attention_avx512(const at::Tensor& q, const at::Tensor& kp, const at::Tensor& vpre, const at::Tensor& ks,
+                                   const at::Tensor& vs, const at::Tensor& slots, const at::Tensor& lens, double scale) {
+  return attend<false>(q, kp, vpre, ks, vs, slots, lens, scale);
 }
 
 // The step's glue around the products, one call each instead of ~8 and ~14 small torch ops a layer.
@@ -348,9 +490,11 @@ TORCH_LIBRARY(cag, m) {
   m.def("rms_bf16(Tensor x, Tensor w, float eps) -> Tensor");
   m.def("rope_write(Tensor qkv, Tensor cos, Tensor sin, Tensor(a!) K, Tensor(b!) V, Tensor slots, Tensor pos, int H) -> Tensor");
   m.def("decode_attention(Tensor q, Tensor kp, Tensor vp, Tensor ks, Tensor vs, Tensor slots, Tensor lens, float scale) -> Tensor");
+  m.def("decode_attention_avx512(Tensor q, Tensor kp, Tensor vp, Tensor ks, Tensor vs, Tensor slots, Tensor lens, float scale) -> Tensor");
 }
 TORCH_LIBRARY_IMPL(cag, CPU, m) {
   m.impl("decode_attention", decode_attention);
+  m.impl("decode_attention_avx512", decode_attention_avx512);
   m.impl("rms_bf16", rms_bf16);
   m.impl("rope_write", rope_write);
 }

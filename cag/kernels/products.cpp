@@ -1,0 +1,168 @@
+// Weight products of decode rows on AVX512-BF16, at the speed of reading the weights: int4 groups
+// (CAG_WEIGHTS=int4) and plain bf16 (the LM head, CAG_WEIGHTS=bf16). Built with decode_attention.cpp
+// into one library by cag/native.py; called by cag/weights.py (Packed) for decode rows.
+//
+// torch's int4 kernel dequantizes each weight row to float per input row (~10-17 GB/s on these
+// machines); here the nibbles become bf16 in registers with two integer ops and go straight into
+// AVX512-BF16 dot products, so one pass over the packed bytes serves every row of the call.
+//
+// int4 layout (cag.weights.pack_int4): qw (N, K/2) uint8, each group of 32 inputs in 16 bytes, byte j
+// holding input j (low nibble) and input j + 16 (high nibble); dm (N, 2, K/32) float16: per group its
+// step d and its min m, so w = m + q d, q in 0..15 (GGUF Q4_1's shape and precision).
+// bf16 (OR 0x4300) is 128 + q exactly, so a group's dot product of (128 + q) with x, times d, plus
+// (m - 128 d) times the group's sum of x, is sum_i w_i x_i.
+//
+// Every row runs the same sequence of operations whatever the other rows of its call and whichever
+// thread takes its outputs: a row's bits are its own (tests/test_native.py).
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+#include <immintrin.h>
+#include <algorithm>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+constexpr int MB = 8;  // rows held in registers at a time (a call of more rows runs blocks of MB)
+
+// x (M, K) bf16 -> per row: xp (K) bf16 in the order the unpacked nibbles come out (per 64 inputs:
+// 0-15 and 32-47 of group pair's low nibbles, then 16-31 and 48-63), xs (K/32) float32 group sums.
+void prepare(const uint16_t* x, int64_t M, int64_t K, uint16_t* xp, float* xs) {
+  for (int64_t r = 0; r < M; r++) {
+    const uint16_t* xr = x + r * K;
+    uint16_t* pr = xp + r * K;
+    for (int64_t p = 0; p < K; p += 64) {
+      std::memcpy(pr + p, xr + p, 32);            // group g, inputs 0-15
+      std::memcpy(pr + p + 16, xr + p + 32, 32);  // group g + 1, inputs 0-15
+      std::memcpy(pr + p + 32, xr + p + 16, 32);  // group g, inputs 16-31
+      std::memcpy(pr + p + 48, xr + p + 48, 32);  // group g + 1, inputs 16-31
+    }
+    for (int64_t g = 0; g < K / 32; g++) {
+      const __m512 lo = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(xr + 32 * g))), 16));
+      const __m512 hi = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(xr + 32 * g + 16))), 16));
+      xs[r * (K / 32) + g] = _mm512_reduce_add_ps(_mm512_add_ps(lo, hi));
+    }
+  }
+}
+
+// Rows [r0, r0 + nr) (nr <= MB) times output n's int4 weights.
+template <int NR>
+void int4_rows(const uint8_t* qw, const uint16_t* dm, int64_t K, const uint16_t* xp, const float* xs, float* y, int64_t N, int64_t n) {
+  const int64_t G = K / 32;
+  const uint8_t* qn = qw + n * (K / 2);
+  const uint16_t* dn = dm + n * 2 * G;
+  __m512 acc[NR], cacc[NR];
+  for (int r = 0; r < NR; r++) acc[r] = cacc[r] = _mm512_setzero_ps();
+  const __m512i low = _mm512_set1_epi16(0x000F), one28 = _mm512_set1_epi16(0x4300);
+  for (int64_t g0 = 0; g0 < G; g0 += 16) {  // 16 groups' steps and mins at a time
+    const int64_t ng = std::min<int64_t>(16, G - g0);
+    const __mmask16 gm = (__mmask16)((1u << ng) - 1);
+    const __m512 d16 = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(gm, dn + g0));
+    const __m512 m16 = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(gm, dn + G + g0));
+    const __m512 c16 = _mm512_fnmadd_ps(_mm512_set1_ps(128.0f), d16, m16);  // m - 128 d
+    for (int r = 0; r < NR; r++) cacc[r] = _mm512_fmadd_ps(c16, _mm512_maskz_loadu_ps(gm, xs + r * G + g0), cacc[r]);
+    __m512i idx = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+    for (int64_t g = 0; g < ng; g += 2, idx = _mm512_add_epi32(idx, _mm512_set1_epi32(2))) {  // a pair of groups: 64 inputs
+      const __m512i w = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i*)(qn + (g0 + g) * 16)));
+      const __m512bh lo = (__m512bh)_mm512_or_si512(_mm512_and_si512(w, low), one28);  // 128 + q, inputs 0-15 of both
+      const __m512bh hi = (__m512bh)_mm512_or_si512(_mm512_srli_epi16(w, 4), one28);   // inputs 16-31 of both
+      const __m512 dv = _mm512_permutexvar_ps(idx, d16);  // lanes 0-7: group g's d, 8-15: group g + 1's
+      for (int r = 0; r < NR; r++) {
+        const uint16_t* xr = xp + r * K + (g0 + g) * 32;
+        __m512 s = _mm512_dpbf16_ps(_mm512_setzero_ps(), lo, (__m512bh)_mm512_loadu_si512(xr));
+        s = _mm512_dpbf16_ps(s, hi, (__m512bh)_mm512_loadu_si512(xr + 32));
+        acc[r] = _mm512_fmadd_ps(s, dv, acc[r]);
+      }
+    }
+  }
+  for (int r = 0; r < NR; r++) y[r * N + n] = _mm512_reduce_add_ps(acc[r]) + _mm512_reduce_add_ps(cacc[r]);
+}
+
+// Rows [r, r + NR) times outputs [n, n + NO): each weight vector loaded once for NR rows, each row's
+// vector once for NO outputs; every (row, output) sum runs the same sequence whatever NR and NO.
+template <int NR, int NO>
+void bf16_rows(const uint16_t* w, int64_t K, const uint16_t* x, float* y, int64_t N, int64_t n) {
+  __m512 acc[NO][NR];
+  for (int o = 0; o < NO; o++)
+    for (int r = 0; r < NR; r++) acc[o][r] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; k += 32) {
+    __m512bh wv[NO];
+    for (int o = 0; o < NO; o++) wv[o] = (__m512bh)_mm512_loadu_si512(w + (n + o) * K + k);
+    for (int r = 0; r < NR; r++) {
+      const __m512bh xv = (__m512bh)_mm512_loadu_si512(x + r * K + k);
+      for (int o = 0; o < NO; o++) acc[o][r] = _mm512_dpbf16_ps(acc[o][r], wv[o], xv);
+    }
+  }
+  for (int o = 0; o < NO; o++)
+    for (int r = 0; r < NR; r++) y[r * N + n + o] = _mm512_reduce_add_ps(acc[o][r]);
+}
+
+// Rows in blocks of MB, then the rest by one row at a time (same per-row sequence either way).
+template <typename F1, typename F8>
+void blocks(int64_t M, F1 one, F8 eight) {
+  int64_t r = 0;
+  for (; r + MB <= M; r += MB) eight(r);
+  for (; r < M; r++) one(r);
+}
+
+void check_x(const at::Tensor& x, int64_t K) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.is_contiguous() && x.size(1) == K,
+              "x: (M, K) bfloat16, contiguous, K the weight's input width");
+}
+
+// x (M, K) bf16, qw (N, K/2) uint8, dm (N, 2, K/32) float16 -> (M, N) float32.
+at::Tensor int4_mm(const at::Tensor& x, const at::Tensor& qw, const at::Tensor& dm) {
+  TORCH_CHECK(qw.dim() == 2 && qw.scalar_type() == at::kByte && qw.is_contiguous(), "qw: (N, K/2) uint8");
+  const int64_t N = qw.size(0), K = qw.size(1) * 2, M = x.size(0), G = K / 32;
+  TORCH_CHECK(K % 64 == 0, "K: a multiple of 64");
+  TORCH_CHECK(dm.dim() == 3 && dm.scalar_type() == at::kHalf && dm.is_contiguous() && dm.size(0) == N && dm.size(1) == 2 &&
+              dm.size(2) == G, "dm: (N, 2, K/32) float16");
+  check_x(x, K);
+  std::vector<uint16_t> xp(M * K);
+  std::vector<float> xs(M * G);
+  prepare(reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()), M, K, xp.data(), xs.data());
+  at::Tensor y = at::empty({M, N}, x.options().dtype(at::kFloat));
+  const uint8_t* q = qw.data_ptr<uint8_t>();
+  const uint16_t* d = reinterpret_cast<const uint16_t*>(dm.data_ptr<at::Half>());
+  float* yd = y.data_ptr<float>();
+  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+    for (int64_t n = n0; n < n1; n++)
+      blocks(M, [&](int64_t r) { int4_rows<1>(q, d, K, xp.data() + r * K, xs.data() + r * G, yd + r * N, N, n); },
+             [&](int64_t r) { int4_rows<MB>(q, d, K, xp.data() + r * K, xs.data() + r * G, yd + r * N, N, n); });
+  });
+  return y;
+}
+
+// x (M, K) bf16, w (N, K) bf16 -> (M, N) float32.
+at::Tensor bf16_mm(const at::Tensor& x, const at::Tensor& w) {
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kBFloat16 && w.is_contiguous() && w.size(1) % 32 == 0, "w: (N, K) bfloat16, K a multiple of 32");
+  const int64_t N = w.size(0), K = w.size(1), M = x.size(0);
+  check_x(x, K);
+  at::Tensor y = at::empty({M, N}, x.options().dtype(at::kFloat));
+  const uint16_t* wd = reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>());
+  const uint16_t* xd = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
+  float* yd = y.data_ptr<float>();
+  at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
+    int64_t n = n0;
+    for (; n + 2 <= n1; n += 2)  // pairs of outputs
+      blocks(M, [&](int64_t r) { bf16_rows<1, 2>(wd, K, xd + r * K, yd + r * N, N, n); },
+             [&](int64_t r) { bf16_rows<MB, 2>(wd, K, xd + r * K, yd + r * N, N, n); });
+    for (; n < n1; n++)
+      blocks(M, [&](int64_t r) { bf16_rows<1, 1>(wd, K, xd + r * K, yd + r * N, N, n); },
+             [&](int64_t r) { bf16_rows<MB, 1>(wd, K, xd + r * K, yd + r * N, N, n); });
+  });
+  return y;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(cag, m) {
+  m.def("int4_mm(Tensor x, Tensor qw, Tensor dm) -> Tensor");
+  m.def("bf16_mm(Tensor x, Tensor w) -> Tensor");
+}
+TORCH_LIBRARY_IMPL(cag, CPU, m) {
+  m.impl("int4_mm", int4_mm);
+  m.impl("bf16_mm", bf16_mm);
+}

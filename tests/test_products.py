@@ -1,0 +1,118 @@
+"""cag.native's weight products for decode rows (int4 as GGUF Q4_1 holds it, bf16): the products they
+compute, rows whose bits never depend on the other rows of a call or on the threads, the int4 layout,
+and bad inputs. Skipped with the reason where the library cannot be built here."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cag import native, weights
+
+
+@pytest.fixture(scope="module", autouse=True)
+def library():
+    if why := native.why_not():
+        pytest.skip(f"cag's kernels cannot run here: {why}")
+    assert native.load() is not None, native.reason()
+
+
+def dequantized(qw: torch.Tensor, dm: torch.Tensor) -> torch.Tensor:
+    """The (out, in) float64 weight an int4 pack stands for: m + q * d per group of 32."""
+    out_f = qw.shape[0]
+    q = torch.cat([qw.view(out_f, -1, 16) & 15, qw.view(out_f, -1, 16) >> 4], -1).double()  # (out, in/32, 32)
+    d, m = dm[:, 0, :, None].double(), dm[:, 1, :, None].double()
+    return (m + q * d).reshape(out_f, -1)
+
+
+def weight(out_f=320, in_f=576, seed=0) -> torch.Tensor:
+    return torch.randn(out_f, in_f, generator=torch.Generator().manual_seed(seed)) * 0.05
+
+
+def test_int4_pack_holds_the_weight_within_half_a_step():
+    w = weight()
+    qw, dm = weights.pack_int4(w)
+    assert qw.dtype == torch.uint8 and qw.shape == (320, 288) and dm.dtype == torch.float16 and dm.shape == (320, 2, 18)
+    step = dm[:, 0].double().repeat_interleave(32, 1)  # (out, in)
+    assert ((dequantized(qw, dm) - w.double()).abs() <= step / 2 + 1e-3 * step + 2e-4).all()
+
+
+def test_int4_pack_holds_a_q4_1_weight_exactly():
+    """A weight already on a Q4_1 grid (float16 step and min, codes 0..15 with both ends used), as the
+    embedded model's GGUF stores its layers, comes back bit for bit."""
+    g = torch.Generator().manual_seed(3)
+    d = (torch.rand(64, 18, 1, generator=g) * 0.01 + 1e-3).half().float()
+    m = (torch.randn(64, 18, 1, generator=g) * 0.05).half().float()
+    q = torch.randint(0, 16, (64, 18, 32), generator=g)
+    q[..., 0], q[..., 1] = 0, 15
+    w = (m + q * d).reshape(64, 576)
+    assert torch.equal(dequantized(*weights.pack_int4(w)).float(), w)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 8, 11, 17])
+def test_int4_product_is_the_dequantized_product(rows):
+    qw, dm = weights.pack_int4(weight())
+    x = torch.randn(rows, 576, generator=torch.Generator().manual_seed(rows)).bfloat16()
+    got = torch.ops.cag.int4_mm(x, qw, dm)
+    want = x.double() @ dequantized(qw, dm).t()
+    assert got.dtype == torch.float32 and got.shape == (rows, 320)
+    assert (got.double() - want).abs().max() < 1e-4 * want.abs().max()
+
+
+@pytest.mark.parametrize("rows", [1, 5, 8, 19])
+def test_bf16_product_is_the_product(rows):
+    w = weight(1000, 320).bfloat16()
+    x = torch.randn(rows, 320, generator=torch.Generator().manual_seed(rows)).bfloat16()
+    want = x.double() @ w.double().t()
+    assert (torch.ops.cag.bf16_mm(x, w).double() - want).abs().max() < 1e-5 * want.abs().max()
+
+
+@pytest.mark.parametrize("kind", ["int4", "bf16"])
+def test_rows_never_depend_on_the_call_or_the_threads(kind):
+    """Each row alone, in another order, among 8 or 19 rows, and on one thread: the same bits."""
+    w = weight(777 if kind == "bf16" else 768, 1536)
+    mm = (lambda x, p=weights.pack_int4(w): torch.ops.cag.int4_mm(x, *p)) if kind == "int4" else \
+         (lambda x, p=w.bfloat16(): torch.ops.cag.bf16_mm(x, p))
+    x = torch.randn(19, 1536, generator=torch.Generator().manual_seed(7)).bfloat16()
+    together = mm(x)
+    assert torch.equal(torch.cat([mm(x[i : i + 1]) for i in range(19)]), together)
+    assert torch.equal(mm(x[:8]), together[:8])
+    order = torch.randperm(19, generator=torch.Generator().manual_seed(1))
+    assert torch.equal(mm(x[order].contiguous()), together[order])
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(mm(x), together)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_stacked_columns_equal_separate_matrices():
+    """A layer's q/k/v share one packed stack (cag.stacking): each column comes out as from its own matrix."""
+    a, b = weight(192, 576, 1), weight(64, 576, 2)
+    x = torch.randn(3, 576).bfloat16()
+    stacked = torch.ops.cag.int4_mm(x, *weights.pack_int4(torch.cat([a, b])))
+    assert torch.equal(stacked, torch.cat([torch.ops.cag.int4_mm(x, *weights.pack_int4(m)) for m in (a, b)], 1))
+
+
+def test_bad_inputs_are_refused():
+    qw, dm = weights.pack_int4(weight())
+    x = torch.randn(2, 576).bfloat16()
+    with pytest.raises(RuntimeError, match="bfloat16"):
+        torch.ops.cag.int4_mm(x.float(), qw, dm)
+    with pytest.raises(RuntimeError, match="input width"):
+        torch.ops.cag.int4_mm(x[:, :512].contiguous(), qw, dm)
+    with pytest.raises(RuntimeError, match="float16"):
+        torch.ops.cag.int4_mm(x, qw, dm.float())
+    with pytest.raises(RuntimeError, match="multiple of 64"):
+        torch.ops.cag.int4_mm(torch.randn(1, 32).bfloat16(), qw[:, :16].contiguous(), dm[..., :1].contiguous())
+    with pytest.raises(RuntimeError, match="multiple of 32"):
+        torch.ops.cag.bf16_mm(torch.randn(1, 40).bfloat16(), torch.randn(8, 40).bfloat16())
+
+
+def test_packed_takes_the_native_layout_only_where_it_fits():
+    """int4 needs inputs in whole pairs of groups (in % 64 == 0): other widths keep torch's kernel."""
+    assert weights.Packed(weight(64, 576), None, "int4", native=True).native
+    assert not weights.Packed(weight(64, 544), None, "int4", native=True).native
+    assert not weights.Packed(weight(64, 576), None, "int4").native
+    assert not weights.Packed(weight(64, 576), None, "int8", native=True).native
