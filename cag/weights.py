@@ -102,6 +102,16 @@ def pack_int4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return qw, torch.stack([d[..., 0], m[..., 0]], 1).contiguous()
 
 
+def pack_q8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """cag.native's int8 layout (GGUF Q8_0's) of an (out, in) weight, in % 32 == 0: qw (out, in) int8,
+    d (out, in/32) float16, w = d * q per group of 32, q in -127..127."""
+    out_f, in_f = w.shape
+    g = w.detach().float().reshape(out_f, in_f // GROUP, GROUP)
+    d = (g.abs().amax(-1, keepdim=True) / 127).clamp(min=2 ** -24).half()  # (out, in/32, 1)
+    q = torch.round(g / d.float()).clamp(-127, 127).to(torch.int8).reshape(out_f, in_f).contiguous()
+    return q, d[..., 0].contiguous()
+
+
 def _pack_int4(w: torch.Tensor):
     w = w.float()
     out_f, in_f = w.shape
@@ -127,10 +137,10 @@ class Packed:
         # int4: a plain bf16 copy) through its bf16 product; oneDNN's bf16 sums depend on the row count
         # on some CPUs (AMD Zen 4), these never do
         native = native and self.in_features % 32 == 0 and cag_native.load() is not None
-        self.native = native and (fmt == "bf16" or fmt == "int4" and self.in_features % 64 == 0)
-        self.native_questions = native and fmt != "bf16"
+        self.native = native and (fmt in ("bf16", "q8") or fmt == "int4" and self.in_features % 64 == 0)
+        self.native_questions = native and fmt in ("int8", "int4")
         if self.native:
-            self.packed = pack_int4(w) if fmt == "int4" else w.to(torch.bfloat16).contiguous()
+            self.packed = {"int4": pack_int4, "q8": pack_q8, "bf16": lambda w: w.to(torch.bfloat16).contiguous()}[fmt](w)
         else:
             self.packed = {"bf16": lambda w: _pack_bf16(w, FEW), "int8": _pack_int8, "int4": _pack_int4}[fmt](w)
         if self.native_questions:
@@ -163,7 +173,9 @@ class Packed:
             return torch.ops.cag.bf16_mm(x2.contiguous(), self.packed_many)
         if self.native:
             x2 = x2.contiguous()
-            return torch.ops.cag.int4_mm(x2, *self.packed) if self.fmt == "int4" else torch.ops.cag.bf16_mm(x2, self.packed)
+            if self.fmt == "bf16":
+                return torch.ops.cag.bf16_mm(x2, self.packed)
+            return (torch.ops.cag.int4_mm if self.fmt == "int4" else torch.ops.cag.q8_mm)(x2, *self.packed)
         if self.fmt == "bf16":  # both layouts give the same bits up to FEW rows: the count picks
             many = x2.shape[0] > FEW and self.packed_many is not None
             fmt, w, most = ("bf16", self.packed_many, ROWS) if many else ("bf16", self.packed, FEW)
@@ -245,7 +257,7 @@ def apply(model: torch.nn.Module, fmt: str, native: bool = False) -> int:
             setattr(parent, n, FastLinear(m, fmt, group, (lo, lo + m.out_features)))
             lo += m.out_features
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    own = lambda m: _head_format(fmt) if m is head else fmt  # noqa: E731
+    own = lambda m: _head_format(fmt, native and m.in_features % GROUP == 0) if m is head else fmt  # noqa: E731
     swaps = [(name, m) for name, m in model.named_modules() if isinstance(m, torch.nn.Linear) and packable(m, own(m))]
     for name, lin in swaps:
         parent = model.get_submodule(name.rsplit(".", 1)[0]) if "." in name else model
@@ -255,10 +267,15 @@ def apply(model: torch.nn.Module, fmt: str, native: bool = False) -> int:
     return sum(p.nbytes for p in packs.values())
 
 
-def _head_format(fmt: str) -> str:
-    """The LM head keeps bf16 in the integer formats. It is often the token embedding (tied), which a
-    GGUF stores at 6-8 bits while its layers are 4-bit: int4 groups of 32 off that grid missed the
-    embedded model's logits by 8.8% (int8: 1.2%, bf16: 0.27%), which alone moved most answers."""
+def _head_format(fmt: str, native: bool = False) -> str:
+    """The LM head keeps 8 bits or more in the integer formats. It is often the token embedding (tied),
+    which a GGUF stores at 6-8 bits while its layers are 4-bit: int4 groups of 32 off that grid missed
+    the embedded model's logits by 8.8% (int8 per output channel: 1.2%, bf16: 0.27%), which alone
+    moved most answers. With cag.native, int4's head is int8 in groups of 32 with a float16 scale
+    ("q8", GGUF Q8_0's layout, in which the embedded model ships it: held exactly, half bf16's bytes);
+    elsewhere bf16."""
+    if fmt == "int4" and native:
+        return "q8"
     return "bf16" if fmt in ("int8", "int4") and torch.backends.mkldnn.is_available() else fmt
 
 

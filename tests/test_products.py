@@ -1,5 +1,5 @@
-"""cag.native's weight products for decode rows (int4 as GGUF Q4_1 holds it, bf16): the products they
-compute, rows whose bits never depend on the other rows of a call or on the threads, the int4 layout,
+"""cag.native's weight products for decode rows (int4 as GGUF Q4_1 holds it, int8 groups as Q8_0
+holds it for int4's LM head, bf16): the products they compute, rows whose bits never depend on the other rows of a call or on the threads, the int4 layout,
 and bad inputs. Skipped with the reason where the library cannot be built here."""
 
 from __future__ import annotations
@@ -59,6 +59,27 @@ def test_int4_product_is_the_dequantized_product(rows):
     assert (got.double() - want).abs().max() < 1e-4 * want.abs().max()
 
 
+def test_q8_pack_holds_a_q8_0_weight_exactly():
+    """int4's LM head: a weight on a Q8_0 grid (a float16 scale per 32, codes -127..127 with the end
+    used), as the embedded model's GGUF stores its token embedding, comes back bit for bit."""
+    g = torch.Generator().manual_seed(4)
+    d = (torch.rand(64, 18, 1, generator=g) * 0.01 + 1e-3).half().float()
+    q = torch.randint(-127, 128, (64, 18, 32), generator=g)
+    q[..., 3] = -127
+    w = (d * q).reshape(64, 576)
+    qw, dh = weights.pack_q8(w)
+    assert qw.dtype == torch.int8 and dh.dtype == torch.float16 and dh.shape == (64, 18)
+    assert torch.equal((qw.float().view(64, 18, 32) * dh.float()[..., None]).view(64, 576), w)
+
+
+@pytest.mark.parametrize("rows", [1, 8, 13])
+def test_q8_product_is_the_dequantized_product(rows):
+    qw, d = weights.pack_q8(weight(1000, 576))
+    x = torch.randn(rows, 576, generator=torch.Generator().manual_seed(rows)).bfloat16()
+    want = x.double() @ (qw.double().view(1000, 18, 32) * d.double()[..., None]).view(1000, 576).t()
+    assert (torch.ops.cag.q8_mm(x, qw, d).double() - want).abs().max() < 1e-5 * want.abs().max()
+
+
 @pytest.mark.parametrize("rows", [1, 5, 8, 19])
 def test_bf16_product_is_the_product(rows):
     w = weight(1000, 320).bfloat16()
@@ -67,12 +88,13 @@ def test_bf16_product_is_the_product(rows):
     assert (torch.ops.cag.bf16_mm(x, w).double() - want).abs().max() < 1e-5 * want.abs().max()
 
 
-@pytest.mark.parametrize("kind", ["int4", "bf16"])
+@pytest.mark.parametrize("kind", ["int4", "q8", "bf16"])
 def test_rows_never_depend_on_the_call_or_the_threads(kind):
     """Each row alone, in another order, among 8 or 19 rows, and on one thread: the same bits."""
-    w = weight(777 if kind == "bf16" else 768, 1536)
-    mm = (lambda x, p=weights.pack_int4(w): torch.ops.cag.int4_mm(x, *p)) if kind == "int4" else \
-         (lambda x, p=w.bfloat16(): torch.ops.cag.bf16_mm(x, p))
+    w = weight(768 if kind == "int4" else 777, 1536)
+    mm = {"int4": lambda x, p=weights.pack_int4(w): torch.ops.cag.int4_mm(x, *p),
+          "q8": lambda x, p=weights.pack_q8(w): torch.ops.cag.q8_mm(x, *p),
+          "bf16": lambda x, p=w.bfloat16(): torch.ops.cag.bf16_mm(x, p)}[kind]
     x = torch.randn(19, 1536, generator=torch.Generator().manual_seed(7)).bfloat16()
     together = mm(x)
     assert torch.equal(torch.cat([mm(x[i : i + 1]) for i in range(19)]), together)
@@ -108,6 +130,11 @@ def test_bad_inputs_are_refused():
         torch.ops.cag.int4_mm(torch.randn(1, 32).bfloat16(), qw[:, :16].contiguous(), dm[..., :1].contiguous())
     with pytest.raises(RuntimeError, match="multiple of 32"):
         torch.ops.cag.bf16_mm(torch.randn(1, 40).bfloat16(), torch.randn(8, 40).bfloat16())
+    q8, d = weights.pack_q8(weight(64, 576))
+    with pytest.raises(RuntimeError, match="float16"):
+        torch.ops.cag.q8_mm(x, q8, d.float())
+    with pytest.raises(RuntimeError, match="int8"):
+        torch.ops.cag.q8_mm(x, q8.to(torch.uint8), d)
 
 
 def test_packed_takes_the_native_layout_only_where_it_fits():
@@ -116,3 +143,20 @@ def test_packed_takes_the_native_layout_only_where_it_fits():
     assert not weights.Packed(weight(64, 544), None, "int4", native=True).native
     assert not weights.Packed(weight(64, 576), None, "int4").native
     assert not weights.Packed(weight(64, 576), None, "int8", native=True).native
+    # int4's LM head is int8 in groups of 32 with cag's kernels, bf16 with torch's
+    assert weights._head_format("int4", native=True) == "q8" and weights._head_format("int4") == "bf16"
+
+
+@pytest.mark.real
+def test_int4_holds_the_embedded_models_gguf_weights_exactly(real_lm):
+    """The embedded SmolLM2 ships as GGUF Q4_1 layers and a Q8_0 token embedding (its tied LM head):
+    cag's int4 layout and int4's head layout hold them bit for bit, so CAG_WEIGHTS=int4 with cag's
+    kernels computes with the very weights the GGUF holds."""
+    model = real_lm.model
+    head = model.get_output_embeddings().weight.detach()
+    qw, d = weights.pack_q8(head)
+    assert torch.equal((qw.float().view(head.shape[0], -1, 32) * d.float()[..., None]).view_as(head), head)
+    for layer in (model.model.layers[0], model.model.layers[-1]):
+        for lin in (layer.self_attn.q_proj, layer.mlp.down_proj):
+            w = lin.weight.detach()
+            assert torch.equal(dequantized(*weights.pack_int4(w)).float(), w)

@@ -208,7 +208,7 @@ inline void transpose16(__m512 r[16]) {
 // The same item by AVX512-BF16 dot products (CPUs without AMX: AMD Zen 4 and later, Intel before
 // Sapphire Rapids with avx512_bf16). Gathers are slow on some of these (5 of 9 ms at 4K on Zen 4):
 // K's pairs are transposed in registers instead, and V's pairs interleaved in registers as they are
-// used. Scores: per row, 4 chains of 16 keys, one q pair per step; values: per row block of 4, the D
+// used. Scores: per block of 4 rows, 4 chains of 16 keys each, one q pair per step; values: per block of 4 rows, the D
 // dims in D/16 chains, one pair of probabilities per step (dims come out permuted within 128-bit
 // lanes by the interleave, put back at the end).
 void item_avx512(const float* const* q, int64_t rows, const at::BFloat16* k, const at::BFloat16* v, int64_t stride,
@@ -240,20 +240,25 @@ void item_avx512(const float* const* q, int64_t rows, const at::BFloat16* k, con
     const int64_t nr = std::min<int64_t>(16, rows - r0);
     uint16_t* qb = qbv.data() + r0 * D;
     round_q(q + r0, nr, nr, D, qb);
-    for (int64_t r = 0; r < nr; r++) {
-      const uint32_t* qp = reinterpret_cast<const uint32_t*>(qb + r * D);
+    for (int64_t g0 = 0; g0 < nr; g0 += 4) {  // scores of 4 rows x 64 keys at a time: 16 chains, K read once for the 4
+      const int64_t ng = std::min<int64_t>(4, nr - g0);
       for (int64_t b = 0; b < wp / 16; b += 4) {
-        __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+        __m512 a[4][4];
+        for (auto& row : a) for (auto& x : row) x = _mm512_setzero_ps();
         for (int64_t i = 0; i < D / 2; i++) {
-          const __m512bh qq = (__m512bh)_mm512_set1_epi32((int)qp[i]);
           const uint32_t* kr = kt + i * wp + b * 16;
-          a0 = _mm512_dpbf16_ps(a0, (__m512bh)_mm512_load_si512(kr), qq);
-          a1 = _mm512_dpbf16_ps(a1, (__m512bh)_mm512_load_si512(kr + 16), qq);
-          a2 = _mm512_dpbf16_ps(a2, (__m512bh)_mm512_load_si512(kr + 32), qq);
-          a3 = _mm512_dpbf16_ps(a3, (__m512bh)_mm512_load_si512(kr + 48), qq);
+          const __m512bh k0 = (__m512bh)_mm512_load_si512(kr), k1 = (__m512bh)_mm512_load_si512(kr + 16);
+          const __m512bh k2 = (__m512bh)_mm512_load_si512(kr + 32), k3 = (__m512bh)_mm512_load_si512(kr + 48);
+          for (int64_t g = 0; g < ng; g++) {
+            const __m512bh qq = (__m512bh)_mm512_set1_epi32(*reinterpret_cast<const int32_t*>(qb + (g0 + g) * D + 2 * i));
+            a[g][0] = _mm512_dpbf16_ps(a[g][0], k0, qq);
+            a[g][1] = _mm512_dpbf16_ps(a[g][1], k1, qq);
+            a[g][2] = _mm512_dpbf16_ps(a[g][2], k2, qq);
+            a[g][3] = _mm512_dpbf16_ps(a[g][3], k3, qq);
+          }
         }
-        float* sr = s + r * C + b * 16;
-        _mm512_store_ps(sr, a0); _mm512_store_ps(sr + 16, a1); _mm512_store_ps(sr + 32, a2); _mm512_store_ps(sr + 48, a3);
+        for (int64_t g = 0; g < ng; g++)
+          for (int j = 0; j < 4; j++) _mm512_store_ps(s + (g0 + g) * C + b * 16 + 16 * j, a[g][j]);
       }
     }
     softmax_rows(s, pb, nr, w, wp, scale, part + r0);

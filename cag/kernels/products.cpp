@@ -1,5 +1,6 @@
 // Weight products of decode rows on AVX512-BF16, at the speed of reading the weights: int4 groups
-// (CAG_WEIGHTS=int4) and plain bf16 (the LM head, CAG_WEIGHTS=bf16). Built with decode_attention.cpp
+// (CAG_WEIGHTS=int4), int8 groups (the LM head under int4) and plain bf16 (CAG_WEIGHTS=bf16, and a
+// question's rows). Built with decode_attention.cpp
 // into one library by cag/native.py; called by cag/weights.py (Packed) for decode rows.
 //
 // torch's int4 kernel dequantizes each weight row to float per input row (~10-17 GB/s on these
@@ -11,6 +12,9 @@
 // step d and its min m, so w = m + q d, q in 0..15 (GGUF Q4_1's shape and precision).
 // bf16 (OR 0x4300) is 128 + q exactly, so a group's dot product of (128 + q) with x, times d, plus
 // (m - 128 d) times the group's sum of x, is sum_i w_i x_i.
+//
+// q8 layout (cag.weights.pack_q8, GGUF Q8_0's shape and precision): qw (N, K) int8, d (N, K/32)
+// float16, w = d q; the int8 values go to float32 in registers (bf16 cannot hold d q exactly).
 //
 // Every row runs the same sequence of operations whatever the other rows of its call and whichever
 // thread takes its outputs: a row's bits are its own (tests/test_native.py).
@@ -99,6 +103,32 @@ void bf16_rows(const uint16_t* w, int64_t K, const uint16_t* x, float* y, int64_
     for (int r = 0; r < NR; r++) y[r * N + n + o] = _mm512_reduce_add_ps(acc[o][r]);
 }
 
+// Rows [r, r + NR) (float32, K apart) times output n's q8 weights.
+template <int NR>
+void q8_rows(const int8_t* qw, const uint16_t* dh, int64_t K, const float* xf, float* y, int64_t N, int64_t n) {
+  const int64_t G = K / 32;
+  const int8_t* qn = qw + n * K;
+  alignas(64) float d[16];
+  __m512 acc[NR];
+  for (int r = 0; r < NR; r++) acc[r] = _mm512_setzero_ps();
+  for (int64_t g0 = 0; g0 < G; g0 += 16) {
+    const int64_t ng = std::min<int64_t>(16, G - g0);
+    _mm512_store_ps(d, _mm512_cvtph_ps(_mm256_maskz_loadu_epi16((__mmask16)((1u << ng) - 1), dh + n * G + g0)));
+    for (int64_t g = 0; g < ng; g++) {
+      const int8_t* qg = qn + (g0 + g) * 32;
+      const __m512 w0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)qg)));
+      const __m512 w1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(qg + 16))));
+      const __m512 dv = _mm512_set1_ps(d[g]);
+      for (int r = 0; r < NR; r++) {
+        const float* xr = xf + r * K + (g0 + g) * 32;
+        const __m512 sg = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xr + 16), _mm512_mul_ps(w0, _mm512_loadu_ps(xr)));
+        acc[r] = _mm512_fmadd_ps(sg, dv, acc[r]);
+      }
+    }
+  }
+  for (int r = 0; r < NR; r++) y[r * N + n] = _mm512_reduce_add_ps(acc[r]);
+}
+
 // Rows in blocks of MB, then the rest by one row at a time (same per-row sequence either way).
 template <typename F1, typename F8>
 void blocks(int64_t M, F1 one, F8 eight) {
@@ -135,6 +165,29 @@ at::Tensor int4_mm(const at::Tensor& x, const at::Tensor& qw, const at::Tensor& 
   return y;
 }
 
+// x (M, K) bf16, qw (N, K) int8, d (N, K/32) float16 -> (M, N) float32.
+at::Tensor q8_mm(const at::Tensor& x, const at::Tensor& qw, const at::Tensor& d) {
+  TORCH_CHECK(qw.dim() == 2 && qw.scalar_type() == at::kChar && qw.is_contiguous() && qw.size(1) % 32 == 0,
+              "qw: (N, K) int8, K a multiple of 32");
+  const int64_t N = qw.size(0), K = qw.size(1), M = x.size(0);
+  TORCH_CHECK(d.dim() == 2 && d.scalar_type() == at::kHalf && d.is_contiguous() && d.size(0) == N && d.size(1) == K / 32,
+              "d: (N, K/32) float16");
+  check_x(x, K);
+  std::vector<float> xf(M * K);  // the rows in float32 (exact)
+  const uint16_t* xd = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
+  for (int64_t i = 0; i < M * K; i++) { const uint32_t b = (uint32_t)xd[i] << 16; std::memcpy(&xf[i], &b, 4); }
+  at::Tensor y = at::empty({M, N}, x.options().dtype(at::kFloat));
+  const int8_t* q = qw.data_ptr<int8_t>();
+  const uint16_t* dd = reinterpret_cast<const uint16_t*>(d.data_ptr<at::Half>());
+  float* yd = y.data_ptr<float>();
+  at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
+    for (int64_t n = n0; n < n1; n++)
+      blocks(M, [&](int64_t r) { q8_rows<1>(q, dd, K, xf.data() + r * K, yd + r * N, N, n); },
+             [&](int64_t r) { q8_rows<MB>(q, dd, K, xf.data() + r * K, yd + r * N, N, n); });
+  });
+  return y;
+}
+
 // x (M, K) bf16, w (N, K) bf16 -> (M, N) float32.
 at::Tensor bf16_mm(const at::Tensor& x, const at::Tensor& w) {
   TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kBFloat16 && w.is_contiguous() && w.size(1) % 32 == 0, "w: (N, K) bfloat16, K a multiple of 32");
@@ -161,8 +214,10 @@ at::Tensor bf16_mm(const at::Tensor& x, const at::Tensor& w) {
 TORCH_LIBRARY_FRAGMENT(cag, m) {
   m.def("int4_mm(Tensor x, Tensor qw, Tensor dm) -> Tensor");
   m.def("bf16_mm(Tensor x, Tensor w) -> Tensor");
+  m.def("q8_mm(Tensor x, Tensor qw, Tensor d) -> Tensor");
 }
 TORCH_LIBRARY_IMPL(cag, CPU, m) {
   m.impl("int4_mm", int4_mm);
   m.impl("bf16_mm", bf16_mm);
+  m.impl("q8_mm", q8_mm);
 }
