@@ -33,6 +33,7 @@ from . import step as lean
 from .generate import DecodeConfig, Generated, TextStream, _pick, generate, generated, sampler
 from .parts import Part
 from .slots import Prefix, Slots
+from .threads import release as release_workers
 
 log = logging.getLogger("cag")
 IDLE_EXIT_S = 30.0  # an idle decode thread ends, so a dropped engine (and its slots) can be freed
@@ -96,6 +97,7 @@ class Decoder:
         if self.step is None:
             self._alone(req)
         else:
+            release_workers()  # this thread's OpenMP workers would slow the decode thread's every step
             with self._cond:
                 if self.slots is None:
                     lm = self.lm
@@ -117,6 +119,8 @@ class Decoder:
         with torch.inference_mode():
             while True:
                 with self._cond:
+                    if not self._pending and not self._active:
+                        release_workers()  # idle: the threads that prefill get the CPUs to themselves
                     while not self._pending and not self._active:
                         if not self._cond.wait(timeout=IDLE_EXIT_S):  # idle: end the thread (the next run starts one)
                             self._thread = None
