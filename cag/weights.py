@@ -13,7 +13,8 @@ the transformers forward: prefill of the knowledge) and adds a packed copy used 
   (int8 and int4 keep the LM head in bf16: _head_format)
 With cag's own kernels (CAG_DECODE_KERNELS amx or avx512: `native`), decode rows multiply int4 and bf16
 weights through cag.native instead, at the speed of reading them: int4 as GGUF Q4_1 holds it (a
-float16 step and min per group of 32: w = m + q * d), bf16 as a plain matrix; both return float32.
+float16 step and min per group of 32: w = m + q * d), int4's LM head as GGUF Q8_0 does ("q8"), bf16
+as a plain matrix, and a question's rows (int8, int4) through the bf16 product; all return float32.
 
 A question's rows (a part of more than one token per request: cag.step) are multiplied in bf16 in
 int8 and int4 too, from a second, bf16 copy (FEW layout, calls of <= FEW rows): the integer kernels
@@ -132,10 +133,9 @@ class Packed:
         self.fmt, self.bias = fmt, bias
         self.out_dtype = w.dtype  # the compute dtype, whatever the input's (the step may hand over bf16 rows)
         w = w.detach()
-        # decode rows through cag.native (float32 out, any number of rows in one call, each row's bits its own)
-        # with cag.native: decode rows in int4 / bf16 through its products, and a question's rows (int8,
-        # int4: a plain bf16 copy) through its bf16 product; oneDNN's bf16 sums depend on the row count
-        # on some CPUs (AMD Zen 4), these never do
+        # with cag.native: decode rows in int4 / q8 / bf16 through its products, and a question's rows (int8,
+        # int4: a plain bf16 copy) through its bf16 product (float32 out, any number of rows in one call);
+        # oneDNN's bf16 sums depend on the row count on some CPUs (AMD Zen 4), these never do
         native = native and self.in_features % 32 == 0 and cag_native.load() is not None
         self.native = native and (fmt in ("bf16", "q8") or fmt == "int4" and self.in_features % 64 == 0)
         self.native_questions = native and fmt in ("int8", "int4")

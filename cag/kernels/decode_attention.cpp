@@ -84,7 +84,6 @@ struct Scratch {
   alignas(64) float s[16 * C];              // (16, C) scores
   alignas(64) uint16_t pb[16 * C];          // (16, C) probabilities in bf16
   alignas(64) float out[16 * MAXD];         // (16, D)
-  std::vector<uint16_t> qrows;              // the AVX-512 item's q rows in bf16
 };
 thread_local Scratch scratch;
 
@@ -111,6 +110,14 @@ void softmax_rows(float* s, uint16_t* pb, int64_t nr, int64_t w, int64_t wp, flo
     }
     part[r] = {m, _mm512_reduce_add_ps(tot)};
   }
+}
+
+// Keys [16 b, 16 b + 16) of an item (rows of D bf16, `stride` apart; those past w skipped) on their way
+// to L1 while the block before them is worked on.
+inline void prefetch_keys(const at::BFloat16* k, int64_t b, int64_t w, int64_t stride, int64_t D) {
+  for (int64_t u = 0; u < 16 && b * 16 + u < w; u++)
+    for (int64_t off = 0; off < D * 2; off += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(k + (b * 16 + u) * stride) + off, _MM_HINT_T0);
 }
 
 // q rows (fp32, D floats each) rounded to bf16 into qb (rows D apart); rows past nr (up to `to`) zero.
@@ -144,10 +151,7 @@ void item_amx(const float* const* q, int64_t rows, const at::BFloat16* k, const 
   for (int64_t b = 0; b < wp / 16; b++) {  // 16 keys at a time: pair i of each key into row i
     const int64_t left = std::max<int64_t>(0, std::min<int64_t>(16, w - b * 16));
     const __mmask16 mask = (__mmask16)((1u << left) - 1);
-    if (b + 1 < wp / 16)  // the next block's rows on their way while this one is gathered (gathers defeat the prefetcher)
-      for (int64_t u = 0; u < 16 && (b + 1) * 16 + u < w; u++)
-        for (int64_t off = 0; off < D * 2; off += 64)
-          _mm_prefetch(reinterpret_cast<const char*>(k + ((b + 1) * 16 + u) * stride) + off, _MM_HINT_T0);
+    prefetch_keys(k, b + 1, w, stride, D);  // the next block while this one is gathered (gathers defeat the prefetcher)
     for (int64_t i = 0; i < D / 2; i++)
       _mm512_store_si512(kt + i * wp + b * 16,
                          _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), mask, lanes, k32 + b * 16 * (stride / 2) + i, 4));
@@ -222,10 +226,7 @@ void item_avx512(const float* const* q, int64_t rows, const at::BFloat16* k, con
   for (int64_t b = 0; b < wp / 16; b++) {
     for (int64_t h = 0; h < nd; h++) {  // dword pairs 16h .. 16h + 15 of 16 keys
       __m512 r[16];
-      if (h == 0)  // the next block's rows on their way (measured on Zen 4: 5.6 -> 4.8 ms at 4K)
-        for (int64_t u = 0; u < 16 && (b + 1) * 16 + u < w; u++)
-          for (int64_t off = 0; off < D * 2; off += 64)
-            _mm_prefetch(reinterpret_cast<const char*>(k + ((b + 1) * 16 + u) * stride) + off, _MM_HINT_T0);
+      if (h == 0) prefetch_keys(k, b + 1, w, stride, D);  // measured on Zen 4: 5.6 -> 4.8 ms at 4K
       for (int64_t u = 0; u < 16; u++) {
         const int64_t t = b * 16 + u;
         r[u] = t < w ? _mm512_loadu_ps(reinterpret_cast<const float*>(k + t * stride) + 16 * h) : _mm512_setzero_ps();
@@ -234,11 +235,9 @@ void item_avx512(const float* const* q, int64_t rows, const at::BFloat16* k, con
       for (int64_t i = 0; i < 16; i++) _mm512_store_ps(reinterpret_cast<float*>(kt + (16 * h + i) * wp + b * 16), r[i]);
     }
   }
-  std::vector<uint16_t>& qbv = sc.qrows;
-  if ((int64_t)qbv.size() < rows * D) qbv.resize(rows * D);
   for (int64_t r0 = 0; r0 < rows; r0 += 16) {  // blocks of 16 rows: the scratch holds 16 rows of scores
     const int64_t nr = std::min<int64_t>(16, rows - r0);
-    uint16_t* qb = qbv.data() + r0 * D;
+    uint16_t* qb = sc.qb;
     round_q(q + r0, nr, nr, D, qb);
     for (int64_t g0 = 0; g0 < nr; g0 += 4) {  // scores of 4 rows x 64 keys at a time: 16 chains, K read once for the 4
       const int64_t ng = std::min<int64_t>(4, nr - g0);
