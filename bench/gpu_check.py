@@ -3,13 +3,14 @@ machine has (it prints their versions first).
 
 On the device (CUDA when torch sees one, else the CPU, said so): ingest a ~7K-token corpus with the
 model, answer N questions in `cag` and `full` mode (the tokens must be identical), and report
-prefill tokens/s, TTFT cag vs full, snapshot load GB/s (file -> checksum -> device) next to the
-device's own copy bandwidth measured in the same run, and decode tokens/s.
+prefill tokens/s, TTFT cag vs full, whether the questions asked together answer as alone, snapshot load GB/s (file -> checksum -> device) next to the
+device's own copy bandwidth measured in the same run, and decode tokens/s (on a resident prefix,
+with CUDA graphs and without, and for the first question on a freshly loaded one).
 
   python -m bench.gpu_check [--model M] [--tokens 7000] [--questions 4] [--device auto|cpu|cuda] [--out DIR]
 
 Writes gpu_check.json and gpu_check.md to --out (default: $OUT when set, else bench/results).
-Exit 0 when every answer agreed, 1 when one did not, 2 when the run itself failed.
+Exit 0 when every answer agreed (cag == full, and batched == alone), 1 when one did not, 2 when the run itself failed.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import sys
 import tempfile
 import time
 import traceback
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 QUESTIONS = [
@@ -87,6 +89,32 @@ def run(args) -> dict:
                          "ttft_cag_ms": cag.ttft_ms, "ttft_full_ms": full.ttft_ms, "load_ms": cag.load_ms,
                          "decode_tok_s": cag.decode_tok_s})
             print(rows[-1], flush=True)
+        # decode on a resident prefix (its CUDA graph captured by the first question), and the same
+        # answers with each kernel launched from Python (CAG_CUDA_GRAPHS=false), side by side
+        graphs = engine.decoder.graphs
+        for r in rows:
+            warm = engine.ask("check", r["question"], max_tokens=args.max_tokens)
+            r.update(decode_tok_s_warm=warm.decode_tok_s)
+            if graphs is not None:
+                engine.decoder.graphs = None
+                eager = engine.ask("check", r["question"], max_tokens=args.max_tokens)
+                engine.decoder.graphs = graphs
+                r.update(decode_tok_s_eager=eager.decode_tok_s, eager_identical=eager.token_ids == warm.token_ids)
+            print({k: v for k, v in r.items() if "decode" in k or "eager" in k}, flush=True)
+        # the same questions asked together (one batch per step) must answer as they did alone
+        alone = [engine.ask("check", q, max_tokens=args.max_tokens).token_ids for q in QUESTIONS[: args.questions]]
+        t = time.perf_counter()
+        with ThreadPoolExecutor(args.questions) as pool:
+            together = list(pool.map(lambda q: engine.ask("check", q, max_tokens=args.max_tokens).token_ids, QUESTIONS[: args.questions]))
+        report.update(batched_identical=together == alone, batched_tok_s=sum(map(len, together)) / (time.perf_counter() - t))
+        print(f"batched == alone: {together == alone}", flush=True)
+        if engine.decoder.apart:  # why CUDA runs each request apart: the batch in one forward, as on the CPU
+            engine.decoder.apart = False
+            with ThreadPoolExecutor(args.questions) as pool:
+                one = list(pool.map(lambda q: engine.ask("check", q, max_tokens=args.max_tokens).token_ids, QUESTIONS[: args.questions]))
+            engine.decoder.apart = True
+            report.update(one_forward_identical=one == alone)
+            print(f"one forward for the batch == alone: {one == alone}", flush=True)
         engine.evict()
         row = engine.index.snapshot(ing.snapshot)
         dev = lm.device.type
@@ -96,11 +124,20 @@ def run(args) -> dict:
             torch.cuda.synchronize()
         load_s = time.perf_counter() - t
         nbytes = res.prefix.nbytes  # what landed on the device, in the compute dtype
+        report.update(host_to_device_gb_s=None)
+        if dev == "cuda":  # pageable host memory to the device: the copy a snapshot load ends with
+            host = torch.empty(nbytes, dtype=torch.uint8)
+            t = time.perf_counter()
+            host.to(dev)
+            torch.cuda.synchronize()
+            report.update(host_to_device_gb_s=nbytes / (time.perf_counter() - t) / 1e9)
         report.update(questions=rows, all_identical=all(r["identical"] for r in rows),
                       load_gb_s=nbytes / load_s / 1e9, device_copy_gb_s=copy_bandwidth(dev, nbytes) / 1e9,
                       ttft_cag_ms=sorted(r["ttft_cag_ms"] for r in rows)[len(rows) // 2],
                       ttft_full_ms=sorted(r["ttft_full_ms"] for r in rows)[len(rows) // 2],
-                      decode_tok_s=sorted((r["decode_tok_s"] or 0) for r in rows)[len(rows) // 2])
+                      decode_tok_s_cold=sorted((r["decode_tok_s"] or 0) for r in rows)[len(rows) // 2],
+                      decode_tok_s=sorted((r["decode_tok_s_warm"] or 0) for r in rows)[len(rows) // 2],
+                      decode_tok_s_eager=sorted((r.get("decode_tok_s_eager") or 0) for r in rows)[len(rows) // 2] or None)
     return report
 
 
@@ -125,14 +162,15 @@ def main() -> None:
         sys.exit(2)
     md = (f"torch {report['torch']}, transformers {report['transformers']}, device {report['device']} "
           f"({report['gpu'] or 'no GPU'}), {report['dtype']}, weights {report['weights']}, model {report['model']}\n\n"
-          f"| prefix tokens | prefill tok/s | TTFT cag / full (median) | load GB/s vs device copy GB/s | decode tok/s | cag == full |\n"
-          f"|---|---|---|---|---|---|\n"
+          f"| prefix tokens | prefill tok/s | TTFT cag / full (median) | load GB/s vs host-to-device / device copy GB/s | decode tok/s: resident prefix (eager), first question | cag == full | batched == alone (tok/s together) |\n"
+          f"|---|---|---|---|---|---|---|\n"
           f"| {report['prefix_tokens']} | {report['prefill_tok_s']:.0f} | {report['ttft_cag_ms']:.0f} / "
-          f"{report['ttft_full_ms']:.0f} ms | {report['load_gb_s']:.2f} / {report['device_copy_gb_s']:.1f} | "
-          f"{report['decode_tok_s']:.1f} | {sum(r['identical'] for r in report['questions'])}/{len(report['questions'])} |\n")
+          f"{report['ttft_full_ms']:.0f} ms | {report['load_gb_s']:.2f} vs {f'{h:.1f}' if (h := report['host_to_device_gb_s']) else '-'} / {report['device_copy_gb_s']:.1f} | "
+          f"{report['decode_tok_s']:.1f}{f' ({e:.1f})' if (e := report['decode_tok_s_eager']) else ''}, {report['decode_tok_s_cold']:.1f} | {sum(r['identical'] for r in report['questions'])}/{len(report['questions'])} | "
+          f"{report['batched_identical']} ({report['batched_tok_s']:.1f}) |\n")
     (out / "gpu_check.md").write_text(md)
     print(md)
-    sys.exit(0 if report["all_identical"] else 1)
+    sys.exit(0 if report["all_identical"] and report["batched_identical"] else 1)
 
 
 if __name__ == "__main__":

@@ -9,9 +9,10 @@ decodes with the batch and leaves when it stops: a stop token,
 max_tokens, or its `should_stop` (client gone, timeout). Its own failure (a callback raising)
 ends only that request.
 
-Exactness: a request's tokens are computed by the same code whether it runs alone (a batch of
-one) or with others; in a batch, the weight products see B rows instead of one, which a BLAS may
-sum in another order, so a last-bit difference can flip a near-tie (measured in bench/bench_batch.py).
+Exactness: a request's tokens are the same alone and batched. On the CPU every product and the
+decode attention compute a row from its own inputs (cag.native, cag.weights; tests/test_batch.py),
+so a row's bits do not depend on the rows beside it (with CAG_DECODE_KERNELS=torch, on AMX CPUs only: README); on CUDA cuBLAS picks a product's kernel by
+its shape, so there each request runs a forward of its own (cag.graphs).
 
 Models the batched step does not cover (cag.step.why_not) decode alone, in the caller's thread,
 through the transformers forward over a buffer holding a copy of the prefix.
@@ -31,6 +32,7 @@ import torch
 from . import kv
 from . import step as lean
 from .generate import DecodeConfig, Generated, TextStream, _pick, generate, generated, sampler
+from .graphs import Graphs
 from .parts import Part
 from .slots import Prefix, Slots
 from .threads import release as release_workers
@@ -68,10 +70,13 @@ class Request:
 class Decoder:
     """Answers over prefixes: batched (one scheduler thread) where cag.step applies, else alone."""
 
-    def __init__(self, lm, room: int, max_batch: int, threads: int = 0, chunk: int = 512):
+    def __init__(self, lm, room: int, max_batch: int, threads: int = 0, chunk: int = 512, cuda_graphs: bool = True):
         self.lm, self.room, self.max_batch, self.threads, self.chunk = lm, room, max_batch, threads, chunk
+        self.apart = lm.device.type == "cuda"  # each request a forward of its own (module doc: exactness)
+        self.cuda_graphs = cuda_graphs
         self.step = lean.for_model(lm.model)
         self.slots: Slots | None = None
+        self.graphs: Graphs | None = None  # CUDA: captured decode steps, one request at a time
         self._pending: deque[Request] = deque()
         self._active: list[Request] = []
         self._cond = threading.Condition()
@@ -102,6 +107,8 @@ class Decoder:
                 if self.slots is None:
                     lm = self.lm
                     self.slots = Slots(lm.n_layers, lm.n_kv_heads, lm.head_dim, self.room, self.max_batch, lm.attn_dtype, lm.device)
+                    if self.apart and self.cuda_graphs:
+                        self.graphs = Graphs(self.step, self.slots)
                 if self._thread is None:
                     self._thread = threading.Thread(target=self._loop, name="cag-decode", daemon=True)
                     self._thread.start()
@@ -144,12 +151,30 @@ class Decoder:
 
     def _pass(self, batch: list[Request], new: list[Request]) -> None:
         """One forward: a decode row for each request of `batch`, and the whole question of each of
-        `new` (which then joins the batch). Emits every request's next token."""
+        `new` (which then joins the batch). Emits every request's next token. On CUDA each request
+        has a forward of its own, its decode step a replayed graph (CAG_CUDA_GRAPHS; cag.graphs)."""
+        if self.apart:
+            for r in batch:
+                if self.graphs is not None:
+                    self._forward([r], [], lambda r=r: [self.graphs.run(r.prefix, r.next_tok, r.slot, r.length)[None]])
+                else:
+                    self._forward([r], [], lambda r=r: self.step.run(self._parts([r], []), self.slots))
+            for r in new:
+                self._forward([], [r], lambda r=r: self.step.run(self._parts([], [r]), self.slots))
+            return
+        self._forward(batch, new, lambda: self.step.run(self._parts(batch, new), self.slots))
+
+    @staticmethod
+    def _parts(batch: list[Request], new: list[Request]) -> list[Part]:
         parts = [Part(torch.tensor([[r.next_tok] for r in batch]), [r.prefix for r in batch],
                       torch.tensor([r.slot for r in batch]), torch.tensor([r.length for r in batch]))] if batch else []
-        parts += [Part(torch.tensor([r.suffix]), [r.prefix], torch.tensor([r.slot]), torch.tensor([0])) for r in new]
+        return parts + [Part(torch.tensor([r.suffix]), [r.prefix], torch.tensor([r.slot]), torch.tensor([0])) for r in new]
+
+    def _forward(self, batch: list[Request], new: list[Request], forward: Callable[[], list[torch.Tensor]]) -> None:
+        """Run `forward` (logits per part: the decode part (B, V) first when `batch`, then each of
+        `new`'s (1, V)) and hand every request its next token."""
         try:
-            out = self.step.run(parts, self.slots)  # per part (B, V)
+            out = forward()
         except Exception as e:  # noqa: BLE001 - the pass itself failed (memory?): every request in it
             log.exception("decode step failed")
             for r in batch + new:
@@ -162,7 +187,7 @@ class Decoder:
             for i, r in enumerate(batch):
                 r.length += 1
                 self._emit(r, out[0][i])
-        for r, logits in zip(new, out[len(parts) - len(new):]):
+        for r, logits in zip(new, out[len(out) - len(new):]):
             r.length = len(r.suffix)
             r.stream, r.gen = TextStream(self.lm.tokenizer), sampler(r.cfg)
             self._active.append(r)

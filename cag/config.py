@@ -41,6 +41,7 @@ class Settings(BaseSettings):
     max_tokens: int = Field(128, ge=1)  # default answer length
     threads: int = Field(0, ge=0)  # torch intra-op threads; 0 = torch's default
     max_batch: int = Field(16, ge=1, le=1024)  # requests decoded together, one forward per step (cag.batch)
+    cuda_graphs: bool = True  # CUDA: each decode step a replayed graph (cag.graphs); false: launched op by op
     resident_bytes: int = Field(2 * 1024**3, ge=0)  # LRU budget for snapshots kept in memory (server)
     ttl_s: float = Field(0.0, ge=0, allow_inf_nan=False)  # snapshot time-to-live; 0 = never expires
     # where snapshots live: unset = CAG_HOME/snapshots only; s3://bucket/prefix = a shared S3-compatible store

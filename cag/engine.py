@@ -77,7 +77,7 @@ class Engine:
         with self._lm_lock:
             if self._decoder is None or self._decoder.lm is not lm:
                 s = self.settings
-                self._decoder = Decoder(lm, self.room, s.max_batch, s.threads, s.chunk_tokens)
+                self._decoder = Decoder(lm, self.room, s.max_batch, s.threads, s.chunk_tokens, s.cuda_graphs)
             return self._decoder
 
     @property

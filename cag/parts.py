@@ -10,12 +10,17 @@ import torch
 
 @dataclass
 class Part:
-    """B requests with m new tokens each: toks (B, m), their prefixes, slots (B,) and suffix starts (B,)."""
+    """B requests with m new tokens each: toks (B, m), their prefixes, slots (B,) and suffix starts (B,).
+
+    The tensors are the scheduler's, on the CPU; a captured step (cag.graphs) passes its static
+    device tensors instead, with `seen` given (at least the most suffix keys a row of the part sees:
+    the slot's room), so no value is read back from the device."""
 
     toks: torch.Tensor
     prefixes: list
     slots: torch.Tensor
     starts: torch.Tensor
+    seen: int | None = None
 
 
 class Rows:
@@ -23,20 +28,27 @@ class Rows:
 
     def __init__(self, part: Part, s, r0: int, room: int):  # s: cag.step.LeanStep
         dev, rep = s.device, s.rep
+        cpu = dev.type == "cpu"
         self.B, self.m = part.toks.shape
         self.M = self.m * rep  # query rows per request and K/V head: token t, head r -> row t*rep + r
         self.r0, self.r1 = r0, r0 + self.B * self.m
+        seen = part.seen if part.seen is not None else int(part.starts.max()) + self.m
         suf = part.starts.to(dev)[:, None] + torch.arange(self.m, device=dev)  # (B, m) suffix positions
-        self.L = suffix_keys(int(suf.max()) + 1, room)  # suffix keys the part's attention reads (the rest masked)
-        n = torch.tensor([p.n for p in part.prefixes], device=dev)  # (B,)
-        self.pos = (n[:, None] + suf).reshape(-1)  # (B*m,) absolute positions
+        self.L = suffix_keys(seen, room)  # suffix keys the part's attention reads (the rest masked)
+        same = all(p is part.prefixes[0] for p in part.prefixes)
+        n = part.prefixes[0].n if same else torch.tensor([p.n for p in part.prefixes], device=dev)[:, None]  # (B, 1)
+        self.pos = (suf + n).reshape(-1)  # (B*m,) absolute positions
+        self.top = max(p.n for p in part.prefixes) + seen  # every position of the part is below this
         self.hidden = (torch.arange(self.L, device=dev) > suf.repeat_interleave(rep, 1)[:, :, None])[:, None]  # (B, 1, M, L)
-        self.bias = torch.zeros(self.hidden.shape, device=dev).masked_fill_(self.hidden, float("-inf"))  # float32: attention runs in it
+        # float32 additive mask for torch's CPU flash kernel (cag.cascade); the other way reads `hidden`
+        self.bias = torch.zeros(self.hidden.shape, device=dev).masked_fill_(self.hidden, float("-inf")) if cpu else None
         self.slots = part.slots.to(dev)
         self.rows_slot, self.rows_pos = self.slots.repeat_interleave(self.m), suf.reshape(-1)
-        self.one = int(part.slots[0]) if self.B == 1 else None  # a single request reads its slot as a view
-        self.slots_cpu = part.slots.to(torch.int64).cpu()
-        self.lens = (suf[:, -1] + 1).to(torch.int64).cpu()  # (B,) suffix keys each request sees (its own, causal)
+        # a single request reads its slot as a view; from a device tensor (a captured step) it is gathered
+        self.one = int(part.slots[0]) if self.B == 1 and part.slots.device.type == "cpu" else None
+        if cpu:  # what cag.native's kernel reads on the host
+            self.slots_cpu = part.slots.to(torch.int64)
+            self.lens = (part.starts + self.m).to(torch.int64)  # (B,) suffix keys each request sees (its own, causal)
         self.groups = groups(part.prefixes, dev)
 
 

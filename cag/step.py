@@ -164,8 +164,9 @@ class LeanStep:
         # rotate_half(x) = cat(-x2, x1) = roll(x, D/2) * sign, sign = (-1)*D/2 ++ (+1)*D/2
         self.sign = torch.cat([-torch.ones(half), torch.ones(half)]).to(self.device, self.dtype)  # (D,)
 
-    def cos_sin(self, pos: torch.Tensor, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sign-folded sin (R, D) at positions `pos` (R,), from the model's rope module.
+    def cos_sin(self, pos: torch.Tensor, h: torch.Tensor, top: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sign-folded sin (R, D) at positions `pos` (R,), all below `top` (known on the host:
+        nothing is read back from the device), from the model's rope module.
 
         Static rope types are read from a table the module fills in blocks of 64 positions: cos and
         sin are vectorized over all but a tail of each call, and the tail is computed another way
@@ -174,7 +175,6 @@ class LeanStep:
         if "dynamic" in str(getattr(self.rope, "rope_type", "")):
             cos, sin = self.rope(h, pos.view(1, -1))
             return cos[0], sin[0] * self.sign
-        top = int(pos.max()) + 1
         if self.table is None or top > self.table[0].shape[0]:
             n = -(-top // 1024) * 1024
             blocks = [self.rope(h, torch.arange(a, a + 64, device=self.device).view(1, -1)) for a in range(0, n, 64)]
@@ -209,7 +209,7 @@ class LeanStep:
         fns = s.fns
         R = rows[-1].r1
         h = s.embed.index_select(0, torch.cat([p.toks.reshape(-1) for p in parts]).to(s.device))  # (R, hidden)
-        cos, sin = s.cos_sin(torch.cat([r.pos for r in rows]), h)
+        cos, sin = s.cos_sin(torch.cat([r.pos for r in rows]), h, max(r.top for r in rows))
         cos, sin = cos.view(R, 1, d), sin.view(R, 1, d)
         rows_slot = torch.cat([r.rows_slot for r in rows])  # (R,) where each token's K/V is written
         rows_pos = torch.cat([r.rows_pos for r in rows])

@@ -149,6 +149,18 @@ def test_concurrent_questions_are_decoded_together_with_their_alone_tokens(tiny_
     assert stats["decode_active"] == 0 and tiny_engine.decoder.slots.in_use == 0  # every slot given back
 
 
+def test_requests_decoded_apart_get_their_batched_tokens(tiny_engine, small_corpus):
+    """The CUDA way (cag.batch: each request a forward of its own), run eagerly on the CPU: the same
+    tokens as one forward for the batch, one row a step, every slot given back."""
+    tiny_engine.ingest(str(small_corpus))
+    batched = together(tiny_engine, [lambda q=q: tiny_engine.ask("corpus", q, max_tokens=16).token_ids for q in QUESTIONS])
+    decoder = tiny_engine.decoder
+    decoder.apart, decoder.cuda_graphs = True, False
+    apart = together(tiny_engine, [lambda q=q: tiny_engine.ask("corpus", q, max_tokens=16).token_ids for q in QUESTIONS])
+    assert apart == batched and decoder.graphs is None
+    assert decoder.stats["decode_steps"] > 0 and tiny_engine.stats["decode_active"] == 0 and decoder.slots.in_use == 0
+
+
 def test_full_and_cag_in_one_batch_still_agree(tiny_engine, small_corpus, monkeypatch):
     """`full` prefills its own prefix and joins the same batch: cag == full holds batched too."""
     monkeypatch.setenv("CAG_KV_DTYPE", "float32")

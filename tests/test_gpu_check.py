@@ -27,6 +27,6 @@ def test_gpu_check_script(tiny_model_dir, tmp_path, device):
                        cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr
     report = json.loads((tmp_path / "gpu_check.json").read_text())
-    assert report["device"].startswith(device) and report["all_identical"]
+    assert report["device"].startswith(device) and report["all_identical"] and report["batched_identical"]
     assert report["torch"] == torch.__version__ and report["prefill_tok_s"] > 0 and report["load_gb_s"] > 0
     assert (tmp_path / "gpu_check.md").read_text().count("|") > 10
