@@ -59,6 +59,7 @@ def run(args) -> dict:
 
     from cag.config import get_settings
     from cag.engine import Engine
+    from cag.graphs import ATTR
 
     from .common import essay_corpus
 
@@ -101,6 +102,16 @@ def run(args) -> dict:
                 engine.decoder.graphs = graphs
                 r.update(decode_tok_s_eager=eager.decode_tok_s, eager_identical=eager.token_ids == warm.token_ids)
             print({k: v for k, v in r.items() if "decode" in k or "eager" in k}, flush=True)
+        if graphs is not None:  # one replayed step on the GPU alone, next to reading its bytes once
+            prefix = engine.resident.values()[0].prefix
+            graph = prefix.__dict__[ATTR][0]
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            for _ in range(50):
+                graph.replay()  # rewrites the K/V of the position it was last given: a free slot's
+            torch.cuda.synchronize()
+            report.update(replay_ms=(time.perf_counter() - t) / 50 * 1e3,
+                          step_bytes=sum(p.nbytes for p in lm.model.parameters()) + prefix.nbytes)
         # the same questions asked together (one batch per step) must answer as they did alone
         alone = [engine.ask("check", q, max_tokens=args.max_tokens).token_ids for q in QUESTIONS[: args.questions]]
         t = time.perf_counter()
@@ -138,6 +149,8 @@ def run(args) -> dict:
                       decode_tok_s_cold=sorted((r["decode_tok_s"] or 0) for r in rows)[len(rows) // 2],
                       decode_tok_s=sorted((r["decode_tok_s_warm"] or 0) for r in rows)[len(rows) // 2],
                       decode_tok_s_eager=sorted((r.get("decode_tok_s_eager") or 0) for r in rows)[len(rows) // 2] or None)
+    if "step_bytes" in report:  # reading the step's bytes once at the device's copy rate (a copy also writes them: generous)
+        report["step_bound_ms"] = report["step_bytes"] / (report["device_copy_gb_s"] * 1e9) * 1e3
     return report
 
 
@@ -168,6 +181,9 @@ def main() -> None:
           f"{report['ttft_full_ms']:.0f} ms | {report['load_gb_s']:.2f} vs {f'{h:.1f}' if (h := report['host_to_device_gb_s']) else '-'} / {report['device_copy_gb_s']:.1f} | "
           f"{report['decode_tok_s']:.1f}{f' ({e:.1f})' if (e := report['decode_tok_s_eager']) else ''}, {report['decode_tok_s_cold']:.1f} | {sum(r['identical'] for r in report['questions'])}/{len(report['questions'])} | "
           f"{report['batched_identical']} ({report['batched_tok_s']:.1f}) |\n")
+    if report.get("replay_ms"):
+        md += (f"\nOne decode step replayed alone: {report['replay_ms']:.2f} ms on the GPU; reading its "
+               f"{report['step_bytes'] / 1e6:.0f} MB once at the copy rate: {report['step_bound_ms']:.2f} ms\n")
     (out / "gpu_check.md").write_text(md)
     print(md)
     sys.exit(0 if report["all_identical"] and report["batched_identical"] else 1)

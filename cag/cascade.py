@@ -5,7 +5,11 @@ Two ways, same math:
     CPU attention kernel, which also returns each row's log-sum-exp; the partial outputs are merged
     by their log-sum-exps (o = sum_j o_j * e^(lse_j - lse), lse = log sum_j e^lse_j).
     The prefix (1, H_kv, n, D) is read once per layer for all rows of its requests, never copied;
-  * one softmax (elsewhere, or without that kernel): scores against the prefix and the suffix
+  * cascade (CUDA, K/V in bf16 or fp16): the prefix through torch's CUDA flash kernel (which
+    splits the keys across the GPU when the query rows are few), the suffix by one float32 softmax,
+    merged the same way. A float32 product of a few rows against a 7K prefix took ~120 us a layer
+    on an H200 (cuBLAS gives such a thin product little parallelism): ~60% of a decode step;
+  * one softmax (elsewhere, or without those kernels): scores against the prefix and the suffix
     concatenated, one softmax, two products.
 Decode parts (one token per request) over bf16 K/V go to cag.native's kernel instead where
 CAG_DECODE_KERNELS resolved to amx or avx512: prefix and suffix in one call, nothing to merge here.
@@ -18,6 +22,7 @@ from __future__ import annotations
 import torch
 
 _FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+_CUDA_FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention", None)
 
 
 def _runs(n: int) -> tuple[int, int]:
@@ -41,10 +46,17 @@ def _prefix_parts(q: torch.Tensor, Kp: torch.Tensor, Vp: torch.Tensor, scale: fl
     return o, lse
 
 
-def _flash_parts(r, q: torch.Tensor, Ks: torch.Tensor, Vs: torch.Tensor, i: int, scale: float) -> torch.Tensor:
-    """Cascade attention of q (B, H_kv, M, D) -> (B, H_kv, M, D) float32."""
+def _flash_parts(r, q: torch.Tensor, Ks: torch.Tensor, Vs: torch.Tensor, i: int, scale: float,
+                 suffix=None, prefix_parts=None) -> torch.Tensor:
+    """Cascade attention of q (B, H_kv, M, D) -> (B, H_kv, M, D) float32: the suffix, then each
+    group's prefix, each with its log-sum-exp, merged. `suffix` (r, q, Ks, Vs, scale) -> (o, lse) and
+    `prefix_parts` (q, Kp, Vp, scale) -> (P, ...) outputs and lses: torch's CPU flash kernel by default."""
     n_kv, M, d = q.shape[1], q.shape[2], q.shape[3]
-    o_s, lse_s = _FLASH(q, Ks, Vs, 0.0, False, attn_mask=r.bias, scale=scale)  # (B, H_kv, M, D), (B, H_kv, M)
+    if suffix is None:
+        o_s, lse_s = _FLASH(q, Ks, Vs, 0.0, False, attn_mask=r.bias, scale=scale)  # (B, H_kv, M, D), (B, H_kv, M)
+    else:
+        o_s, lse_s = suffix(r, q, Ks, Vs, scale)
+    prefix_parts = prefix_parts or _prefix_parts
     o = torch.empty_like(q, dtype=torch.float32) if len(r.groups) > 1 else None
     for prefix, idx in r.groups:
         Kp, Vp = prefix.kv[i]  # (1, H_kv, n, D), shared
@@ -56,7 +68,7 @@ def _flash_parts(r, q: torch.Tensor, Ks: torch.Tensor, Vs: torch.Tensor, i: int,
             og = os_.float()
         else:
             qg = q if idx is None else q[idx]
-            op, lp = _prefix_parts(qg.transpose(0, 1).reshape(1, n_kv, b * M, d), Kp, Vp, scale)  # (P, H_kv, b*M, ...)
+            op, lp = prefix_parts(qg.transpose(0, 1).reshape(1, n_kv, b * M, d), Kp, Vp, scale)  # (P, H_kv, b*M, ...)
             P = op.shape[0]
             op = op.reshape(P, n_kv, b, M, d).transpose(1, 2)  # (P, b, H_kv, M, D)
             parts = torch.cat([op, os_[None]]).float()  # (P+1, b, H_kv, M, D): the prefix runs, then the suffix
@@ -69,6 +81,21 @@ def _flash_parts(r, q: torch.Tensor, Ks: torch.Tensor, Vs: torch.Tensor, i: int,
         else:
             o[idx] = og.to(o.dtype)
     return o
+
+
+def _cuda_suffix(r, q: torch.Tensor, Ks: torch.Tensor, Vs: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The suffix on CUDA: q (B, H_kv, M, D) over its L keys in float32, one softmax -> outputs
+    (B, H_kv, M, D) and log-sum-exps (B, H_kv, M). Every row sees at least its own key."""
+    ss = torch.matmul(q.float(), Ks.float().transpose(-1, -2)).mul_(scale).masked_fill_(r.hidden, float("-inf"))  # (B, H_kv, M, L)
+    lse = torch.logsumexp(ss, -1)
+    return torch.matmul(torch.exp(ss - lse[..., None]), Vs.float()), lse
+
+
+def _cuda_prefix(q: torch.Tensor, Kp: torch.Tensor, Vp: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The prefix on CUDA through torch's flash kernel (bf16/fp16 in, float32 sums; it splits the
+    keys across the GPU when the query rows are few): (1, H_kv, R, D), (1, H_kv, R)."""
+    o, lse = _CUDA_FLASH(q, Kp, Vp, 0.0, False, False, scale=scale)[:2]
+    return o, lse
 
 
 def _weights(lse: torch.Tensor) -> torch.Tensor:
@@ -111,6 +138,9 @@ def attend(r, q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, i: int, scale: 
     out_dtype = q.dtype  # the compute dtype; K/V may be held in a narrower one (LoadedModel.attn_dtype)
     if _FLASH is not None and q.device.type == "cpu":  # the fused kernel scores and sums in float32 inside
         return _merge_out(_flash_parts(r, q.to(K.dtype), Ks, Vs, i, scale), B, m, n_kv, rep, d, out_dtype)
+    if _CUDA_FLASH is not None and q.is_cuda and K.dtype in (torch.bfloat16, torch.float16) and d % 8 == 0 and d <= 256:
+        o = _flash_parts(r, q.to(K.dtype), Ks, Vs, i, scale, _cuda_suffix, _cuda_prefix)
+        return _merge_out(o, B, m, n_kv, rep, d, out_dtype)
     if up:  # scores of bf16/fp16 products rounded to 8 bits would move the softmax: attend in float32
         q, Ks, Vs = q.float(), Ks.float(), Vs.float()
     ss = torch.matmul(q, Ks.transpose(-1, -2)).mul_(scale).masked_fill_(r.hidden, float("-inf"))  # (B, H_kv, M, L)

@@ -311,3 +311,28 @@ def test_a_prefix_converted_through_float32_has_the_direct_conversions_bits(src,
     k, v = Prefix.of([(x, x.neg())], dst, "cpu").kv[0]
     assert torch.equal(k.view(torch.int16), x.to(dst).view(torch.int16))
     assert torch.equal(v.view(torch.int16), x.neg().to(dst).view(torch.int16))
+
+
+def test_cuda_cascade_pieces_merge_to_the_attention():
+    """cag.cascade's CUDA way, its pieces run on the CPU: the suffix by a float32 softmax (keys past a
+    request's own masked, a different count per request), the prefix by a kernel that returns its
+    log-sum-exp (the CPU flash kernel standing in for CUDA's), merged: the attention over both."""
+    from types import SimpleNamespace
+
+    from cag import cascade
+
+    torch.manual_seed(0)
+    heads, rows, d, room, B, n = 3, 3, 64, 32, 2, 700
+    seen = torch.tensor([5, 20])  # suffix keys each request sees
+    Kp, Vp = (torch.randn(1, heads, n, d).bfloat16() for _ in "kv")
+    Ks, Vs = (torch.randn(B, heads, room, d).bfloat16() for _ in "kv")
+    q = torch.randn(B, heads, rows, d).bfloat16()
+    hidden = (torch.arange(room) >= seen[:, None])[:, None, None, :].expand(B, 1, rows, room)  # (B, 1, M, L)
+    r = SimpleNamespace(hidden=hidden, groups=[(SimpleNamespace(kv=[(Kp, Vp)]), None)])
+    got = cascade._flash_parts(r, q, Ks, Vs, 0, d ** -0.5, cascade._cuda_suffix, cascade._prefix_parts)
+    assert got.dtype == torch.float32 and got.shape == (B, heads, rows, d)
+    for b in range(B):
+        K = torch.cat([Kp[0], Ks[b, :, : seen[b]]], 1).double()  # (H, n + seen, D)
+        V = torch.cat([Vp[0], Vs[b, :, : seen[b]]], 1).double()
+        want = torch.softmax(q[b].double() @ K.transpose(-1, -2) * d ** -0.5, -1) @ V
+        assert (got[b].double() - want).abs().max() < 2e-3, b  # the prefix kernel returns bf16 outputs
