@@ -23,6 +23,7 @@ import torch
 
 _FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 _CUDA_FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention", None)
+PAIRS = "_cag_pairs"  # on a Prefix: {layer: (kt, vt)} for cag.native's AVX-512 decode attention
 
 
 def _runs(n: int) -> tuple[int, int]:
@@ -168,15 +169,28 @@ def _native(kernel, r, q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, i: int
     request over its prefix (read once per group of requests sharing it) and its own suffix keys
     [0, r.lens[b]) in its slot, in one call per prefix; no K/V gathered or copied."""
     q = q.float().contiguous()
+    paired = kernel is torch.ops.cag.decode_attention_avx512
     if len(r.groups) == 1:
-        Kp, Vp = _bf16(r.groups[0][0].kv[i])
-        return kernel(q, Kp[0], Vp[0], K, V, r.slots_cpu, r.lens, scale)
+        prefix = r.groups[0][0]
+        Kp, Vp = _bf16(prefix.kv[i])
+        return kernel(q, Kp[0], Vp[0], K, V, r.slots_cpu, r.lens, scale, *(_pairs(prefix, i, Kp, Vp) if paired else ()))
     o = torch.empty_like(q)
     for prefix, idx in r.groups:
         Kp, Vp = _bf16(prefix.kv[i])
         j = idx.cpu()
-        o[idx] = kernel(q[idx].contiguous(), Kp[0], Vp[0], K, V, r.slots_cpu[j].contiguous(), r.lens[j].contiguous(), scale)
+        o[idx] = kernel(q[idx].contiguous(), Kp[0], Vp[0], K, V, r.slots_cpu[j].contiguous(), r.lens[j].contiguous(), scale,
+                        *(_pairs(prefix, i, Kp, Vp) if paired else ()))
     return o
+
+
+def _pairs(prefix, i: int, Kp: torch.Tensor, Vp: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Layer i of a prefix as the AVX-512 kernel reads it (cag.native's pair_kv: K's dim pairs per
+    16 keys, V's key pairs per dim), made at its first decode step and kept on it (Prefix.PAIRS): the
+    kernel no longer rearranges the prefix at every step. Same values: same bits."""
+    pairs = prefix.__dict__.setdefault(PAIRS, {})
+    if i not in pairs:
+        pairs[i] = torch.ops.cag.pair_kv(Kp[0], Vp[0])
+    return pairs[i]
 
 
 def _bf16(kv: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -32,8 +32,9 @@ class Prefix:
         return cls(kv, kv[0][0].shape[2] if kv else 0)
 
     @property
-    def nbytes(self) -> int:
-        return sum(t.nbytes for pair in self.kv for t in pair)
+    def nbytes(self) -> int:  # with the layouts made for kernels (cag.cascade.PAIRS: as many bytes again)
+        made = [t for pair in self.__dict__.get("_cag_pairs", {}).values() for t in pair]
+        return sum(t.nbytes for pair in self.kv for t in pair) + sum(t.nbytes for t in made)
 
 
 def _cast(t: torch.Tensor, device, dtype: torch.dtype) -> torch.Tensor:

@@ -92,6 +92,32 @@ def test_bad_inputs_are_refused(kernel):
         kernel(q[..., :32].contiguous(), kp[..., :32], vp[..., :32], ks[..., :32], vs[..., :32], slots, lens, 0.125)
 
 
+@pytest.mark.parametrize(("B", "R", "n", "lens", "D"), [
+    (1, 3, 4096, [1], 64), (3, 3, 1000, [5, 300, 17], 64), (2, 2, 0, [3, 40], 64), (2, 5, 257, [1, 2], 128),
+    (1, 3, 9, [2], 64),  # fewer keys than a block of 16, an odd count: pairs padded with zeros
+])
+def test_a_pre_paired_prefix_gives_the_same_bits(library, B, R, n, lens, D):
+    """pair_kv lays a resident prefix out once as the AVX-512 kernel reads it (K's dim pairs per 16
+    keys, V's key pairs per dim); the kernel over that layout computes the same products in the same
+    order: the bits of the kernel rearranging the prefix itself."""
+    q, kp, vp, ks, vs, slots, lens = case(B, R, n, lens, D)
+    kt, vt = torch.ops.cag.pair_kv(kp, vp)
+    assert kt.shape == (2, -(-n // 256), D // 2, 256) and vt.shape == (2, (n + 1) // 2, D) and kt.dtype == torch.int32
+    if n:  # pair i of key t holds dims 2i, 2i + 1; pair u of dim d holds keys 2u, 2u + 1
+        pair = kt[1, 0, 3, 5].item() & 0xFFFFFFFF
+        kbits = kp[1, 5, 6:8].view(torch.int16).int() & 0xFFFF
+        assert pair == int(kbits[0]) | int(kbits[1]) << 16
+        vbits = vp[1, 0:2, 7].view(torch.int16).int() & 0xFFFF if n > 1 else None
+        if vbits is not None:
+            assert vt[1, 0, 7].item() & 0xFFFFFFFF == int(vbits[0]) | int(vbits[1]) << 16
+    op = torch.ops.cag.decode_attention_avx512
+    assert torch.equal(op(q, kp, vp, ks, vs, slots, lens, D ** -0.5, kt, vt), op(q, kp, vp, ks, vs, slots, lens, D ** -0.5))
+    with pytest.raises(RuntimeError, match="pair_kv"):
+        op(q, kp, vp, ks, vs, slots, lens, D ** -0.5, kt[:, :, :1].contiguous(), vt)
+    with pytest.raises(RuntimeError, match="both or neither"):
+        op(q, kp, vp, ks, vs, slots, lens, D ** -0.5, kt, None)
+
+
 def test_rope_write_is_the_formula_bit_for_bit(library):
     """The step's rope and K/V write in one call: q, and the bf16 K and V it writes, equal torch's
     `x * cos + roll(x, D/2) * sin` (then `.to(bf16)`) bit for bit; other slots and positions untouched."""
