@@ -231,10 +231,11 @@ class LeanStep:
                 V[rows_slot, :, rows_pos] = v.view(R, n_kv, d).to(V.dtype)
                 q = q * cos + q.roll(half, -1) * sin
             o = [cascade.attend(r, q[r.r0 : r.r1], K, V, i, scale, up, kernel) for r in rows]
-            h = h + o_f(o[0] if len(o) == 1 else torch.cat(o), roles)
+            o = o[0] if len(o) == 1 else torch.cat(o)
+            h = h + o_f(o.to(torch.bfloat16) if glue else o, roles)  # with the glue: the products' bf16 input, as they round it
             x = norm(h, w2, e2)
             g, u = gu_f(x, roles)
-            h = h + d_f(act(g) * u, roles)
+            h = h + d_f((act(g) * u).to(torch.bfloat16) if glue else act(g) * u, roles)
         w, e = s.final
         if all_logits:
             return [s.head(rms(h[r.r0 : r.r1].view(r.B, r.m, -1), w, e)) for r in rows]

@@ -143,6 +143,9 @@ class Packed:
             self.packed = {"int4": pack_int4, "q8": pack_q8, "bf16": lambda w: w.to(torch.bfloat16).contiguous()}[fmt](w)
         else:
             self.packed = {"bf16": lambda w: _pack_bf16(w, FEW), "int8": _pack_int8, "int4": _pack_int4}[fmt](w)
+        # cag.native's int4 / q8 product, called straight where nothing needs converting (float32 out, no bias)
+        fast = self.native and fmt in ("int4", "q8") and bias is None and self.out_dtype == torch.float32
+        self.direct = (torch.ops.cag.int4_mm if fmt == "int4" else torch.ops.cag.q8_mm) if fast else None
         if self.native_questions:
             self.packed_many = w.to(torch.bfloat16).contiguous()
         elif self.native:  # bf16: the same matrix serves a question's rows
@@ -159,6 +162,8 @@ class Packed:
     def __call__(self, x: torch.Tensor, roles: list[tuple[int, bool]] | None = None) -> torch.Tensor:
         """The packed product of a pass's rows (..., in) -> (..., out). `roles`: (rows, question?) runs
         in row order; None: all decode rows (one per request of a batch)."""
+        if roles is None and self.direct and x.dim() == 2 and x.dtype == torch.bfloat16 and x.is_contiguous():
+            return self.direct(x, *self.packed)  # decode rows as the step hands them over: nothing to convert
         x2 = x.reshape(-1, self.in_features).to(torch.bfloat16)  # (rows, in)
         if roles is None or len(roles) == 1 or self.fmt == "bf16":  # one kernel for every row
             y = self._rows(x2, roles is not None and roles[0][1])

@@ -32,8 +32,8 @@ namespace {
 constexpr int64_t C = 256;  // keys per item: its K (transposed) and V (paired) stay in L2
 constexpr int64_t MAXD = 128;
 // A pre-paired prefix item prefetches the one its thread takes AHEAD items later into L2 as it computes:
-// 30 layers at 4K on Zen 4, 2 threads: 5.3 ms without (and without pairs), 3.9 with (1 ahead: 4.3).
-constexpr int64_t AHEAD = 2;
+// 30 layers at 4K on Zen 4, 2 threads: 5.2-5.6 ms unpaired, 3.6-4.2 paired, with 1 to 3 ahead alike (4: slower).
+constexpr int64_t AHEAD = 1;
 
 // e^x for x <= 0 (-inf gives 0): x = n ln2 + f, e^f by a degree-6 polynomial, scaled by 2^n.
 inline __m512 exp16(__m512 x) {
