@@ -59,7 +59,6 @@ def run(args) -> dict:
 
     from cag.config import get_settings
     from cag.engine import Engine
-    from cag.graphs import ATTR
 
     from .common import essay_corpus
 
@@ -104,7 +103,7 @@ def run(args) -> dict:
             print({k: v for k, v in r.items() if "decode" in k or "eager" in k}, flush=True)
         if graphs is not None:  # one replayed step on the GPU alone, next to reading its bytes once
             prefix = engine.resident.values()[0].prefix
-            graph = prefix.__dict__[ATTR][0]
+            graph = prefix.made["cuda_graph"][0]
             torch.cuda.synchronize()
             t = time.perf_counter()
             for _ in range(50):

@@ -23,7 +23,6 @@ import torch
 
 _FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 _CUDA_FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention", None)
-PAIRS = "_cag_pairs"  # on a Prefix: {layer: (kt, vt)} for cag.native's AVX-512 decode attention
 
 
 def _runs(n: int) -> tuple[int, int]:
@@ -185,9 +184,9 @@ def _native(kernel, r, q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, i: int
 
 def _pairs(prefix, i: int, Kp: torch.Tensor, Vp: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Layer i of a prefix as the AVX-512 kernel reads it (cag.native's pair_kv: K's dim pairs per
-    16 keys, V's key pairs per dim), made at its first decode step and kept on it (Prefix.PAIRS): the
+    16 keys, V's key pairs per dim), made at its first decode step and kept on it (Prefix.made): the
     kernel no longer rearranges the prefix at every step. Same values: same bits."""
-    pairs = prefix.__dict__.setdefault(PAIRS, {})
+    pairs = prefix.made.setdefault("pairs", {})
     if i not in pairs:
         pairs[i] = torch.ops.cag.pair_kv(Kp[0], Vp[0])
     return pairs[i]

@@ -1,14 +1,14 @@
 """CUDA graphs of the decode step: one request's next token through every layer in one replay.
 
-Why: on CUDA a lean decode step (cag.step) is about a thousand small kernels, and launching them
-one at a time from Python costs far more than running them: SmolLM2 on an H200 decoded 42 tokens/s
-eagerly, each step ~24 ms of launches for well under 1 ms of GPU work. A CUDA graph records the
-step's kernels once and launches them all with one call.
+Why: on CUDA a lean decode step (cag.step) is ~1,700 small kernels, and launching them one at a
+time from Python costs more than running them: SmolLM2 on an H200 decoded 38-49 tokens/s so, and
+192 with each step a replay of 5 ms (bench/results/gpu_check.md). A CUDA graph records the step's
+kernels once and launches them all with one call.
 
 What is captured: the step of one request (B = 1, one token) over one resident prefix, its
 attention reading the whole suffix slot (the keys past the request's own masked), so one graph per
-prefix, kept on the Prefix and gone with it; the first question on a prefix pays the capture (an
-eager step and a recording, tens of ms). The request's token, slot and suffix start are copied
+prefix, kept on the Prefix (Prefix.made) and gone with it; the first question on a prefix pays the
+capture (an eager step and a recording, tens of ms). The request's token, slot and suffix start are copied
 into static device tensors before each replay, and the position table is filled up to the prefix's
 end plus the slot's room before the capture: nothing in the step reads a value back from the
 device or allocates outside the graph's pool.
@@ -22,14 +22,9 @@ rows beside it.
 
 from __future__ import annotations
 
-import logging
-
 import torch
 
 from .parts import Part
-
-log = logging.getLogger("cag")
-ATTR = "_cag_cuda_graph"  # on a Prefix: (graph, static logits (1, V))
 
 
 class Graphs:
@@ -49,9 +44,9 @@ class Graphs:
         self.tok.fill_(tok)
         self.slot.fill_(slot)
         self.start.fill_(start)
-        entry = prefix.__dict__.get(ATTR)
+        entry = prefix.made.get("cuda_graph")  # (graph, static logits (1, V))
         if entry is None:
-            entry = prefix.__dict__[ATTR] = self._capture(prefix)
+            entry = prefix.made["cuda_graph"] = self._capture(prefix)
         graph, out = entry
         graph.replay()
         return out[0]

@@ -15,7 +15,7 @@ first taken (after that it holds finite values of earlier requests, which the ma
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -24,6 +24,9 @@ import torch
 class Prefix:
     kv: list[tuple[torch.Tensor, torch.Tensor]]  # per layer keys, values (1, H_kv, n, D)
     n: int
+    # what kernels made from it once, kept with it and gone with it: "pairs" {layer: (kt, vt)} for
+    # cag.native's AVX-512 attention (cag.cascade), "cuda_graph" its captured decode step (cag.graphs)
+    made: dict = field(default_factory=dict, repr=False)
 
     @classmethod
     def of(cls, kv: list, dtype: torch.dtype, device: torch.device | str) -> Prefix:
@@ -32,8 +35,8 @@ class Prefix:
         return cls(kv, kv[0][0].shape[2] if kv else 0)
 
     @property
-    def nbytes(self) -> int:  # with the layouts made for kernels (cag.cascade.PAIRS: as many bytes again)
-        made = [t for pair in self.__dict__.get("_cag_pairs", {}).values() for t in pair]
+    def nbytes(self) -> int:  # with the pairs made for the AVX-512 attention (as many bytes again)
+        made = [t for pair in self.made.get("pairs", {}).values() for t in pair]
         return sum(t.nbytes for pair in self.kv for t in pair) + sum(t.nbytes for t in made)
 
 
