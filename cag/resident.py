@@ -45,6 +45,7 @@ class ResidentPool:
             if res is not None:
                 self._items.move_to_end(digest)
                 self.stats["snapshot_hits"] += 1
+                self._shrink()  # a prefix grows once decoding makes its pairs (cag.cascade): the budget holds then too
                 return res
         res = load()
         with self._lock:

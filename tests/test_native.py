@@ -216,3 +216,25 @@ def test_cag_equals_full_through_the_kernels(library, tiny64_model_dir, small_co
         assert len(cached) == 16 and cached == engine.ask("corpus", q, max_tokens=16, mode="full").token_ids
         alone.append(cached)
     assert together(engine, [lambda q=q: engine.ask("corpus", q, max_tokens=16).token_ids for q in QUESTIONS[:3]]) == alone
+
+
+def test_the_resident_budget_counts_the_pairs(library):
+    """A prefix's pairs (as many bytes again) count in its size, and the pool evicts for them at the next
+    request, not only at the next load."""
+    from cag import cascade
+    from cag.resident import Resident, ResidentPool
+    from cag.slots import Prefix
+
+    def resident(n):
+        return Resident(None, Prefix([(torch.zeros(1, 3, n, 64, dtype=torch.bfloat16),) * 2], n))
+
+    a, b = resident(256), resident(256)
+    pool = ResidentPool(budget_bytes=a.nbytes * 2 + 1)
+    pool.get("a", lambda: a)
+    pool.get("b", lambda: b)
+    assert "a" in pool and "b" in pool
+    before = b.nbytes
+    cascade._pairs(b.prefix, 0, *b.prefix.kv[0])  # what b's first decode step makes
+    assert b.nbytes == 2 * before
+    pool.get("b", lambda: b)  # a hit
+    assert "a" not in pool and "b" in pool
