@@ -11,8 +11,9 @@ ends only that request.
 
 Exactness: a request's tokens are the same alone and batched. On the CPU every product and the
 decode attention compute a row from its own inputs (cag.native, cag.weights; tests/test_batch.py),
-so a row's bits do not depend on the rows beside it (with CAG_DECODE_KERNELS=torch, on AMX CPUs only: README); on CUDA cuBLAS picks a product's kernel by
-its shape, so there each request runs a forward of its own (cag.graphs).
+so a row's bits do not depend on the rows beside it (with CAG_DECODE_KERNELS=torch: on AMX CPUs
+only, README). On CUDA cuBLAS picks a product's kernel by its shape, so there each request runs a
+forward of its own (tests/test_cuda.py), its decode step a replayed graph (cag.graphs).
 
 Models the batched step does not cover (cag.step.why_not) decode alone, in the caller's thread,
 through the transformers forward over a buffer holding a copy of the prefix.
