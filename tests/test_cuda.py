@@ -28,6 +28,9 @@ def wide_model_dir(tmp_path_factory):
 @pytest.fixture
 def cuda_engine(tiny_model_dir, wide_model_dir, small_corpus, monkeypatch, request):
     dtype, model = request.param.split("-") if "-" in request.param else (request.param, "tiny")
+    if model == "eager":  # CAG_CUDA_GRAPHS=false: each kernel launched from Python
+        model = "tiny"
+        monkeypatch.setenv("CAG_CUDA_GRAPHS", "false")
     monkeypatch.setenv("CAG_MODEL", str(tiny_model_dir if model == "tiny" else wide_model_dir))
     monkeypatch.setenv("CAG_DEVICE", "cuda")
     monkeypatch.setenv("CAG_DTYPE", dtype)
@@ -38,7 +41,7 @@ def cuda_engine(tiny_model_dir, wide_model_dir, small_corpus, monkeypatch, reque
     return engine
 
 
-@pytest.mark.parametrize("cuda_engine", ["float32", "bfloat16", "bfloat16-wide"], indirect=True)
+@pytest.mark.parametrize("cuda_engine", ["float32", "bfloat16", "bfloat16-wide", "bfloat16-eager"], indirect=True)
 def test_cag_equals_full_on_cuda(cuda_engine):
     lm = cuda_engine.lm
     assert lm.device.type == "cuda" and lm.kernels == "torch" and lm.weights == "fp32"
@@ -48,7 +51,9 @@ def test_cag_equals_full_on_cuda(cuda_engine):
     full = [cuda_engine.ask("corpus", q, max_tokens=16, mode="full").token_ids for q in QUESTIONS]
     assert all(len(a.token_ids) == 16 and a.decode_tok_s for a in cached)
     assert [a.token_ids for a in cached] == full
-    assert cuda_engine.decoder.graphs.captures > 0  # every decode step was a replayed CUDA graph
+    graphs = cuda_engine.decoder.graphs
+    assert (graphs is None) == (not cuda_engine.settings.cuda_graphs)
+    assert graphs is None or graphs.captures > 0  # every decode step was a replayed CUDA graph
 
 
 @pytest.mark.parametrize("cuda_engine", ["float32", "bfloat16", "float32-wide", "bfloat16-wide"], indirect=True)
