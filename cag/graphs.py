@@ -8,10 +8,10 @@ kernels once and launches them all with one call.
 What is captured: the step of one request (B = 1, one token) over one resident prefix, its
 attention reading the whole suffix slot (the keys past the request's own masked), so one graph per
 prefix, kept on the Prefix (Prefix.made) and gone with it; the first question on a prefix pays the
-capture (an eager step and a recording, tens of ms). The request's token, slot and suffix start are copied
-into static device tensors before each replay, and the position table is filled up to the prefix's
-end plus the slot's room before the capture: nothing in the step reads a value back from the
-device or allocates outside the graph's pool.
+capture (an eager step and a recording, tens of ms). The request's token, slot and suffix start
+are copied into static device tensors before each replay, and the position table is filled up to
+the prefix's end plus the slot's room before the capture: nothing in the step reads a value back
+from the device or allocates outside the graph's pool.
 
 Exactness: every decode step of a request on CUDA is a replay (the first one too: a capture does
 not compute, so an eager warm-up runs first and the replay overwrites the K/V it wrote), in `cag`

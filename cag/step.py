@@ -235,7 +235,8 @@ class LeanStep:
             h = h + o_f(o.to(torch.bfloat16) if glue else o, roles)  # with the glue: the products' bf16 input, as they round it
             x = norm(h, w2, e2)
             g, u = gu_f(x, roles)
-            h = h + d_f((act(g) * u).to(torch.bfloat16) if glue else act(g) * u, roles)
+            y = act(g) * u
+            h = h + d_f(y.to(torch.bfloat16) if glue else y, roles)
         w, e = s.final
         if all_logits:
             return [s.head(rms(h[r.r0 : r.r1].view(r.B, r.m, -1), w, e)) for r in rows]

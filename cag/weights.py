@@ -42,6 +42,7 @@ from . import native as cag_native
 from . import stacking
 
 FORMATS = ("fp32", "bf16", "int8", "int4")
+NATIVE_MM = {"int4": "int4_mm", "q8": "q8_mm", "bf16": "bf16_mm"}  # cag.native's product per packed format
 GROUP = 32  # int4 group size along the input dimension
 # Rows per packed product call. Up to 128 rows, each row's result is bit-identical whatever the
 # other rows (the kernels block the rows, never the sum); oneDNN's bf16 kernel for a 1536-wide
@@ -143,9 +144,10 @@ class Packed:
             self.packed = {"int4": pack_int4, "q8": pack_q8, "bf16": lambda w: w.to(torch.bfloat16).contiguous()}[fmt](w)
         else:
             self.packed = {"bf16": lambda w: _pack_bf16(w, FEW), "int8": _pack_int8, "int4": _pack_int4}[fmt](w)
-        # cag.native's int4 / q8 product, called straight where nothing needs converting (float32 out, no bias)
-        fast = self.native and fmt in ("int4", "q8") and bias is None and self.out_dtype == torch.float32
-        self.direct = (torch.ops.cag.int4_mm if fmt == "int4" else torch.ops.cag.q8_mm) if fast else None
+        # cag.native's product for this format; int4 / q8 called straight from __call__ where nothing needs
+        # converting (float32 out, no bias)
+        self.native_mm = getattr(torch.ops.cag, NATIVE_MM[fmt]) if self.native else None
+        self.direct = fmt in ("int4", "q8") and self.native and bias is None and self.out_dtype == torch.float32
         if self.native_questions:
             self.packed_many = w.to(torch.bfloat16).contiguous()
         elif self.native:  # bf16: the same matrix serves a question's rows
@@ -163,7 +165,7 @@ class Packed:
         """The packed product of a pass's rows (..., in) -> (..., out). `roles`: (rows, question?) runs
         in row order; None: all decode rows (one per request of a batch)."""
         if roles is None and self.direct and x.dim() == 2 and x.dtype == torch.bfloat16 and x.is_contiguous():
-            return self.direct(x, *self.packed)  # decode rows as the step hands them over: nothing to convert
+            return self.native_mm(x, *self.packed)  # decode rows as the step hands them over: nothing to convert
         x2 = x.reshape(-1, self.in_features).to(torch.bfloat16)  # (rows, in)
         if roles is None or len(roles) == 1 or self.fmt == "bf16":  # one kernel for every row
             y = self._rows(x2, roles is not None and roles[0][1])
@@ -176,11 +178,8 @@ class Packed:
         # cag.native's: any number of rows in one call, each row's bits its own
         if question and self.native_questions:
             return torch.ops.cag.bf16_mm(x2.contiguous(), self.packed_many)
-        if self.native:
-            x2 = x2.contiguous()
-            if self.fmt == "bf16":
-                return torch.ops.cag.bf16_mm(x2, self.packed)
-            return (torch.ops.cag.int4_mm if self.fmt == "int4" else torch.ops.cag.q8_mm)(x2, *self.packed)
+        if self.native:  # int4 and q8 are packed as (weights, scales), bf16 as one matrix
+            return self.native_mm(x2.contiguous(), *(self.packed if self.fmt != "bf16" else (self.packed,)))
         if self.fmt == "bf16":  # both layouts give the same bits up to FEW rows: the count picks
             many = x2.shape[0] > FEW and self.packed_many is not None
             fmt, w, most = ("bf16", self.packed_many, ROWS) if many else ("bf16", self.packed, FEW)

@@ -136,6 +136,14 @@ void round_q(const float* const* q, int64_t nr, int64_t to, int64_t D, uint16_t*
     }
 }
 
+// Dims [d, d + 16) of keys t and t + 1 (rows `stride` apart; a key at or past w reads as zeros) as 16
+// dword pairs (V[t][d + j], V[t + 1][d + j]): a row of the paired V layout (vp, pair_kv's vt).
+inline __m512i pair_dims(const at::BFloat16* v, int64_t stride, int64_t t, int64_t w, int64_t d) {
+  const __m256i a = t < w ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v + t * stride + d)) : _mm256_setzero_si256();
+  const __m256i c = t + 1 < w ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v + (t + 1) * stride + d)) : _mm256_setzero_si256();
+  return _mm512_or_si512(_mm512_cvtepu16_epi32(a), _mm512_slli_epi32(_mm512_cvtepu16_epi32(c), 16));
+}
+
 #ifdef CAG_AMX
 // One item on AMX tiles: `rows` query rows (fp32, D floats at q[r]) over keys [0, w) whose K and V rows
 // (bf16, D each) start at k and v, `stride` elements apart. Writes part[r] = (max score, probability
@@ -163,11 +171,7 @@ void item_amx(const float* const* q, int64_t rows, const at::BFloat16* k, const 
                          _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), mask, lanes, k32 + b * 16 * (stride / 2) + i, 4));
   }
   for (int64_t t = 0; t < wp; t += 2)  // consecutive keys interleaved per dim
-    for (int64_t j = 0; j < D / 16; j++) {
-      const __m256i a = t < w ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v + t * stride + 16 * j)) : _mm256_setzero_si256();
-      const __m256i c = t + 1 < w ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v + (t + 1) * stride + 16 * j)) : _mm256_setzero_si256();
-      _mm512_store_si512(vp + (t / 2) * D + 16 * j, _mm512_or_si512(_mm512_cvtepu16_epi32(a), _mm512_slli_epi32(_mm512_cvtepu16_epi32(c), 16)));
-    }
+    for (int64_t j = 0; j < D / 16; j++) _mm512_store_si512(vp + (t / 2) * D + 16 * j, pair_dims(v, stride, t, w, 16 * j));
   for (int64_t r0 = 0; r0 < rows; r0 += 16) {  // blocks of 16 rows (the last padded with zeros)
     const int64_t nr = std::min<int64_t>(16, rows - r0);
     round_q(q + r0, nr, 16, D, qb);
@@ -215,6 +219,19 @@ inline void transpose16(__m512 r[16]) {
   for (int i = 0; i < 8; i++) { r[i] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0x88); r[i + 8] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0xDD); }
 }
 
+// Keys [16 b, 16 b + 16) of k (rows `stride` apart; a key at or past w reads as zeros), their dword
+// pairs 16 h .. 16 h + 15 transposed in registers into pair rows of kt, `ld` dwords apart:
+// kt[(16 h + i) ld + 16 b + u] = pair 16 h + i of key 16 b + u (the paired K layout: sc.kt, pair_kv's kt).
+inline void pair_keys(const at::BFloat16* k, int64_t stride, int64_t w, int64_t b, int64_t h, uint32_t* kt, int64_t ld) {
+  __m512 r[16];
+  for (int64_t u = 0; u < 16; u++) {
+    const int64_t t = b * 16 + u;
+    r[u] = t < w ? _mm512_loadu_ps(reinterpret_cast<const float*>(k + t * stride) + 16 * h) : _mm512_setzero_ps();
+  }
+  transpose16(r);
+  for (int64_t i = 0; i < 16; i++) _mm512_storeu_ps(reinterpret_cast<float*>(kt + (16 * h + i) * ld + b * 16), r[i]);
+}
+
 // The same item by AVX512-BF16 dot products (CPUs without AMX: AMD Zen 4 and later, Intel before
 // Sapphire Rapids with avx512_bf16). Gathers are slow on some of these (5 of 9 ms at 4K on Zen 4):
 // K's pairs are transposed in registers instead, and V's pairs interleaved in registers as they are
@@ -238,14 +255,8 @@ void item_avx512(const float* const* q, int64_t rows, const at::BFloat16* k, con
   const int64_t nd = D / 32;  // zmm per K/V row
   for (int64_t b = 0; !kpre && b < wp / 16; b++) {
     for (int64_t h = 0; h < nd; h++) {  // dword pairs 16h .. 16h + 15 of 16 keys
-      __m512 r[16];
       if (h == 0) prefetch_keys(k, b + 1, w, stride, D);  // measured on Zen 4: 5.6 -> 4.8 ms at 4K
-      for (int64_t u = 0; u < 16; u++) {
-        const int64_t t = b * 16 + u;
-        r[u] = t < w ? _mm512_loadu_ps(reinterpret_cast<const float*>(k + t * stride) + 16 * h) : _mm512_setzero_ps();
-      }
-      transpose16(r);
-      for (int64_t i = 0; i < 16; i++) _mm512_store_ps(reinterpret_cast<float*>(sc.kt + (16 * h + i) * wp + b * 16), r[i]);
+      pair_keys(k, stride, w, b, h, sc.kt, wp);
     }
   }
   for (int64_t r0 = 0; r0 < rows; r0 += 16) {  // blocks of 16 rows: the scratch holds 16 rows of scores
@@ -343,35 +354,21 @@ std::tuple<at::Tensor, at::Tensor> pair_kv(const at::Tensor& k, const at::Tensor
   at::Tensor kt = at::zeros({H, nc, D / 2, C}, k.options().dtype(at::kInt));
   at::Tensor vt = at::empty({H, nu, D}, k.options().dtype(at::kInt));
   const at::BFloat16* kd = k.data_ptr<at::BFloat16>();
-  const uint16_t* vd = reinterpret_cast<const uint16_t*>(v.data_ptr<at::BFloat16>());
+  const at::BFloat16* vd = v.data_ptr<at::BFloat16>();
   uint32_t* ktd = reinterpret_cast<uint32_t*>(kt.data_ptr<int32_t>());
   uint32_t* vtd = reinterpret_cast<uint32_t*>(vt.data_ptr<int32_t>());
   at::parallel_for(0, H * nc, 1, [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; i++) {
       const int64_t h = i / nc, c = i % nc, w = std::min(C, n - c * C);
-      uint32_t* dst = ktd + i * (D / 2) * C;
       for (int64_t b = 0; b * 16 < w; b++)
-        for (int64_t hh = 0; hh < D / 32; hh++) {
-          __m512 r[16];
-          for (int64_t u = 0; u < 16; u++) {
-            const int64_t t = b * 16 + u;
-            r[u] = t < w ? _mm512_loadu_ps(reinterpret_cast<const float*>(kd + h * k.stride(0) + (c * C + t) * k.stride(1)) + 16 * hh)
-                         : _mm512_setzero_ps();
-          }
-          transpose16(r);
-          for (int64_t j = 0; j < 16; j++) _mm512_storeu_ps(reinterpret_cast<float*>(dst + (16 * hh + j) * C + b * 16), r[j]);
-        }
+        for (int64_t hh = 0; hh < D / 32; hh++)
+          pair_keys(kd + h * k.stride(0) + c * C * k.stride(1), k.stride(1), w, b, hh, ktd + i * (D / 2) * C, C);
     }
   });
   at::parallel_for(0, H * nu, 64, [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; i++) {
       const int64_t h = i / nu, t = 2 * (i % nu);
-      const uint16_t* v0 = vd + h * v.stride(0) + t * v.stride(1);
-      for (int64_t j = 0; j < D; j += 16) {
-        const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v0 + j));
-        const __m256i b = t + 1 < n ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v0 + v.stride(1) + j)) : _mm256_setzero_si256();
-        _mm512_storeu_si512(vtd + i * D + j, _mm512_or_si512(_mm512_cvtepu16_epi32(a), _mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16)));
-      }
+      for (int64_t j = 0; j < D; j += 16) _mm512_storeu_si512(vtd + i * D + j, pair_dims(vd + h * v.stride(0), v.stride(1), t, n, j));
     }
   });
   return {kt, vt};
