@@ -182,6 +182,12 @@ def _native(kernel, r, q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, i: int
     return o
 
 
+def paired(prefix, i: int) -> list[torch.Tensor]:
+    """Layer i of a prefix as cag.native's decode_layer takes it: K, V (H_kv, n, D) bf16 and their pairs."""
+    Kp, Vp = _bf16(prefix.kv[i])
+    return [Kp[0], Vp[0], *_pairs(prefix, i, Kp, Vp)]
+
+
 def _pairs(prefix, i: int, Kp: torch.Tensor, Vp: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Layer i of a prefix as the AVX-512 kernel reads it (cag.native's pair_kv: K's dim pairs per
     16 keys, V's key pairs per dim), made at its first decode step and kept on it (Prefix.made): the

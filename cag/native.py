@@ -38,7 +38,8 @@ import torch
 from .errors import ModelError
 
 log = logging.getLogger(__name__)
-SOURCES = tuple(Path(__file__).parent / "kernels" / f for f in ("decode_attention.cpp", "products.cpp"))
+SOURCES = tuple(Path(__file__).parent / "kernels" / f for f in ("decode_attention.cpp", "products.cpp", "layer.cpp"))
+HEADERS = (Path(__file__).parent / "kernels" / "kernels.h",)
 MODES = ("auto", "amx", "avx512", "torch")
 ATTR = "cag_decode_kernels"  # on a loaded model: what CAG_DECODE_KERNELS resolved to ("amx", "avx512" or "torch")
 HEAD_DIMS = (64, 128)  # the head widths the attention kernel takes
@@ -90,7 +91,7 @@ def _build() -> Path:
     flags = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c++17", "-ffp-contract=off",
              f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"]
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=30).stdout
-    key = hashlib.sha256("\n".join([*(f.read_text() for f in SOURCES), torch.__version__, cxx, version, " ".join(flags),
+    key = hashlib.sha256("\n".join([*(f.read_text() for f in SOURCES + HEADERS), torch.__version__, cxx, version, " ".join(flags),
                                     " ".join(sorted(_cpu_flags()))]).encode()).hexdigest()[:16]
     out = cache_dir() / f"cag_kernels-{key}.so"
     if out.exists():

@@ -35,7 +35,7 @@ from typing import NamedTuple
 
 import torch
 
-from . import cascade, native
+from . import cascade, fused, native
 from .parts import Part, Rows, offsets
 from .parts import roles as role_runs
 from .stacking import group_of, product, together
@@ -122,6 +122,7 @@ class Layer(NamedTuple):
     down: Callable  # (x, roles) -> down_proj(x)
     act: Callable
     qkv_packed: Callable | None  # (x, roles) -> the stacked q/k/v product (R, (H + 2 H_kv) D) where packed, else None
+    gu_packed: Callable | None  # (x, roles) -> the stacked gate/up product (R, 2 I) where packed, else None
 
 
 class LeanStep:
@@ -151,16 +152,19 @@ class LeanStep:
                 together(a.q_proj, a.k_proj, a.v_proj), f(a.o_proj), a.scaling,
                 layer.post_attention_layernorm.weight, layer.post_attention_layernorm.variance_epsilon,
                 together(m.gate_proj, m.up_proj), f(m.down_proj), m.act_fn.forward,
-                group_of(a.q_proj, a.k_proj, a.v_proj),
+                group_of(a.q_proj, a.k_proj, a.v_proj), group_of(m.gate_proj, m.up_proj),
             ))
-            packed = packed and self.fns[-1].qkv_packed is not None and group_of(m.gate_proj, m.up_proj) is not None
+            packed = packed and None not in self.fns[-1][-2:] and fused.is_silu(m.act_fn)
         half = self.head_dim // 2
         # decode rows over bf16 K/V through cag.native's kernel (CAG_DECODE_KERNELS resolved to amx or avx512 at load)
         mode = getattr(model, native.ATTR, "torch")
         self.kernel = native.attention(mode) if mode != "torch" and native.load() and self.head_dim in native.HEAD_DIMS else None
         # and with it, for float32 compute over packed products, the glue around them in one call each: RMSNorm
-        # straight to the products' bf16 input, rope of q and k with the K/V write (same bits as the formulas below)
-        self.glue = (torch.ops.cag.rms_bf16, torch.ops.cag.rope_write) if self.kernel and packed and self.dtype == torch.float32 else None
+        # straight to the products' bf16 input, rope of q and k with the K/V write (same bits as the formulas
+        # below), silu(gate) x up rounded to bf16 (its own bits); with int4 weights, whole layers (cag.fused)
+        glue = self.kernel and packed and self.dtype == torch.float32
+        self.glue = (torch.ops.cag.rms_bf16, torch.ops.cag.rope_write) if glue else None
+        self.fused = fused.weights(model) if glue and mode == "avx512" else None
         # rotate_half(x) = cat(-x2, x1) = roll(x, D/2) * sign, sign = (-1)*D/2 ++ (+1)*D/2
         self.sign = torch.cat([-torch.ones(half), torch.ones(half)]).to(self.device, self.dtype)  # (D,)
 
@@ -219,7 +223,10 @@ class LeanStep:
         if glue:
             norm, rope_write = glue
             cos2, sin2 = cos.view(R, d), sin.view(R, d)
-        for i, ((w1, e1, qkv_f, o_f, scale, w2, e2, gu_f, d_f, act, qkv_all), K, V) in enumerate(
+        if glue and fused.applies(s, rows, roles, kernel):  # every layer in one native call each
+            h = fused.layers(s, rows[0], h, cos2, sin2, buffers, rows_slot, rows_pos)
+            fns = ()
+        for i, ((w1, e1, qkv_f, o_f, scale, w2, e2, gu_f, d_f, act, qkv_all, gu_all), K, V) in enumerate(
                 zip(fns, buffers.k, buffers.v)):
             x = norm(h, w1, e1)
             if glue:  # roped q (R, H, D); roped k and v written to each row's slot and position
@@ -234,9 +241,12 @@ class LeanStep:
             o = o[0] if len(o) == 1 else torch.cat(o)
             h = h + o_f(o.to(torch.bfloat16) if glue else o, roles)  # with the glue: the products' bf16 input, as they round it
             x = norm(h, w2, e2)
+            if glue:  # silu(gate) x up straight to the down product's bf16 input
+                h = h + d_f(torch.ops.cag.silu_mul_bf16(gu_all(x, roles)), roles)
+                continue
             g, u = gu_f(x, roles)
             y = act(g) * u
-            h = h + d_f(y.to(torch.bfloat16) if glue else y, roles)
+            h = h + d_f(y, roles)
         w, e = s.final
         if all_logits:
             return [s.head(rms(h[r.r0 : r.r1].view(r.B, r.m, -1), w, e)) for r in rows]

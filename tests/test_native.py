@@ -1,6 +1,7 @@
 """cag.native's decode attention (AVX512-BF16, and AMX where the CPU has it): the attention it computes,
-rows that never depend on the batch, its bad inputs; the step's glue; the CAG_DECODE_KERNELS modes; and
-cag == full through the kernels on a model with heads of 64. Where the library cannot be built here
+rows that never depend on the batch, its bad inputs; the step's glue, and whole layers in one call
+(the same bits as the separate ops); the CAG_DECODE_KERNELS modes; and cag == full through the kernels on a
+model with heads of 64. Where the library cannot be built here
 (another CPU, no compiler) its tests skip with the reason; where it can, a failed build fails them."""
 
 from __future__ import annotations
@@ -207,6 +208,7 @@ def test_cag_equals_full_through_the_kernels(library, tiny64_model_dir, small_co
     engine = Engine(get_settings())
     step = lean.for_model(engine.lm.model)
     assert engine.lm.kernels == mode and step.kernel is not None and step.glue is not None
+    assert (step.fused is not None) == (weights == "int4" and mode == "avx512")  # whole layers in one call each
     packs = [m.packs for m in engine.lm.model.modules() if isinstance(m, weights_mod.FastLinear)]
     assert packs and all(p.native for p in packs)  # every product through cag's own kernel
     engine.ingest(str(small_corpus))
@@ -238,3 +240,81 @@ def test_the_resident_budget_counts_the_pairs(library):
     assert b.nbytes == 2 * before
     pool.get("b", lambda: b)  # a hit
     assert "a" not in pool and "b" in pool
+
+
+def test_silu_mul_bf16_is_silu_times_up(library):
+    """silu(gate) x up in one call, rounded once to bf16: within one bf16 step of torch's formula, each
+    row's bits its own."""
+    g = torch.Generator().manual_seed(5)
+    gu = torch.randn(5, 2 * 200, generator=g) * 6
+    got = torch.ops.cag.silu_mul_bf16(gu)
+    want = torch.nn.functional.silu(gu[:, :200]) * gu[:, 200:]
+    assert got.dtype == torch.bfloat16 and got.shape == (5, 200)
+    assert ((got.float() - want).abs() <= want.abs() * 2**-7 + 1e-30).all()
+    assert torch.equal(torch.cat([torch.ops.cag.silu_mul_bf16(gu[i : i + 1]) for i in range(5)]), got)
+    with pytest.raises(RuntimeError, match="float32"):
+        torch.ops.cag.silu_mul_bf16(gu.double())
+
+
+def _fused_engine(tiny64_model_dir, monkeypatch):
+    monkeypatch.setenv("CAG_MODEL", str(tiny64_model_dir))
+    monkeypatch.setenv("CAG_WEIGHTS", "int4")
+    monkeypatch.setenv("CAG_DECODE_KERNELS", "avx512")
+    engine = Engine(get_settings())
+    return engine, lean.for_model(engine.lm.model)
+
+
+@torch.inference_mode()
+def test_a_fused_layer_is_the_separate_ops_bit_for_bit(library, tiny64_model_dir, monkeypatch):
+    """decode_layer (whole layers in one parallel region) gives the logits and the K/V the separate ops
+    give, bit for bit: one request and three on one prefix, over a prefix that ends mid-chunk."""
+    from cag.slots import Prefix, Slots
+
+    engine, step = _fused_engine(tiny64_model_dir, monkeypatch)
+    assert step.fused is not None
+    cfg = engine.lm.model.config
+    g = torch.Generator().manual_seed(1)
+    kv = [tuple(torch.randn(1, cfg.num_key_value_heads, 300, 64, generator=g).bfloat16() for _ in "kv")
+          for _ in range(cfg.num_hidden_layers)]
+    prefix, fused = Prefix(kv, 300), step.fused
+
+    def run(on: bool, B: int):
+        step.fused = fused if on else None
+        slots = Slots(cfg.num_hidden_layers, cfg.num_key_value_heads, 64, 40, 4, torch.bfloat16)
+        taken = torch.tensor([slots.take() for _ in range(B)])
+        toks, starts, out = torch.tensor([[7 + b] for b in range(B)]), torch.tensor([3 * b for b in range(B)]), []
+        for _ in range(6):
+            logits = step.forward(toks, [prefix] * B, taken, starts, slots)
+            toks, starts = logits.argmax(-1).view(B, 1), starts + 1
+            out.append(logits)
+        return torch.stack(out), [t[taken] for t in slots.k + slots.v]  # the slots taken (the rest: never written)
+
+    for B in (1, 3):
+        a, b = run(True, B), run(False, B)
+        assert torch.equal(a[0], b[0])
+        assert all(torch.equal(x, y) for x, y in zip(a[1], b[1]))
+    step.fused = fused
+
+
+def test_decode_layer_refuses_bad_inputs(library, tiny64_model_dir, monkeypatch):
+    from cag import cascade
+    from cag.slots import Prefix, Slots
+
+    engine, step = _fused_engine(tiny64_model_dir, monkeypatch)
+    cfg = engine.lm.model.config
+    prefix = Prefix([tuple(torch.zeros(1, cfg.num_key_value_heads, 20, 64, dtype=torch.bfloat16) for _ in "kv")] * 2, 20)
+    slots = Slots(cfg.num_hidden_layers, cfg.num_key_value_heads, 64, 8, 1, torch.bfloat16)
+    h, cs, one = torch.zeros(1, cfg.hidden_size), torch.zeros(1, 64), torch.tensor([0])
+    f, w = step.fns[0], step.fused[0]
+
+    def call(w=w, h=h, pos=one):
+        torch.ops.cag.decode_layer(h, w, [f.eps1, f.eps2], cs, cs, slots.k[0], slots.v[0], one, pos,
+                                   cfg.num_attention_heads, cascade.paired(prefix, 0), one, torch.tensor([1]), f.scale)
+
+    call()
+    with pytest.raises(RuntimeError, match="float32"):
+        call(h=h.double())
+    with pytest.raises(RuntimeError, match="int4 weights"):
+        call(w=[w[0], w[3], *w[2:]])  # o's weights where q/k/v's belong
+    with pytest.raises(RuntimeError, match="outside the buffers"):
+        call(pos=torch.tensor([8]))

@@ -27,6 +27,8 @@
 #include <type_traits>
 #include <vector>
 
+#include "kernels.h"
+
 namespace {
 
 constexpr int64_t C = 256;  // keys per item: its K (transposed) and V (paired) stay in L2
@@ -80,7 +82,7 @@ struct Tiles {
 struct Tiles {};  // built for a CPU without AMX: only the AVX512-BF16 kernel
 #endif
 
-struct Partial { float m, l; };
+using cagk::Partial;
 
 // An item's working memory (~165 KB), per thread: not on the stack of a pool thread.
 struct Scratch {
@@ -380,39 +382,41 @@ bool amx_permitted() {  // Linux hands out AMX tile state on request, once per p
   return ok;
 }
 
+}  // namespace
+
+namespace cagk {
+
 // q (B, H, R, D) float32: request b, K/V head h, row r (the query heads sharing h); kp, vp (H, n, D)
 // bf16: the shared prefix (n may be 0); ks, vs (S, H, room, D) bf16: the request slots; slots (B,),
-// lens (B,) int64: request b reads keys [0, lens[b]) of slot slots[b]. Returns (B, H, R, D) float32.
+// lens (B,) int64: request b reads keys [0, lens[b]) of slot slots[b].
 // kt, vt (avx512 only): the prefix as pair_kv gives it, read in place of kp and vp's rows.
-template <bool AMX>
-at::Tensor attend(const at::Tensor& q, const at::Tensor& kp, const at::Tensor& vpre, const at::Tensor& ks,
-                  const at::Tensor& vs, const at::Tensor& slots, const at::Tensor& lens, double scale,
-                  const std::optional<at::Tensor>& kt = std::nullopt, const std::optional<at::Tensor>& vt = std::nullopt) {
+Attention::Attention(const float* q, int64_t B, int64_t H, int64_t R, int64_t D, const at::Tensor& kp_,
+                     const at::Tensor& vp_, const at::Tensor& ks_, const at::Tensor& vs_, const at::Tensor& slots,
+                     const at::Tensor& lens, double scale_, const std::optional<at::Tensor>& kt,
+                     const std::optional<at::Tensor>& vt, bool amx)
+    : qd(q), B(B), H(H), R(R), D(D), kp(kp_), vp(vp_), ks(ks_), vs(vs_), scale((float)scale_) {
 #ifndef CAG_AMX
-  TORCH_CHECK(!AMX, "this library was built for a CPU without AMX: use decode_attention_avx512");
+  TORCH_CHECK(!amx, "this library was built for a CPU without AMX: use decode_attention_avx512");
 #endif
-  TORCH_CHECK(!AMX || amx_permitted(), "the kernel refused to start: Linux did not grant AMX tile state to this process");
-  TORCH_CHECK(q.dim() == 4 && q.scalar_type() == at::kFloat && q.is_contiguous(), "q: (B, H, R, D) float32, contiguous");
-  TORCH_CHECK(kp.dim() == 3 && vpre.dim() == 3 && ks.dim() == 4 && vs.dim() == 4, "K/V: (H, n, D) prefix and (S, H, room, D) slots");
-  const int64_t B = q.size(0), H = q.size(1), R = q.size(2), D = q.size(3), n = kp.size(1);
+  TORCH_CHECK(!amx || amx_permitted(), "the kernel refused to start: Linux did not grant AMX tile state to this process");
+  TORCH_CHECK(kp.dim() == 3 && vp.dim() == 3 && ks.dim() == 4 && vs.dim() == 4, "K/V: (H, n, D) prefix and (S, H, room, D) slots");
   TORCH_CHECK(D == 64 || D == 128, "head dim 64 or 128");
-  for (const at::Tensor* t : {&kp, &vpre, &ks, &vs})
+  n = kp.size(1);
+  for (const at::Tensor* t : {&kp, &vp, &ks, &vs})
     TORCH_CHECK(t->scalar_type() == at::kBFloat16 && t->stride(-1) == 1 && t->stride(-2) % 2 == 0 && t->size(-1) == D &&
                 t->size(-3) == H, "K/V: bfloat16, H heads of D, rows contiguous");
-  TORCH_CHECK(vpre.size(1) == n && vs.size(2) == ks.size(2) && vs.size(0) == ks.size(0), "K and V shapes differ");
+  TORCH_CHECK(vp.size(1) == n && vs.size(2) == ks.size(2) && vs.size(0) == ks.size(0), "K and V shapes differ");
   TORCH_CHECK(slots.scalar_type() == at::kLong && lens.scalar_type() == at::kLong && slots.numel() == B && lens.numel() == B &&
               slots.is_contiguous() && lens.is_contiguous(), "slots, lens: (B,) int64");
-  const int64_t* slot = slots.data_ptr<int64_t>();
-  const int64_t* len = lens.data_ptr<int64_t>();
-  int64_t most = 0;  // suffix chunks of the longest suffix
+  slot = slots.data_ptr<int64_t>();
+  len = lens.data_ptr<int64_t>();
+  most = 0;  // suffix chunks of the longest suffix
   for (int64_t b = 0; b < B; b++) {
     TORCH_CHECK(len[b] >= 1 && len[b] <= ks.size(2) && slot[b] >= 0 && slot[b] < ks.size(0), "suffix outside the slots");
     most = std::max(most, (len[b] + C - 1) / C);
   }
-  const int64_t np = (n + C - 1) / C, chunks = np + most;  // per row: prefix chunks, then suffix chunks
-  TORCH_CHECK(kt.has_value() == vt.has_value() && (!kt || !AMX), "kt and vt: both or neither, and for the avx512 kernel");
-  const uint32_t* ktd = nullptr;
-  const uint32_t* vtd = nullptr;
+  np = (n + C - 1) / C, chunks = np + most;  // per row: prefix chunks, then suffix chunks
+  TORCH_CHECK(kt.has_value() == vt.has_value() && (!kt || !amx), "kt and vt: both or neither, and for the avx512 kernel");
   if (kt) {
     TORCH_CHECK(kt->scalar_type() == at::kInt && vt->scalar_type() == at::kInt && kt->is_contiguous() && vt->is_contiguous() &&
                 kt->sizes() == at::IntArrayRef({H, np, D / 2, C}) && vt->sizes() == at::IntArrayRef({H, (n + 1) / 2, D}),
@@ -420,89 +424,111 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& kp, const at::Tensor& v
     ktd = reinterpret_cast<const uint32_t*>(kt->data_ptr<int32_t>());
     vtd = reinterpret_cast<const uint32_t*>(vt->data_ptr<int32_t>());
   }
-  std::vector<Partial> part(B * H * R * chunks);
-  std::vector<float> acc(B * H * R * chunks * D);
-  auto at = [&](int64_t b, int64_t h, int64_t r, int64_t c) { return ((b * H + h) * R + r) * chunks + c; };
-  std::vector<int64_t> items;  // prefix items (h, c), then suffix items (b, h, c)
+  part.resize(B * H * R * chunks);
+  acc.resize(B * H * R * chunks * D);
   for (int64_t h = 0; h < H; h++)
     for (int64_t c = 0; c < np; c++) items.push_back(h * np + c);
-  const int64_t n_pre = (int64_t)items.size();
+  n_pre = (int64_t)items.size();
   for (int64_t b = 0; b < B; b++)
     for (int64_t h = 0; h < H; h++)
       for (int64_t c = 0; c < (len[b] + C - 1) / C; c++) items.push_back((b * H + h) * most + c);
+}
+
+template <bool AMX>
+void Attention::work(int64_t p, int64_t nt) {
+  [[maybe_unused]] std::conditional_t<AMX, Tiles, int> tiles{};
+  std::vector<const float*> qs(B * R);
+  std::vector<float*> accs(B * R);
+  std::vector<Partial> ps(B * R);
+  auto at = [&](int64_t b, int64_t h, int64_t r, int64_t c) { return ((b * H + h) * R + r) * chunks + c; };
   const int64_t n_items = (int64_t)items.size();
-  const int64_t nt = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), n_items));
-  const float* qd = q.data_ptr<float>();
-  at::parallel_for(0, nt, 1, [&](int64_t p0, int64_t p1) {
-    [[maybe_unused]] std::conditional_t<AMX, Tiles, int> tiles{};
-    std::vector<const float*> qs(B * R);
-    std::vector<float*> accs(B * R);
-    std::vector<Partial> ps(B * R);
-    for (int64_t p = p0; p < p1; p++)
-      for (int64_t i = p; i < n_items; i += nt) {  // share p takes items p, p + nt, ...: prefix and suffix spread evenly
-        if (i < n_pre) {
-          const int64_t h = items[i] / np, c = items[i] % np, t0 = c * C;
-          for (int64_t b = 0; b < B; b++)
-            for (int64_t r = 0; r < R; r++) {
-              qs[b * R + r] = qd + ((b * H + h) * R + r) * D;
-              accs[b * R + r] = acc.data() + at(b, h, r, c) * D;
-            }
-          const at::BFloat16* k0 = kp.data_ptr<at::BFloat16>() + h * kp.stride(0) + t0 * kp.stride(1);
-          const at::BFloat16* v0 = vpre.data_ptr<at::BFloat16>() + h * vpre.stride(0) + t0 * vpre.stride(1);
-#ifdef CAG_AMX
-          if (AMX) item_amx(qs.data(), B * R, k0, v0, kp.stride(1), std::min(C, n - t0), D, (float)scale, ps.data(), accs.data());
-          else
-#endif
-          {
-            const char *nk = nullptr, *nv = nullptr;  // a prefix item this thread takes later, if any
-            int64_t nkb = 0, nvb = 0;
-            if (ktd && i + AHEAD * nt < n_pre) {
-              const int64_t h2 = items[i + AHEAD * nt] / np, c2 = items[i + AHEAD * nt] % np;
-              nk = reinterpret_cast<const char*>(ktd + (h2 * np + c2) * (D / 2) * C), nkb = (D / 2) * C * 4;
-              nv = reinterpret_cast<const char*>(vtd + (h2 * ((n + 1) / 2) + c2 * C / 2) * D);
-              nvb = (std::min(C, n - c2 * C) + 1) / 2 * D * 4;
-            }
-            item_avx512(qs.data(), B * R, k0, v0, kp.stride(1), std::min(C, n - t0), D, (float)scale, ps.data(), accs.data(),
-                        ktd ? ktd + (h * np + c) * (D / 2) * C : nullptr, vtd ? vtd + (h * ((n + 1) / 2) + t0 / 2) * D : nullptr,
-                        nk, nkb, nv, nvb);
-          }
-          for (int64_t b = 0; b < B; b++)
-            for (int64_t r = 0; r < R; r++) part[at(b, h, r, c)] = ps[b * R + r];
-        } else {
-          const int64_t f = items[i], c = f % most, b = f / most / H, h = (f / most) % H, t0 = c * C;
-          for (int64_t r = 0; r < R; r++) {
-            qs[r] = qd + ((b * H + h) * R + r) * D;
-            accs[r] = acc.data() + at(b, h, r, np + c) * D;
-          }
-          const at::BFloat16* k0 = ks.data_ptr<at::BFloat16>() + slot[b] * ks.stride(0) + h * ks.stride(1) + t0 * ks.stride(2);
-          const at::BFloat16* v0 = vs.data_ptr<at::BFloat16>() + slot[b] * vs.stride(0) + h * vs.stride(1) + t0 * vs.stride(2);
-#ifdef CAG_AMX
-          if (AMX) item_amx(qs.data(), R, k0, v0, ks.stride(2), std::min(C, len[b] - t0), D, (float)scale, ps.data(), accs.data());
-          else
-#endif
-          item_avx512(qs.data(), R, k0, v0, ks.stride(2), std::min(C, len[b] - t0), D, (float)scale, ps.data(), accs.data());
-          for (int64_t r = 0; r < R; r++) part[at(b, h, r, np + c)] = ps[r];
+  for (int64_t i = p; i < n_items; i += nt) {  // share p takes items p, p + nt, ...: prefix and suffix spread evenly
+    if (i < n_pre) {
+      const int64_t h = items[i] / np, c = items[i] % np, t0 = c * C;
+      for (int64_t b = 0; b < B; b++)
+        for (int64_t r = 0; r < R; r++) {
+          qs[b * R + r] = qd + ((b * H + h) * R + r) * D;
+          accs[b * R + r] = acc.data() + at(b, h, r, c) * D;
         }
+      const at::BFloat16* k0 = kp.data_ptr<at::BFloat16>() + h * kp.stride(0) + t0 * kp.stride(1);
+      const at::BFloat16* v0 = vp.data_ptr<at::BFloat16>() + h * vp.stride(0) + t0 * vp.stride(1);
+#ifdef CAG_AMX
+      if (AMX) item_amx(qs.data(), B * R, k0, v0, kp.stride(1), std::min(C, n - t0), D, scale, ps.data(), accs.data());
+      else
+#endif
+      {
+        const char *nk = nullptr, *nv = nullptr;  // a prefix item this thread takes later, if any
+        int64_t nkb = 0, nvb = 0;
+        if (ktd && i + AHEAD * nt < n_pre) {
+          const int64_t h2 = items[i + AHEAD * nt] / np, c2 = items[i + AHEAD * nt] % np;
+          nk = reinterpret_cast<const char*>(ktd + (h2 * np + c2) * (D / 2) * C), nkb = (D / 2) * C * 4;
+          nv = reinterpret_cast<const char*>(vtd + (h2 * ((n + 1) / 2) + c2 * C / 2) * D);
+          nvb = (std::min(C, n - c2 * C) + 1) / 2 * D * 4;
+        }
+        item_avx512(qs.data(), B * R, k0, v0, kp.stride(1), std::min(C, n - t0), D, scale, ps.data(), accs.data(),
+                    ktd ? ktd + (h * np + c) * (D / 2) * C : nullptr, vtd ? vtd + (h * ((n + 1) / 2) + t0 / 2) * D : nullptr,
+                    nk, nkb, nv, nvb);
       }
-  });
-  at::Tensor out = at::empty({B, H, R, D}, q.options());
-  float* od = out.data_ptr<float>();
+      for (int64_t b = 0; b < B; b++)
+        for (int64_t r = 0; r < R; r++) part[at(b, h, r, c)] = ps[b * R + r];
+    } else {
+      const int64_t f = items[i], c = f % most, b = f / most / H, h = (f / most) % H, t0 = c * C;
+      for (int64_t r = 0; r < R; r++) {
+        qs[r] = qd + ((b * H + h) * R + r) * D;
+        accs[r] = acc.data() + at(b, h, r, np + c) * D;
+      }
+      const at::BFloat16* k0 = ks.data_ptr<at::BFloat16>() + slot[b] * ks.stride(0) + h * ks.stride(1) + t0 * ks.stride(2);
+      const at::BFloat16* v0 = vs.data_ptr<at::BFloat16>() + slot[b] * vs.stride(0) + h * vs.stride(1) + t0 * vs.stride(2);
+#ifdef CAG_AMX
+      if (AMX) item_amx(qs.data(), R, k0, v0, ks.stride(2), std::min(C, len[b] - t0), D, scale, ps.data(), accs.data());
+      else
+#endif
+      item_avx512(qs.data(), R, k0, v0, ks.stride(2), std::min(C, len[b] - t0), D, scale, ps.data(), accs.data());
+      for (int64_t r = 0; r < R; r++) part[at(b, h, r, np + c)] = ps[r];
+    }
+  }
+}
+template void Attention::work<false>(int64_t, int64_t);
+#ifdef CAG_AMX
+template void Attention::work<true>(int64_t, int64_t);
+#endif
+
+void Attention::merge(float* od) const {
   for (int64_t b = 0; b < B; b++)  // each row's chunks merged in a fixed order: prefix, then suffix
     for (int64_t h = 0; h < H; h++)
       for (int64_t r = 0; r < R; r++) {
-        const int64_t k0 = at(b, h, r, 0), kn = np + (len[b] + C - 1) / C;
+        const int64_t k0 = ((b * H + h) * R + r) * chunks, kn = np + (len[b] + C - 1) / C;
         float m = -INFINITY, l = 0.f;
         for (int64_t c = 0; c < kn; c++) m = std::max(m, part[k0 + c].m);
-        std::vector<float> e(kn);
-        for (int64_t c = 0; c < kn; c++) { e[c] = std::exp(part[k0 + c].m - m); l += part[k0 + c].l * e[c]; }
+        std::vector<float> ev(kn);
+        for (int64_t c = 0; c < kn; c++) { ev[c] = std::exp(part[k0 + c].m - m); l += part[k0 + c].l * ev[c]; }
         float* dst = od + ((b * H + h) * R + r) * D;
         for (int64_t j = 0; j < D; j += 16) {
           __m512 o = _mm512_setzero_ps();
           for (int64_t c = 0; c < kn; c++)
-            o = _mm512_fmadd_ps(_mm512_set1_ps(e[c]), _mm512_loadu_ps(acc.data() + (k0 + c) * D + j), o);
+            o = _mm512_fmadd_ps(_mm512_set1_ps(ev[c]), _mm512_loadu_ps(acc.data() + (k0 + c) * D + j), o);
           _mm512_storeu_ps(dst + j, _mm512_div_ps(o, _mm512_set1_ps(l)));
         }
       }
+}
+
+}  // namespace cagk
+
+namespace {
+
+// Returns (B, H, R, D) float32 (Attention's shapes), its items spread over torch's threads.
+template <bool AMX>
+at::Tensor attend(const at::Tensor& q, const at::Tensor& kp, const at::Tensor& vp, const at::Tensor& ks,
+                  const at::Tensor& vs, const at::Tensor& slots, const at::Tensor& lens, double scale,
+                  const std::optional<at::Tensor>& kt = std::nullopt, const std::optional<at::Tensor>& vt = std::nullopt) {
+  TORCH_CHECK(q.dim() == 4 && q.scalar_type() == at::kFloat && q.is_contiguous(), "q: (B, H, R, D) float32, contiguous");
+  cagk::Attention a(q.data_ptr<float>(), q.size(0), q.size(1), q.size(2), q.size(3), kp, vp, ks, vs, slots, lens, scale, kt, vt, AMX);
+  const int64_t nt = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), a.items_n()));
+  at::parallel_for(0, nt, 1, [&](int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; p++) a.work<AMX>(p, nt);
+  });
+  at::Tensor out = at::empty(q.sizes(), q.options());
+  a.merge(out.data_ptr<float>());
   return out;
 }
 
@@ -517,19 +543,14 @@ at::Tensor decode_attention_avx512(const at::Tensor& q, const at::Tensor& kp, co
   return attend<false>(q, kp, vpre, ks, vs, slots, lens, scale, kt, vt);
 }
 
+}  // namespace
+
 // The step's glue around the products, one call each instead of ~8 and ~14 small torch ops a layer.
 
-// x (R, N) float32, w (N,) float32 -> (R, N) bfloat16: LlamaRMSNorm in float32, w * (x * rsqrt(mean(x^2)
-// + eps)), rounded once to bf16 (the packed products' input). Each row's sum runs in 16 lanes, then
-// across them in a fixed order: a row's bits are its own.
-at::Tensor rms_bf16(const at::Tensor& x, const at::Tensor& w, double eps) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x: (R, N) float32, contiguous");
-  TORCH_CHECK(w.dim() == 1 && w.scalar_type() == at::kFloat && w.is_contiguous() && w.size(0) == x.size(1), "w: (N,) float32");
-  const int64_t R = x.size(0), N = x.size(1);
-  at::Tensor out = at::empty({R, N}, x.options().dtype(at::kBFloat16));
-  const float* xd = x.data_ptr<float>();
-  const float* wd = w.data_ptr<float>();
-  uint16_t* od = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
+namespace cagk {
+
+// Each row's sum of squares runs in 16 lanes, then across them in a fixed order: a row's bits are its own.
+void rms_rows(const float* xd, const float* wd, int64_t R, int64_t N, float eps, uint16_t* od) {
   for (int64_t r = 0; r < R; r++) {
     const float* xr = xd + r * N;
     __m512 acc = _mm512_setzero_ps();
@@ -538,44 +559,21 @@ at::Tensor rms_bf16(const at::Tensor& x, const at::Tensor& w, double eps) {
       const __m512 v = _mm512_maskz_loadu_ps(m, xr + j);
       acc = _mm512_fmadd_ps(v, v, acc);
     }
-    const float inv = 1.0f / std::sqrt(_mm512_reduce_add_ps(acc) / (float)N + (float)eps);
+    const float inv = 1.0f / std::sqrt(_mm512_reduce_add_ps(acc) / (float)N + eps);
     for (int64_t j = 0; j < N; j += 16) {
       const __mmask16 m = (__mmask16)(N - j >= 16 ? 0xFFFF : (1u << (N - j)) - 1);
       const __m512 y = _mm512_mul_ps(_mm512_maskz_loadu_ps(m, wd + j), _mm512_mul_ps(_mm512_maskz_loadu_ps(m, xr + j), _mm512_set1_ps(inv)));
       _mm256_mask_storeu_epi16(od + r * N + j, m, (__m256i)_mm512_cvtneps_pbh(y));
     }
   }
-  return out;
 }
 
-// qkv (R, (H + 2 Hk) D) float32: each row's q, k and v; cos, sin (R, D) float32 (sin's first half
-// negated, cag.step). Writes roped k and v as bf16 to K, V (S, Hk, room, D) at [slot[r], :, pos[r]]
-// and returns roped q (R, H, D) float32. rope is x * cos + roll(x, D/2) * sin with a rounding after
-// each product and the sum, as torch computes it: the same bits.
-at::Tensor rope_write(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, at::Tensor K, at::Tensor V,
-                      const at::Tensor& slots, const at::Tensor& pos, int64_t H) {
-  TORCH_CHECK(qkv.dim() == 2 && qkv.scalar_type() == at::kFloat && qkv.stride(1) == 1, "qkv: (R, (H + 2 Hk) D) float32");
-  TORCH_CHECK(K.dim() == 4 && K.scalar_type() == at::kBFloat16 && K.is_contiguous() && V.sizes() == K.sizes() &&
-              V.scalar_type() == at::kBFloat16 && V.is_contiguous(), "K, V: (S, Hk, room, D) bfloat16, contiguous");
-  const int64_t R = qkv.size(0), Hk = K.size(1), D = K.size(3);
-  TORCH_CHECK(D % 32 == 0 && qkv.size(1) == (H + 2 * Hk) * D, "qkv width and heads disagree");
-  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat &&
-              cos.numel() == R * D && sin.numel() == R * D, "cos, sin: (R, D) float32");
-  TORCH_CHECK(slots.scalar_type() == at::kLong && pos.scalar_type() == at::kLong && slots.numel() == R && pos.numel() == R &&
-              slots.is_contiguous() && pos.is_contiguous(), "slots, pos: (R,) int64");
-  const int64_t* sl = slots.data_ptr<int64_t>();
-  const int64_t* ps = pos.data_ptr<int64_t>();
-  for (int64_t r = 0; r < R; r++)
-    TORCH_CHECK(sl[r] >= 0 && sl[r] < K.size(0) && ps[r] >= 0 && ps[r] < K.size(2), "slot or position outside the buffers");
-  at::Tensor q = at::empty({R, H, D}, qkv.options().dtype(at::kFloat).memory_format(at::MemoryFormat::Contiguous));
-  float* qd = q.data_ptr<float>();
-  const float* cd = cos.data_ptr<float>();
-  const float* sd = sin.data_ptr<float>();
-  uint16_t* kd = reinterpret_cast<uint16_t*>(K.data_ptr<at::BFloat16>());
-  uint16_t* vd = reinterpret_cast<uint16_t*>(V.data_ptr<at::BFloat16>());
-  const int64_t half = D / 2, room = K.size(2);
+// rope is x * cos + roll(x, D/2) * sin with a rounding after each product and the sum, as torch computes it.
+void rope_rows(const float* qkv, int64_t ld, const float* cd, const float* sd, int64_t R, int64_t H, int64_t Hk,
+               int64_t D, int64_t room, const int64_t* sl, const int64_t* ps, float* qd, uint16_t* kd, uint16_t* vd) {
+  const int64_t half = D / 2;
   for (int64_t r = 0; r < R; r++) {
-    const float* row = qkv.data_ptr<float>() + r * qkv.stride(0);
+    const float* row = qkv + r * ld;
     const float* c = cd + r * D;
     const float* sn = sd + r * D;
     for (int64_t h = 0; h < H + Hk; h++) {  // q heads, then k heads
@@ -593,6 +591,83 @@ at::Tensor rope_write(const at::Tensor& qkv, const at::Tensor& cos, const at::Te
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(vd + ((sl[r] * Hk + h) * room + ps[r]) * D + j),
                             (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(row + (H + Hk + h) * D + j)));
   }
+}
+
+// torch's float -> bf16: round to nearest even by adding 0x7FFF plus the lowest kept bit; NaN -> 0x7FC0.
+inline __m256i bf16_rne(__m512 v) {
+  const __m512i u = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7FFF)), lsb), 16);
+  r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
+  return _mm512_cvtepi32_epi16(r);
+}
+
+void to_bf16(const float* x, int64_t n, uint16_t* y) {
+  for (int64_t j = 0; j < n; j += 16) {
+    const __mmask16 m = (__mmask16)(n - j >= 16 ? 0xFFFF : (1u << (n - j)) - 1);
+    _mm256_mask_storeu_epi16(y + j, m, bf16_rne(_mm512_maskz_loadu_ps(m, x + j)));
+  }
+}
+
+// silu(g) = g * sigmoid(g), sigmoid from e = e^-|g| (no overflow): 1 / (1 + e) for g >= 0, e / (1 + e) below.
+void silu_mul_rows(const float* gu, int64_t R, int64_t I, uint16_t* y) {
+  for (int64_t r = 0; r < R; r++)
+    for (int64_t j = 0; j < I; j += 16) {
+      const __mmask16 m = (__mmask16)(I - j >= 16 ? 0xFFFF : (1u << (I - j)) - 1);
+      const __m512 g = _mm512_maskz_loadu_ps(m, gu + r * 2 * I + j), u = _mm512_maskz_loadu_ps(m, gu + r * 2 * I + I + j);
+      const __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(g)));
+      const __m512 one = _mm512_set1_ps(1.0f), den = _mm512_add_ps(one, e);
+      const __m512 sig = _mm512_div_ps(_mm512_mask_blend_ps(_mm512_cmp_ps_mask(g, _mm512_setzero_ps(), _CMP_GE_OQ), e, one), den);
+      _mm256_mask_storeu_epi16(y + r * I + j, m, bf16_rne(_mm512_mul_ps(_mm512_mul_ps(g, sig), u)));
+    }
+}
+
+}  // namespace cagk
+
+namespace {
+
+// x (R, N) float32, w (N,) float32 -> (R, N) bfloat16: LlamaRMSNorm in float32, w * (x * rsqrt(mean(x^2)
+// + eps)), rounded once to bf16 (the packed products' input).
+at::Tensor rms_bf16(const at::Tensor& x, const at::Tensor& w, double eps) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x: (R, N) float32, contiguous");
+  TORCH_CHECK(w.dim() == 1 && w.scalar_type() == at::kFloat && w.is_contiguous() && w.size(0) == x.size(1), "w: (N,) float32");
+  at::Tensor out = at::empty({x.size(0), x.size(1)}, x.options().dtype(at::kBFloat16));
+  cagk::rms_rows(x.data_ptr<float>(), w.data_ptr<float>(), x.size(0), x.size(1), (float)eps,
+                 reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()));
+  return out;
+}
+
+// gu (R, 2 I) float32, each row gate ++ up -> (R, I) bfloat16: silu(gate) * up, rounded once (torch's rounding).
+at::Tensor silu_mul_bf16(const at::Tensor& gu) {
+  TORCH_CHECK(gu.dim() == 2 && gu.scalar_type() == at::kFloat && gu.is_contiguous() && gu.size(1) % 2 == 0,
+              "gu: (R, 2 I) float32, contiguous");
+  at::Tensor out = at::empty({gu.size(0), gu.size(1) / 2}, gu.options().dtype(at::kBFloat16));
+  cagk::silu_mul_rows(gu.data_ptr<float>(), gu.size(0), gu.size(1) / 2, reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()));
+  return out;
+}
+
+// qkv (R, (H + 2 Hk) D) float32: each row's q, k and v; cos, sin (R, D) float32 (sin's first half
+// negated, cag.step). Writes roped k and v as bf16 to K, V (S, Hk, room, D) at [slot[r], :, pos[r]]
+// and returns roped q (R, H, D) float32: the same bits as the formula in torch.
+at::Tensor rope_write(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, at::Tensor K, at::Tensor V,
+                      const at::Tensor& slots, const at::Tensor& pos, int64_t H) {
+  TORCH_CHECK(qkv.dim() == 2 && qkv.scalar_type() == at::kFloat && qkv.stride(1) == 1, "qkv: (R, (H + 2 Hk) D) float32");
+  TORCH_CHECK(K.dim() == 4 && K.scalar_type() == at::kBFloat16 && K.is_contiguous() && V.sizes() == K.sizes() &&
+              V.scalar_type() == at::kBFloat16 && V.is_contiguous(), "K, V: (S, Hk, room, D) bfloat16, contiguous");
+  const int64_t R = qkv.size(0), Hk = K.size(1), D = K.size(3);
+  TORCH_CHECK(D % 32 == 0 && qkv.size(1) == (H + 2 * Hk) * D, "qkv width and heads disagree");
+  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat &&
+              cos.numel() == R * D && sin.numel() == R * D, "cos, sin: (R, D) float32");
+  TORCH_CHECK(slots.scalar_type() == at::kLong && pos.scalar_type() == at::kLong && slots.numel() == R && pos.numel() == R &&
+              slots.is_contiguous() && pos.is_contiguous(), "slots, pos: (R,) int64");
+  const int64_t* sl = slots.data_ptr<int64_t>();
+  const int64_t* ps = pos.data_ptr<int64_t>();
+  for (int64_t r = 0; r < R; r++)
+    TORCH_CHECK(sl[r] >= 0 && sl[r] < K.size(0) && ps[r] >= 0 && ps[r] < K.size(2), "slot or position outside the buffers");
+  at::Tensor q = at::empty({R, H, D}, qkv.options().dtype(at::kFloat).memory_format(at::MemoryFormat::Contiguous));
+  cagk::rope_rows(qkv.data_ptr<float>(), qkv.stride(0), cos.data_ptr<float>(), sin.data_ptr<float>(), R, H, Hk, D, K.size(2),
+                  sl, ps, q.data_ptr<float>(), reinterpret_cast<uint16_t*>(K.data_ptr<at::BFloat16>()),
+                  reinterpret_cast<uint16_t*>(V.data_ptr<at::BFloat16>()));
   return q;
 }
 
@@ -604,6 +679,7 @@ TORCH_LIBRARY(cag, m) {
   m.def("decode_attention(Tensor q, Tensor kp, Tensor vp, Tensor ks, Tensor vs, Tensor slots, Tensor lens, float scale) -> Tensor");
   m.def("decode_attention_avx512(Tensor q, Tensor kp, Tensor vp, Tensor ks, Tensor vs, Tensor slots, Tensor lens, float scale, Tensor? kt=None, Tensor? vt=None) -> Tensor");
   m.def("pair_kv(Tensor k, Tensor v) -> (Tensor, Tensor)");
+  m.def("silu_mul_bf16(Tensor gu) -> Tensor");
 }
 TORCH_LIBRARY_IMPL(cag, CPU, m) {
   m.impl("decode_attention", decode_attention);
@@ -611,4 +687,5 @@ TORCH_LIBRARY_IMPL(cag, CPU, m) {
   m.impl("rms_bf16", rms_bf16);
   m.impl("pair_kv", pair_kv);
   m.impl("rope_write", rope_write);
+  m.impl("silu_mul_bf16", silu_mul_bf16);
 }

@@ -25,11 +25,14 @@
 #include <immintrin.h>
 #include <algorithm>
 #include <cstring>
+#include <type_traits>
 #include <vector>
+
+#include "kernels.h"
 
 namespace {
 
-constexpr int MB = 8;  // rows held in registers at a time (a call of more rows runs blocks of MB)
+constexpr int MB = 8;  // rows held in registers at a time (a call of more rows runs blocks of MB, then the rest)
 
 // x (M, K) bf16 -> per row: xp (K) bf16 in the order the unpacked nibbles come out (per 64 inputs:
 // 0-15 and 32-47 of group pair's low nibbles, then 16-31 and 48-63), xs (K/32) float32 group sums.
@@ -129,13 +132,41 @@ void q8_rows(const int8_t* qw, const uint16_t* dh, int64_t K, const float* xf, f
   for (int r = 0; r < NR; r++) y[r * N + n] = _mm512_reduce_add_ps(acc[r]);
 }
 
-// Rows in blocks of MB, then the rest by one row at a time (same per-row sequence either way).
-template <typename F1, typename F8>
-void blocks(int64_t M, F1 one, F8 eight) {
+// Rows in blocks of MB, then the rest (fewer than MB) as one block of their own, each weight read once
+// for the block: f(std::integral_constant<int, NR>, first row). A row's sequence of operations is the
+// same in a block of any size, so its bits do not depend on how many rows the call has.
+template <typename F>
+void blocks(int64_t M, F f) {
   int64_t r = 0;
-  for (; r + MB <= M; r += MB) eight(r);
-  for (; r < M; r++) one(r);
+  for (; r + MB <= M; r += MB) f(std::integral_constant<int, MB>{}, r);
+  switch (M - r) {
+    case 1: f(std::integral_constant<int, 1>{}, r); break;
+    case 2: f(std::integral_constant<int, 2>{}, r); break;
+    case 3: f(std::integral_constant<int, 3>{}, r); break;
+    case 4: f(std::integral_constant<int, 4>{}, r); break;
+    case 5: f(std::integral_constant<int, 5>{}, r); break;
+    case 6: f(std::integral_constant<int, 6>{}, r); break;
+    case 7: f(std::integral_constant<int, 7>{}, r); break;
+    default: break;
+  }
 }
+
+}  // namespace
+
+namespace cagk {
+
+void int4_prepare(const uint16_t* x, int64_t M, int64_t K, uint16_t* xp, float* xs) { prepare(x, M, K, xp, xs); }
+
+void int4_outputs(const uint8_t* q, const uint16_t* d, int64_t K, int64_t M, const uint16_t* xp, const float* xs,
+                  float* y, int64_t N, int64_t n0, int64_t n1) {
+  const int64_t G = K / 32;
+  for (int64_t n = n0; n < n1; n++)
+    blocks(M, [&](auto nr, int64_t r) { int4_rows<decltype(nr)::value>(q, d, K, xp + r * K, xs + r * G, y + r * N, N, n); });
+}
+
+}  // namespace cagk
+
+namespace {
 
 void check_x(const at::Tensor& x, int64_t K) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.is_contiguous() && x.size(1) == K,
@@ -152,16 +183,12 @@ at::Tensor int4_mm(const at::Tensor& x, const at::Tensor& qw, const at::Tensor& 
   check_x(x, K);
   std::vector<uint16_t> xp(M * K);
   std::vector<float> xs(M * G);
-  prepare(reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()), M, K, xp.data(), xs.data());
+  cagk::int4_prepare(reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()), M, K, xp.data(), xs.data());
   at::Tensor y = at::empty({M, N}, x.options().dtype(at::kFloat));
   const uint8_t* q = qw.data_ptr<uint8_t>();
   const uint16_t* d = reinterpret_cast<const uint16_t*>(dm.data_ptr<at::Half>());
   float* yd = y.data_ptr<float>();
-  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
-    for (int64_t n = n0; n < n1; n++)
-      blocks(M, [&](int64_t r) { int4_rows<1>(q, d, K, xp.data() + r * K, xs.data() + r * G, yd + r * N, N, n); },
-             [&](int64_t r) { int4_rows<MB>(q, d, K, xp.data() + r * K, xs.data() + r * G, yd + r * N, N, n); });
-  });
+  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) { cagk::int4_outputs(q, d, K, M, xp.data(), xs.data(), yd, N, n0, n1); });
   return y;
 }
 
@@ -182,8 +209,7 @@ at::Tensor q8_mm(const at::Tensor& x, const at::Tensor& qw, const at::Tensor& d)
   float* yd = y.data_ptr<float>();
   at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
     for (int64_t n = n0; n < n1; n++)
-      blocks(M, [&](int64_t r) { q8_rows<1>(q, dd, K, xf.data() + r * K, yd + r * N, N, n); },
-             [&](int64_t r) { q8_rows<MB>(q, dd, K, xf.data() + r * K, yd + r * N, N, n); });
+      blocks(M, [&](auto nr, int64_t r) { q8_rows<decltype(nr)::value>(q, dd, K, xf.data() + r * K, yd + r * N, N, n); });
   });
   return y;
 }
@@ -200,11 +226,9 @@ at::Tensor bf16_mm(const at::Tensor& x, const at::Tensor& w) {
   at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
     int64_t n = n0;
     for (; n + 2 <= n1; n += 2)  // pairs of outputs
-      blocks(M, [&](int64_t r) { bf16_rows<1, 2>(wd, K, xd + r * K, yd + r * N, N, n); },
-             [&](int64_t r) { bf16_rows<MB, 2>(wd, K, xd + r * K, yd + r * N, N, n); });
+      blocks(M, [&](auto nr, int64_t r) { bf16_rows<decltype(nr)::value, 2>(wd, K, xd + r * K, yd + r * N, N, n); });
     for (; n < n1; n++)
-      blocks(M, [&](int64_t r) { bf16_rows<1, 1>(wd, K, xd + r * K, yd + r * N, N, n); },
-             [&](int64_t r) { bf16_rows<MB, 1>(wd, K, xd + r * K, yd + r * N, N, n); });
+      blocks(M, [&](auto nr, int64_t r) { bf16_rows<decltype(nr)::value, 1>(wd, K, xd + r * K, yd + r * N, N, n); });
   });
   return y;
 }

@@ -1,0 +1,53 @@
+// What the kernel files share: the pieces of a decode step that layer.cpp runs inside one parallel
+// region (each piece also serves its own op in the file that defines it, with the same bits).
+#pragma once
+#include <ATen/core/Tensor.h>
+#include <cstdint>
+#include <optional>
+#include <vector>
+
+namespace cagk {
+
+// products.cpp. int4: x (M, K) bf16 -> xp (M, K) bf16 in the order the nibbles unpack, xs (M, K/32)
+// float32 group sums; then outputs [n0, n1) of y (M, N) float32 from qw (N, K/2), dm (N, 2, K/32).
+void int4_prepare(const uint16_t* x, int64_t M, int64_t K, uint16_t* xp, float* xs);
+void int4_outputs(const uint8_t* qw, const uint16_t* dm, int64_t K, int64_t M, const uint16_t* xp, const float* xs,
+                  float* y, int64_t N, int64_t n0, int64_t n1);
+
+// decode_attention.cpp: the step's glue, row by row.
+// LlamaRMSNorm of x (R, N) float32 with weight w, rounded once to bf16 (rms_bf16).
+void rms_rows(const float* x, const float* w, int64_t R, int64_t N, float eps, uint16_t* out);
+// rope on q and k of qkv (R, (H + 2 Hk) D), q to q (R, H, D) float32, k and v as bf16 into K, V (S, Hk,
+// room, D) at [slot[r], :, pos[r]] (rope_write).
+void rope_rows(const float* qkv, int64_t ld, const float* cos, const float* sin, int64_t R, int64_t H, int64_t Hk,
+               int64_t D, int64_t room, const int64_t* slot, const int64_t* pos, float* q, uint16_t* K, uint16_t* V);
+// silu(g) * u of gu (R, 2 I) = [g | u] per row, rounded to bf16 into y (R, I) (silu_mul_bf16).
+void silu_mul_rows(const float* gu, int64_t R, int64_t I, uint16_t* y);
+// float32 -> bf16 rounded to nearest even, NaN to 0x7FC0: torch's conversion, bit for bit.
+void to_bf16(const float* x, int64_t n, uint16_t* y);
+
+struct Partial { float m, l; };
+
+// One decode attention call (decode_attention_avx512's): checked and laid out by the constructor, its
+// items run by `work(p, nt)` on each of nt threads (items p, p + nt, ...), merged by `merge`. q is
+// read when the items run, so it may be filled after construction.
+struct Attention {
+  Attention(const float* q, int64_t B, int64_t H, int64_t R, int64_t D, const at::Tensor& kp, const at::Tensor& vp,
+            const at::Tensor& ks, const at::Tensor& vs, const at::Tensor& slots, const at::Tensor& lens, double scale,
+            const std::optional<at::Tensor>& kt, const std::optional<at::Tensor>& vt, bool amx);
+  template <bool AMX> void work(int64_t p, int64_t nt);
+  void merge(float* out) const;  // (B, H, R, D) float32
+  int64_t items_n() const { return (int64_t)items.size(); }
+
+  const float* qd;
+  int64_t B, H, R, D, n, np, most, chunks, n_pre;
+  at::Tensor kp, vp, ks, vs;
+  const int64_t *slot, *len;
+  float scale;
+  const uint32_t *ktd = nullptr, *vtd = nullptr;
+  std::vector<Partial> part;
+  std::vector<float> acc;
+  std::vector<int64_t> items;  // prefix items (h, c), then suffix items (b, h, c)
+};
+
+}  // namespace cagk
