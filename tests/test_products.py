@@ -90,13 +90,16 @@ def test_bf16_product_is_the_product(rows):
 
 @pytest.mark.parametrize("kind", ["int4", "q8", "bf16"])
 def test_rows_never_depend_on_the_call_or_the_threads(kind):
-    """Each row alone, in another order, among 8 or 19 rows, and on one thread: the same bits."""
+    """Each row alone, in another order, among 8 or 19 rows, and on one thread; and each output among
+    others at another place in the call (a block of 16 summed at once, or not): the same bits."""
     w = weight(768 if kind == "int4" else 777, 1536)
-    mm = {"int4": lambda x, p=weights.pack_int4(w): torch.ops.cag.int4_mm(x, *p),
-          "q8": lambda x, p=weights.pack_q8(w): torch.ops.cag.q8_mm(x, *p),
-          "bf16": lambda x, p=w.bfloat16(): torch.ops.cag.bf16_mm(x, p)}[kind]
+    of = {"int4": lambda w: lambda x, p=weights.pack_int4(w): torch.ops.cag.int4_mm(x, *p),
+          "q8": lambda w: lambda x, p=weights.pack_q8(w): torch.ops.cag.q8_mm(x, *p),
+          "bf16": lambda w: lambda x, p=w.bfloat16(): torch.ops.cag.bf16_mm(x, p)}[kind]
+    mm = of(w)
     x = torch.randn(19, 1536, generator=torch.Generator().manual_seed(7)).bfloat16()
     together = mm(x)
+    assert torch.equal(of(w[5:45].contiguous())(x), together[:, 5:45])
     assert torch.equal(torch.cat([mm(x[i : i + 1]) for i in range(19)]), together)
     assert torch.equal(mm(x[:8]), together[:8])
     order = torch.randperm(19, generator=torch.Generator().manual_seed(1))

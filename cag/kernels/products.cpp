@@ -54,14 +54,32 @@ void prepare(const uint16_t* x, int64_t M, int64_t K, uint16_t* xp, float* xs) {
   }
 }
 
-// Rows [r0, r0 + nr) (nr <= MB) times output n's int4 weights.
+// The lanes of v summed as hsum16 sums each of its vectors: ((l0 + l2) + (l1 + l3)) per 4 lanes, then
+// (s0 + s1) + (s2 + s3). An output's bits are the same whichever of the two sums it.
+inline float hsum(__m512 v) {
+  alignas(64) float l[16];
+  _mm512_store_ps(l, v);
+  float s[4];
+  for (int k = 0; k < 4; k++) s[k] = (l[4 * k] + l[4 * k + 2]) + (l[4 * k + 1] + l[4 * k + 3]);
+  return (s[0] + s[1]) + (s[2] + s[3]);
+}
+
+// v[o]'s lanes summed into lane o, 16 vectors at once (~3 ops a vector instead of ~9 each).
+inline __m512 hsum16(const __m512* v) {
+  __m512 t[8], u[4], w[2];
+  for (int i = 0; i < 8; i++) t[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  for (int i = 0; i < 4; i++) u[i] = _mm512_add_ps(_mm512_shuffle_ps(t[2 * i], t[2 * i + 1], 0x44), _mm512_shuffle_ps(t[2 * i], t[2 * i + 1], 0xEE));
+  for (int i = 0; i < 2; i++) w[i] = _mm512_add_ps(_mm512_shuffle_f32x4(u[2 * i], u[2 * i + 1], 0x88), _mm512_shuffle_f32x4(u[2 * i], u[2 * i + 1], 0xDD));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(w[0], w[1], 0x88), _mm512_shuffle_f32x4(w[0], w[1], 0xDD));
+}
+
+// Rows [r0, r0 + NR) (NR <= MB) times output n's int4 weights: per row a vector whose lanes sum to the product.
 template <int NR>
-void int4_rows(const uint8_t* qw, const uint16_t* dm, int64_t K, const uint16_t* xp, const float* xs, float* y, int64_t N, int64_t n) {
+inline void int4_acc(const uint8_t* qw, const uint16_t* dm, int64_t K, const uint16_t* xp, const float* xs, int64_t n, __m512* acc) {
   const int64_t G = K / 32;
   const uint8_t* qn = qw + n * (K / 2);
   const uint16_t* dn = dm + n * 2 * G;
-  __m512 acc[NR], cacc[NR];
-  for (int r = 0; r < NR; r++) acc[r] = cacc[r] = _mm512_setzero_ps();
+  for (int r = 0; r < NR; r++) acc[r] = _mm512_setzero_ps();
   const __m512i low = _mm512_set1_epi16(0x000F), one28 = _mm512_set1_epi16(0x4300);
   for (int64_t g0 = 0; g0 < G; g0 += 16) {  // 16 groups' steps and mins at a time
     const int64_t ng = std::min<int64_t>(16, G - g0);
@@ -69,7 +87,7 @@ void int4_rows(const uint8_t* qw, const uint16_t* dm, int64_t K, const uint16_t*
     const __m512 d16 = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(gm, dn + g0));
     const __m512 m16 = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(gm, dn + G + g0));
     const __m512 c16 = _mm512_fnmadd_ps(_mm512_set1_ps(128.0f), d16, m16);  // m - 128 d
-    for (int r = 0; r < NR; r++) cacc[r] = _mm512_fmadd_ps(c16, _mm512_maskz_loadu_ps(gm, xs + r * G + g0), cacc[r]);
+    for (int r = 0; r < NR; r++) acc[r] = _mm512_fmadd_ps(c16, _mm512_maskz_loadu_ps(gm, xs + r * G + g0), acc[r]);
     __m512i idx = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
     for (int64_t g = 0; g < ng; g += 2, idx = _mm512_add_epi32(idx, _mm512_set1_epi32(2))) {  // a pair of groups: 64 inputs
       const __m512i w = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i*)(qn + (g0 + g) * 16)));
@@ -84,7 +102,23 @@ void int4_rows(const uint8_t* qw, const uint16_t* dm, int64_t K, const uint16_t*
       }
     }
   }
-  for (int r = 0; r < NR; r++) y[r * N + n] = _mm512_reduce_add_ps(acc[r]) + _mm512_reduce_add_ps(cacc[r]);
+}
+
+// Rows [r0, r0 + NR) times outputs [n, n + no), no <= 16: a row's sums of a whole block of 16 in one
+// reduction, of a shorter block one by one (the same bits).
+template <int NR>
+void int4_rows(const uint8_t* qw, const uint16_t* dm, int64_t K, const uint16_t* xp, const float* xs, float* y, int64_t N,
+               int64_t n, int64_t no) {
+  __m512 acc[NR][16];
+  for (int64_t o = 0; o < no; o++) {
+    __m512 a[NR];
+    int4_acc<NR>(qw, dm, K, xp, xs, n + o, a);
+    for (int r = 0; r < NR; r++) acc[r][o] = a[r];
+  }
+  for (int r = 0; r < NR; r++) {
+    if (no == 16) _mm512_storeu_ps(y + r * N + n, hsum16(acc[r]));
+    else for (int64_t o = 0; o < no; o++) y[r * N + n + o] = hsum(acc[r][o]);
+  }
 }
 
 // Rows [r, r + NR) times outputs [n, n + NO): each weight vector loaded once for NR rows, each row's
@@ -160,8 +194,10 @@ void int4_prepare(const uint16_t* x, int64_t M, int64_t K, uint16_t* xp, float* 
 void int4_outputs(const uint8_t* q, const uint16_t* d, int64_t K, int64_t M, const uint16_t* xp, const float* xs,
                   float* y, int64_t N, int64_t n0, int64_t n1) {
   const int64_t G = K / 32;
-  for (int64_t n = n0; n < n1; n++)
-    blocks(M, [&](auto nr, int64_t r) { int4_rows<decltype(nr)::value>(q, d, K, xp + r * K, xs + r * G, y + r * N, N, n); });
+  for (int64_t n = n0; n < n1; n += 16)  // 16 outputs' weights stay in L1 for every block of rows
+    blocks(M, [&](auto nr, int64_t r) {
+      int4_rows<decltype(nr)::value>(q, d, K, xp + r * K, xs + r * G, y + r * N, N, n, std::min<int64_t>(16, n1 - n));
+    });
 }
 
 }  // namespace cagk
