@@ -183,7 +183,7 @@ def _native(kernel, r, q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, i: int
 
 
 def paired(prefix, i: int) -> list[torch.Tensor]:
-    """Layer i of a prefix as cag.native's decode_layer takes it: K, V (H_kv, n, D) bf16 and their pairs."""
+    """Layer i of a prefix as cag.native's decode_layers takes it: K, V (H_kv, n, D) bf16 and their pairs."""
     Kp, Vp = _bf16(prefix.kv[i])
     return [Kp[0], Vp[0], *_pairs(prefix, i, Kp, Vp)]
 

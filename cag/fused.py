@@ -1,17 +1,20 @@
-"""The lean step's decoder layers as one native call each (cag.native's `decode_layer`) for a pass
-of decode rows only (one new token per request) on one shared prefix, with int4 weights.
+"""The lean step's decoder layers in one native call (cag.native's `decode_layers`) for a pass of
+decode rows only (one new token per request) on one shared prefix, with int4 weights.
 
 Why: as separate ops a layer is ~13 torch calls and 5 OpenMP regions; at a few µs each that was a
-third of a step on a short prefix on 2 cores. `decode_layer` runs the same pieces (RMSNorm to bf16,
-the int4 products, rope with the K/V write, the attention over the pre-paired prefix and the slots,
-silu x up, the residual adds) in one parallel region, in the same order: the same bits as the
-separate ops (tests/test_native.py), so `cag` == `full` and batched == alone hold as before.
+third of a step on a short prefix on 2 cores (and one call per layer still ~1 ms a step). The
+native call runs the same pieces (RMSNorm to bf16, the int4 products, rope with the K/V write, the
+attention over the pre-paired prefix and the slots, silu x up, the residual adds) for every layer in
+one parallel region, in the same order: the same bits as the separate ops (tests/test_native.py), so
+`cag` == `full` and batched == alone hold as before.
 
-`weights(model)` gives what the calls take, per layer, once; None where any layer lacks it (other
-formats, biases, another activation): the step then runs the separate ops.
+`weights(model)` gives what the call takes, once; None where any layer lacks it (other formats,
+biases, another activation): the step then runs the separate ops.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 
@@ -30,19 +33,25 @@ def is_silu(act) -> bool:
     return type(act).__name__ in ("SiLU", "SiLUActivation")
 
 
-def weights(model) -> list[list[torch.Tensor]] | None:
-    """Per layer: [input norm, q/k/v (qw, dm), o (qw, dm), post-attention norm, gate/up, down]."""
-    out = []
+class Weights(NamedTuple):
+    tensors: list[torch.Tensor]  # per layer: input norm, q/k/v (qw, dm), o, post-attention norm, gate/up, down
+    eps: list[float]  # per layer: its two norms' epsilons
+
+
+def weights(model) -> Weights | None:
+    """All layers' weights as decode_layers takes them, or None where some layer lacks them."""
+    out = Weights([], [])
     for layer in model.model.layers[: model.config.num_hidden_layers]:
         a, m = layer.self_attn, layer.mlp
         own = [p if getattr(lin, "cols", 0) is None else None for lin, p in
                ((a.o_proj, getattr(a.o_proj, "packs", None)), (m.down_proj, getattr(m.down_proj, "packs", None)))]
         qkv, o, gu, dn = (_int4(p) for p in (group_of(a.q_proj, a.k_proj, a.v_proj), own[0],
                                              group_of(m.gate_proj, m.up_proj), own[1]))
-        norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
-        if None in (qkv, o, gu, dn) or not is_silu(m.act_fn) or any(w.dtype != torch.float32 for w in norms):
+        n1, n2 = layer.input_layernorm, layer.post_attention_layernorm
+        if None in (qkv, o, gu, dn) or not is_silu(m.act_fn) or any(n.weight.dtype != torch.float32 for n in (n1, n2)):
             return None
-        out.append([norms[0].contiguous(), *qkv, *o, norms[1].contiguous(), *gu, *dn])
+        out.tensors.extend([n1.weight.contiguous(), *qkv, *o, n2.weight.contiguous(), *gu, *dn])
+        out.eps.extend([n1.variance_epsilon, n2.variance_epsilon])
     return out
 
 
@@ -56,8 +65,12 @@ def layers(step, r, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, buffe
            rows_slot: torch.Tensor, rows_pos: torch.Tensor) -> torch.Tensor:
     """All layers over h (R, hidden) float32 (in place; returned): cos, sin (R, D); r: the part's Rows."""
     prefix = r.groups[0][0]
-    H = step.n_kv * step.rep
-    for i, (w, f, K, V) in enumerate(zip(step.fused, step.fns, buffers.k, buffers.v)):
-        torch.ops.cag.decode_layer(h, w, [f.eps1, f.eps2], cos, sin, K, V, rows_slot, rows_pos, H,
-                                   cascade.paired(prefix, i), r.slots_cpu, r.lens, f.scale)
+    flat = prefix.made.get("layers")  # views of its K/V and its pairs: no bytes of their own
+    if flat is None or len(flat) != 4 * len(buffers.k):
+        flat = [t for i in range(len(buffers.k)) for t in cascade.paired(prefix, i)]
+        if prefix.kv[0][0].dtype == torch.bfloat16:
+            prefix.made["layers"] = flat
+    w = step.fused
+    torch.ops.cag.decode_layers(h, w.tensors, w.eps, cos, sin, buffers.k, buffers.v, rows_slot, rows_pos,
+                                step.n_kv * step.rep, flat, r.slots_cpu, r.lens, step.fns[0].scale)
     return h

@@ -266,7 +266,7 @@ def _fused_engine(tiny64_model_dir, monkeypatch):
 
 @torch.inference_mode()
 def test_a_fused_layer_is_the_separate_ops_bit_for_bit(library, tiny64_model_dir, monkeypatch):
-    """decode_layer (whole layers in one parallel region) gives the logits and the K/V the separate ops
+    """decode_layers (all layers in one parallel region) gives the logits and the K/V the separate ops
     give, bit for bit: one request and three on one prefix, over a prefix that ends mid-chunk."""
     from cag.slots import Prefix, Slots
 
@@ -296,25 +296,29 @@ def test_a_fused_layer_is_the_separate_ops_bit_for_bit(library, tiny64_model_dir
     step.fused = fused
 
 
-def test_decode_layer_refuses_bad_inputs(library, tiny64_model_dir, monkeypatch):
+def test_decode_layers_refuses_bad_inputs(library, tiny64_model_dir, monkeypatch):
     from cag import cascade
     from cag.slots import Prefix, Slots
 
     engine, step = _fused_engine(tiny64_model_dir, monkeypatch)
     cfg = engine.lm.model.config
-    prefix = Prefix([tuple(torch.zeros(1, cfg.num_key_value_heads, 20, 64, dtype=torch.bfloat16) for _ in "kv")] * 2, 20)
-    slots = Slots(cfg.num_hidden_layers, cfg.num_key_value_heads, 64, 8, 1, torch.bfloat16)
+    L = cfg.num_hidden_layers
+    prefix = Prefix([tuple(torch.zeros(1, cfg.num_key_value_heads, 20, 64, dtype=torch.bfloat16) for _ in "kv")] * L, 20)
+    slots = Slots(L, cfg.num_key_value_heads, 64, 8, 1, torch.bfloat16)
+    flat = [t for i in range(L) for t in cascade.paired(prefix, i)]
     h, cs, one = torch.zeros(1, cfg.hidden_size), torch.zeros(1, 64), torch.tensor([0])
-    f, w = step.fns[0], step.fused[0]
+    w = step.fused.tensors
 
-    def call(w=w, h=h, pos=one):
-        torch.ops.cag.decode_layer(h, w, [f.eps1, f.eps2], cs, cs, slots.k[0], slots.v[0], one, pos,
-                                   cfg.num_attention_heads, cascade.paired(prefix, 0), one, torch.tensor([1]), f.scale)
+    def call(w=w, h=h, pos=one, k=slots.k):
+        torch.ops.cag.decode_layers(h, w, step.fused.eps, cs, cs, k, slots.v, one, pos, cfg.num_attention_heads, flat,
+                                    one, torch.tensor([1]), step.fns[0].scale)
 
     call()
     with pytest.raises(RuntimeError, match="float32"):
         call(h=h.double())
     with pytest.raises(RuntimeError, match="int4 weights"):
         call(w=[w[0], w[3], *w[2:]])  # o's weights where q/k/v's belong
+    with pytest.raises(RuntimeError, match="per layer"):
+        call(k=slots.k[:-1])
     with pytest.raises(RuntimeError, match="outside the buffers"):
         call(pos=torch.tensor([8]))

@@ -1,10 +1,11 @@
-// One decoder layer of a decode step (one new token per request, int4 weights, float32 compute) in one
-// parallel region, for cag/step.py.
+// The decoder layers of a decode step (one new token per request, int4 weights, float32 compute) in one
+// call and one parallel region, for cag/step.py (cag/fused.py).
 //
-// Why: the same layer as separate ops costs ~13 torch calls, 5 OpenMP regions and ~15 allocations;
-// at ~4 us each that was ~2 ms of a ~6 ms step on a short prefix (2 cores). Here the threads stay in
-// one region and meet at barriers: the products and the attention are split over them, and the small
-// row work between (norm, rope, residual, silu) runs on thread 0 in microseconds.
+// Why: as separate ops a layer costs ~13 torch calls, 5 OpenMP regions and ~15 allocations; at ~4 us
+// each that was ~2 ms of a ~6 ms step on a short prefix (2 cores), and a call per layer still ~30 us
+// a layer of argument passing, allocation and fork/join. Here the threads stay in one region for all
+// layers and meet at barriers: the products and the attention are split over them, and the small row
+// work between (norm, rope, residual, silu) runs on thread 0 in about a microsecond each.
 //
 // Same pieces, same order, same bits as the ops cag/step.py calls otherwise (rms_bf16, int4_mm,
 // rope_write, decode_attention_avx512 over a pre-paired prefix, silu_mul_bf16, the float32 adds):
@@ -40,97 +41,120 @@ inline void share(const Int4& w, int64_t R, const uint16_t* xp, const float* xs,
   cagk::int4_outputs(w.q, w.d, w.K, R, xp, xs, y, w.N, n0, n1);
 }
 
-// h (R, hidden) float32, updated in place: one row per request. w: the layer's [input norm (hidden,),
-// q/k/v (stacked, int4 pair), o, post-attention norm, gate/up (stacked), down]; eps: the two norms'.
-// cos, sin (R, D) as rope_write takes them; K, V (S, Hk, room, D) bf16 slots, row r's k/v written at
-// [slot[r], :, pos[r]]; H query heads. prefix: [kp, vp, kt, vt] as decode_attention_avx512 takes them
-// (pair_kv's kt, vt); slots, lens (R,): as it takes them; scale: 1/sqrt(D).
-void decode_layer(at::Tensor h, at::TensorList w, at::ArrayRef<double> eps, const at::Tensor& cos, const at::Tensor& sin,
-                  at::Tensor K, at::Tensor V, const at::Tensor& rows_slot, const at::Tensor& rows_pos, int64_t H,
-                  at::TensorList prefix, const at::Tensor& slots, const at::Tensor& lens, double scale) {
+struct Layer {  // one layer's weights, as decode_layers reads them
+  const float *norm1, *norm2;
+  float eps1, eps2;
+  Int4 qkv, o, gu, down;
+};
+
+// h (R, hidden) float32, updated in place: one row per request. Per layer l of L: w[10 l .. 10 l + 9] =
+// [input norm (hidden,), q/k/v (stacked: qw, dm), o, post-attention norm, gate/up (stacked), down],
+// eps[2 l], eps[2 l + 1] its norms' epsilons, K[l], V[l] (S, Hk, room, D) bf16 its slots (row r's k/v
+// written at [slot[r], :, pos[r]]), prefix[4 l .. 4 l + 3] = [kp, vp, kt, vt] its prefix as
+// decode_attention_avx512 takes it (pair_kv's kt, vt). cos, sin (R, D) as rope_write takes them; H query
+// heads; slots, lens (R,) as the attention takes them; scale: 1/sqrt(D).
+void decode_layers(at::Tensor h, at::TensorList w, at::ArrayRef<double> eps, const at::Tensor& cos, const at::Tensor& sin,
+                   at::TensorList K, at::TensorList V, const at::Tensor& rows_slot, const at::Tensor& rows_pos, int64_t H,
+                   at::TensorList prefix, const at::Tensor& slots, const at::Tensor& lens, double scale) {
+  const int64_t L = (int64_t)K.size();
   TORCH_CHECK(h.dim() == 2 && h.scalar_type() == at::kFloat && h.is_contiguous(), "h: (R, hidden) float32, contiguous");
-  TORCH_CHECK(w.size() == 10 && eps.size() == 2 && prefix.size() == 4, "w: 10 tensors, eps: 2 values, prefix: kp, vp, kt, vt");
-  TORCH_CHECK(K.dim() == 4 && K.scalar_type() == at::kBFloat16 && K.is_contiguous() && V.sizes() == K.sizes() &&
-              V.scalar_type() == at::kBFloat16 && V.is_contiguous(), "K, V: (S, Hk, room, D) bfloat16, contiguous");
-  const int64_t R = h.size(0), hid = h.size(1), Hk = K.size(1), D = K.size(3), room = K.size(2);
-  TORCH_CHECK(H % Hk == 0 && D % 32 == 0, "query heads a multiple of K/V heads, head dim a multiple of 32");
-  for (int j : {0, 5})
-    TORCH_CHECK(w[j].dim() == 1 && w[j].scalar_type() == at::kFloat && w[j].is_contiguous() && w[j].size(0) == hid, "norm weights: (hidden,) float32");
-  const Int4 qkv = int4_of(w[1], w[2], hid, "q/k/v"), o = int4_of(w[3], w[4], H * D, "o"),
-             gu = int4_of(w[6], w[7], hid, "gate/up");
-  TORCH_CHECK(qkv.N == (H + 2 * Hk) * D && o.N == hid && gu.N % 2 == 0, "q/k/v, o or gate/up widths disagree with the heads");
-  const int64_t I = gu.N / 2;
-  const Int4 dn = int4_of(w[8], w[9], I, "down");
-  TORCH_CHECK(dn.N == hid, "down's width is not the hidden size");
+  TORCH_CHECK(L >= 1 && (int64_t)V.size() == L && (int64_t)w.size() == 10 * L && (int64_t)eps.size() == 2 * L &&
+              (int64_t)prefix.size() == 4 * L, "per layer: 10 weights, 2 epsilons, K, V and 4 prefix tensors");
+  const int64_t R = h.size(0), hid = h.size(1), Hk = K[0].size(1), D = K[0].size(3), room = K[0].size(2);
+  TORCH_CHECK(Hk >= 1 && H % Hk == 0 && D % 32 == 0, "query heads a multiple of K/V heads, head dim a multiple of 32");
   for (const at::Tensor* t : {&cos, &sin})
     TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->numel() == R * D, "cos, sin: (R, D) float32");
   for (const at::Tensor* t : {&rows_slot, &rows_pos})
     TORCH_CHECK(t->scalar_type() == at::kLong && t->is_contiguous() && t->numel() == R, "rows_slot, rows_pos: (R,) int64");
   const int64_t* sl = rows_slot.data_ptr<int64_t>();
   const int64_t* ps = rows_pos.data_ptr<int64_t>();
+  std::vector<Layer> layers;
+  std::vector<cagk::Attention> att;  // checked here, on the calling thread: nothing may throw inside the region
+  att.reserve(L);
+  int64_t I = 0;
+  for (int64_t l = 0; l < L; l++) {
+    TORCH_CHECK(K[l].dim() == 4 && K[l].scalar_type() == at::kBFloat16 && K[l].is_contiguous() && V[l].sizes() == K[l].sizes() &&
+                V[l].scalar_type() == at::kBFloat16 && V[l].is_contiguous() && K[l].sizes() == K[0].sizes(),
+                "K, V: (S, Hk, room, D) bfloat16, contiguous, alike in every layer");
+    const at::Tensor* lw = w.data() + 10 * l;
+    for (int j : {0, 5})
+      TORCH_CHECK(lw[j].dim() == 1 && lw[j].scalar_type() == at::kFloat && lw[j].is_contiguous() && lw[j].size(0) == hid,
+                  "norm weights: (hidden,) float32");
+    Layer y{lw[0].data_ptr<float>(), lw[5].data_ptr<float>(), (float)eps[2 * l], (float)eps[2 * l + 1],
+            int4_of(lw[1], lw[2], hid, "q/k/v"), int4_of(lw[3], lw[4], H * D, "o"), int4_of(lw[6], lw[7], hid, "gate/up"), {}};
+    TORCH_CHECK(y.qkv.N == (H + 2 * Hk) * D && y.o.N == hid && y.gu.N % 2 == 0 && (l == 0 || y.gu.N == 2 * I),
+                "q/k/v, o or gate/up widths disagree with the heads or the other layers");
+    I = y.gu.N / 2;
+    y.down = int4_of(lw[8], lw[9], I, "down");
+    TORCH_CHECK(y.down.N == hid, "down's width is not the hidden size");
+    layers.push_back(y);
+  }
   for (int64_t r = 0; r < R; r++)
-    TORCH_CHECK(sl[r] >= 0 && sl[r] < K.size(0) && ps[r] >= 0 && ps[r] < room, "slot or position outside the buffers");
-
+    TORCH_CHECK(sl[r] >= 0 && sl[r] < K[0].size(0) && ps[r] >= 0 && ps[r] < room, "slot or position outside the buffers");
   const int64_t wide = std::max({hid, H * D, I});  // the widest product input
   std::vector<uint16_t> xb(R * wide), xp(R * wide);   // a product's input in bf16, and as the kernel reads it
-  std::vector<float> xs(R * wide / 32), yqkv(R * qkv.N), q(R * H * D), att(R * H * D), yo(R * hid), ygu(R * gu.N), ydn(R * hid);
-  // checked here, on the calling thread: nothing may throw inside the region
-  cagk::Attention a(q.data(), R, Hk, H / Hk, D, prefix[0], prefix[1], K, V, slots, lens, scale, prefix[2], prefix[3], false);
+  std::vector<float> xs(R * wide / 32), yqkv(R * (H + 2 * Hk) * D), q(R * H * D), o(R * H * D), yo(R * hid), ygu(R * 2 * I),
+      ydn(R * hid);
+  for (int64_t l = 0; l < L; l++)
+    att.emplace_back(q.data(), R, Hk, H / Hk, D, prefix[4 * l], prefix[4 * l + 1], K[l], V[l], slots, lens, scale,
+                     prefix[4 * l + 2], prefix[4 * l + 3], false);
   float* hd = h.data_ptr<float>();
-  const float *w1 = w[0].data_ptr<float>(), *w2 = w[5].data_ptr<float>();
-  uint16_t* kd = reinterpret_cast<uint16_t*>(K.data_ptr<at::BFloat16>());
-  uint16_t* vd = reinterpret_cast<uint16_t*>(V.data_ptr<at::BFloat16>());
   const float *cd = cos.data_ptr<float>(), *sd = sin.data_ptr<float>();
   const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
 
 #pragma omp parallel num_threads(threads)
   {
     const int64_t p = omp_get_thread_num(), nt = omp_get_num_threads();
-    if (p == 0) {
-      cagk::rms_rows(hd, w1, R, hid, (float)eps[0], xb.data());
-      cagk::int4_prepare(xb.data(), R, hid, xp.data(), xs.data());
+    for (int64_t l = 0; l < L; l++) {
+      const Layer& y = layers[l];
+      if (p == 0) {
+        cagk::rms_rows(hd, y.norm1, R, hid, y.eps1, xb.data());
+        cagk::int4_prepare(xb.data(), R, hid, xp.data(), xs.data());
+      }
+#pragma omp barrier
+      share(y.qkv, R, xp.data(), xs.data(), yqkv.data(), p, nt);
+#pragma omp barrier
+      if (p == 0)
+        cagk::rope_rows(yqkv.data(), y.qkv.N, cd, sd, R, H, Hk, D, room, sl, ps, q.data(),
+                        reinterpret_cast<uint16_t*>(K[l].data_ptr<at::BFloat16>()), reinterpret_cast<uint16_t*>(V[l].data_ptr<at::BFloat16>()));
+#pragma omp barrier
+      att[l].work<false>(p, nt);
+#pragma omp barrier
+      if (p == 0) {
+        att[l].merge(o.data());  // (R, Hk, H/Hk, D) = (R, H D), head-major as o_proj reads it
+        cagk::to_bf16(o.data(), R * H * D, xb.data());
+        cagk::int4_prepare(xb.data(), R, H * D, xp.data(), xs.data());
+      }
+#pragma omp barrier
+      share(y.o, R, xp.data(), xs.data(), yo.data(), p, nt);
+#pragma omp barrier
+      if (p == 0) {
+        for (int64_t j = 0; j < R * hid; j++) hd[j] = hd[j] + yo[j];
+        cagk::rms_rows(hd, y.norm2, R, hid, y.eps2, xb.data());
+        cagk::int4_prepare(xb.data(), R, hid, xp.data(), xs.data());
+      }
+#pragma omp barrier
+      share(y.gu, R, xp.data(), xs.data(), ygu.data(), p, nt);
+#pragma omp barrier
+      if (p == 0) {
+        cagk::silu_mul_rows(ygu.data(), R, I, xb.data());
+        cagk::int4_prepare(xb.data(), R, I, xp.data(), xs.data());
+      }
+#pragma omp barrier
+      share(y.down, R, xp.data(), xs.data(), ydn.data(), p, nt);
+#pragma omp barrier
+      if (p == 0)
+        for (int64_t j = 0; j < R * hid; j++) hd[j] = hd[j] + ydn[j];
     }
-#pragma omp barrier
-    share(qkv, R, xp.data(), xs.data(), yqkv.data(), p, nt);
-#pragma omp barrier
-    if (p == 0) cagk::rope_rows(yqkv.data(), qkv.N, cd, sd, R, H, Hk, D, room, sl, ps, q.data(), kd, vd);
-#pragma omp barrier
-    a.work<false>(p, nt);
-#pragma omp barrier
-    if (p == 0) {
-      a.merge(att.data());  // (R, Hk, H/Hk, D) = (R, H D), head-major as o_proj reads it
-      cagk::to_bf16(att.data(), R * H * D, xb.data());
-      cagk::int4_prepare(xb.data(), R, H * D, xp.data(), xs.data());
-    }
-#pragma omp barrier
-    share(o, R, xp.data(), xs.data(), yo.data(), p, nt);
-#pragma omp barrier
-    if (p == 0) {
-      for (int64_t j = 0; j < R * hid; j++) hd[j] = hd[j] + yo[j];
-      cagk::rms_rows(hd, w2, R, hid, (float)eps[1], xb.data());
-      cagk::int4_prepare(xb.data(), R, hid, xp.data(), xs.data());
-    }
-#pragma omp barrier
-    share(gu, R, xp.data(), xs.data(), ygu.data(), p, nt);
-#pragma omp barrier
-    if (p == 0) {
-      cagk::silu_mul_rows(ygu.data(), R, I, xb.data());
-      cagk::int4_prepare(xb.data(), R, I, xp.data(), xs.data());
-    }
-#pragma omp barrier
-    share(dn, R, xp.data(), xs.data(), ydn.data(), p, nt);
-#pragma omp barrier
-    if (p == 0)
-      for (int64_t j = 0; j < R * hid; j++) hd[j] = hd[j] + ydn[j];
   }
 }
 
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(cag, m) {
-  m.def("decode_layer(Tensor(a!) h, Tensor[] w, float[] eps, Tensor cos, Tensor sin, Tensor(b!) K, Tensor(c!) V, "
+  m.def("decode_layers(Tensor(a!) h, Tensor[] w, float[] eps, Tensor cos, Tensor sin, Tensor(b!)[] K, Tensor(c!)[] V, "
         "Tensor rows_slot, Tensor rows_pos, int H, Tensor[] prefix, Tensor slots, Tensor lens, float scale) -> ()");
 }
 TORCH_LIBRARY_IMPL(cag, CPU, m) {
-  m.impl("decode_layer", decode_layer);
+  m.impl("decode_layers", decode_layers);
 }
