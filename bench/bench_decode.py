@@ -175,7 +175,9 @@ def main() -> None:
     foot = ("\nTargets: with the `auto` format, step within 1.5x of the bound at 4K and decode >= 1.5x fp32 at 4K. "
             "'rest' is a decode step less its weight products: attention over the cache, norms, rope, sampling and "
             "the Python of 30 layers; the lean step (cag/step.py) cuts the forward's per-layer Python, mask and cache "
-            "bookkeeping.\n")
+            "bookkeeping. The products are timed as separate calls, each with its own overhead: int4 on cag's kernels "
+            "runs all layers of a step in one call (cag/fused.py), so there 'rest' is what the step takes beyond those "
+            "separate calls.\n")
     write(args.name, {"machine": machine(), "auto": auto, "read_bandwidth": bw, "load_before": load_before,
                      "load_after": os.getloadavg(), "rows": rows}, head + body + foot)
 
