@@ -264,36 +264,42 @@ def _fused_engine(tiny64_model_dir, monkeypatch):
     return engine, lean.for_model(engine.lm.model)
 
 
+@pytest.mark.parametrize(("n", "starts"), [
+    (300, [0]), (300, [0, 3, 6]),  # one request and three on a prefix that ends mid-chunk
+    (0, [2]),                       # no prefix at all
+    (300, [0, 262]),                # a suffix that fills more than one chunk of keys
+])
 @torch.inference_mode()
-def test_a_fused_layer_is_the_separate_ops_bit_for_bit(library, tiny64_model_dir, monkeypatch):
+def test_a_fused_layer_is_the_separate_ops_bit_for_bit(library, tiny64_model_dir, monkeypatch, n, starts):
     """decode_layers (all layers in one parallel region) gives the logits and the K/V the separate ops
-    give, bit for bit: one request and three on one prefix, over a prefix that ends mid-chunk."""
+    give, bit for bit, over several steps."""
     from cag.slots import Prefix, Slots
 
     engine, step = _fused_engine(tiny64_model_dir, monkeypatch)
     assert step.fused is not None
     cfg = engine.lm.model.config
     g = torch.Generator().manual_seed(1)
-    kv = [tuple(torch.randn(1, cfg.num_key_value_heads, 300, 64, generator=g).bfloat16() for _ in "kv")
+    kv = [tuple(torch.randn(1, cfg.num_key_value_heads, n, 64, generator=g).bfloat16() for _ in "kv")
           for _ in range(cfg.num_hidden_layers)]
-    prefix, fused = Prefix(kv, 300), step.fused
+    prefix, fused, B = Prefix(kv, n), step.fused, len(starts)
 
-    def run(on: bool, B: int):
+    def run(on: bool):
         step.fused = fused if on else None
-        slots = Slots(cfg.num_hidden_layers, cfg.num_key_value_heads, 64, 40, 4, torch.bfloat16)
+        slots = Slots(cfg.num_hidden_layers, cfg.num_key_value_heads, 64, 300, 4, torch.bfloat16)
         taken = torch.tensor([slots.take() for _ in range(B)])
-        toks, starts, out = torch.tensor([[7 + b] for b in range(B)]), torch.tensor([3 * b for b in range(B)]), []
+        toks, at, out = torch.tensor([[7 + b] for b in range(B)]), torch.tensor(starts), []
         for _ in range(6):
-            logits = step.forward(toks, [prefix] * B, taken, starts, slots)
-            toks, starts = logits.argmax(-1).view(B, 1), starts + 1
+            logits = step.forward(toks, [prefix] * B, taken, at, slots)
+            toks, at = logits.argmax(-1).view(B, 1), at + 1
             out.append(logits)
         return torch.stack(out), [t[taken] for t in slots.k + slots.v]  # the slots taken (the rest: never written)
 
-    for B in (1, 3):
-        a, b = run(True, B), run(False, B)
-        assert torch.equal(a[0], b[0])
-        assert all(torch.equal(x, y) for x, y in zip(a[1], b[1]))
-    step.fused = fused
+    try:
+        a, b = run(True), run(False)
+    finally:
+        step.fused = fused
+    assert torch.equal(a[0], b[0])
+    assert all(torch.equal(x, y) for x, y in zip(a[1], b[1]))
 
 
 def test_decode_layers_refuses_bad_inputs(library, tiny64_model_dir, monkeypatch):
