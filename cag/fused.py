@@ -1,5 +1,5 @@
 """The lean step's decoder layers in one native call (cag.native's `decode_layers`) for a pass of
-decode rows only (one new token per request) on one shared prefix, with int4 weights.
+decode rows only (one new token per request, on any number of prefixes), with int4 weights.
 
 Why: as separate ops a layer is ~13 torch calls and 5 OpenMP regions; at a few µs each that was a
 third of a step on a short prefix on 2 cores (and one call per layer still ~1 ms a step). The
@@ -56,21 +56,35 @@ def weights(model) -> Weights | None:
 
 
 def applies(step, rows: list, roles, kernel) -> bool:
-    """A pass decode_layer computes: decode rows only, one part, one prefix, the pre-paired kernel."""
-    return (step.fused is not None and roles is None and len(rows) == 1 and len(rows[0].groups) == 1
-            and kernel is torch.ops.cag.decode_attention_avx512)
+    """A pass decode_layers computes: decode rows only, one part, the pre-paired kernel."""
+    return step.fused is not None and roles is None and len(rows) == 1 and kernel is torch.ops.cag.decode_attention_avx512
+
+
+def _flat(prefix, n_layers: int) -> list[torch.Tensor]:
+    """A prefix's layers as decode_layers takes them, kept on it where they are views of its K/V and
+    its pairs (no bytes of their own)."""
+    flat = prefix.made.get("layers")
+    if flat is None or len(flat) != 4 * n_layers:
+        flat = [t for i in range(n_layers) for t in cascade.paired(prefix, i)]
+        if prefix.kv[0][0].dtype == torch.bfloat16:
+            prefix.made["layers"] = flat
+    return flat
 
 
 def layers(step, r, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, buffers,
            rows_slot: torch.Tensor, rows_pos: torch.Tensor) -> torch.Tensor:
-    """All layers over h (R, hidden) float32 (in place; returned): cos, sin (R, D); r: the part's Rows."""
-    prefix = r.groups[0][0]
-    flat = prefix.made.get("layers")  # views of its K/V and its pairs: no bytes of their own
-    if flat is None or len(flat) != 4 * len(buffers.k):
-        flat = [t for i in range(len(buffers.k)) for t in cascade.paired(prefix, i)]
-        if prefix.kv[0][0].dtype == torch.bfloat16:
-            prefix.made["layers"] = flat
+    """All layers over h (R, hidden) float32 (in place; returned): cos, sin (R, D); r: the part's Rows,
+    its requests in groups by prefix (each prefix read once for its requests)."""
+    L = len(buffers.k)
+    flats, rows, slots, lens = [], [], [], []
+    for prefix, idx in r.groups:
+        j = torch.arange(r.B) if idx is None else idx.cpu()
+        flats.append(_flat(prefix, L))
+        rows.append(j)
+        slots.append(r.slots_cpu if idx is None else r.slots_cpu[j])
+        lens.append(r.lens if idx is None else r.lens[j])
+    flat = flats[0] if len(flats) == 1 else [t for i in range(L) for f in flats for t in f[4 * i : 4 * i + 4]]
     w = step.fused
     torch.ops.cag.decode_layers(h, w.tensors, w.eps, cos, sin, buffers.k, buffers.v, rows_slot, rows_pos,
-                                step.n_kv * step.rep, flat, r.slots_cpu, r.lens, step.fns[0].scale)
+                                step.n_kv * step.rep, flat, rows, slots, lens, step.fns[0].scale)
     return h

@@ -264,13 +264,14 @@ def _fused_engine(tiny64_model_dir, monkeypatch):
     return engine, lean.for_model(engine.lm.model)
 
 
-@pytest.mark.parametrize(("n", "starts"), [
-    (300, [0]), (300, [0, 3, 6]),  # one request and three on a prefix that ends mid-chunk
-    (0, [2]),                       # no prefix at all
-    (300, [0, 262]),                # a suffix that fills more than one chunk of keys
+@pytest.mark.parametrize(("n", "starts", "which"), [
+    (300, [0], [0]), (300, [0, 3, 6], [0, 0, 0]),  # one request and three on a prefix that ends mid-chunk
+    (0, [2], [0]),                                  # no prefix at all
+    (300, [0, 262], [0, 0]),                        # a suffix that fills more than one chunk of keys
+    (300, [0, 3, 6], [0, 1, 0]),                    # requests on two prefixes (of 300 and 155 tokens)
 ])
 @torch.inference_mode()
-def test_a_fused_layer_is_the_separate_ops_bit_for_bit(library, tiny64_model_dir, monkeypatch, n, starts):
+def test_a_fused_layer_is_the_separate_ops_bit_for_bit(library, tiny64_model_dir, monkeypatch, n, starts, which):
     """decode_layers (all layers in one parallel region) gives the logits and the K/V the separate ops
     give, bit for bit, over several steps."""
     from cag.slots import Prefix, Slots
@@ -279,9 +280,9 @@ def test_a_fused_layer_is_the_separate_ops_bit_for_bit(library, tiny64_model_dir
     assert step.fused is not None
     cfg = engine.lm.model.config
     g = torch.Generator().manual_seed(1)
-    kv = [tuple(torch.randn(1, cfg.num_key_value_heads, n, 64, generator=g).bfloat16() for _ in "kv")
-          for _ in range(cfg.num_hidden_layers)]
-    prefix, fused, B = Prefix(kv, n), step.fused, len(starts)
+    prefixes = [Prefix([tuple(torch.randn(1, cfg.num_key_value_heads, m, 64, generator=g).bfloat16() for _ in "kv")
+                        for _ in range(cfg.num_hidden_layers)], m) for m in (n, n // 2 + 5)]
+    fused, B = step.fused, len(starts)
 
     def run(on: bool):
         step.fused = fused if on else None
@@ -289,7 +290,7 @@ def test_a_fused_layer_is_the_separate_ops_bit_for_bit(library, tiny64_model_dir
         taken = torch.tensor([slots.take() for _ in range(B)])
         toks, at, out = torch.tensor([[7 + b] for b in range(B)]), torch.tensor(starts), []
         for _ in range(6):
-            logits = step.forward(toks, [prefix] * B, taken, at, slots)
+            logits = step.forward(toks, [prefixes[i] for i in which], taken, at, slots)
             toks, at = logits.argmax(-1).view(B, 1), at + 1
             out.append(logits)
         return torch.stack(out), [t[taken] for t in slots.k + slots.v]  # the slots taken (the rest: never written)
@@ -315,9 +316,9 @@ def test_decode_layers_refuses_bad_inputs(library, tiny64_model_dir, monkeypatch
     h, cs, one = torch.zeros(1, cfg.hidden_size), torch.zeros(1, 64), torch.tensor([0])
     w = step.fused.tensors
 
-    def call(w=w, h=h, pos=one, k=slots.k):
+    def call(w=w, h=h, pos=one, k=slots.k, rows=one):
         torch.ops.cag.decode_layers(h, w, step.fused.eps, cs, cs, k, slots.v, one, pos, cfg.num_attention_heads, flat,
-                                    one, torch.tensor([1]), step.fns[0].scale)
+                                    [rows], [one], [torch.tensor([1])], step.fns[0].scale)
 
     call()
     with pytest.raises(RuntimeError, match="float32"):
@@ -328,3 +329,5 @@ def test_decode_layers_refuses_bad_inputs(library, tiny64_model_dir, monkeypatch
         call(k=slots.k[:-1])
     with pytest.raises(RuntimeError, match="outside the buffers"):
         call(pos=torch.tensor([8]))
+    with pytest.raises(RuntimeError, match="each row once"):
+        call(rows=torch.tensor([1]))

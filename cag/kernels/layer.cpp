@@ -50,16 +50,18 @@ struct Layer {  // one layer's weights, as decode_layers reads them
 // h (R, hidden) float32, updated in place: one row per request. Per layer l of L: w[10 l .. 10 l + 9] =
 // [input norm (hidden,), q/k/v (stacked: qw, dm), o, post-attention norm, gate/up (stacked), down],
 // eps[2 l], eps[2 l + 1] its norms' epsilons, K[l], V[l] (S, Hk, room, D) bf16 its slots (row r's k/v
-// written at [slot[r], :, pos[r]]), prefix[4 l .. 4 l + 3] = [kp, vp, kt, vt] its prefix as
-// decode_attention_avx512 takes it (pair_kv's kt, vt). cos, sin (R, D) as rope_write takes them; H query
-// heads; slots, lens (R,) as the attention takes them; scale: 1/sqrt(D).
+// written at [slot[r], :, pos[r]]). cos, sin (R, D) as rope_write takes them; H query heads; scale: 1/sqrt(D).
+// The rows' requests in G groups, each on one prefix: group g's rows[g] (its row numbers, int64), and
+// slots[g], lens[g] as decode_attention_avx512 takes them; prefix[4 (l G + g) .. + 3] = [kp, vp, kt, vt]
+// its prefix in layer l as that kernel takes it (pair_kv's kt, vt).
 void decode_layers(at::Tensor h, at::TensorList w, at::ArrayRef<double> eps, const at::Tensor& cos, const at::Tensor& sin,
                    at::TensorList K, at::TensorList V, const at::Tensor& rows_slot, const at::Tensor& rows_pos, int64_t H,
-                   at::TensorList prefix, const at::Tensor& slots, const at::Tensor& lens, double scale) {
-  const int64_t L = (int64_t)K.size();
+                   at::TensorList prefix, at::TensorList rows, at::TensorList slots, at::TensorList lens, double scale) {
+  const int64_t L = (int64_t)K.size(), G = (int64_t)rows.size();
   TORCH_CHECK(h.dim() == 2 && h.scalar_type() == at::kFloat && h.is_contiguous(), "h: (R, hidden) float32, contiguous");
   TORCH_CHECK(L >= 1 && (int64_t)V.size() == L && (int64_t)w.size() == 10 * L && (int64_t)eps.size() == 2 * L &&
-              (int64_t)prefix.size() == 4 * L, "per layer: 10 weights, 2 epsilons, K, V and 4 prefix tensors");
+              G >= 1 && (int64_t)slots.size() == G && (int64_t)lens.size() == G && (int64_t)prefix.size() == 4 * L * G,
+              "per layer: 10 weights, 2 epsilons, K, V and 4 prefix tensors a group; per group: rows, slots, lens");
   const int64_t R = h.size(0), hid = h.size(1), Hk = K[0].size(1), D = K[0].size(3), room = K[0].size(2);
   TORCH_CHECK(Hk >= 1 && H % Hk == 0 && D % 32 == 0, "query heads a multiple of K/V heads, head dim a multiple of 32");
   for (const at::Tensor* t : {&cos, &sin})
@@ -95,9 +97,29 @@ void decode_layers(at::Tensor h, at::TensorList w, at::ArrayRef<double> eps, con
   std::vector<uint16_t> xb(R * wide), xp(R * wide);   // a product's input in bf16, and as the kernel reads it
   std::vector<float> xs(R * wide / 32), yqkv(R * (H + 2 * Hk) * D), q(R * H * D), o(R * H * D), yo(R * hid), ygu(R * 2 * I),
       ydn(R * hid);
+  std::vector<std::vector<float>> qg(G), og(G);  // each group's rows of q and of the attention, together
+  std::vector<const int64_t*> gr(G);
+  std::vector<char> seen(R, 0);
+  for (int64_t g = 0; g < G; g++) {
+    const int64_t n = rows[g].numel();
+    TORCH_CHECK(rows[g].scalar_type() == at::kLong && rows[g].is_contiguous() && n >= 1, "rows: (n,) int64 for each group");
+    gr[g] = rows[g].data_ptr<int64_t>();
+    for (int64_t i = 0; i < n; i++) {
+      TORCH_CHECK(gr[g][i] >= 0 && gr[g][i] < R && !seen[gr[g][i]], "the groups' rows must cover the pass, each row once");
+      seen[gr[g][i]] = 1;
+    }
+    qg[g].resize(n * H * D);
+    og[g].resize(n * H * D);
+  }
+  TORCH_CHECK(std::all_of(seen.begin(), seen.end(), [](char c) { return c != 0; }), "the groups' rows must cover the pass, each row once");
+  att.reserve(L * G);
   for (int64_t l = 0; l < L; l++)
-    att.emplace_back(q.data(), R, Hk, H / Hk, D, prefix[4 * l], prefix[4 * l + 1], K[l], V[l], slots, lens, scale,
-                     prefix[4 * l + 2], prefix[4 * l + 3], false);
+    for (int64_t g = 0; g < G; g++) {
+      const at::Tensor* pre = prefix.data() + 4 * (l * G + g);
+      att.emplace_back(qg[g].data(), rows[g].numel(), Hk, H / Hk, D, pre[0], pre[1], K[l], V[l], slots[g], lens[g], scale,
+                       pre[2], pre[3], false);
+    }
+  const int64_t hd_ = H * D;
   float* hd = h.data_ptr<float>();
   const float *cd = cos.data_ptr<float>(), *sd = sin.data_ptr<float>();
   const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
@@ -117,11 +139,17 @@ void decode_layers(at::Tensor h, at::TensorList w, at::ArrayRef<double> eps, con
       if (p == 0)
         cagk::rope_rows(yqkv.data(), y.qkv.N, cd, sd, R, H, Hk, D, room, sl, ps, q.data(),
                         reinterpret_cast<uint16_t*>(K[l].data_ptr<at::BFloat16>()), reinterpret_cast<uint16_t*>(V[l].data_ptr<at::BFloat16>()));
+      if (p == 0)  // each group's rows of q together, as its attention reads them
+        for (int64_t g = 0; g < G; g++)
+          for (int64_t i = 0; i < rows[g].numel(); i++) std::copy_n(q.data() + gr[g][i] * hd_, hd_, qg[g].data() + i * hd_);
 #pragma omp barrier
-      att[l].work<false>(p, nt);
+      for (int64_t g = 0; g < G; g++) att[l * G + g].work<false>(p, nt);
 #pragma omp barrier
       if (p == 0) {
-        att[l].merge(o.data());  // (R, Hk, H/Hk, D) = (R, H D), head-major as o_proj reads it
+        for (int64_t g = 0; g < G; g++) {  // (n, Hk, H/Hk, D) = (n, H D), head-major as o_proj reads it, to the group's rows
+          att[l * G + g].merge(og[g].data());
+          for (int64_t i = 0; i < rows[g].numel(); i++) std::copy_n(og[g].data() + i * hd_, hd_, o.data() + gr[g][i] * hd_);
+        }
         cagk::to_bf16(o.data(), R * H * D, xb.data());
         cagk::int4_prepare(xb.data(), R, H * D, xp.data(), xs.data());
       }
@@ -153,7 +181,8 @@ void decode_layers(at::Tensor h, at::TensorList w, at::ArrayRef<double> eps, con
 
 TORCH_LIBRARY_FRAGMENT(cag, m) {
   m.def("decode_layers(Tensor(a!) h, Tensor[] w, float[] eps, Tensor cos, Tensor sin, Tensor(b!)[] K, Tensor(c!)[] V, "
-        "Tensor rows_slot, Tensor rows_pos, int H, Tensor[] prefix, Tensor slots, Tensor lens, float scale) -> ()");
+        "Tensor rows_slot, Tensor rows_pos, int H, Tensor[] prefix, Tensor[] rows, Tensor[] slots, Tensor[] lens, "
+        "float scale) -> ()");
 }
 TORCH_LIBRARY_IMPL(cag, CPU, m) {
   m.impl("decode_layers", decode_layers);
