@@ -244,10 +244,10 @@ inline void pair_keys(const at::BFloat16* k, int64_t stride, int64_t w, int64_t 
 // A resident prefix comes pre-paired (`pair_kv`, once per prefix): kpre is the item's K as (D/2, C)
 // pairs, vpre its V as (w/2, D) pairs, and neither is rearranged here; the products and their order
 // are the same, so are the bits.
-void item_avx512(const float* const* q, int64_t rows, const at::BFloat16* k, const at::BFloat16* v, int64_t stride,
-                 int64_t w, int64_t D, float scale, Partial* part, float* const* acc,
-                 const uint32_t* kpre = nullptr, const uint32_t* vpre = nullptr,
-                 const char* nk = nullptr, int64_t nkb = 0, const char* nv = nullptr, int64_t nvb = 0) {
+template <int64_t D>
+void item_avx512_d(const float* const* q, int64_t rows, const at::BFloat16* k, const at::BFloat16* v, int64_t stride,
+                 int64_t w, float scale, Partial* part, float* const* acc,
+                 const uint32_t* kpre, const uint32_t* vpre, const char* nk, int64_t nkb, const char* nv, int64_t nvb) {
   const int64_t wp = (w + 63) / 64 * 64;
   Scratch& sc = scratch;
   const uint32_t* kt = kpre ? kpre : sc.kt;  // (D/2, ld) as for AMX
@@ -279,7 +279,8 @@ void item_avx512(const float* const* q, int64_t rows, const at::BFloat16* k, con
           const uint32_t* kr = kt + i * ld + b * 16;
           const __m512bh k0 = (__m512bh)_mm512_load_si512(kr), k1 = (__m512bh)_mm512_load_si512(kr + 16);
           const __m512bh k2 = (__m512bh)_mm512_load_si512(kr + 32), k3 = (__m512bh)_mm512_load_si512(kr + 48);
-          for (int64_t g = 0; g < ng; g++) {
+          for (int64_t g = 0; g < 4; g++) {
+            if (g >= ng) break;
             const __m512bh qq = (__m512bh)_mm512_set1_epi32(*reinterpret_cast<const int32_t*>(qb + (g0 + g) * D + 2 * i));
             a[g][0] = _mm512_dpbf16_ps(a[g][0], k0, qq);
             a[g][1] = _mm512_dpbf16_ps(a[g][1], k1, qq);
@@ -287,14 +288,15 @@ void item_avx512(const float* const* q, int64_t rows, const at::BFloat16* k, con
             a[g][3] = _mm512_dpbf16_ps(a[g][3], k3, qq);
           }
         }
-        for (int64_t g = 0; g < ng; g++)
-          for (int j = 0; j < 4; j++) _mm512_store_ps(s + (g0 + g) * C + b * 16 + 16 * j, a[g][j]);
+        for (int64_t g = 0; g < 4; g++)
+          if (g < ng)
+            for (int j = 0; j < 4; j++) _mm512_store_ps(s + (g0 + g) * C + b * 16 + 16 * j, a[g][j]);
       }
     }
     softmax_rows(s, pb, nr, w, wp, scale, part + r0);
     for (int64_t g0 = 0; vpre && g0 < nr; g0 += 4) {  // values over pre-paired V: each zmm 16 dims of a key pair
       const int64_t ng = std::min<int64_t>(4, nr - g0);
-      __m512 a[4][MAXD / 16];
+      __m512 a[4][D / 16];
       for (auto& row : a) for (auto& x : row) x = _mm512_setzero_ps();
       const int64_t per = nv && g0 == 0 ? (nvb / 64 + (w + 1) / 2 - 1) / ((w + 1) / 2) : 0;  // lines a pair
       for (int64_t t = 0; t < w; t += 2) {
@@ -303,14 +305,18 @@ void item_avx512(const float* const* q, int64_t rows, const at::BFloat16* k, con
           const int64_t off = ((t / 2) * per + l) * 64;
           if (off < nvb) _mm_prefetch(nv + off, _MM_HINT_T1);
         }
+        __m512bh pp[4];
+        for (int64_t g = 0; g < 4; g++)
+          pp[g] = (__m512bh)_mm512_set1_epi32(g < ng ? *reinterpret_cast<const int32_t*>(pb + (g0 + g) * C + t) : 0);
         for (int64_t j = 0; j < D / 16; j++) {
           const __m512bh vv = (__m512bh)_mm512_loadu_si512(vu + 16 * j);
-          for (int64_t g = 0; g < ng; g++)
-            a[g][j] = _mm512_dpbf16_ps(a[g][j], vv, (__m512bh)_mm512_set1_epi32(*reinterpret_cast<const int32_t*>(pb + (g0 + g) * C + t)));
+          for (int64_t g = 0; g < 4; g++)
+            if (g < ng) a[g][j] = _mm512_dpbf16_ps(a[g][j], vv, pp[g]);
         }
       }
-      for (int64_t g = 0; g < ng; g++)
-        for (int64_t j = 0; j < D / 16; j++) _mm512_storeu_ps(acc[r0 + g0 + g] + 16 * j, a[g][j]);
+      for (int64_t g = 0; g < 4; g++)
+        if (g < ng)
+          for (int64_t j = 0; j < D / 16; j++) _mm512_storeu_ps(acc[r0 + g0 + g] + 16 * j, a[g][j]);
     }
     for (int64_t g0 = 0; !vpre && g0 < nr; g0 += 4) {  // values, 4 rows at a time
       const int64_t ng = std::min<int64_t>(4, nr - g0);
@@ -343,6 +349,15 @@ void item_avx512(const float* const* q, int64_t rows, const at::BFloat16* k, con
         }
     }
   }
+}
+
+// item_avx512_d for the head width at hand (a compile-time D keeps the accumulators in registers).
+void item_avx512(const float* const* q, int64_t rows, const at::BFloat16* k, const at::BFloat16* v, int64_t stride,
+                 int64_t w, int64_t D, float scale, Partial* part, float* const* acc,
+                 const uint32_t* kpre = nullptr, const uint32_t* vpre = nullptr,
+                 const char* nk = nullptr, int64_t nkb = 0, const char* nv = nullptr, int64_t nvb = 0) {
+  if (D == 64) item_avx512_d<64>(q, rows, k, v, stride, w, scale, part, acc, kpre, vpre, nk, nkb, nv, nvb);
+  else item_avx512_d<128>(q, rows, k, v, stride, w, scale, part, acc, kpre, vpre, nk, nkb, nv, nvb);
 }
 
 // k, v (H, n, D) bf16, rows contiguous -> kt (H, nc, D/2, C) int32, kt[h][c][i][t] = (K[cC + t][2i],
