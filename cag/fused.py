@@ -1,14 +1,14 @@
 """The lean step's decoder layers in one native call (cag.native's `decode_layers`) for a pass of
-decode rows only (one new token per request, on any number of prefixes), with int4 weights.
+decode rows only (one new token per request, on any number of prefixes), with int4 or bf16 weights.
 
 Why: as separate ops a layer is ~13 torch calls and 5 OpenMP regions; at a few µs each that was a
 third of a step on a short prefix on 2 cores (and one call per layer still ~1 ms a step). The
-native call runs the same pieces (RMSNorm to bf16, the int4 products, rope with the K/V write, the
+native call runs the same pieces (RMSNorm to bf16, the products, rope with the K/V write, the
 attention over the pre-paired prefix and the slots, silu x up, the residual adds) for every layer in
 one parallel region, in the same order: the same bits as the separate ops (tests/test_native.py), so
 `cag` == `full` and batched == alone hold as before.
 
-`weights(model)` gives what the call takes, once; None where any layer lacks it (other formats,
+`weights(model)` gives what the call takes, once; None where any layer lacks it (int8 or fp32,
 biases, another activation): the step then runs the separate ops.
 """
 
@@ -21,12 +21,17 @@ import torch
 from . import cascade
 from .stacking import group_of
 
+_NONE = torch.empty(0)  # the second tensor of a bf16 product (int4 has two: weights and scales)
 
-def _int4(packs) -> tuple | None:
-    """A packed copy's (qw, dm) where decode rows go straight to int4_mm (no bias, float32 out)."""
-    if packs is None or packs.fmt != "int4" or not packs.direct:
+
+def _packed(packs) -> tuple | None:
+    """A packed copy as decode_layers takes it, where decode rows go straight to cag.native's product with
+    float32 out and no bias: int4 (qw, dm) or bf16 (w, nothing)."""
+    if packs is None or not packs.native or packs.bias is not None or packs.out_dtype != torch.float32:
         return None
-    return packs.packed
+    if packs.fmt == "int4":
+        return packs.packed
+    return (packs.packed, _NONE) if packs.fmt == "bf16" else None
 
 
 def is_silu(act) -> bool:
@@ -34,7 +39,7 @@ def is_silu(act) -> bool:
 
 
 class Weights(NamedTuple):
-    tensors: list[torch.Tensor]  # per layer: input norm, q/k/v (qw, dm), o, post-attention norm, gate/up, down
+    tensors: list[torch.Tensor]  # per layer: input norm, q/k/v (2 tensors), o, post-attention norm, gate/up, down
     eps: list[float]  # per layer: its two norms' epsilons
 
 
@@ -45,7 +50,7 @@ def weights(model) -> Weights | None:
         a, m = layer.self_attn, layer.mlp
         own = [p if getattr(lin, "cols", 0) is None else None for lin, p in
                ((a.o_proj, getattr(a.o_proj, "packs", None)), (m.down_proj, getattr(m.down_proj, "packs", None)))]
-        qkv, o, gu, dn = (_int4(p) for p in (group_of(a.q_proj, a.k_proj, a.v_proj), own[0],
+        qkv, o, gu, dn = (_packed(p) for p in (group_of(a.q_proj, a.k_proj, a.v_proj), own[0],
                                              group_of(m.gate_proj, m.up_proj), own[1]))
         n1, n2 = layer.input_layernorm, layer.post_attention_layernorm
         if None in (qkv, o, gu, dn) or not is_silu(m.act_fn) or any(n.weight.dtype != torch.float32 for n in (n1, n2)):

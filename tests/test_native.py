@@ -208,7 +208,7 @@ def test_cag_equals_full_through_the_kernels(library, tiny64_model_dir, small_co
     engine = Engine(get_settings())
     step = lean.for_model(engine.lm.model)
     assert engine.lm.kernels == mode and step.kernel is not None and step.glue is not None
-    assert (step.fused is not None) == (weights == "int4" and mode == "avx512")  # whole layers in one call each
+    assert (step.fused is not None) == (mode == "avx512")  # all layers in one call
     packs = [m.packs for m in engine.lm.model.modules() if isinstance(m, weights_mod.FastLinear)]
     assert packs and all(p.native for p in packs)  # every product through cag's own kernel
     engine.ingest(str(small_corpus))
@@ -256,9 +256,9 @@ def test_silu_mul_bf16_is_silu_times_up(library):
         torch.ops.cag.silu_mul_bf16(gu.double())
 
 
-def _fused_engine(tiny64_model_dir, monkeypatch):
+def _fused_engine(tiny64_model_dir, monkeypatch, weights="int4"):
     monkeypatch.setenv("CAG_MODEL", str(tiny64_model_dir))
-    monkeypatch.setenv("CAG_WEIGHTS", "int4")
+    monkeypatch.setenv("CAG_WEIGHTS", weights)
     monkeypatch.setenv("CAG_DECODE_KERNELS", "avx512")
     engine = Engine(get_settings())
     return engine, lean.for_model(engine.lm.model)
@@ -270,13 +270,14 @@ def _fused_engine(tiny64_model_dir, monkeypatch):
     (300, [0, 262], [0, 0]),                        # a suffix that fills more than one chunk of keys
     (300, [0, 3, 6], [0, 1, 0]),                    # requests on two prefixes (of 300 and 155 tokens)
 ])
+@pytest.mark.parametrize("weights", ["int4", "bf16"])
 @torch.inference_mode()
-def test_a_fused_layer_is_the_separate_ops_bit_for_bit(library, tiny64_model_dir, monkeypatch, n, starts, which):
+def test_a_fused_layer_is_the_separate_ops_bit_for_bit(library, tiny64_model_dir, monkeypatch, n, starts, which, weights):
     """decode_layers (all layers in one parallel region) gives the logits and the K/V the separate ops
     give, bit for bit, over several steps."""
     from cag.slots import Prefix, Slots
 
-    engine, step = _fused_engine(tiny64_model_dir, monkeypatch)
+    engine, step = _fused_engine(tiny64_model_dir, monkeypatch, weights)
     assert step.fused is not None
     cfg = engine.lm.model.config
     g = torch.Generator().manual_seed(1)

@@ -1,4 +1,4 @@
-// The decoder layers of a decode step (one new token per request, int4 weights, float32 compute) in one
+// The decoder layers of a decode step (one new token per request, int4 or bf16 weights, float32 compute) in one
 // call and one parallel region, for cag/step.py (cag/fused.py).
 //
 // Why: as separate ops a layer costs ~13 torch calls, 5 OpenMP regions and ~15 allocations; at ~4 us
@@ -7,7 +7,7 @@
 // layers and meet at barriers: the products and the attention are split over them, and the small row
 // work between (norm, rope, residual, silu) runs on thread 0 in about a microsecond each.
 //
-// Same pieces, same order, same bits as the ops cag/step.py calls otherwise (rms_bf16, int4_mm,
+// Same pieces, same order, same bits as the ops cag/step.py calls otherwise (rms_bf16, int4_mm or bf16_mm,
 // rope_write, decode_attention_avx512 over a pre-paired prefix, silu_mul_bf16, the float32 adds):
 // tests/test_native.py checks the two ways give equal tensors.
 #include <ATen/core/Tensor.h>
@@ -21,34 +21,42 @@
 
 namespace {
 
-struct Int4 {  // a packed product: qw (N, K/2) uint8, dm (N, 2, K/32) float16 (cag.weights.pack_int4)
-  const uint8_t* q;
+struct Product {  // a packed product: int4 (q: (N, K/2) uint8, d: (N, 2, K/32) float16; cag.weights.pack_int4)
+  const uint8_t* q;   // or bf16 (w: (N, K))
   const uint16_t* d;
+  const uint16_t* w;
   int64_t N, K;
 };
 
-Int4 int4_of(const at::Tensor& qw, const at::Tensor& dm, int64_t K, const char* name) {
-  TORCH_CHECK(qw.dim() == 2 && qw.scalar_type() == at::kByte && qw.is_contiguous() && qw.size(1) * 2 == K && K % 64 == 0 &&
-              dm.dim() == 3 && dm.scalar_type() == at::kHalf && dm.is_contiguous() && dm.size(0) == qw.size(0) &&
-              dm.size(1) == 2 && dm.size(2) == K / 32, name, ": int4 weights (N, K/2) uint8 and (N, 2, K/32) float16 for K inputs");
-  return {qw.data_ptr<uint8_t>(), reinterpret_cast<const uint16_t*>(dm.data_ptr<at::Half>()), qw.size(0), K};
+// [qw, dm] for int4, or [w, anything] for bf16.
+Product product_of(const at::Tensor& a, const at::Tensor& b, int64_t K, const char* name) {
+  if (a.scalar_type() == at::kBFloat16) {
+    TORCH_CHECK(a.dim() == 2 && a.is_contiguous() && a.size(1) == K && K % 32 == 0, name, ": bf16 weights (N, K) for K inputs");
+    return {nullptr, nullptr, reinterpret_cast<const uint16_t*>(a.data_ptr<at::BFloat16>()), a.size(0), K};
+  }
+  TORCH_CHECK(a.dim() == 2 && a.scalar_type() == at::kByte && a.is_contiguous() && a.size(1) * 2 == K && K % 64 == 0 &&
+              b.dim() == 3 && b.scalar_type() == at::kHalf && b.is_contiguous() && b.size(0) == a.size(0) &&
+              b.size(1) == 2 && b.size(2) == K / 32, name, ": int4 weights (N, K/2) uint8 and (N, 2, K/32) float16 for K inputs");
+  return {a.data_ptr<uint8_t>(), reinterpret_cast<const uint16_t*>(b.data_ptr<at::Half>()), nullptr, a.size(0), K};
 }
 
-// Thread p of nt: its outputs of w, in whole blocks of 16, for the R rows prepared in xp, xs.
-inline void share(const Int4& w, int64_t R, const uint16_t* xp, const float* xs, float* y, int64_t p, int64_t nt) {
+// Thread p of nt: its outputs of w, in whole blocks of 16, for the R rows x (bf16), as prepared for int4 in xp, xs.
+inline void share(const Product& w, int64_t R, const uint16_t* x, const uint16_t* xp, const float* xs, float* y, int64_t p, int64_t nt) {
   const int64_t blocks = (w.N + 15) / 16;
   const int64_t n0 = std::min(w.N, blocks * p / nt * 16), n1 = std::min(w.N, blocks * (p + 1) / nt * 16);
-  cagk::int4_outputs(w.q, w.d, w.K, R, xp, xs, y, w.N, n0, n1);
+  if (w.w) cagk::bf16_outputs(w.w, w.K, R, x, y, w.N, n0, n1);
+  else cagk::int4_outputs(w.q, w.d, w.K, R, xp, xs, y, w.N, n0, n1);
 }
 
 struct Layer {  // one layer's weights, as decode_layers reads them
   const float *norm1, *norm2;
   float eps1, eps2;
-  Int4 qkv, o, gu, down;
+  Product qkv, o, gu, down;
 };
 
 // h (R, hidden) float32, updated in place: one row per request. Per layer l of L: w[10 l .. 10 l + 9] =
-// [input norm (hidden,), q/k/v (stacked: qw, dm), o, post-attention norm, gate/up (stacked), down],
+// [input norm (hidden,), q/k/v (stacked: qw, dm for int4, or w and any tensor for bf16), o, post-attention
+// norm, gate/up (stacked), down],
 // eps[2 l], eps[2 l + 1] its norms' epsilons, K[l], V[l] (S, Hk, room, D) bf16 its slots (row r's k/v
 // written at [slot[r], :, pos[r]]). cos, sin (R, D) as rope_write takes them; H query heads; scale: 1/sqrt(D).
 // The rows' requests in G groups, each on one prefix: group g's rows[g] (its row numbers, int64), and
@@ -83,11 +91,11 @@ void decode_layers(at::Tensor h, at::TensorList w, at::ArrayRef<double> eps, con
       TORCH_CHECK(lw[j].dim() == 1 && lw[j].scalar_type() == at::kFloat && lw[j].is_contiguous() && lw[j].size(0) == hid,
                   "norm weights: (hidden,) float32");
     Layer y{lw[0].data_ptr<float>(), lw[5].data_ptr<float>(), (float)eps[2 * l], (float)eps[2 * l + 1],
-            int4_of(lw[1], lw[2], hid, "q/k/v"), int4_of(lw[3], lw[4], H * D, "o"), int4_of(lw[6], lw[7], hid, "gate/up"), {}};
+            product_of(lw[1], lw[2], hid, "q/k/v"), product_of(lw[3], lw[4], H * D, "o"), product_of(lw[6], lw[7], hid, "gate/up"), {}};
     TORCH_CHECK(y.qkv.N == (H + 2 * Hk) * D && y.o.N == hid && y.gu.N % 2 == 0 && (l == 0 || y.gu.N == 2 * I),
                 "q/k/v, o or gate/up widths disagree with the heads or the other layers");
     I = y.gu.N / 2;
-    y.down = int4_of(lw[8], lw[9], I, "down");
+    y.down = product_of(lw[8], lw[9], I, "down");
     TORCH_CHECK(y.down.N == hid, "down's width is not the hidden size");
     layers.push_back(y);
   }
@@ -134,7 +142,7 @@ void decode_layers(at::Tensor h, at::TensorList w, at::ArrayRef<double> eps, con
         cagk::int4_prepare(xb.data(), R, hid, xp.data(), xs.data());
       }
 #pragma omp barrier
-      share(y.qkv, R, xp.data(), xs.data(), yqkv.data(), p, nt);
+      share(y.qkv, R, xb.data(), xp.data(), xs.data(), yqkv.data(), p, nt);
 #pragma omp barrier
       if (p == 0)
         cagk::rope_rows(yqkv.data(), y.qkv.N, cd, sd, R, H, Hk, D, room, sl, ps, q.data(),
@@ -154,7 +162,7 @@ void decode_layers(at::Tensor h, at::TensorList w, at::ArrayRef<double> eps, con
         cagk::int4_prepare(xb.data(), R, H * D, xp.data(), xs.data());
       }
 #pragma omp barrier
-      share(y.o, R, xp.data(), xs.data(), yo.data(), p, nt);
+      share(y.o, R, xb.data(), xp.data(), xs.data(), yo.data(), p, nt);
 #pragma omp barrier
       if (p == 0) {
         for (int64_t j = 0; j < R * hid; j++) hd[j] = hd[j] + yo[j];
@@ -162,14 +170,14 @@ void decode_layers(at::Tensor h, at::TensorList w, at::ArrayRef<double> eps, con
         cagk::int4_prepare(xb.data(), R, hid, xp.data(), xs.data());
       }
 #pragma omp barrier
-      share(y.gu, R, xp.data(), xs.data(), ygu.data(), p, nt);
+      share(y.gu, R, xb.data(), xp.data(), xs.data(), ygu.data(), p, nt);
 #pragma omp barrier
       if (p == 0) {
         cagk::silu_mul_rows(ygu.data(), R, I, xb.data());
         cagk::int4_prepare(xb.data(), R, I, xp.data(), xs.data());
       }
 #pragma omp barrier
-      share(y.down, R, xp.data(), xs.data(), ydn.data(), p, nt);
+      share(y.down, R, xb.data(), xp.data(), xs.data(), ydn.data(), p, nt);
 #pragma omp barrier
       if (p == 0)
         for (int64_t j = 0; j < R * hid; j++) hd[j] = hd[j] + ydn[j];

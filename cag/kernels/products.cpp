@@ -200,6 +200,14 @@ void int4_outputs(const uint8_t* q, const uint16_t* d, int64_t K, int64_t M, con
     });
 }
 
+void bf16_outputs(const uint16_t* w, int64_t K, int64_t M, const uint16_t* x, float* y, int64_t N, int64_t n0, int64_t n1) {
+  int64_t n = n0;
+  for (; n + 2 <= n1; n += 2)  // pairs of outputs
+    blocks(M, [&](auto nr, int64_t r) { bf16_rows<decltype(nr)::value, 2>(w, K, x + r * K, y + r * N, N, n); });
+  for (; n < n1; n++)
+    blocks(M, [&](auto nr, int64_t r) { bf16_rows<decltype(nr)::value, 1>(w, K, x + r * K, y + r * N, N, n); });
+}
+
 }  // namespace cagk
 
 namespace {
@@ -259,13 +267,7 @@ at::Tensor bf16_mm(const at::Tensor& x, const at::Tensor& w) {
   const uint16_t* wd = reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>());
   const uint16_t* xd = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
   float* yd = y.data_ptr<float>();
-  at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
-    int64_t n = n0;
-    for (; n + 2 <= n1; n += 2)  // pairs of outputs
-      blocks(M, [&](auto nr, int64_t r) { bf16_rows<decltype(nr)::value, 2>(wd, K, xd + r * K, yd + r * N, N, n); });
-    for (; n < n1; n++)
-      blocks(M, [&](auto nr, int64_t r) { bf16_rows<decltype(nr)::value, 1>(wd, K, xd + r * K, yd + r * N, N, n); });
-  });
+  at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) { cagk::bf16_outputs(wd, K, M, xd, yd, N, n0, n1); });
   return y;
 }
 
