@@ -161,7 +161,7 @@ class LeanStep:
         self.kernel = native.attention(mode) if mode != "torch" and native.load() and self.head_dim in native.HEAD_DIMS else None
         # and with it, for float32 compute over packed products, the glue around them in one call each: RMSNorm
         # straight to the products' bf16 input, rope of q and k with the K/V write (same bits as the formulas
-        # below), silu(gate) x up rounded to bf16 (its own bits); with int4 weights, whole layers (cag.fused)
+        # below), silu(gate) x up rounded to bf16 (its own bits); with int4/bf16 weights, all layers in one call (cag.fused)
         glue = self.kernel and packed and self.dtype == torch.float32
         self.glue = (torch.ops.cag.rms_bf16, torch.ops.cag.rope_write) if glue else None
         self.fused = fused.weights(model) if glue and mode == "avx512" else None
@@ -223,7 +223,7 @@ class LeanStep:
         if glue:
             norm, rope_write = glue
             cos2, sin2 = cos.view(R, d), sin.view(R, d)
-        if glue and fused.applies(s, rows, roles, kernel):  # every layer in one native call each
+        if glue and fused.applies(s, rows, roles, kernel):  # all layers in one native call
             h = fused.layers(s, rows[0], h, cos2, sin2, buffers, rows_slot, rows_pos)
             fns = ()
         for i, ((w1, e1, qkv_f, o_f, scale, w2, e2, gu_f, d_f, act, qkv_all, gu_all), K, V) in enumerate(
