@@ -19,7 +19,6 @@ from typing import NamedTuple
 import torch
 
 from . import cascade
-from .stacking import group_of
 
 _NONE = torch.empty(0)  # the second tensor of a bf16 product (int4 has two: weights and scales)
 
@@ -38,25 +37,27 @@ def is_silu(act) -> bool:
     return type(act).__name__ in ("SiLU", "SiLUActivation")
 
 
+def _own(lin):
+    """A module's own packed copy (not its share of a stacked group's), else None."""
+    return lin.packs if getattr(lin, "cols", 0) is None else None
+
+
 class Weights(NamedTuple):
     tensors: list[torch.Tensor]  # per layer: input norm, q/k/v (2 tensors), o, post-attention norm, gate/up, down
     eps: list[float]  # per layer: its two norms' epsilons
 
 
-def weights(model) -> Weights | None:
-    """All layers' weights as decode_layers takes them, or None where some layer lacks them."""
+def weights(step, model) -> Weights | None:
+    """All layers' weights as decode_layers takes them, or None where some layer lacks them. `step`:
+    the lean step with its glue (so its layers have stacked q/k/v and gate/up, and silu)."""
     out = Weights([], [])
-    for layer in model.model.layers[: model.config.num_hidden_layers]:
-        a, m = layer.self_attn, layer.mlp
-        own = [p if getattr(lin, "cols", 0) is None else None for lin, p in
-               ((a.o_proj, getattr(a.o_proj, "packs", None)), (m.down_proj, getattr(m.down_proj, "packs", None)))]
-        qkv, o, gu, dn = (_packed(p) for p in (group_of(a.q_proj, a.k_proj, a.v_proj), own[0],
-                                             group_of(m.gate_proj, m.up_proj), own[1]))
-        n1, n2 = layer.input_layernorm, layer.post_attention_layernorm
-        if None in (qkv, o, gu, dn) or not is_silu(m.act_fn) or any(n.weight.dtype != torch.float32 for n in (n1, n2)):
+    for f, layer in zip(step.fns, model.model.layers):
+        qkv, o, gu, dn = (_packed(p) for p in (f.qkv_packed, _own(layer.self_attn.o_proj), f.gu_packed,
+                                             _own(layer.mlp.down_proj)))
+        if None in (qkv, o, gu, dn) or any(n.dtype != torch.float32 for n in (f.norm1, f.norm2)):
             return None
-        out.tensors.extend([n1.weight.contiguous(), *qkv, *o, n2.weight.contiguous(), *gu, *dn])
-        out.eps.extend([n1.variance_epsilon, n2.variance_epsilon])
+        out.tensors.extend([f.norm1.contiguous(), *qkv, *o, f.norm2.contiguous(), *gu, *dn])
+        out.eps.extend([f.eps1, f.eps2])
     return out
 
 

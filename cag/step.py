@@ -164,7 +164,7 @@ class LeanStep:
         # below), silu(gate) x up rounded to bf16 (its own bits); with int4/bf16 weights, all layers in one call (cag.fused)
         glue = self.kernel and packed and self.dtype == torch.float32
         self.glue = (torch.ops.cag.rms_bf16, torch.ops.cag.rope_write) if glue else None
-        self.fused = fused.weights(model) if glue and mode == "avx512" else None
+        self.fused = fused.weights(self, model) if glue and mode == "avx512" else None
         # rotate_half(x) = cat(-x2, x1) = roll(x, D/2) * sign, sign = (-1)*D/2 ++ (+1)*D/2
         self.sign = torch.cat([-torch.ones(half), torch.ones(half)]).to(self.device, self.dtype)  # (D,)
 

@@ -40,7 +40,7 @@ Product product_of(const at::Tensor& a, const at::Tensor& b, int64_t K, const ch
   return {a.data_ptr<uint8_t>(), reinterpret_cast<const uint16_t*>(b.data_ptr<at::Half>()), nullptr, a.size(0), K};
 }
 
-// Thread p of nt: its outputs of w, in whole blocks of 16, for the R rows x (bf16), as prepared for int4 in xp, xs.
+// Thread p of nt: its outputs of w, in whole blocks of 16, for the R rows x (bf16; int4 reads them as prepared in xp, xs).
 inline void share(const Product& w, int64_t R, const uint16_t* x, const uint16_t* xp, const float* xs, float* y, int64_t p, int64_t nt) {
   const int64_t blocks = (w.N + 15) / 16;
   const int64_t n0 = std::min(w.N, blocks * p / nt * 16), n1 = std::min(w.N, blocks * (p + 1) / nt * 16);
@@ -79,8 +79,6 @@ void decode_layers(at::Tensor h, at::TensorList w, at::ArrayRef<double> eps, con
   const int64_t* sl = rows_slot.data_ptr<int64_t>();
   const int64_t* ps = rows_pos.data_ptr<int64_t>();
   std::vector<Layer> layers;
-  std::vector<cagk::Attention> att;  // checked here, on the calling thread: nothing may throw inside the region
-  att.reserve(L);
   int64_t I = 0;
   for (int64_t l = 0; l < L; l++) {
     TORCH_CHECK(K[l].dim() == 4 && K[l].scalar_type() == at::kBFloat16 && K[l].is_contiguous() && V[l].sizes() == K[l].sizes() &&
@@ -120,6 +118,7 @@ void decode_layers(at::Tensor h, at::TensorList w, at::ArrayRef<double> eps, con
     og[g].resize(n * H * D);
   }
   TORCH_CHECK(std::all_of(seen.begin(), seen.end(), [](char c) { return c != 0; }), "the groups' rows must cover the pass, each row once");
+  std::vector<cagk::Attention> att;  // checked here, on the calling thread: nothing may throw inside the region
   att.reserve(L * G);
   for (int64_t l = 0; l < L; l++)
     for (int64_t g = 0; g < G; g++) {
@@ -139,17 +138,17 @@ void decode_layers(at::Tensor h, at::TensorList w, at::ArrayRef<double> eps, con
       const Layer& y = layers[l];
       if (p == 0) {
         cagk::rms_rows(hd, y.norm1, R, hid, y.eps1, xb.data());
-        cagk::int4_prepare(xb.data(), R, hid, xp.data(), xs.data());
+        if (!y.qkv.w) cagk::int4_prepare(xb.data(), R, hid, xp.data(), xs.data());
       }
 #pragma omp barrier
       share(y.qkv, R, xb.data(), xp.data(), xs.data(), yqkv.data(), p, nt);
 #pragma omp barrier
-      if (p == 0)
+      if (p == 0) {
         cagk::rope_rows(yqkv.data(), y.qkv.N, cd, sd, R, H, Hk, D, room, sl, ps, q.data(),
                         reinterpret_cast<uint16_t*>(K[l].data_ptr<at::BFloat16>()), reinterpret_cast<uint16_t*>(V[l].data_ptr<at::BFloat16>()));
-      if (p == 0)  // each group's rows of q together, as its attention reads them
-        for (int64_t g = 0; g < G; g++)
+        for (int64_t g = 0; g < G; g++)  // each group's rows of q together, as its attention reads them
           for (int64_t i = 0; i < rows[g].numel(); i++) std::copy_n(q.data() + gr[g][i] * hd_, hd_, qg[g].data() + i * hd_);
+      }
 #pragma omp barrier
       for (int64_t g = 0; g < G; g++) att[l * G + g].work<false>(p, nt);
 #pragma omp barrier
@@ -159,7 +158,7 @@ void decode_layers(at::Tensor h, at::TensorList w, at::ArrayRef<double> eps, con
           for (int64_t i = 0; i < rows[g].numel(); i++) std::copy_n(og[g].data() + i * hd_, hd_, o.data() + gr[g][i] * hd_);
         }
         cagk::to_bf16(o.data(), R * H * D, xb.data());
-        cagk::int4_prepare(xb.data(), R, H * D, xp.data(), xs.data());
+        if (!y.o.w) cagk::int4_prepare(xb.data(), R, H * D, xp.data(), xs.data());
       }
 #pragma omp barrier
       share(y.o, R, xb.data(), xp.data(), xs.data(), yo.data(), p, nt);
@@ -167,14 +166,14 @@ void decode_layers(at::Tensor h, at::TensorList w, at::ArrayRef<double> eps, con
       if (p == 0) {
         for (int64_t j = 0; j < R * hid; j++) hd[j] = hd[j] + yo[j];
         cagk::rms_rows(hd, y.norm2, R, hid, y.eps2, xb.data());
-        cagk::int4_prepare(xb.data(), R, hid, xp.data(), xs.data());
+        if (!y.gu.w) cagk::int4_prepare(xb.data(), R, hid, xp.data(), xs.data());
       }
 #pragma omp barrier
       share(y.gu, R, xb.data(), xp.data(), xs.data(), ygu.data(), p, nt);
 #pragma omp barrier
       if (p == 0) {
         cagk::silu_mul_rows(ygu.data(), R, I, xb.data());
-        cagk::int4_prepare(xb.data(), R, I, xp.data(), xs.data());
+        if (!y.down.w) cagk::int4_prepare(xb.data(), R, I, xp.data(), xs.data());
       }
 #pragma omp barrier
       share(y.down, R, xb.data(), xp.data(), xs.data(), ydn.data(), p, nt);
