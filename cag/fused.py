@@ -26,7 +26,7 @@ _NONE = torch.empty(0)  # the second tensor of a bf16 product (int4 has two: wei
 def _packed(packs) -> tuple | None:
     """A packed copy as decode_layers takes it, where decode rows go straight to cag.native's product with
     float32 out and no bias: int4 (qw, dm) or bf16 (w, nothing)."""
-    if packs is None or not packs.native or packs.bias is not None or packs.out_dtype != torch.float32:
+    if packs is None or not packs.plain:
         return None
     if packs.fmt == "int4":
         return packs.packed

@@ -144,10 +144,11 @@ class Packed:
             self.packed = {"int4": pack_int4, "q8": pack_q8, "bf16": lambda w: w.to(torch.bfloat16).contiguous()}[fmt](w)
         else:
             self.packed = {"bf16": lambda w: _pack_bf16(w, FEW), "int8": _pack_int8, "int4": _pack_int4}[fmt](w)
-        # cag.native's product for this format; int4 / q8 called straight from __call__ where nothing needs
-        # converting (float32 out, no bias)
+        # cag.native's product for this format; `plain`: its float32 result is the answer as it is (no bias,
+        # float32 compute); int4 / q8 then called straight from __call__, and cag.fused takes int4 / bf16
         self.native_mm = getattr(torch.ops.cag, NATIVE_MM[fmt]) if self.native else None
-        self.direct = fmt in ("int4", "q8") and self.native and bias is None and self.out_dtype == torch.float32
+        self.plain = self.native and bias is None and self.out_dtype == torch.float32
+        self.direct = self.plain and fmt in ("int4", "q8")
         if self.native_questions:
             self.packed_many = w.to(torch.bfloat16).contiguous()
         elif self.native:  # bf16: the same matrix serves a question's rows
