@@ -4,7 +4,10 @@ For snapshots of about 1K, 2K, 4K and 7K tokens (Paul Graham essays), for each C
   * decode tokens/s over the snapshot (stop tokens ignored);
   * the physical bound: the time to read, once, the bytes one decode step must read (the weights
     in that format + the request buffer's keys and values up to that length), at the read
-    bandwidth measured in this run (best of a float32 sum over a 512 MB buffer, same threads);
+    bandwidth measured in this run (best of a float32 sum over a 512 MB buffer, same threads), and
+    the issue's own measure beside it: a timed copy of that many bytes (512 MB copied, best rate);
+  * with cag's avx512 kernels, the same step again over the prefix's int8 codes (CAG_KV_DTYPE=int8:
+    about half the K/V bytes; --no-int8-kv skips it);
   * the step split: the weight products alone (every decode-row product of the model, timed
     apart) vs everything else (attention over the cache, norms, rope, sampling, Python);
   * the same decode through the transformers forward over a StaticCache (the path of models
@@ -46,6 +49,26 @@ def read_bandwidth(reps: int = 5) -> float:
         buf.sum()
         best = min(best, time.perf_counter() - t)
     return buf.nbytes / best
+
+
+def copy_bandwidth(reps: int = 5) -> float:
+    """Bytes/s of a timed copy (512 MB float32 into another buffer, best of `reps`): the issue's measure of
+    the bound, beside the read above (a copy also writes what it reads, so it is the looser of the two)."""
+    src, dst = torch.ones(128 * 1024 * 1024), torch.empty(128 * 1024 * 1024)
+    dst.copy_(src)  # pages touched
+    best = float("inf")
+    for _ in range(reps):
+        t = time.perf_counter()
+        dst.copy_(src)
+        best = min(best, time.perf_counter() - t)
+    return src.nbytes / best
+
+
+def int8_codes(kv_pairs: list) -> list:
+    """A prefix's K/V as an int8 snapshot stores them (what `cag` reads from one: CAG_KV_DTYPE=int8)."""
+    from cag.kv import stored
+
+    return stored(kv_pairs, torch.int8)
 
 
 def forward_rate(model, cache, start: int, n: int, first: int) -> float:
@@ -107,6 +130,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     ap.add_argument("--rounds", type=int, default=2, help="alternating lean/forward runs per cell (best of)")
     ap.add_argument("--kernels", default="amx,avx512,torch", help="CAG_DECODE_KERNELS settings for the packed formats (those that run here)")
+    ap.add_argument("--no-int8-kv", dest="int8_kv", action="store_false",
+                    help="skip the rows over int8 K/V (CAG_KV_DTYPE=int8, read by the avx512 kernels)")
     ap.add_argument("--name", default="decode", help="results file name in bench/results (a partial run: another name)")
     args = ap.parse_args()
     if args.threads:
@@ -129,7 +154,7 @@ def main() -> None:
                 object.__setattr__(m, native.ATTR, ker)
                 models[fmt, ker] = m
         auto = choice.choose(lm.model, "auto", get_settings().models_dir)  # the verdict a server here uses (cached)
-        bw = read_bandwidth()
+        bw, cbw = read_bandwidth(), copy_bandwidth()
         # Products (and the bandwidth) are timed again next to every decode cell and the best kept:
         # one load spike at the start must not stand for the whole run.
         prod = {key: products_ms(m) for key, m in models.items()}
@@ -151,34 +176,50 @@ def main() -> None:
                          "cache_bytes": lm.kv_bytes(ing.n_tokens, attn_dtype(fmt, lm.dtype, lm.device)),
                              "lean_over_forward": tps / fwd})
                 print(rows[-1], flush=True)
+                if ker == "avx512" and args.int8_kv:  # the same step over the prefix's int8 codes (CAG_KV_DTYPE=int8)
+                    deq, codes = int8_codes(snap.kv)
+                    tps8 = max(step_decode_rate(model, deq, args.decode_tokens, first, codes=codes) for _ in range(args.rounds))
+                    int8_bytes = sum(t.nbytes for layer in codes for t in layer)
+                    rows.append(rows[-1] | {"kv": "int8", "decode_tok_s": tps8, "step_ms": 1e3 / tps8, "cache_bytes": int8_bytes,
+                                            "lean_over_forward": tps8 / fwd})
+                    print(rows[-1], flush=True)
             bw = max(bw, read_bandwidth(reps=3))
-            for r in rows[-len(models):]:
-                r["vs_fp32"] = r["decode_tok_s"] / next(x["decode_tok_s"] for x in rows[-len(models):] if x["weights"] == "fp32")
+            cbw = max(cbw, copy_bandwidth(reps=3))
+            here_rows = [r for r in rows if r["n_tokens"] == ing.n_tokens]
+            for r in here_rows:
+                r["vs_fp32"] = r["decode_tok_s"] / next(x["decode_tok_s"] for x in here_rows if x["weights"] == "fp32")
         for r in rows:  # with the best products time and bandwidth of the whole run
             p = r["products_ms"] = prod[r["weights"], r["kernels"]]
             r["rest_ms"], r["forward_rest_ms"] = r["step_ms"] - p, 1e3 / r["forward_tok_s"] - p
             r["bound_ms"] = (r["weight_bytes"] + r["cache_bytes"]) / bw * 1e3
             r["step_over_bound"] = r["step_ms"] / r["bound_ms"]
+            r["copy_bound_ms"] = (r["weight_bytes"] + r["cache_bytes"]) / cbw * 1e3
+            r["step_over_copy"] = r["step_ms"] / r["copy_bound_ms"]
 
-    head = (f"Machine: {machine()}. Model: {lm.name}, {lm.dtype} compute, read bandwidth {bw / 1e9:.1f} GB/s "
-            f"(best measured in this run). `auto` picks **{auto}** here. {args.decode_tokens} tokens per rate, best of "
+    head = (f"Machine: {machine()}. Model: {lm.name}, {lm.dtype} compute, read bandwidth {bw / 1e9:.1f} GB/s, "
+            f"copy bandwidth {cbw / 1e9:.1f} GB/s of bytes copied (best of each measured in this run). `auto` picks **{auto}** here. {args.decode_tokens} tokens per rate, best of "
             f"{args.rounds} runs alternating the lean step and the transformers forward. Load average (1, 5, 15 min) "
             f"before / after: {load_before} / {os.getloadavg()}.\n\n"
-            "| prefix tokens | weights | kernels | decode tok/s (lean step) | transformers forward tok/s | lean / forward | vs fp32 | step ms | "
-            "bound ms (weights + cache read once) | step / bound | weight products ms | rest ms (lean) | rest ms (forward) |\n"
-            "|---|---|---|---|---|---|---|---|---|---|---|---|---|\n")
+            "| prefix tokens | weights | kernels | K/V | decode tok/s (lean step) | transformers forward tok/s | lean / forward | vs fp32 | step ms | "
+            "bound ms (weights + cache read once) | step / bound | timed copy of those bytes ms | step / copy | weight products ms | "
+            "rest ms (lean) | rest ms (forward) |\n"
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n")
     body = "".join(
-        f"| {r['n_tokens']} | {r['weights']} | {r['kernels']} | {r['decode_tok_s']:.1f} | {r['forward_tok_s']:.1f} | {r['lean_over_forward']:.2f}x | "
-        f"{r['vs_fp32']:.2f}x | {r['step_ms']:.1f} | "
+        f"| {r['n_tokens']} | {r['weights']} | {r['kernels']} | {r.get('kv', 'as computed')} | {r['decode_tok_s']:.1f} | {r['forward_tok_s']:.1f} | "
+        f"{r['lean_over_forward']:.2f}x | {r['vs_fp32']:.2f}x | {r['step_ms']:.1f} | "
         f"{r['bound_ms']:.1f} ({r['weight_bytes'] / 1e6:.0f} + {r['cache_bytes'] / 1e6:.0f} MB) | {r['step_over_bound']:.2f} | "
+        f"{r['copy_bound_ms']:.1f} | {r['step_over_copy']:.2f} | "
         f"{r['products_ms']:.1f} | {r['rest_ms']:.1f} | {r['forward_rest_ms']:.1f} |\n" for r in rows)
     foot = ("\nTargets: with the `auto` format, step within 1.5x of the bound at 4K and decode >= 1.5x fp32 at 4K. "
+            "Two bounds: the bytes read once at the best read rate (a sum over 512 MB), and the issue's own measure, "
+            "a timed copy of that many bytes (which also writes them: the looser one). K/V 'int8': the prefix's int8 "
+            "codes (CAG_KV_DTYPE=int8) read by the avx512 attention, the forward column unchanged (it reads bf16). "
             "'rest' is a decode step less its weight products: attention over the cache, norms, rope, sampling and "
             "the Python of 30 layers; the lean step (cag/step.py) cuts the forward's per-layer Python, mask and cache "
             "bookkeeping. The products are timed as separate calls, each with its own overhead: int4 on cag's kernels "
             "runs all layers of a step in one call (cag/fused.py), so there 'rest' is what the step takes beyond those "
             "separate calls.\n")
-    write(args.name, {"machine": machine(), "auto": auto, "read_bandwidth": bw, "load_before": load_before,
+    write(args.name, {"machine": machine(), "auto": auto, "read_bandwidth": bw, "copy_bandwidth": cbw, "load_before": load_before,
                      "load_after": os.getloadavg(), "rows": rows}, head + body + foot)
 
 

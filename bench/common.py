@@ -63,10 +63,11 @@ def write(name: str, payload: dict, table: str) -> None:
     print(table)
 
 
-def step_decode_rate(model, prefix_kv: list, n: int, first: int, room: int = 64) -> float:
+def step_decode_rate(model, prefix_kv: list, n: int, first: int, room: int = 64, codes: list | None = None) -> float:
     """Tokens/s of one request decoding alone over a prefix (the decode path of cag.batch, without its
     thread hop): the first token from a 1-token question, then n-1 timed steps (stop tokens ignored).
-    `prefix_kv`: per layer (k, v) (1, H_kv, n_prefix, D), any dtype (cast to the one served requests attend in)."""
+    `prefix_kv`: per layer (k, v) (1, H_kv, n_prefix, D), any dtype (cast to the one served requests attend in);
+    `codes`: an int8 snapshot's (store.snapshots.Snapshot.codes), read by cag's AVX-512 attention."""
     import torch
 
     from cag import step as lean
@@ -77,7 +78,7 @@ def step_decode_rate(model, prefix_kv: list, n: int, first: int, room: int = 64)
     built = lean.for_model(model)
     fmt = next((m.fmt for m in model.modules() if isinstance(m, FastLinear)), "fp32")
     dtype, device = attn_dtype(fmt, built.dtype, built.device), built.device  # what a served request reads
-    prefix = Prefix.of(prefix_kv, dtype, device)
+    prefix = Prefix.of(prefix_kv, dtype, device, codes)
     cfg = model.config
     slots = Slots(cfg.num_hidden_layers, cfg.num_key_value_heads, built.head_dim, max(room, n + 1), 1, dtype, device)
     slot = torch.tensor([slots.take()])

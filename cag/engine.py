@@ -221,11 +221,11 @@ class Engine:
         self.require_fit(n, "the prompt's knowledge")
         cache = kv.new_cache(lm.model, n)
         kv.prefill(lm.model, cache, prefix_ids, 0, self.settings.chunk_tokens, should_stop=should_stop)
-        views = kv.views(cache, n)
+        views, codes = kv.views(cache, n), None
         if q.mode is not Mode.RAG:  # RAG's passages have no snapshot to match
             held = held or (self.index.snapshot(q.row["current_snapshot"]) if q.row.get("current_snapshot") else None)
-            views = kv.stored(views, snapfiles.DTYPES.get(held["dtype"], self.kv_dtype) if held else self.kv_dtype)
-        gen, _ = self._generate(Prefix.of(views, lm.attn_dtype, lm.device), q, on_text, should_stop)
+            views, codes = kv.stored(views, snapfiles.DTYPES.get(held["dtype"], self.kv_dtype) if held else self.kv_dtype)
+        gen, _ = self._generate(Prefix.of(views, lm.attn_dtype, lm.device, self._read(codes)), q, on_text, should_stop)
         return self._finish(q, gen, n, 0, 0.0, None if q.mode is Mode.RAG else q.row["current_snapshot"], **extra)
 
     def _answer_cached(self, q: Question, on_text, should_stop, shards: int = 1) -> Answer:
@@ -254,9 +254,13 @@ class Engine:
 
     def _load_resident(self, digest: str) -> Resident:
         snap = self.open_snapshot(self.index.snapshot(digest))
-        prefix = Prefix.of(snap.kv, self.lm.attn_dtype, self.lm.device)  # once: every request reads this one
-        snap.kv = []  # the storage-dtype tensors are not needed again
+        prefix = Prefix.of(snap.kv, self.lm.attn_dtype, self.lm.device, self._read(snap.codes))  # once: every request reads it
+        snap.kv, snap.codes = [], None  # the storage-dtype tensors are not needed again
         return Resident(snap, prefix)
+
+    def _read(self, codes: list | None) -> list | None:
+        """An int8 snapshot's codes where decode rows read them (cag.native's AVX-512 attention), else None."""
+        return codes if self.lm.kernels == "avx512" else None
 
     def _finish(self, q: Question, gen: Generated, n_prefix: int, cached: int, load_ms: float,
                 snapshot: str | None, **extra) -> Answer:

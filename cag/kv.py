@@ -81,10 +81,17 @@ def views(cache: StaticCache, n: int) -> KV:
     return [(layer.keys[:, :, :n], layer.values[:, :, :n]) for layer in cache.layers]
 
 
-def stored(kv: KV, dtype: torch.dtype) -> KV:
-    """K/V at the precision a snapshot in `dtype` keeps them (`full` then reads what `cag` reads);
-    int8 snapshots (a quantized codec) leave them as they are."""
-    return [(k.to(dtype), v.to(dtype)) for k, v in kv] if dtype.is_floating_point else kv
+def stored(kv: KV, dtype: torch.dtype) -> tuple[KV, list | None]:
+    """K/V as `cag` reads them from a snapshot in `dtype` (`full` then reads what `cag` reads): cast to a
+    float dtype; for int8, quantized as the snapshot stores them and dequantized to fp16 as a load gives
+    them, with the codes (store.snapshots.Snapshot.codes), which cag.native's AVX-512 attention reads."""
+    if dtype.is_floating_point:
+        return [(k.to(dtype), v.to(dtype)) for k, v in kv], None
+    from .store import kv_int8
+
+    block = kv_int8.block_for(kv[0][0].shape[3]) if kv else kv_int8.BLOCK
+    codes = [(*kv_int8.quantize(k, block), *kv_int8.quantize(v, block)) for k, v in kv]
+    return [(kv_int8.dequantize(k, ks), kv_int8.dequantize(v, vs)) for k, ks, v, vs in codes], codes
 
 
 def export(cache: StaticCache, n: int) -> KV:

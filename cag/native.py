@@ -38,12 +38,13 @@ import torch
 from .errors import ModelError
 
 log = logging.getLogger(__name__)
-SOURCES = tuple(Path(__file__).parent / "kernels" / f for f in ("decode_attention.cpp", "products.cpp", "layer.cpp"))
+SOURCES = tuple(Path(__file__).parent / "kernels" / f for f in ("decode_attention.cpp", "int8_attention.cpp", "products.cpp",
+                                                                 "layer.cpp"))
 HEADERS = (Path(__file__).parent / "kernels" / "kernels.h",)
 MODES = ("auto", "amx", "avx512", "torch")
 ATTR = "cag_decode_kernels"  # on a loaded model: what CAG_DECODE_KERNELS resolved to ("amx", "avx512" or "torch")
 HEAD_DIMS = (64, 128)  # the head widths the attention kernel takes
-FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16")  # the library's floor
+FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512_vnni")  # the library's floor (every CPU with bf16 has VNNI)
 TILES = ("amx_tile", "amx_bf16")  # and the AMX attention's
 _lock = threading.Lock()
 _state: dict = {}  # "fn": the loaded op, or "why": why it cannot run here (once per process)

@@ -27,17 +27,22 @@ class Prefix:
     # what kernels made from it once, kept with it and gone with it: "pairs" {layer: (kt, vt)} for
     # cag.native's AVX-512 attention (cag.cascade), "cuda_graph" its captured decode step (cag.graphs)
     made: dict = field(default_factory=dict, repr=False)
+    # an int8 snapshot's codes per layer (store.snapshots.Snapshot.codes), on the CPU: the AVX-512
+    # attention pairs them (cag.cascade) and reads them in place of kv; a layer's entry is None once paired
+    codes: list | None = field(default=None, repr=False)
 
     @classmethod
-    def of(cls, kv: list, dtype: torch.dtype, device: torch.device | str) -> Prefix:
+    def of(cls, kv: list, dtype: torch.dtype, device: torch.device | str, codes: list | None = None) -> Prefix:
         """A prefix in the compute dtype and device (a copy when either differs; a view otherwise)."""
         kv = [(_cast(k, device, dtype), _cast(v, device, dtype)) for k, v in kv]
-        return cls(kv, kv[0][0].shape[2] if kv else 0)
+        keep = codes is not None and torch.device(device).type == "cpu"
+        return cls(kv, kv[0][0].shape[2] if kv else 0, codes=list(codes) if keep else None)
 
     @property
-    def nbytes(self) -> int:  # with the pairs made for the AVX-512 attention (as many bytes again)
+    def nbytes(self) -> int:  # with the pairs made for the AVX-512 attention (bf16: as many bytes again; int8: ~half)
         made = [t for pair in self.made.get("pairs", {}).values() for t in pair]
-        return sum(t.nbytes for pair in self.kv for t in pair) + sum(t.nbytes for t in made)
+        codes = [t for layer in self.codes or () if layer for t in layer]
+        return sum(t.nbytes for t in (*(t for pair in self.kv for t in pair), *made, *codes))
 
 
 def _cast(t: torch.Tensor, device, dtype: torch.dtype) -> torch.Tensor:

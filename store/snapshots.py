@@ -58,6 +58,9 @@ class Snapshot:
     meta: dict  # decoded header (JSON values parsed)
     kv: list[tuple[torch.Tensor, torch.Tensor]]  # per layer (1, H_kv, T, D), storage dtype (int8: dequantized fp16)
     ids: list[int]
+    # an int8 snapshot's codes as stored, per layer: keys, their scales, values, their scales
+    # ((1, H_kv, T, D) int8, (1, H_kv, T, D / block) fp16); what cag.native's AVX-512 attention reads
+    codes: list[tuple[torch.Tensor, ...]] | None = None
 
     @property
     def n_tokens(self) -> int:
@@ -222,10 +225,12 @@ def load(path: Path, expect_key: str | None = None, verify: bool = True, dequant
             raise SnapshotError(f"snapshot {path.name}: checksum mismatch (file was modified or damaged)")
         if stamp is not None and t0 - max(stamp[3], stamp[4]) > SETTLE_S * 1e9 and _stamp(path) == stamp:
             _checked[str(path)] = stamp  # unchanged from before the read to after the check
+    codes = None
     if block is not None and decode:  # dequantized once here; the request buffer copy casts to the model's dtype
         dequant = dequant or torch.float16
+        codes = [(k, ks, v, vs) for (k, v), (ks, vs) in zip(kv, scales)]
         kv = [(kv_int8.dequantize(k, ks, dequant), kv_int8.dequantize(v, vs, dequant)) for (k, v), (ks, vs) in zip(kv, scales)]
-    return Snapshot(meta=meta, kv=kv, ids=ids.tolist())
+    return Snapshot(meta=meta, kv=kv, ids=ids.tolist(), codes=codes)
 
 
 def delete(path: Path) -> None:

@@ -198,13 +198,15 @@ def test_native_kernels_are_refused_where_decode_attends_in_float32(tiny64_model
 
 
 @pytest.mark.parametrize("mode", HERE)
-@pytest.mark.parametrize("weights", ["bf16", "int4"])
-def test_cag_equals_full_through_the_kernels(library, tiny64_model_dir, small_corpus, monkeypatch, weights, mode):
-    """Decode rows run on cag's kernels (attention over bf16 K/V with heads of 64, the fused norm and
-    rope, the products): cached and uncached answers agree token for token, alone and asked together."""
+@pytest.mark.parametrize("weights,kv_dtype", [("bf16", "auto"), ("int4", "auto"), ("int4", "int8")])
+def test_cag_equals_full_through_the_kernels(library, tiny64_model_dir, small_corpus, monkeypatch, weights, kv_dtype, mode):
+    """Decode rows run on cag's kernels (attention over bf16 K/V with heads of 64, or with the AVX-512
+    kernel over an int8 snapshot's codes; the fused norm and rope, the products): cached and uncached
+    answers agree token for token, alone and asked together."""
     monkeypatch.setenv("CAG_MODEL", str(tiny64_model_dir))
     monkeypatch.setenv("CAG_WEIGHTS", weights)
     monkeypatch.setenv("CAG_DECODE_KERNELS", mode)
+    monkeypatch.setenv("CAG_KV_DTYPE", kv_dtype)
     engine = Engine(get_settings())
     step = lean.for_model(engine.lm.model)
     assert engine.lm.kernels == mode and step.kernel is not None and step.glue is not None
@@ -218,6 +220,10 @@ def test_cag_equals_full_through_the_kernels(library, tiny64_model_dir, small_co
         assert len(cached) == 16 and cached == engine.ask("corpus", q, max_tokens=16, mode="full").token_ids
         alone.append(cached)
     assert together(engine, [lambda q=q: engine.ask("corpus", q, max_tokens=16).token_ids for q in QUESTIONS[:3]]) == alone
+    (res,) = engine.resident._items.values()
+    pairs = res.prefix.made["pairs"]
+    int8 = kv_dtype == "int8" and mode == "avx512"  # the AVX-512 kernel reads the codes; AMX the dequantized K/V
+    assert all((p[0].dtype == torch.uint8) == int8 for p in pairs.values()) if pairs else mode == "amx"
 
 
 def test_the_resident_budget_counts_the_pairs(library):

@@ -31,8 +31,8 @@
 
 namespace {
 
-constexpr int64_t C = 256;  // keys per item: its K (transposed) and V (paired) stay in L2
-constexpr int64_t MAXD = 128;
+constexpr int64_t C = cagk::CHUNK;  // keys per item: its K (transposed) and V (paired) stay in L2
+constexpr int64_t MAXD = cagk::MAXD;
 // A pre-paired prefix item prefetches the one its thread takes AHEAD items later into L2 as it computes:
 // 30 layers at 4K on Zen 4, 2 threads: 5.2-5.6 ms unpaired, 3.6-4.2 paired, with 1 to 3 ahead alike (4: slower).
 constexpr int64_t AHEAD = 1;
@@ -401,10 +401,15 @@ bool amx_permitted() {  // Linux hands out AMX tile state on request, once per p
 
 namespace cagk {
 
+void softmax_block(float* s, uint16_t* pb, int64_t nr, int64_t w, int64_t wp, float scale, Partial* part) {
+  softmax_rows(s, pb, nr, w, wp, scale, part);
+}
+
 // q (B, H, R, D) float32: request b, K/V head h, row r (the query heads sharing h); kp, vp (H, n, D)
 // bf16: the shared prefix (n may be 0); ks, vs (S, H, room, D) bf16: the request slots; slots (B,),
 // lens (B,) int64: request b reads keys [0, lens[b]) of slot slots[b].
-// kt, vt (avx512 only): the prefix as pair_kv gives it, read in place of kp and vp's rows.
+// kt, vt (avx512 only): the prefix as pair_kv gives it, read in place of kp and vp's rows; or as pair_kv8 gives
+// it (uint8: an int8 snapshot's codes), kp and vp then read for their shapes only.
 Attention::Attention(const float* q, int64_t B, int64_t H, int64_t R, int64_t D, const at::Tensor& kp_,
                      const at::Tensor& vp_, const at::Tensor& ks_, const at::Tensor& vs_, const at::Tensor& slots,
                      const at::Tensor& lens, double scale_, const std::optional<at::Tensor>& kt,
@@ -432,7 +437,13 @@ Attention::Attention(const float* q, int64_t B, int64_t H, int64_t R, int64_t D,
   }
   np = (n + C - 1) / C, chunks = np + most;  // per row: prefix chunks, then suffix chunks
   TORCH_CHECK(kt.has_value() == vt.has_value() && (!kt || !amx), "kt and vt: both or neither, and for the avx512 kernel");
-  if (kt) {
+  if (kt && kt->scalar_type() == at::kByte) {
+    TORCH_CHECK(vt->scalar_type() == at::kByte && kt->is_contiguous() && vt->is_contiguous() &&
+                kt->sizes() == at::IntArrayRef({H, np, cagk::int8_item_bytes(D, true)}) &&
+                vt->sizes() == at::IntArrayRef({H, np, cagk::int8_item_bytes(D, false)}), "kt, vt: the prefix as pair_kv8 gives it");
+    k8 = kt->data_ptr<uint8_t>();
+    v8 = vt->data_ptr<uint8_t>();
+  } else if (kt) {
     TORCH_CHECK(kt->scalar_type() == at::kInt && vt->scalar_type() == at::kInt && kt->is_contiguous() && vt->is_contiguous() &&
                 kt->sizes() == at::IntArrayRef({H, np, D / 2, C}) && vt->sizes() == at::IntArrayRef({H, (n + 1) / 2, D}),
                 "kt, vt: the prefix as pair_kv gives it");
@@ -471,7 +482,14 @@ void Attention::work(int64_t p, int64_t nt) {
       if (AMX) item_amx(qs.data(), B * R, k0, v0, kp.stride(1), std::min(C, n - t0), D, scale, ps.data(), accs.data());
       else
 #endif
-      {
+      if (k8) {
+        const int64_t kb = cagk::int8_item_bytes(D, true), vb = cagk::int8_item_bytes(D, false);
+        const bool next = i + AHEAD * nt < n_pre;  // a prefix item this thread takes later: prefetched as this one runs
+        const int64_t j = next ? items[i + AHEAD * nt] : 0;
+        cagk::item_int8(qs.data(), B * R, k8 + items[i] * kb, v8 + items[i] * vb, std::min(C, n - t0), D, scale, ps.data(),
+                        accs.data(), next ? reinterpret_cast<const char*>(k8 + j * kb) : nullptr,
+                        next ? reinterpret_cast<const char*>(v8 + j * vb) : nullptr);
+      } else {
         const char *nk = nullptr, *nv = nullptr;  // a prefix item this thread takes later, if any
         int64_t nkb = 0, nvb = 0;
         if (ktd && i + AHEAD * nt < n_pre) {

@@ -8,6 +8,9 @@
 
 namespace cagk {
 
+constexpr int64_t CHUNK = 256;  // keys per attention item: its K and V stay in L2
+constexpr int64_t MAXD = 128;   // the widest head
+
 // products.cpp. int4: x (M, K) bf16 -> xp (M, K) bf16 in the order the nibbles unpack, xs (M, K/32)
 // float32 group sums; then outputs [n0, n1) of y (M, N) float32 from qw (N, K/2), dm (N, 2, K/32).
 void int4_prepare(const uint16_t* x, int64_t M, int64_t K, uint16_t* xp, float* xs);
@@ -30,6 +33,18 @@ void to_bf16(const float* x, int64_t n, uint16_t* y);
 
 struct Partial { float m, l; };
 
+// decode_attention.cpp: the softmax of nr rows of scores s (rows CHUNK apart, keys [0, w) of wp, w <= wp <= CHUNK,
+// wp a multiple of 64), keys past w masked: the probabilities rounded to bf16 into pb (rows CHUNK apart), and
+// part[r] = (max, sum of the rounded values). Scores are multiplied by `scale` first.
+void softmax_block(float* s, uint16_t* pb, int64_t nr, int64_t w, int64_t wp, float scale, Partial* part);
+
+// int8_attention.cpp: a prefix item over int8 codes (pair_kv8's layout; kc, vc the item's bytes), the
+// unnormalized sum of p_t V_t per row into acc[r] (D floats) and (max, sum) into part[r]; nk, nv: the
+// bytes of the item this thread takes next (to prefetch) or null. int8_item_bytes: an item's K or V bytes.
+void item_int8(const float* const* q, int64_t rows, const uint8_t* kc, const uint8_t* vc, int64_t w, int64_t D, float scale,
+               Partial* part, float* const* acc, const char* nk, const char* nv);
+int64_t int8_item_bytes(int64_t D, bool keys);
+
 // One decode attention call (decode_attention_avx512's): checked and laid out by the constructor, its
 // items run by `work(p, nt)` on each of nt threads (items p, p + nt, ...), merged by `merge`. q is
 // read when the items run, so it may be filled after construction.
@@ -46,7 +61,8 @@ struct Attention {
   at::Tensor kp, vp, ks, vs;
   const int64_t *slot, *len;
   float scale;
-  const uint32_t *ktd = nullptr, *vtd = nullptr;
+  const uint32_t *ktd = nullptr, *vtd = nullptr;  // a bf16 prefix pre-paired (pair_kv)
+  const uint8_t *k8 = nullptr, *v8 = nullptr;     // or an int8 prefix (pair_kv8): kp, vp then give its shape only
   std::vector<Partial> part;
   std::vector<float> acc;
   std::vector<int64_t> items;  // prefix items (h, c), then suffix items (b, h, c)
