@@ -10,7 +10,9 @@ import torch
 
 from cag import native
 from cag.store import kv_int8
-from tests.test_native import case, library  # noqa: F401 (the fixture)
+from tests.test_native import case, library  # noqa: F401 (the fixture, used by every test here)
+
+pytestmark = pytest.mark.usefixtures("library")
 
 
 def op(*args):
@@ -55,7 +57,7 @@ def reference(q, kd, vd, ks, vs, slots, lens, scale):
     (6, 3, 300, [7] * 6, 64),         # 18 rows on one prefix: more than one block of 16 rows
     (2, 2, 0, [3, 40], 64),           # no prefix
 ])
-def test_int8_prefix_computes_attention(library, B, R, n, lens, D):
+def test_int8_prefix_computes_attention(B, R, n, lens, D):
     args, kd, vd = int8_case(B, R, n, lens, D)
     got = op(*args[:7], D ** -0.5, *args[7:])
     assert got.shape == args[0].shape and got.dtype == torch.float32
@@ -67,7 +69,7 @@ def test_int8_prefix_computes_attention(library, B, R, n, lens, D):
         assert torch.equal(op(args[0], *zeros, *args[3:7], D ** -0.5, *args[7:]), got)
 
 
-def test_int8_rows_never_depend_on_the_batch_or_the_threads(library):
+def test_int8_rows_never_depend_on_the_batch_or_the_threads():
     (q, kp, vp, ks, vs, slots, lens, kt, vt), _, _ = int8_case(5, 3, 700, [1, 9, 260, 4, 33])
     together = op(q, kp, vp, ks, vs, slots, lens, 0.125, kt, vt)
     for b in range(5):
@@ -81,7 +83,7 @@ def test_int8_rows_never_depend_on_the_batch_or_the_threads(library):
         torch.set_num_threads(threads)
 
 
-def test_pair_kv8_layout(library):
+def test_pair_kv8_layout():
     """Per chunk of 256 keys: K's codes + 128 in dwords of 4 dims per key, then its fp16 scales per block;
     V's codes as stored, then its scales; zeros past the prefix."""
     (_, _, _, _, _, _, _, kt, vt), _, _ = int8_case(1, 3, 300, [1])
@@ -95,7 +97,7 @@ def test_pair_kv8_layout(library):
     assert (item[: 64 * 256].view(16, 256, 4)[:, 44:] == 0).all()
 
 
-def test_int8_bad_inputs_are_refused(library):
+def test_int8_bad_inputs_are_refused():
     (q, kp, vp, ks, vs, slots, lens, kt, vt), _, _ = int8_case(1, 3, 300, [4])
     kq, kscale = kv_int8.quantize(kp.float()[None], 32)
     with pytest.raises(RuntimeError, match="int8"):
