@@ -6,7 +6,11 @@ token where they part otherwise, and F1 (SQuAD v1.1 definition) of each with a 9
 interval and the paired difference. Sets: corpora/handbook (its 20 written questions) and,
 with --squad N, N SQuAD v1.1 dev questions over knowledge sets of --squad-tokens tokens.
 
-    python -m bench.bench_kv_int8 [--squad 100] [--squad-tokens 4000]
+    python -m bench.bench_kv_int8 [--squad 100] [--squad-tokens 4000] [--base float16] [--weights auto]
+
+With cag's avx512 kernels (CAG_DECODE_KERNELS, auto on AVX512-BF16 CPUs without AMX) decode rows read an
+int8 snapshot's codes as stored (q quantized to int8 per block of 32 for the scores); elsewhere the codes are
+dequantized on load.
 """
 
 from __future__ import annotations
@@ -22,12 +26,12 @@ from bench.common import REPO, machine, write
 MAX_TOKENS = 32
 
 
-def _engines(root: Path):
+def _engines(root: Path, base: str, weights: str):
     from cag.config import get_settings
     from cag.engine import Engine
 
-    fp16 = Engine(get_settings(home=root / "fp16", kv_dtype="float16"))
-    int8 = Engine(get_settings(home=root / "int8", kv_dtype="int8"), lm=fp16.lm)
+    fp16 = Engine(get_settings(home=root / "base", kv_dtype=base, weights=weights))
+    int8 = Engine(get_settings(home=root / "int8", kv_dtype="int8", weights=weights), lm=fp16.lm)
     return fp16, int8
 
 
@@ -82,24 +86,32 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--squad", type=int, default=0, help="SQuAD v1.1 dev questions (0: handbook only)")
     ap.add_argument("--squad-tokens", type=int, default=4000)
+    ap.add_argument("--base", default="float16", help="the snapshot dtype int8 is compared with (CAG_KV_DTYPE)")
+    ap.add_argument("--weights", default="auto", help="CAG_WEIGHTS of both engines")
+    ap.add_argument("--name", default="kv-int8", help="results file name in bench/results")
     args = ap.parse_args()
     t0 = time.time()
     with tempfile.TemporaryDirectory() as tmp:
-        fp16, int8 = _engines(Path(tmp))
+        fp16, int8 = _engines(Path(tmp), args.base, args.weights)
         hb = REPO / "corpora" / "handbook"
         questions = [json.loads(line) for line in (hb / "questions.jsonl").read_text().splitlines() if line.strip()]
         results = [_run(fp16, int8, [(hb, questions)], "handbook")]
         if args.squad:
             results.append(_run(fp16, int8, _squad_sets(fp16.lm, args.squad, args.squad_tokens), "squad"))
-    lines = ["| set | n | first 32 tokens identical | F1 fp16 [95% CI] | F1 int8 [95% CI] | paired int8 - fp16 |",
+    b = args.base
+    lines = [f"| set | n | first 32 tokens identical | F1 {b} [95% CI] | F1 int8 [95% CI] | paired int8 - {b} |",
              "|---|---|---|---|---|---|"]
     ci = lambda c: f"{c['mean']:.3f} [{c['lo']:.3f}, {c['hi']:.3f}]"  # noqa: E731
     for r in results:
         lines.append(f"| {r['set']} | {r['n']} | {r['identical']}/{r['n']} ({100 * r['identical_share']:.0f}%) | "
                      f"{ci(r['f1_fp16'])} | {ci(r['f1_int8'])} | {ci(r['f1_paired_diff'])} |")
-    table = "\n".join(lines) + f"\n\n{machine()}; {time.time() - t0:.0f} s\n"
+    lm = fp16.lm
+    setup = (f"weights {lm.weights}, decode kernels {lm.kernels} (int8 snapshots: "
+             f"{'decode rows read the codes' if lm.kernels == 'avx512' else 'dequantized on load'})")
+    table = "\n".join(lines) + f"\n\n{machine()}; {setup}; {time.time() - t0:.0f} s\n"
     print(table)
-    write("kv-int8", {"machine": machine(), "max_tokens": MAX_TOKENS, "results": results}, table)
+    write(args.name, {"machine": machine(), "max_tokens": MAX_TOKENS, "base": b, "weights": lm.weights,
+                      "kernels": lm.kernels, "results": results}, table)
 
 
 if __name__ == "__main__":
