@@ -153,9 +153,11 @@ std::tuple<at::Tensor, at::Tensor> pair_kv8(const at::Tensor& k, const at::Tenso
       uint16_t* kso = reinterpret_cast<uint16_t*>(ko + D * C);
       uint8_t* vo = vtd + i * VB;
       uint16_t* vso = reinterpret_cast<uint16_t*>(vo + C * D);
+      uint32_t* ko32 = reinterpret_cast<uint32_t*>(ko);
       for (int64_t t = 0; t < w; t++) {
         const int64_t src = (h * n + c * C + t);
-        for (int64_t d = 0; d < D; d++) ko[((d / 4) * C + t) * 4 + d % 4] = (uint8_t)(kd[src * D + d] + 128);
+        const uint32_t* k32 = reinterpret_cast<const uint32_t*>(kd + src * D);
+        for (int64_t i = 0; i < D / 4; i++) ko32[i * C + t] = k32[i] ^ 0x80808080u;  // each byte's code + 128
         std::memcpy(vo + t * D, vd + src * D, D);
         for (int64_t b = 0; b < NB; b++) {
           kso[b * C + t] = ksd[src * NB + b];
