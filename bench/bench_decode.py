@@ -64,13 +64,6 @@ def copy_bandwidth(reps: int = 5) -> float:
     return src.nbytes / best
 
 
-def int8_codes(kv_pairs: list) -> list:
-    """A prefix's K/V as an int8 snapshot stores them (what `cag` reads from one: CAG_KV_DTYPE=int8)."""
-    from cag.kv import stored
-
-    return stored(kv_pairs, torch.int8)
-
-
 def forward_rate(model, cache, start: int, n: int, first: int) -> float:
     """Tokens/s of decode through the transformers forward over a StaticCache holding the prefix (the
     path of models cag/step.py does not cover): n-1 timed steps after a 1-token prompt."""
@@ -177,7 +170,7 @@ def main() -> None:
                              "lean_over_forward": tps / fwd})
                 print(rows[-1], flush=True)
                 if ker == "avx512" and args.int8_kv:  # the same step over the prefix's int8 codes (CAG_KV_DTYPE=int8)
-                    deq, codes = int8_codes(snap.kv)
+                    deq, codes = kv.stored(snap.kv, torch.int8)  # what `cag` reads from an int8 snapshot
                     tps8 = max(step_decode_rate(model, deq, args.decode_tokens, first, codes=codes) for _ in range(args.rounds))
                     int8_bytes = sum(t.nbytes for layer in codes for t in layer)
                     rows.append(rows[-1] | {"kv": "int8", "decode_tok_s": tps8, "step_ms": 1e3 / tps8, "cache_bytes": int8_bytes,

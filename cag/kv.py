@@ -89,9 +89,8 @@ def stored(kv: KV, dtype: torch.dtype) -> tuple[KV, list | None]:
         return [(k.to(dtype), v.to(dtype)) for k, v in kv], None
     from .store import kv_int8
 
-    block = kv_int8.block_for(kv[0][0].shape[3]) if kv else kv_int8.BLOCK
-    codes = [(*kv_int8.quantize(k, block), *kv_int8.quantize(v, block)) for k, v in kv]
-    return [(kv_int8.dequantize(k, ks), kv_int8.dequantize(v, vs)) for k, ks, v, vs in codes], codes
+    _, codes = kv_int8.quantize_layers(kv)
+    return kv_int8.dequantize_layers(codes), codes
 
 
 def export(cache: StaticCache, n: int) -> KV:

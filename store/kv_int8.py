@@ -44,3 +44,15 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.
     nb = scale.shape[-1]
     x = q.float().reshape(*lead, nb, d // nb) * scale.float().unsqueeze(-1)
     return x.reshape(*lead, d).to(dtype)
+
+
+def quantize_layers(kv: list) -> tuple[int, list[tuple[torch.Tensor, ...]]]:
+    """Per layer (k, v) (1, H, T, D) float -> the block and per layer (k codes, k scales, v codes, v scales),
+    as a snapshot stores them."""
+    block = block_for(kv[0][0].shape[3]) if kv else BLOCK
+    return block, [(*quantize(k, block), *quantize(v, block)) for k, v in kv]
+
+
+def dequantize_layers(codes: list, dtype: torch.dtype = torch.float16) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """quantize_layers' codes -> per layer (k, v) (1, H, T, D) in `dtype`."""
+    return [(dequantize(k, ks, dtype), dequantize(v, vs, dtype)) for k, ks, v, vs in codes]

@@ -104,11 +104,10 @@ def save(path: Path, kv, ids: list[int], meta: dict, dtype: torch.dtype) -> int:
     tensors: dict[str, torch.Tensor] = {"prefix_ids": torch.tensor(ids, dtype=torch.int32)}
     extra = {}
     if dtype == torch.int8:  # quantized blocks + fp16 scales (store/kv_int8.py)
-        block = kv_int8.block_for(kv[0][0].shape[3]) if kv else kv_int8.BLOCK
+        block, codes = kv_int8.quantize_layers(kv)
         extra = {"codec": kv_int8.CODEC, "int8_block": block}
-        for i, (k, v) in enumerate(kv):
-            for name, t in (("keys", k), ("values", v)):
-                q, scale = kv_int8.quantize(t, block)
+        for i, layer in enumerate(codes):
+            for name, q, scale in (("keys", *layer[:2]), ("values", *layer[2:])):
                 tensors[f"layers.{i}.{name}"], tensors[f"layers.{i}.{name}.scale"] = q.contiguous(), scale.contiguous()
     else:
         for i, (k, v) in enumerate(kv):
@@ -229,7 +228,7 @@ def load(path: Path, expect_key: str | None = None, verify: bool = True, dequant
     if block is not None and decode:  # dequantized once here; the request buffer copy casts to the model's dtype
         dequant = dequant or torch.float16
         codes = [(k, ks, v, vs) for (k, v), (ks, vs) in zip(kv, scales)]
-        kv = [(kv_int8.dequantize(k, ks, dequant), kv_int8.dequantize(v, vs, dequant)) for (k, v), (ks, vs) in zip(kv, scales)]
+        kv = kv_int8.dequantize_layers(codes, dequant)
     return Snapshot(meta=meta, kv=kv, ids=ids.tolist(), codes=codes)
 
 

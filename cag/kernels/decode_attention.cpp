@@ -439,8 +439,8 @@ Attention::Attention(const float* q, int64_t B, int64_t H, int64_t R, int64_t D,
   TORCH_CHECK(kt.has_value() == vt.has_value() && (!kt || !amx), "kt and vt: both or neither, and for the avx512 kernel");
   if (kt && kt->scalar_type() == at::kByte) {
     TORCH_CHECK(vt->scalar_type() == at::kByte && kt->is_contiguous() && vt->is_contiguous() &&
-                kt->sizes() == at::IntArrayRef({H, np, cagk::int8_item_bytes(D, true)}) &&
-                vt->sizes() == at::IntArrayRef({H, np, cagk::int8_item_bytes(D, false)}), "kt, vt: the prefix as pair_kv8 gives it");
+                kt->sizes() == at::IntArrayRef({H, np, cagk::int8_item_bytes(D)}) && vt->sizes() == kt->sizes(),
+                "kt, vt: the prefix as pair_kv8 gives it");
     k8 = kt->data_ptr<uint8_t>();
     v8 = vt->data_ptr<uint8_t>();
   } else if (kt) {
@@ -483,7 +483,7 @@ void Attention::work(int64_t p, int64_t nt) {
       else
 #endif
       if (k8) {
-        const int64_t kb = cagk::int8_item_bytes(D, true), vb = cagk::int8_item_bytes(D, false);
+        const int64_t kb = cagk::int8_item_bytes(D), vb = kb;
         const bool next = i + AHEAD * nt < n_pre;  // a prefix item this thread takes later: prefetched as this one runs
         const int64_t j = next ? items[i + AHEAD * nt] : 0;
         cagk::item_int8(qs.data(), B * R, k8 + items[i] * kb, v8 + items[i] * vb, std::min(C, n - t0), D, scale, ps.data(),

@@ -54,7 +54,7 @@ template <int64_t D>
 void item_int8_d(const float* const* q, int64_t rows, const uint8_t* kc, const uint8_t* vc, int64_t w, float scale,
                  cagk::Partial* part, float* const* acc, const char* nk, const char* nv) {
   constexpr int64_t NB = D / B32;
-  constexpr int64_t KB = D * C + NB * C * 2, VB = C * D + NB * C * 2;  // an item's bytes (pair_kv8)
+  constexpr int64_t KB = cagk::int8_item_bytes(D), VB = KB;  // an item's bytes (pair_kv8)
   const int64_t wp = (w + 63) / 64 * 64;
   const uint32_t* kd = reinterpret_cast<const uint32_t*>(kc);      // (D/4, C): 4 dims of a key, codes + 128
   const uint16_t* ksc = reinterpret_cast<const uint16_t*>(kc + D * C);  // (D/32, C) float16
@@ -141,7 +141,7 @@ std::tuple<at::Tensor, at::Tensor> pair_kv8(const at::Tensor& k, const at::Tenso
   for (const at::Tensor* s : {&ks, &vs})
     TORCH_CHECK(s->scalar_type() == at::kHalf && s->is_contiguous() && s->sizes() == at::IntArrayRef({H, n, NB}),
                 "ks, vs: (H, n, D/32) float16, contiguous (blocks of 32)");
-  const int64_t KB = D * C + NB * C * 2, VB = C * D + NB * C * 2;
+  const int64_t KB = cagk::int8_item_bytes(D), VB = KB;
   at::Tensor kt = at::zeros({H, nc, KB}, k.options().dtype(at::kByte)), vt = at::zeros({H, nc, VB}, k.options().dtype(at::kByte));
   const int8_t *kd = k.data_ptr<int8_t>(), *vd = v.data_ptr<int8_t>();
   const uint16_t *ksd = reinterpret_cast<const uint16_t*>(ks.data_ptr<at::Half>()), *vsd = reinterpret_cast<const uint16_t*>(vs.data_ptr<at::Half>());
@@ -172,8 +172,6 @@ std::tuple<at::Tensor, at::Tensor> pair_kv8(const at::Tensor& k, const at::Tenso
 }  // namespace
 
 namespace cagk {
-
-int64_t int8_item_bytes(int64_t D, bool keys) { return keys ? D * C + (D / B32) * C * 2 : C * D + (D / B32) * C * 2; }
 
 void item_int8(const float* const* q, int64_t rows, const uint8_t* kc, const uint8_t* vc, int64_t w, int64_t D, float scale,
                Partial* part, float* const* acc, const char* nk, const char* nv) {

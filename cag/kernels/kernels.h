@@ -40,10 +40,12 @@ void softmax_block(float* s, uint16_t* pb, int64_t nr, int64_t w, int64_t wp, fl
 
 // int8_attention.cpp: a prefix item over int8 codes (pair_kv8's layout; kc, vc the item's bytes), the
 // unnormalized sum of p_t V_t per row into acc[r] (D floats) and (max, sum) into part[r]; nk, nv: the
-// bytes of the item this thread takes next (to prefetch) or null. int8_item_bytes: an item's K or V bytes.
+// bytes of the item this thread takes next (to prefetch) or null.
 void item_int8(const float* const* q, int64_t rows, const uint8_t* kc, const uint8_t* vc, int64_t w, int64_t D, float scale,
                Partial* part, float* const* acc, const char* nk, const char* nv);
-int64_t int8_item_bytes(int64_t D, bool keys);
+// An int8 item's K (or V: the same size) bytes in pair_kv8's layout: CHUNK keys' codes, then their float16
+// scales per block of 32.
+constexpr int64_t int8_item_bytes(int64_t D) { return D * CHUNK + (D / 32) * CHUNK * 2; }
 
 // One decode attention call (decode_attention_avx512's): checked and laid out by the constructor, its
 // items run by `work(p, nt)` on each of nt threads (items p, p + nt, ...), merged by `merge`. q is
