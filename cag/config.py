@@ -30,7 +30,7 @@ class Settings(BaseSettings):
     weights: Literal["auto", "fp32", "bf16", "int8", "int4"] = "auto"
     # the kernels decode rows run on (cag/native.py, built once per machine): amx / avx512 = cag's own
     # (attention on AMX tiles / by AVX512-BF16 dot products; int4 and bf16 products; fused norm and
-    # rope), torch = torch's; auto: amx, else avx512, where they can run over bf16 K/V, else torch
+    # rope), torch = torch's; auto: avx512 where it can run over bf16 K/V (faster than amx on AMX CPUs), else torch
     decode_kernels: Literal["auto", "amx", "avx512", "torch"] = "auto"
     # storage dtype of snapshot tensors; auto: bfloat16 where decode attends in bf16 (no conversion at
     # load), else float16; int8: quantized blocks with one fp16 scale each (store/kv_int8.py)

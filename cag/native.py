@@ -14,8 +14,8 @@ build to a private name and the last rename wins. The floor is a Linux x86-64 CP
 (Intel Cooper Lake / Sapphire Rapids and later, AMD Zen 4 and later); the AMX attention is compiled
 in where the CPU has AMX.
 
-CAG_DECODE_KERNELS picks them: `auto` = amx where the CPU has AMX, else avx512 where the library
-builds, else torch's kernels (with one warning on a machine that should have built it); `amx` and
+CAG_DECODE_KERNELS picks them: `auto` = avx512 where the library builds (on AMX CPUs too: its
+attention decodes faster than the AMX one there, bench/bench_decode.py), else torch's kernels (with one warning on a machine that should have built it); `amx` and
 `avx512` refuse to start where they cannot run, with the reason; `torch` never uses them. Kernels
 give different last bits, so `cag` == `full` holds within one setting (both use the same), as across
 CAG_WEIGHTS formats; snapshots (prefill) never depend on it.
@@ -153,7 +153,7 @@ def resolve(mode: str, device: torch.device | str = "cpu") -> str:
     if load() is not None:
         if mode == "amx" and not tiles():
             raise ModelError(f"CAG_DECODE_KERNELS=amx cannot run here: this CPU lacks {', '.join(f for f in TILES if f not in _cpu_flags())}; use avx512 or auto")
-        return mode if mode != "auto" else "amx" if tiles() else "avx512"
+        return "avx512" if mode == "auto" else mode  # auto: avx512 decodes faster than amx on AMX CPUs too (README)
     if mode != "auto":
         raise ModelError(f"CAG_DECODE_KERNELS={mode} cannot run here: {reason()}; use auto or torch")
     if not _state.get("warned"):

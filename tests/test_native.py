@@ -161,7 +161,7 @@ def test_the_amx_op_refuses_on_a_library_built_without_it(library):
 
 def test_modes(library):
     assert native.resolve("torch") == "torch" and native.resolve("avx512") == "avx512"
-    assert native.resolve("auto") == ("amx" if native.tiles() else "avx512")
+    assert native.resolve("auto") == "avx512"  # the faster of the two on AMX CPUs as well (bench_decode)
     if native.tiles():
         assert native.resolve("amx") == "amx"
     else:
@@ -221,7 +221,7 @@ def test_cag_equals_full_through_the_kernels(library, tiny64_model_dir, small_co
         alone.append(cached)
     assert together(engine, [lambda q=q: engine.ask("corpus", q, max_tokens=16).token_ids for q in QUESTIONS[:3]]) == alone
     (res,) = engine.resident._items.values()
-    pairs = res.prefix.made["pairs"]
+    pairs = res.prefix.made.get("pairs", {})  # the AMX attention reads the K/V as stored: no pairs
     int8 = kv_dtype == "int8" and mode == "avx512"  # the AVX-512 kernel reads the codes; AMX the dequantized K/V
     assert all((p[0].dtype == torch.uint8) == int8 for p in pairs.values()) if pairs else mode == "amx"
 
