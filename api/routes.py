@@ -206,12 +206,16 @@ def _card(row: dict) -> dict:
 @open_router.get("/health", response_model=Health, response_model_exclude_none=True,
                  responses={503: {"model": Health, "description": "Loading, or the model failed to load."}},
                  tags=["operations"], summary="200 once the model is loaded, 503 before (never needs a key)")
+@open_router.head("/health", include_in_schema=False)  # load balancers probe with HEAD: GET's status, no body
 async def health(svc: ServiceDep):
-    """Open to anyone: it names the model once loaded, and says no more than `error` when loading
-    failed (the reason, which may hold file paths, is in the server's log)."""
+    """Open to anyone: it names the model and the decode kernels (and why those) once loaded, and
+    says no more than `error` when loading failed (the reason, which may hold file paths, is in the
+    server's log)."""
     extra = svc.answers.health()  # under Ray Serve: {"replicas": engine replicas answering}; 0 is not ready
     if svc.ready and extra.get("replicas", 1):
-        return {"status": "ok", "model": svc.model_name, **extra}
+        lm = svc.engine.lm
+        return {"status": "ok", "model": svc.model_name, "decode_kernels": lm.kernels,
+                "decode_kernels_reason": lm.kernels_why or None, **extra}
     if svc.load_error:
         return JSONResponse({"status": "error", "error": "the model failed to load; see the server log"},
                             status_code=503)

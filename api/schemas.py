@@ -139,6 +139,8 @@ class JobInfo(BaseModel):
 class Health(BaseModel):
     status: Literal["ok", "loading", "error"]
     model: str | None = None
+    decode_kernels: str | None = Field(None, description="What decode rows run on: amx, avx512 (cag's kernels) or torch.")
+    decode_kernels_reason: str | None = Field(None, description="Why those kernels (a setting, the CPU, no compiler ...).")
     error: str | None = None
     replicas: int | None = Field(None, description="Under Ray Serve (`cag serve --replicas N`): engine replicas answering; "
                                                     "0 is `loading` (503).")

@@ -115,6 +115,18 @@ def weight_bytes(model) -> int:
     return total
 
 
+def vs_fp32(rows: list[dict]) -> None:
+    """Each row's decode rate over the fp32 row's (one prefix size); None without an fp32 row
+    (`--formats int4`)."""
+    base = next((r["decode_tok_s"] for r in rows if r["weights"] == "fp32" and "kv" not in r), None)
+    for r in rows:
+        r["vs_fp32"] = r["decode_tok_s"] / base if base else None
+
+
+def _times(x: float | None) -> str:
+    return "-" if x is None else f"{x:.2f}x"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--sizes", default="1000,2000,4000,7000")
@@ -178,9 +190,7 @@ def main() -> None:
                     print(rows[-1], flush=True)
             bw = max(bw, read_bandwidth(reps=3))
             cbw = max(cbw, copy_bandwidth(reps=3))
-            here_rows = [r for r in rows if r["n_tokens"] == ing.n_tokens]
-            for r in here_rows:
-                r["vs_fp32"] = r["decode_tok_s"] / next(x["decode_tok_s"] for x in here_rows if x["weights"] == "fp32")
+            vs_fp32([r for r in rows if r["n_tokens"] == ing.n_tokens])
         for r in rows:  # with the best products time and bandwidth of the whole run
             p = r["products_ms"] = prod[r["weights"], r["kernels"]]
             r["rest_ms"], r["forward_rest_ms"] = r["step_ms"] - p, 1e3 / r["forward_tok_s"] - p
@@ -199,7 +209,7 @@ def main() -> None:
             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n")
     body = "".join(
         f"| {r['n_tokens']} | {r['weights']} | {r['kernels']} | {r.get('kv', 'as computed')} | {r['decode_tok_s']:.1f} | {r['forward_tok_s']:.1f} | "
-        f"{r['lean_over_forward']:.2f}x | {r['vs_fp32']:.2f}x | {r['step_ms']:.1f} | "
+        f"{r['lean_over_forward']:.2f}x | {_times(r['vs_fp32'])} | {r['step_ms']:.1f} | "
         f"{r['bound_ms']:.1f} ({r['weight_bytes'] / 1e6:.0f} + {r['cache_bytes'] / 1e6:.0f} MB) | {r['step_over_bound']:.2f} | "
         f"{r['copy_bound_ms']:.1f} | {r['step_over_copy']:.2f} | "
         f"{r['products_ms']:.1f} | {r['rest_ms']:.1f} | {r['forward_rest_ms']:.1f} |\n" for r in rows)

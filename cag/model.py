@@ -48,6 +48,7 @@ class LoadedModel:
     weights: str = "fp32"  # format of the decode-step products (cag.weights)
     packed_bytes: int = 0  # memory of the packed weight copies
     kernels: str = "torch"  # what decode rows run on: "amx", "avx512" (cag.native) or "torch"
+    kernels_why: str = ""  # why those (one line, no paths: /health shows it)
 
     @property
     def device(self) -> torch.device:
@@ -221,23 +222,32 @@ def load_model(name: str, models_dir: Path, threads: int = 0, dtype: str = "auto
     if why := wformats.supported(fmt, model):
         raise ModelError(why)
     lm.weights = fmt
-    lm.kernels = decode_kernels(kernels, lm)  # before packing: cag's own products take their own layout
+    lm.kernels, lm.kernels_why = decode_kernels(kernels, lm)  # before packing: cag's products take their own layout
     lm.packed_bytes = wformats.apply(model, fmt, native=lm.kernels != "torch")
     setattr(model, native.ATTR, lm.kernels)  # read by cag.step
     return lm
 
 
-def decode_kernels(mode: str, lm: LoadedModel) -> str:
+def decode_kernels(mode: str, lm: LoadedModel) -> tuple[str, str]:
     """What CAG_DECODE_KERNELS means for this model here: "amx", "avx512" or "torch" (cag.native, which
-    also refuses an unknown mode). The attention reads bf16 K/V with heads of 64 or 128 on the CPU;
-    `amx` or `avx512` where those do not hold is refused."""
+    also refuses an unknown mode), and why (one line). The attention reads bf16 K/V with heads of 64 or
+    128 on the CPU; `amx` or `avx512` where those do not hold is refused."""
     on_cpu = lm.device.type == "cpu"
     if mode != "torch" and mode in native.MODES and on_cpu and (lm.attn_dtype != torch.bfloat16 or lm.head_dim not in native.HEAD_DIMS):
+        why = " and ".join(need for bad, need in ((lm.head_dim not in native.HEAD_DIMS, "heads of 64 or 128"),
+                                                  (lm.attn_dtype != torch.bfloat16, "bf16 K/V (CAG_WEIGHTS bf16, int8 or int4, or CAG_DTYPE=bfloat16)"))
+                           if bad)
         if mode != "auto":
-            why = "heads of 64 or 128" if lm.head_dim not in native.HEAD_DIMS else "bf16 K/V (CAG_WEIGHTS bf16, int8 or int4, or CAG_DTYPE=bfloat16)"
             raise ModelError(f"CAG_DECODE_KERNELS={mode} needs {why}; this model and setting decode otherwise: use auto or torch")
-        return "torch"
-    return native.resolve(mode, lm.device)
+        return "torch", f"cag's kernels need {why}; this model decodes with heads of {lm.head_dim} in {str(lm.attn_dtype).removeprefix('torch.')}"
+    kernels = native.resolve(mode, lm.device)
+    if mode == "torch":
+        return kernels, "CAG_DECODE_KERNELS=torch"
+    if not on_cpu:
+        return kernels, f"cag's kernels are for the CPU; this model runs on {lm.device.type}"
+    if kernels == "torch":
+        return kernels, f"cag's kernels cannot run here: {native.public_reason()}"
+    return kernels, f"CAG_DECODE_KERNELS={mode}" + (": cag's kernels run on this CPU" if mode == "auto" else "")
 
 
 def describe(model: torch.nn.Module, tok, name: str) -> LoadedModel:

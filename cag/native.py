@@ -8,14 +8,22 @@ read. torch's kernels run well below it for one row (int4: the weights dequantiz
 These run near it (bench_decode).
 
 How: compiled on first use for this machine (-march=native) with the system C++ compiler, against
-the installed torch, into ~/.cache/cag/kernels (key: sources, torch version, compiler, CPU flags),
-then loaded as torch.ops.cag.*. A build takes ~20 s once per machine; concurrent first uses each
-build to a private name and the last rename wins. The floor is a Linux x86-64 CPU with AVX512-BF16
+the installed torch, into ~/.cache/cag/kernels ($XDG_CACHE_HOME/cag/kernels; key: sources, torch
+version, compiler, CPU flags), then loaded as torch.ops.cag.*. A build takes ~20 s once per machine;
+concurrent first uses wait for one build (a lock file beside it). The library is loaded only once it
+is trusted: the folder and the file owned by this user (or root) and writable by no one else, and
+the file's sha256 equal to the digest written beside it (`.so.sha256`) when it was built. What fails
+(a truncated or bit-flipped file would die in dlopen with SIGBUS or SIGILL, at every start) is built
+again, to a temp name renamed into place; the trusted file is loaded through the descriptor it was
+verified on. A folder others can write is made private and its libraries rebuilt; one another user
+owns is refused (torch's kernels, with a warning). The floor is a Linux x86-64 CPU with AVX512-BF16
 (Intel Cooper Lake / Sapphire Rapids and later, AMD Zen 4 and later); the AMX attention is compiled
 in where the CPU has AMX.
 
 CAG_DECODE_KERNELS picks them: `auto` = avx512 where the library builds (on AMX CPUs too: its
-attention decodes faster than the AMX one there, bench/bench_decode.py), else torch's kernels (with one warning on a machine that should have built it); `amx` and
+attention decodes faster than the AMX one there, bench/bench_decode.py), else torch's kernels (with one warning, naming why,
+on a CPU that could run them: no compiler, a failed build, an unsafe cache folder; `/health` says
+which kernels run and why: `summary`); `amx` and
 `avx512` refuse to start where they cannot run, with the reason; `torch` never uses them. Kernels
 give different last bits, so `cag` == `full` holds within one setting (both use the same), as across
 CAG_WEIGHTS formats; snapshots (prefill) never depend on it.
@@ -23,11 +31,13 @@ CAG_WEIGHTS formats; snapshots (prefill) never depend on it.
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import logging
 import os
 import platform
 import shutil
+import stat
 import subprocess
 import threading
 from collections.abc import Callable
@@ -73,19 +83,125 @@ def tiles() -> bool:
     return all(f in _cpu_flags() for f in TILES)
 
 
-def why_not() -> str | None:
-    """None where the library can be built here, else why not (one line)."""
+def cpu_why_not() -> str | None:
+    """None where this machine (OS, architecture, CPU flags) can run the library, else why not."""
     if platform.system() != "Linux" or platform.machine() not in ("x86_64", "AMD64"):
         return f"it needs Linux on x86-64 (this is {platform.system()} on {platform.machine()})"
     missing = [f for f in FLAGS if f not in _cpu_flags()]
     if missing:
         return "this CPU lacks " + ", ".join(missing)
-    if _compiler() is None:
-        return "no C++ compiler found (install g++, or set CXX)"
     return None
 
 
-def _build() -> Path:
+def why_not() -> str | None:
+    """None where the library can be built here, else why not (one line)."""
+    if why := cpu_why_not():
+        return why
+    cxx = _compiler()
+    if cxx is None:
+        return "no C++ compiler found (install g++, or set CXX)"
+    if shutil.which(cxx) is None:
+        return f"no C++ compiler found: CXX={cxx!r} is not a program here (install g++, or set CXX to one)"
+    return None
+
+
+class UnsafeCache(RuntimeError):
+    """The kernels folder cannot be trusted (another user owns it)."""
+
+
+def _ours(st: os.stat_result) -> bool:
+    return st.st_uid in (os.geteuid(), 0)  # root can write anything anyway
+
+
+def _others_can_write(st: os.stat_result) -> bool:
+    return bool(st.st_mode & (stat.S_IWGRP | stat.S_IWOTH))
+
+
+def private_folder(folder: Path) -> bool:
+    """Create `folder` (0700) or check it: a folder owned by this user (or root), else UnsafeCache.
+    True when others could write it (it is made private now): nothing it holds is to be trusted."""
+    folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+    st = folder.stat()
+    if not stat.S_ISDIR(st.st_mode) or not _ours(st):
+        raise UnsafeCache(f"{folder} belongs to uid {st.st_uid}, not this user: no kernels are loaded from it "
+                          f"(remove it, or set XDG_CACHE_HOME to a folder of your own)")
+    if _others_can_write(st):
+        os.chmod(folder, stat.S_IMODE(st.st_mode) & ~(stat.S_IWGRP | stat.S_IWOTH))
+        log.warning("cag: %s was writable by other users: made private, its kernels built again", folder)
+        return True
+    return False
+
+
+def _open_trusted(path: Path) -> int:
+    """A read-only descriptor on `path`: a regular file (not a link) owned by this user (or root) and
+    writable by no one else. OSError when it cannot be opened, ValueError saying why it is not trusted."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    st = os.fstat(fd)
+    why = ("not a regular file" if not stat.S_ISREG(st.st_mode) else f"owned by uid {st.st_uid}" if not _ours(st)
+           else f"writable by other users (mode {stat.S_IMODE(st.st_mode):o})" if _others_can_write(st) else None)
+    if why:
+        os.close(fd)
+        raise ValueError(why)
+    return fd
+
+
+def _sha256_fd(fd: int) -> str:
+    h, off = hashlib.sha256(), 0
+    while chunk := os.pread(fd, 1 << 20, off):
+        h.update(chunk)
+        off += len(chunk)
+    return "sha256:" + h.hexdigest()
+
+
+def digest_path(lib: Path) -> Path:
+    """Where the library's sha256 is written at build time."""
+    return lib.with_name(lib.name + ".sha256")
+
+
+def verify(lib: Path) -> tuple[int | None, str | None]:
+    """(a read-only descriptor on `lib`, None) when it is trusted: it and its digest file owned by this
+    user (or root) and writable by no one else, its sha256 the one written at build time. Else
+    (None, why not): "missing", or what is wrong."""
+    try:
+        dfd = _open_trusted(digest_path(lib))
+    except FileNotFoundError:
+        return None, "missing" if not os.path.lexists(lib) else "no digest beside it"
+    except (OSError, ValueError) as e:
+        return None, f"its digest file is {e}"
+    try:
+        expected = os.read(dfd, 200).decode("ascii", "replace").strip()
+    finally:
+        os.close(dfd)
+    try:
+        fd = _open_trusted(lib)
+    except FileNotFoundError:
+        return None, "missing"
+    except (OSError, ValueError) as e:
+        return None, str(e)
+    got = _sha256_fd(fd)
+    if got != expected:
+        size = os.fstat(fd).st_size
+        os.close(fd)
+        return None, f"damaged: {size} bytes of sha256 {got[7:19]}, built as {expected[7:19] or '?'}"
+    return fd, None
+
+
+def _write_new(dest: Path, data: bytes) -> None:
+    """`data` to `dest` through a temp name (0644): it appears whole or not at all."""
+    tmp = dest.with_name(f".{dest.name}.{os.getpid()}.{threading.get_ident()}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    try:
+        os.write(fd, data)
+        os.fchmod(fd, 0o644)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(tmp, dest)
+
+
+def _build() -> tuple[Path, int]:
+    """The library for this machine and a descriptor on it, verified (`verify`); built first when it
+    is missing or not trusted."""
     from torch.utils.cpp_extension import include_paths
 
     cxx, lib = _compiler(), Path(torch.__file__).parent / "lib"
@@ -94,23 +210,44 @@ def _build() -> Path:
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=30).stdout
     key = hashlib.sha256("\n".join([*(f.read_text() for f in SOURCES + HEADERS), torch.__version__, cxx, version, " ".join(flags),
                                     " ".join(sorted(_cpu_flags()))]).encode()).hexdigest()[:16]
-    out = cache_dir() / f"cag_kernels-{key}.so"
-    if out.exists():
-        return out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.{os.getpid()}.{threading.get_ident()}")
-    log.warning("cag: building cag's decode kernels for this machine (once, ~20 s)")
-    cmd = [cxx, *flags, *(f"-I{p}" for p in include_paths()), *map(str, SOURCES), "-o", str(tmp),
-           f"-L{lib}", "-lc10", "-ltorch_cpu", f"-Wl,-rpath,{lib}"]
+    folder = cache_dir()
+    exposed = private_folder(folder)
+    out = folder / f"cag_kernels-{key}.so"
+    lock = os.open(folder / f".{out.stem}.lock", os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     try:
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-        if done.returncode != 0:
-            first = next((ln for ln in done.stderr.splitlines() if "error" in ln), done.stderr.strip()[:300])
-            raise RuntimeError(f"{Path(cxx).name} failed: {first}")
-        os.replace(tmp, out)  # appears whole or not at all
+        fcntl.flock(lock, fcntl.LOCK_EX)  # one build at a time: the others wait, then verify what it made
+        fd, why = (None, "its folder was writable by other users") if exposed else verify(out)
+        if fd is not None:
+            return out, fd
+        if why != "missing":
+            log.warning("cag: the cached kernel library %s is not trusted (%s): building it again", out, why)
+        for stale in (out, digest_path(out)):
+            stale.unlink(missing_ok=True)
+        tmp = out.with_name(f".{out.name}.{os.getpid()}.{threading.get_ident()}")
+        log.warning("cag: building cag's decode kernels for this machine (once, ~20 s)")
+        cmd = [cxx, *flags, *(f"-I{p}" for p in include_paths()), *map(str, SOURCES), "-o", str(tmp),
+               f"-L{lib}", "-lc10", "-ltorch_cpu", f"-Wl,-rpath,{lib}"]
+        try:
+            done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+            if done.returncode != 0:
+                first = next((ln for ln in done.stderr.splitlines() if "error" in ln), done.stderr.strip()[:300])
+                raise RuntimeError(f"{Path(cxx).name} failed: {first}")
+            os.chmod(tmp, 0o755)  # whatever the umask: no one else may write it
+            fd = _open_trusted(tmp)
+            try:
+                digest = _sha256_fd(fd)
+            finally:
+                os.close(fd)
+            _write_new(digest_path(out), f"{digest}\n".encode())  # the digest first: a crash between the
+            os.replace(tmp, out)  # two renames leaves a digest with no library, which is built again
+        finally:
+            tmp.unlink(missing_ok=True)
+        fd, why = verify(out)
+        if fd is None:
+            raise RuntimeError(f"the library just built does not verify: {why}")
+        return out, fd
     finally:
-        tmp.unlink(missing_ok=True)
-    return out
+        os.close(lock)
 
 
 def load() -> Callable | None:
@@ -121,8 +258,12 @@ def load() -> Callable | None:
             why = why_not()
             if why is None:
                 try:
-                    torch.ops.load_library(str(_build()))
-                    _state["fn"] = torch.ops.cag.decode_attention
+                    path, fd = _build()
+                    try:  # the very file verified, whatever happens to its path meanwhile
+                        torch.ops.load_library(f"/proc/self/fd/{fd}")
+                    finally:
+                        os.close(fd)
+                    _state["fn"], _state["path"] = torch.ops.cag.decode_attention, path
                 except Exception as e:  # a failed build or load: torch's kernels serve instead
                     why = f"it did not build or load: {str(e).splitlines()[0] if str(e) else type(e).__name__}"
             _state.setdefault("why", why)
@@ -158,6 +299,16 @@ def resolve(mode: str, device: torch.device | str = "cpu") -> str:
         raise ModelError(f"CAG_DECODE_KERNELS={mode} cannot run here: {reason()}; use auto or torch")
     if not _state.get("warned"):
         _state["warned"] = True
-        if why_not() is None:  # a machine that should have had it: say so; elsewhere torch's kernels are simply the ones
-            log.warning("cag: decode falls back to torch's kernels: %s", reason())
+        if cpu_why_not() is None:  # a CPU that could run them (no compiler, a failed build): say so, once;
+            log.warning("cag: decode falls back to torch's kernels (slower): %s", reason())  # elsewhere torch's are simply the ones
     return "torch"
+
+
+def public_reason() -> str | None:
+    """`reason()` with no file path or compiler output in it: for /health, which anyone may read."""
+    why = reason()
+    if why is None or cpu_why_not() is not None:
+        return why
+    if why.startswith("no C++ compiler"):
+        return "no C++ compiler found (install g++, or set CXX)"
+    return "it did not build or load (the server's log says why)"

@@ -1,0 +1,215 @@
+"""Faults around cag's native kernels (issue 29): a damaged or unsafe cached library is rebuilt, never
+loaded (a truncated .so died in dlopen with SIGBUS, a bit-flipped one with SIGILL, at every start);
+no compiler is said once, on stderr and in /health; HEAD /health answers like GET; bench_decode
+without an fp32 row.
+
+Each start runs in a subprocess with a private cache folder (XDG_CACHE_HOME), so a crash cannot kill
+pytest and no test touches the user's cache. Rebuilds cost nothing: the "compiler" (CXX) is a script
+that writes the library this machine already built (one real build per machine, shared with
+tests/test_native.py) and counts its calls; what is tested is what cag.native does around it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from cag import native
+from tests.conftest import REPO
+
+START = "from cag import native; print(native.resolve('auto')); print(native.reason())"
+
+
+@pytest.fixture(scope="module")
+def good_library() -> Path:
+    if why := native.why_not():
+        pytest.skip(f"cag's kernels cannot run here: {why}")
+    assert native.load() is not None, native.reason()
+    return native._state["path"]
+
+
+@pytest.fixture
+def fake_cxx(tmp_path, good_library):
+    """(env, cache folder, count of builds): a compiler that "builds" by copying the good library."""
+    script = tmp_path / "fake-c++"
+    log = tmp_path / "builds.log"
+    script.write_text(textwrap.dedent(f"""\
+        #!/bin/sh
+        if [ "$1" = "--version" ]; then echo "fake c++ for the kernel-cache tests"; exit 0; fi
+        echo build >> {log}
+        while [ $# -gt 0 ]; do [ "$1" = "-o" ] && out="$2"; shift; done
+        cp {good_library} "$out"
+        """))
+    script.chmod(0o755)
+    cache = tmp_path / "xdg"
+    env = {**os.environ, "XDG_CACHE_HOME": str(cache), "CXX": str(script)}
+    return env, cache / "cag" / "kernels", lambda: len(log.read_text().splitlines()) if log.exists() else 0
+
+
+def start(env: dict) -> subprocess.CompletedProcess:
+    """A fresh process that resolves CAG_DECODE_KERNELS=auto, as `cag ask` and `cag serve` do at load."""
+    return subprocess.run([sys.executable, "-c", START], env=env, cwd=REPO, capture_output=True, text=True, timeout=120)
+
+
+def the_library(folder: Path) -> Path:
+    (lib,) = folder.glob("cag_kernels-*.so")
+    return lib
+
+
+def test_a_damaged_or_unsafe_cached_library_is_rebuilt_not_loaded(fake_cxx, good_library):
+    env, folder, builds = fake_cxx
+    r = start(env)
+    assert r.returncode == 0 and r.stdout.split()[0] == "avx512", r.stderr
+    assert builds() == 1
+    lib = the_library(folder)
+    assert native.digest_path(lib).read_text().strip() == "sha256:" + _sha256(good_library)
+    assert lib.stat().st_mode & 0o022 == 0 and folder.stat().st_mode & 0o077 == 0
+
+    r = start(env)  # intact: loaded as it is
+    assert r.returncode == 0 and r.stdout.split()[0] == "avx512" and builds() == 1, r.stderr
+
+    good = good_library.read_bytes()
+
+    def truncate():
+        lib.write_bytes(good[: len(good) // 3])
+
+    def flip():
+        data = bytearray(good)
+        data[len(data) // 2] ^= 0x40  # one bit in the code
+        lib.write_bytes(bytes(data))
+
+    def garbage():
+        lib.write_bytes(os.urandom(4096))
+
+    def no_digest():
+        native.digest_path(lib).unlink()
+
+    def writable_by_others():
+        lib.chmod(0o666)
+
+    def folder_writable_by_others():
+        folder.chmod(0o777)
+
+    def a_link():
+        other = folder.parent / "elsewhere.so"
+        other.write_bytes(good)
+        lib.unlink()
+        lib.symlink_to(other)
+
+    damages = [truncate, flip, garbage, no_digest, writable_by_others, folder_writable_by_others, a_link]
+    if os.geteuid() == 0:  # only root can give a file away: one owned by another user is not loaded
+        damages.append(lambda: os.chown(lib, 65534, 65534))
+    for n, damage in enumerate(damages, start=2):
+        damage()
+        r = start(env)
+        assert r.returncode == 0, (damage.__name__, r.returncode, r.stderr)  # no SIGBUS (-7), no SIGILL (-4)
+        assert r.stdout.split()[0] == "avx512", (damage.__name__, r.stdout, r.stderr)
+        assert builds() == n, (damage.__name__, r.stderr)
+        assert "building it again" in r.stderr or "built again" in r.stderr, (damage.__name__, r.stderr)
+        lib = the_library(folder)
+        assert lib.read_bytes() == good and not lib.is_symlink(), damage.__name__
+        assert lib.stat().st_mode & 0o022 == 0 and folder.stat().st_mode & 0o022 == 0, damage.__name__
+        fd, why = native.verify(lib)
+        assert why is None, (damage.__name__, why)
+        os.close(fd)
+    assert not [p.name for p in folder.iterdir() if p.name.startswith(".") and not p.name.endswith(".lock")]  # no temp files
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="only root can make a folder another user's")
+def test_a_kernels_folder_of_another_user_is_refused(fake_cxx):
+    env, folder, builds = fake_cxx
+    folder.mkdir(parents=True)
+    os.chown(folder, 65534, 65534)
+    r = start(env)
+    assert r.returncode == 0 and r.stdout.split()[0] == "torch", r.stderr
+    assert builds() == 0 and "belongs to uid 65534" in r.stderr and "falls back to torch" in r.stderr
+
+
+def _sha256(path: Path) -> str:
+    import hashlib
+
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def test_no_compiler_is_said_once_on_stderr(tmp_path):
+    """No C++ compiler, CAG_DECODE_KERNELS=auto: torch's kernels, and one warning saying so (it was silent)."""
+    if why := native.cpu_why_not():
+        pytest.skip(f"this CPU would not run cag's kernels anyway: {why}")
+    bare = tmp_path / "bin"  # a PATH with python and no c++ or g++, CXX unset: the probe of the issue
+    bare.mkdir()
+    (bare / "python").symlink_to(sys.executable)
+    env = {**{k: v for k, v in os.environ.items() if k != "CXX"}, "XDG_CACHE_HOME": str(tmp_path / "xdg"), "PATH": str(bare)}
+    code = START + "; print(native.resolve('auto'))"
+    r = subprocess.run(["python", "-c", code], env=env, cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.split()[0] == "torch" and r.stdout.split()[-1] == "torch", r.stdout
+    lines = [ln for ln in r.stderr.splitlines() if "torch's kernels" in ln]
+    assert len(lines) == 1 and "no C++ compiler found" in lines[0], r.stderr
+    assert not (tmp_path / "xdg").exists() or not list((tmp_path / "xdg").rglob("*.so"))
+
+
+def test_health_says_which_kernels_run_and_why(tiny64_model_dir, monkeypatch, tmp_path, caplog):
+    """Without a compiler on a CPU that could run cag's kernels: /health says torch, and why. HEAD
+    /health answers as GET does (load balancers probe with HEAD), with no body."""
+    from fastapi.testclient import TestClient
+
+    from cag.api.app import create_app
+    from cag.config import get_settings
+    from cag.engine import Engine
+
+    monkeypatch.setattr(native, "_state", {})  # a fresh process's view of the library
+    monkeypatch.setattr(native, "cpu_why_not", lambda: None)  # a CPU that could run it, whatever this one is
+    monkeypatch.delenv("CXX", raising=False)
+    monkeypatch.setenv("PATH", str(tmp_path))  # no c++ or g++ on it
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    monkeypatch.setenv("CAG_MODEL", str(tiny64_model_dir))
+    monkeypatch.setenv("CAG_WEIGHTS", "bf16")  # bf16 K/V, heads of 64: what cag's kernels would take
+    engine = Engine(get_settings())
+    with caplog.at_level(logging.WARNING, logger="cag.native"), TestClient(create_app(engine=engine)) as c:
+        assert c.head("/health").status_code in (200, 503)
+        r = c.get("/health")
+        while r.status_code == 503 and r.json()["status"] == "loading":
+            r = c.get("/health")
+        assert r.status_code == 200, r.text
+        body = r.json()
+        assert body["decode_kernels"] == "torch", body
+        assert "no C++ compiler found" in body["decode_kernels_reason"] and str(tmp_path) not in r.text, body
+        h = c.head("/health")
+        assert h.status_code == 200 and h.content == b""
+        assert set(c.get("/openapi.json").json()["paths"]["/health"]) == {"get"}  # HEAD adds no operation
+    assert "no C++ compiler found" in caplog.text and "falls back to torch" in caplog.text
+
+
+def test_health_names_the_kernels_that_run(tiny_model_dir, monkeypatch):
+    """The usual case: the setting and why (here CAG_WEIGHTS=fp32: float32 K/V, torch's kernels)."""
+    from fastapi.testclient import TestClient
+
+    from cag.api.app import create_app
+    from cag.config import get_settings
+    from cag.engine import Engine
+
+    monkeypatch.setenv("CAG_MODEL", str(tiny_model_dir))
+    with TestClient(create_app(engine=Engine(get_settings()))) as c:
+        while (r := c.get("/health")).status_code == 503:
+            pass
+        body = r.json()
+        assert body["decode_kernels"] == "torch", body
+        assert "bf16 K/V" in body["decode_kernels_reason"] and "heads of 16 in float32" in body["decode_kernels_reason"], body
+        assert c.head("/health").status_code == 200
+
+
+def test_bench_decode_table_without_fp32():
+    """`bench_decode --formats int4` (no fp32 row to compare with) ended in StopIteration."""
+    from bench.bench_decode import vs_fp32
+
+    rows = [{"n_tokens": 100, "weights": "int4", "decode_tok_s": 50.0}, {"n_tokens": 100, "weights": "bf16", "decode_tok_s": 40.0}]
+    vs_fp32(rows)
+    assert [r["vs_fp32"] for r in rows] == [None, None]
+    rows.append({"n_tokens": 100, "weights": "fp32", "decode_tok_s": 20.0})
+    vs_fp32(rows)
+    assert [r["vs_fp32"] for r in rows] == [2.5, 2.0, 1.0]
