@@ -36,6 +36,9 @@ class Settings(BaseSettings):
     # load), else float16; int8: quantized blocks with one fp16 scale each (store/kv_int8.py)
     kv_dtype: Literal["auto", "float16", "bfloat16", "float32", "int8"] = "auto"
     chunk_tokens: int = Field(512, ge=1)  # prefill chunk: bounds activation memory, drives the progress bar
+    # input limits, checked on file sizes before anything is read (cag/corpus.py): bounded time and memory
+    max_document_bytes: int = Field(32 * 1024**2, ge=1)  # one document file
+    max_corpus_bytes: int = Field(128 * 1024**2, ge=1)  # all the documents of a corpus together
     question_room: int = Field(256, ge=1)  # tokens reserved after the knowledge for the question suffix
     answer_room: int = Field(256, ge=1)  # tokens reserved for the answer; also the max_tokens ceiling
     max_tokens: int = Field(128, ge=1)  # default answer length

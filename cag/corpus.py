@@ -11,8 +11,9 @@ from pathlib import Path
 from cag.store.index import Index
 
 from . import documents
-from .errors import BadInput, Busy, NotFound
+from .errors import BadInput, Busy, NotFound, TooLarge
 from .hashing import hash_obj
+from .units import human_bytes
 
 
 def resolve_source(index: Index, target: str, name: str | None) -> tuple[str, Path]:
@@ -42,20 +43,43 @@ def writer_lock(home: Path, corpus: str):
         yield
 
 
-def read_corpus(index: Index, source: Path, corpus: str | None) -> tuple[list[documents.Document], list[str]]:
+def read_corpus(index: Index, source: Path, corpus: str | None, limits=None, reporter=None) -> tuple[list[documents.Document], list[str]]:
     """Documents in prompt order, and what was skipped. Documents already in the corpus keep their
-    place and new ones are appended (sorted by name), so adding a document re-prefills only it."""
+    place and new ones are appended (sorted by name), so adding a document re-prefills only it.
+
+    `limits` (Settings: CAG_MAX_DOCUMENT_BYTES, CAG_MAX_CORPUS_BYTES; their defaults when None) are
+    checked on the files' sizes before anything is read: a corpus too large to finish is refused at
+    once, naming the file (or the total), the limit and the setting that raises it. `reporter.reading`
+    hears how much is about to be read."""
     if not source.exists():
         raise NotFound(f"source missing: {source}")
     entries, skipped = documents.scan(source)
     if not entries:
         what = f" (skipped unsupported: {', '.join(skipped[:5])}{' ...' if len(skipped) > 5 else ''})" if skipped else ""
         raise BadInput(f"no supported documents in {source}{what}; supported: {', '.join(sorted(documents.SUPPORTED))}")
+    max_doc, max_corpus = input_limits(limits)
+    for e in entries:
+        if e.size > max_doc:
+            raise documents.too_large(e.name, e.size, max_doc)
+    total = sum(e.size for e in entries)
+    if total > max_corpus:
+        raise TooLarge(f"{source} holds {human_bytes(total)} in {len(entries)} documents; a corpus may be at most "
+                       f"{human_bytes(max_corpus)} (CAG_MAX_CORPUS_BYTES={max_corpus}): raise it, or ingest a part of it")
+    if (reading := getattr(reporter, "reading", None)) is not None:
+        reading(len(entries), total)
     known = {d["path"]: d["ordinal"] for d in index.documents(corpus)} if corpus else {}
     entries.sort(key=lambda e: (e.name not in known, known.get(e.name, 0), e.name))
-    docs = [documents.read(e) for e in entries]
+    docs = [documents.read(e, max_doc) for e in entries]
     empty = [d.name for d in docs if not d.text.strip()]
     docs = [d for d in docs if d.text.strip()]
     if not docs:
         raise BadInput(f"every document in {source} is empty")
     return docs, skipped + [f"{n} (empty)" for n in empty]
+
+
+def input_limits(limits=None) -> tuple[int, int]:
+    """(CAG_MAX_DOCUMENT_BYTES, CAG_MAX_CORPUS_BYTES) of `limits` (Settings), or their defaults."""
+    from .config import Settings
+
+    fields = Settings.model_fields
+    return tuple(getattr(limits, k, None) or fields[k].default for k in ("max_document_bytes", "max_corpus_bytes"))

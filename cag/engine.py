@@ -118,7 +118,7 @@ class Engine:
         })
 
     def read_corpus(self, source: Path, corpus: str | None):
-        return corpora.read_corpus(self.index, source, corpus)
+        return corpora.read_corpus(self.index, source, corpus, self.settings)  # within the input limits
 
     # -- ingest ----------------------------------------------------------------------------------
     def ingest(self, target: str, name: str | None = None, force: bool = False, ttl_s: float | None = None,
@@ -134,7 +134,7 @@ class Engine:
         name = check_corpus_name(name)
         reporter = reporter or Reporter()
         with corpora.writer_lock(self.settings.home, name):
-            plan = steps.plan(self, name, source, ttl_s, shard_tokens)
+            plan = steps.plan(self, name, source, ttl_s, shard_tokens, reporter)
             fresh = [None if force else steps.reuse_fresh(self, s) for s in plan.shards]
             reuse = [(0, None) if f or force else steps.reusable(self, name, s) for f, s in zip(fresh, plan.shards)]
             todo = sum(len(s.prefix.ids) - r for (r, _), s, f in zip(reuse, plan.shards, fresh) if not f)

@@ -8,6 +8,7 @@ corpus's writer lock. A crash before `publish` leaves the corpus on its previous
 
 from __future__ import annotations
 
+import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,10 +18,12 @@ import torch
 from cag.store import snapshots as snapfiles
 
 from . import documents, kv
-from .errors import BadInput, SnapshotCorrupt, StaleRefused
+from .corpus import read_corpus
+from .errors import BadInput, SnapshotCorrupt, StaleRefused, TooLarge
 from .hashing import short
 from .prompt import Prefix, document_text, encode_template, encode_text
 from .shards import Unit, pack, units_of
+from .units import human_bytes
 
 
 @dataclass
@@ -67,14 +70,15 @@ class Built:
     prefill_ms: float = 0.0
 
 
-def plan(engine, name: str, source: Path, ttl_s: float | None, shard_tokens: int | None) -> Plan:
-    """Read the corpus and pack it into shards that each fit the context (and `shard_tokens`)."""
-    lm, layout = engine.lm, engine.layout()
+def plan(engine, name: str, source: Path, ttl_s: float | None, shard_tokens: int | None, reporter=None) -> Plan:
+    """Read the corpus (within CAG_MAX_DOCUMENT_BYTES / CAG_MAX_CORPUS_BYTES) and pack it into shards
+    that each fit the context (and `shard_tokens`); refuse shards that would not fit on the disk."""
     ref = engine.remote.pull(name) if engine.remote else None  # another machine's newer ref is adopted first
     row = engine.index.corpus(name) or {}
     ttl_s = row.get("ttl_s") if ttl_s is None else ttl_s
     shard_tokens = row.get("shard_tokens") if shard_tokens is None else shard_tokens or None
-    docs, skipped = engine.read_corpus(source, name)
+    docs, skipped = read_corpus(engine.index, source, name, engine.settings, reporter)  # refused before the model loads
+    lm, layout = engine.lm, engine.layout()
     head, mid = encode_template(lm.tokenizer, layout.head), encode_template(lm.tokenizer, layout.mid)
     capacity = lm.max_context - engine.room
     if shard_tokens:
@@ -82,7 +86,10 @@ def plan(engine, name: str, source: Path, ttl_s: float | None, shard_tokens: int
     if capacity - len(head) - len(mid) < 16:
         raise BadInput(f"shards of {capacity} tokens leave no room for knowledge: the prompt layout alone is "
                        f"{len(head) + len(mid)} tokens (raise --shard-tokens)")
-    units = units_of(lm.tokenizer, docs, capacity - len(head) - len(mid))
+    tokenizing = getattr(reporter, "tokenizing", None)
+    tick = tokenizing(sum(len(d.text) for d in docs)) if tokenizing else None
+    units = units_of(lm.tokenizer, docs, capacity - len(head) - len(mid), tick)
+    getattr(reporter, "tokenized", lambda: None)()
     previous = [[s["path"] for s in engine.index.snapshot_documents(r["snapshot"])] for r in engine.index.shards(name)]
     out = Plan(name, source, docs, skipped, ttl_s, shard_tokens, ref=ref,
                warnings=[f"{u.name}: a sentence longer than a shard, cut between tokens" for u in units if u.cut_by_tokens])
@@ -90,12 +97,28 @@ def plan(engine, name: str, source: Path, ttl_s: float | None, shard_tokens: int
         ids, spans = list(head), []
         for u in sp.units:
             start = len(ids)
-            ids += encode_text(lm.tokenizer, document_text(u.name, u.text))
+            ids += u.ids if u.ids is not None else encode_text(lm.tokenizer, document_text(u.name, u.text))
+            u.ids = None  # held once, in the shard's ids
             spans.append((u.name, start, len(ids)))
         ids += mid
         engine.require_fit(len(ids), "a shard's knowledge")
         out.shards.append(Shard(i, sp.units, Prefix(ids, spans), engine.snapshot_key(ids)))
+    check_room(engine, out)
     return out
+
+
+def check_room(engine, plan: Plan) -> None:
+    """Refuse, before any prefill, snapshots that cannot fit on the disk: the KV-size formula over
+    the shards not already there, against the free space of the snapshots folder."""
+    folder = engine.settings.snapshots_dir
+    new = [s for s in plan.shards if not (folder / f"{s.digest}.safetensors").exists()]
+    need = sum(engine.lm.kv_bytes(len(s.prefix.ids), engine.kv_dtype) for s in new)
+    here = next((p for p in (folder, *folder.parents) if p.exists()), None)
+    free = shutil.disk_usage(here).free if here is not None and need else None
+    if free is not None and need > free:
+        n = sum(len(s.prefix.ids) for s in plan.shards)
+        raise TooLarge(f"the knowledge of {plan.name!r} is {n} tokens in {len(plan.shards)} shard(s): its snapshots need "
+                       f"~{human_bytes(need)} and {folder} has {human_bytes(free)} free; free space, or ingest less")
 
 
 def reuse_fresh(engine, shard: Shard) -> Built | None:

@@ -36,6 +36,7 @@ class Unit:
     content_hash: str
     n_tokens: int  # tokens of the unit wrapped as a document
     cut_by_tokens: bool = False  # no sentence boundary was short enough: cut mid-sentence
+    ids: list[int] | None = field(default=None, repr=False, compare=False)  # those tokens, when already made
 
 
 @dataclass
@@ -52,44 +53,74 @@ def doc_of(unit_name: str) -> str:
     return head if sep and tail.isdigit() else unit_name
 
 
-def units_of(tokenizer, docs, capacity: int) -> list[Unit]:
-    """Documents as packing units: whole when one fits `capacity` tokens, else cut into parts."""
+def units_of(tokenizer, docs, capacity: int, progress=None) -> list[Unit]:
+    """Documents as packing units: whole when one fits `capacity` tokens, else cut into parts. Each
+    unit keeps its token ids (the prompt layout's, `encode_text`), so no document is tokenized twice.
+    `progress(n)`: n more characters of the documents tokenized."""
     units = []
     for d in docs:
-        n = len(encode_text(tokenizer, document_text(d.name, d.text)))
-        if n <= capacity:
-            units.append(Unit(d.name, d.name, d.text, d.content_hash, n))
+        ids = encode_text(tokenizer, document_text(d.name, d.text), progress)
+        if len(ids) <= capacity:
+            units.append(Unit(d.name, d.name, d.text, d.content_hash, len(ids), ids=ids))
             continue
+        del ids
         for i, (text, by_tokens) in enumerate(_cut(tokenizer, d.name, d.text, capacity), start=1):
             name = f"{d.name}{PART}{i}"
-            units.append(Unit(name, d.name, text, d.content_hash,
-                              len(encode_text(tokenizer, document_text(name, text))), by_tokens))
+            part = encode_text(tokenizer, document_text(name, text))
+            units.append(Unit(name, d.name, text, d.content_hash, len(part), by_tokens, ids=part))
     return units
+
+
+JOIN = "\n\n"  # between the pieces of a part
+SLACK = 4  # tokens a join may add beyond the pieces' own counts (pre-tokenizers re-split whitespace there)
 
 
 def _cut(tokenizer, name: str, text: str, capacity: int) -> list[tuple[str, bool]]:
     """Parts of `text` that each fit `capacity` tokens once wrapped: paragraphs, else sentences,
-    else token windows. Returns (part text, cut mid-sentence)."""
+    else token windows. Returns (part text, cut mid-sentence).
+
+    Each piece is tokenized once; a part grows by the pieces' counts (plus what a join may add) and
+    is tokenized whole only when that bound reaches its room, so cutting a long document costs a few
+    passes over it, not one per piece. The parts are those of growing one piece at a time while the
+    whole part fits (what an exact count each time gives), and each part is checked once at the end."""
     wrap = len(encode_text(tokenizer, document_text(f"{name}{PART}9999", ""))) + 2  # name, tags, newlines
     room = max(1, capacity - wrap)
     count = lambda s: len(encode_text(tokenizer, s))  # noqa: E731
-    pieces: list[tuple[str, bool]] = []
+    pieces: list[tuple[str, bool, int]] = []
     for para in re.split(r"\n\s*\n", text):
         if not para.strip():
             continue
-        if count(para) <= room:
-            pieces.append((para, False))
+        if (n := count(para)) <= room:
+            pieces.append((para, False, n))
             continue
         for sent in re.split(r"(?<=[.!?])\s+", para):
-            if count(sent) <= room:
-                pieces.append((sent, False))
+            if (n := count(sent)) <= room:
+                pieces.append((sent, False, n))
                 continue
             ids = encode_text(tokenizer, sent)
-            pieces += [(tokenizer.decode(ids[i : i + room]), True) for i in range(0, len(ids), room)]
+            pieces += [(w, True, count(w)) for w in (tokenizer.decode(ids[i : i + room]) for i in range(0, len(ids), room))]
+    join = count(JOIN) + SLACK
     parts: list[tuple[str, bool]] = []
-    for piece, by_tokens in pieces:  # greedy: as many pieces per part as fit
-        if parts and count(parts[-1][0] + "\n\n" + piece) <= room:
-            parts[-1] = (parts[-1][0] + "\n\n" + piece, parts[-1][1] or by_tokens)
+    bound = 0  # at least the current part's tokens
+    for piece, by_tokens, n in pieces:  # greedy: as many pieces per part as fit
+        if parts and bound + join + n <= room:  # fits whatever the join does
+            parts[-1], bound = (parts[-1][0] + JOIN + piece, parts[-1][1] or by_tokens), bound + join + n
+        elif parts and (exact := count(parts[-1][0] + JOIN + piece)) <= room:
+            parts[-1], bound = (parts[-1][0] + JOIN + piece, parts[-1][1] or by_tokens), exact
+        else:
+            parts.append((piece, by_tokens))
+            bound = n
+    checked = []
+    for part, by_tokens in parts:  # a tokenizer whose joins add more than SLACK: cut that part finer
+        checked += [(part, by_tokens)] if count(part) <= room else _exactly(part.split(JOIN), by_tokens, room, count)
+    return checked
+
+
+def _exactly(pieces: list[str], by_tokens: bool, room: int, count) -> list[tuple[str, bool]]:
+    parts: list[tuple[str, bool]] = []
+    for piece in pieces:
+        if parts and count(parts[-1][0] + JOIN + piece) <= room:
+            parts[-1] = (parts[-1][0] + JOIN + piece, by_tokens)
         else:
             parts.append((piece, by_tokens))
     return parts

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import json
+import re
 import sys
 import time
 from typing import Annotated
@@ -33,13 +34,23 @@ def handle_errors(fn):
         try:
             return fn(*args, **kwargs)
         except CagError as e:
-            typer.echo("error: " + " ".join(str(e).splitlines()), err=True)  # one line, whatever the message holds
+            typer.echo("error: " + shown(" ".join(str(e).splitlines())), err=True)  # one line, whatever the message holds
             raise typer.Exit(e.exit_code) from None
         except KeyboardInterrupt:
             typer.echo("interrupted", err=True)
             raise typer.Exit(130) from None
 
     return wrapper
+
+
+# C0 and C1 controls, DEL, line/paragraph separators and bidi overrides: a file name holding them
+# could forge lines or rewrite the terminal. Escaped in human output; --json keeps the raw text.
+_CONTROL = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029\u202a-\u202e\u2066-\u2069]")
+
+
+def shown(text: object) -> str:
+    """`text` for a terminal: control characters as Python escapes (a newline in a name is `\\n`)."""
+    return _CONTROL.sub(lambda m: repr(m.group())[1:-1], str(text))
 
 
 def _emit(obj: dict) -> None:
@@ -63,7 +74,28 @@ class _TqdmReporter:
     """Estimate line and a tokens progress bar (tokens, tokens/s, ETA), drawn only on a terminal."""
 
     def __init__(self, quiet: bool):
-        self.quiet, self.bar = quiet, None
+        self.quiet, self.bar, self.tok_bar = quiet, None, None
+
+    BIG = 1024**2  # inputs from this size on say what is read and show tokenizing
+
+    def reading(self, n_documents: int, n_bytes: int) -> None:
+        if not self.quiet and n_bytes >= self.BIG:
+            typer.echo(f"reading {n_documents} document{'s' if n_documents != 1 else ''} ({_human_bytes(n_bytes)}), "
+                       f"then tokenizing them", err=True)
+
+    def tokenizing(self, n_chars: int):
+        if self.quiet or n_chars < self.BIG:
+            return None
+        from tqdm import tqdm
+
+        self.tok_bar = tqdm(total=n_chars, unit="char", unit_scale=True, desc="tokenize", file=sys.stderr,
+                            disable=not sys.stderr.isatty(), dynamic_ncols=True)
+        return self.tok_bar.update
+
+    def tokenized(self) -> None:
+        if self.tok_bar is not None:
+            self.tok_bar.close()
+            self.tok_bar = None
 
     def estimate(self, n_tokens: int, n_bytes: int, reused: int) -> None:
         if not self.quiet:

@@ -11,7 +11,7 @@ from typing import Annotated
 
 import typer
 
-from cag.cli.common import JsonOpt, ModelOpt, StoreOpt, _age, _emit, _engine, _human_bytes, _TqdmReporter, handle_errors
+from cag.cli.common import JsonOpt, ModelOpt, StoreOpt, _age, _emit, _engine, _human_bytes, _TqdmReporter, handle_errors, shown
 
 app = typer.Typer(
     help="Cache-augmented generation: prefill a knowledge corpus once, answer questions from its KV snapshot.",
@@ -39,14 +39,14 @@ def ingest(
         _emit(r.to_dict())
         return
     for s in r.skipped:
-        typer.echo(f"skipped: {s}", err=True)
+        typer.echo(f"skipped: {shown(s)}", err=True)
     for w in r.warnings:
-        typer.echo(f"warning: {w}", err=True)
+        typer.echo(f"warning: {shown(w)}", err=True)
     if r.status == "fresh":
-        typer.echo(f"{r.corpus}: up to date (snapshot {r.snapshot[:12]}, {r.n_tokens} tokens, {r.n_documents} documents)")
+        typer.echo(f"{shown(r.corpus)}: up to date (snapshot {r.snapshot[:12]}, {r.n_tokens} tokens, {r.n_documents} documents)")
     else:
         tps = r.prefilled_tokens / (r.prefill_ms / 1e3) if r.prefill_ms else 0
-        typer.echo(f"{r.corpus}: {r.status} snapshot {r.snapshot[:12]}: {r.n_documents} documents, {r.n_tokens} tokens "
+        typer.echo(f"{shown(r.corpus)}: {r.status} snapshot {r.snapshot[:12]}: {r.n_documents} documents, {r.n_tokens} tokens "
                    f"({r.reused_tokens} reused, {r.prefilled_tokens} prefilled in {r.prefill_ms / 1e3:.1f} s, {tps:.0f} tok/s), "
                    f"{_human_bytes(r.bytes)}")
     if r.n_shards > 1:
@@ -101,7 +101,7 @@ def ask(
     a = answer(engine, corpus, question, mode=mode, max_tokens=max_tokens, on_text=on_text, on_stale=on_stale,
                k=k, retriever=retriever, shards=shards, decoding=decoding)
     if a.stale:
-        typer.echo(f"warning: corpus {corpus!r} is stale: {'; '.join(a.stale_reasons)}", err=True)
+        typer.echo(f"warning: corpus {corpus!r} is stale: {shown('; '.join(a.stale_reasons))}", err=True)
     if json_:
         _emit(a.to_dict())
         return
@@ -121,7 +121,7 @@ def _status_lines(s) -> list[str]:
              f"{_human_bytes(s.bytes)}, model {s.model}, built {_age(s.created)}, last used {_age(s.last_used)}",
              f"  source: {s.source}"]
     lines += [f"  stale: {r}" for r in s.reasons]
-    return lines
+    return [shown(line) for line in lines]  # a name with a newline cannot forge a line
 
 
 @app.command("list")

@@ -9,7 +9,7 @@ import typer
 from cag.config import get_settings
 from cag.errors import BadInput
 
-from .common import JsonOpt, StoreOpt, _emit, _human_bytes, handle_errors
+from .common import JsonOpt, StoreOpt, _emit, _human_bytes, handle_errors, shown
 
 
 def _index_and_settings(store: str | None = None):
@@ -35,7 +35,7 @@ def invalidate(
     if json_:
         _emit({"invalidated": marked})
     else:
-        typer.echo(f"invalidated: {', '.join(marked)}")
+        typer.echo(shown(f"invalidated: {', '.join(marked)}"))
 
 
 @handle_errors
@@ -58,9 +58,9 @@ def gc(
         return
     verb = "would delete" if dry_run else "deleted"
     for d in r.deleted:
-        typer.echo(f"{verb} {_label(d)} ({d['corpus'] or '-'}, {_human_bytes(d['bytes'])}): {d['why']}")
+        typer.echo(shown(f"{verb} {_label(d)} ({d['corpus'] or '-'}, {_human_bytes(d['bytes'])}): {d['why']}"))
     for d in r.kept:
-        typer.echo(f"kept {_label(d)} ({d['corpus'] or '-'}, {_human_bytes(d['bytes'])}): {d['why']}")
+        typer.echo(shown(f"kept {_label(d)} ({d['corpus'] or '-'}, {_human_bytes(d['bytes'])}): {d['why']}"))
     typer.echo(f"{'would free' if dry_run else 'freed'} {_human_bytes(r.freed_bytes)}; kept {_human_bytes(r.kept_bytes)}")
 
 
@@ -79,6 +79,6 @@ def reindex(store: StoreOpt = None, json_: JsonOpt = False):
     if json_:
         _emit(r)
         return
-    typer.echo(f"indexed {r['snapshots']} snapshots for corpora: {', '.join(r['corpora']) or '-'}")
+    typer.echo(shown(f"indexed {r['snapshots']} snapshots for corpora: {', '.join(r['corpora']) or '-'}"))
     for name in r["unreadable"]:
-        typer.echo(f"unreadable, skipped: {name}", err=True)
+        typer.echo(shown(f"unreadable, skipped: {name}"), err=True)
