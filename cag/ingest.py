@@ -19,7 +19,7 @@ from cag.store import snapshots as snapfiles
 
 from . import documents, kv
 from .corpus import read_corpus
-from .errors import BadInput, SnapshotCorrupt, StaleRefused, TooLarge
+from .errors import BadInput, ModelError, SnapshotCorrupt, StaleRefused, TooLarge
 from .hashing import short
 from .prompt import Prefix, document_text, encode_template, encode_text
 from .shards import Unit, pack, units_of
@@ -73,6 +73,7 @@ class Built:
 def plan(engine, name: str, source: Path, ttl_s: float | None, shard_tokens: int | None, reporter=None) -> Plan:
     """Read the corpus (within CAG_MAX_DOCUMENT_BYTES / CAG_MAX_CORPUS_BYTES) and pack it into shards
     that each fit the context (and `shard_tokens`); refuse shards that would not fit on the disk."""
+    engine.index.require_writable("cannot record the snapshot")  # a read-only index fails now, before any work
     ref = engine.remote.pull(name) if engine.remote else None  # another machine's newer ref is adopted first
     row = engine.index.corpus(name) or {}
     ttl_s = row.get("ttl_s") if ttl_s is None else ttl_s
@@ -176,7 +177,11 @@ def build(engine, plan: Plan, shard: Shard, reused: int, old_kv, tick) -> Built:
             "compute_dtype": str(lm.dtype), "source": str(plan.source), "ttl_s": plan.ttl_s,
             "n_documents": len(shard.units), "reused_tokens": reused, "prefill_ms": prefill_ms,
             "shard": shard.index, "n_shards": len(plan.shards), "shard_tokens": plan.shard_tokens}
-    nbytes = snapfiles.save(path, kv.export(cache, n), ids, meta, engine.kv_dtype)
+    layers = kv.export(cache, n)
+    if why := kv.nonfinite(layers, engine.kv_dtype):  # a snapshot holding NaN or inf would answer garbage forever
+        raise ModelError(f"the model's keys and values for {plan.name!r} cannot be stored: {why}; "
+                         "prefill in float32 (CAG_DTYPE=float32) or store them in bfloat16 (CAG_KV_DTYPE=bfloat16)")
+    nbytes = snapfiles.save(path, layers, ids, meta, engine.kv_dtype)
     del cache
     if engine.remote:  # uploaded whole under its final name before any ref can name it
         engine.remote.put_blob(path, shard.digest)

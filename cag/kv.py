@@ -93,6 +93,28 @@ def stored(kv: KV, dtype: torch.dtype) -> tuple[KV, list | None]:
     return kv_int8.dequantize_layers(codes), codes
 
 
+# the largest magnitude each storage dtype holds: past it a value is stored as inf (fp16) or its
+# block's fp16 scale is (int8: |x| / 127 per block)
+FINITE_MAX = {torch.float16: 65504.0, torch.int8: 65504.0 * 127}
+
+
+def nonfinite(kv: KV, dtype: torch.dtype | None = None) -> str | None:
+    """Why `kv` cannot be stored in `dtype` (or served) finitely, or None: the first layer holding NaN or
+    inf, or a value past what the storage dtype holds. One read of every value (a reduction per tensor)."""
+    bound = FINITE_MAX.get(dtype)
+    for i, pair in enumerate(kv):
+        for name, t in zip(("keys", "values"), pair):
+            if not t.is_floating_point():
+                continue
+            lo, hi = torch.aminmax(t) if t.numel() else (t.new_zeros(()), t.new_zeros(()))  # NaN propagates
+            top = max(-float(lo), float(hi))
+            if top != top or top == float("inf"):
+                return f"layer {i} {name} hold NaN or inf"
+            if bound is not None and top > bound:
+                return f"layer {i} {name} reach {top:.4g}, past what {str(dtype).removeprefix('torch.')} stores ({bound:.6g})"
+    return None
+
+
 def export(cache: StaticCache, n: int) -> KV:
     """The first n positions of every layer on the CPU (to save): (1, H_kv, n, D)."""
     return [(k.cpu(), v.cpu()) for k, v in views(cache, n)]  # .cpu(): no copy on the CPU

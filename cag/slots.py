@@ -4,16 +4,21 @@ A `Prefix` is a snapshot's K/V in the compute dtype on the compute device, held 
 requests read it (cag.step attends to it without copying), and never written after it is built.
 
 `Slots` are the requests' own positions: per layer one tensor (capacity, H_kv, room, D) for keys
-and one for values, room = question room + answer room. A request takes a slot for its life and
-writes its question and answer K/V there; the slot's memory, not the snapshot's, is the cost of one
-more concurrent request: layers x 2 x H_kv x room x D x dtype bytes (SmolLM2, 512 room, float32:
-23.6 MB, against 189 MB for a 4K-token snapshot in the compute dtype). The tensors are allocated
-with torch.empty, so pages no request has used yet cost no resident memory; a slot is zeroed when
-first taken (after that it holds finite values of earlier requests, which the mask hides).
+and one for values, room = the longest suffix a request may hold (a conversation: as much of the
+context as a snapshot leaves). A request takes a slot for its life and writes its question (or its
+conversation) and answer K/V there; the slot's memory, not the snapshot's, is the cost of one more
+concurrent request: layers x 2 x H_kv x D x dtype bytes a token it holds.
+
+Attention reads a slot up to a width that does not depend on the request's neighbours (cag.parts),
+masking the keys past the request's own; a masked key still enters the sums as 0 x value, so every
+key a request has not written must be finite. The tensors are zero from the operating system (pages
+no request has used cost no resident memory) and a slot is zeroed again, as far as its request wrote,
+when it is given back: a request never reads another's keys or values, NaN or not.
 """
 
 from __future__ import annotations
 
+import math
 import threading
 from dataclasses import dataclass, field
 
@@ -59,24 +64,22 @@ class Slots:
     def __init__(self, n_layers: int, n_kv: int, head_dim: int, room: int, capacity: int,
                  dtype: torch.dtype, device: torch.device | str = "cpu"):
         shape = (capacity, n_kv, room, head_dim)
-        self.k = [torch.empty(shape, dtype=dtype, device=device) for _ in range(n_layers)]
-        self.v = [torch.empty(shape, dtype=dtype, device=device) for _ in range(n_layers)]
+        self.k = [_zeros(shape, dtype, device) for _ in range(n_layers)]
+        self.v = [_zeros(shape, dtype, device) for _ in range(n_layers)]
         self.room, self.capacity = room, capacity
         self._free = list(range(capacity - 1, -1, -1))
-        self._fresh = set(range(capacity))  # never written: may hold NaN bit patterns
         self._lock = threading.Lock()
 
     def take(self) -> int | None:
         with self._lock:
-            slot = self._free.pop() if self._free else None
-            fresh = slot in self._fresh
-            self._fresh.discard(slot)
-        if fresh:  # a batch reads every slot up to its longest suffix, masked: 0 x NaN would still be NaN
-            for t in (*self.k, *self.v):
-                t[slot].zero_()
-        return slot
+            return self._free.pop() if self._free else None
 
-    def give(self, slot: int) -> None:
+    def give(self, slot: int, written: int | None = None) -> None:
+        """Hand `slot` back, zeroing its first `written` positions (default: all) in every layer."""
+        n = self.room if written is None else min(max(written, 0), self.room)
+        if n:
+            for t in (*self.k, *self.v):
+                t[slot, :, :n].zero_()
         with self._lock:
             self._free.append(slot)
 
@@ -84,3 +87,16 @@ class Slots:
     def in_use(self) -> int:
         with self._lock:
             return self.capacity - len(self._free)
+
+
+def _zeros(shape: tuple, dtype: torch.dtype, device) -> torch.Tensor:
+    """A zero tensor whose pages cost no memory until written, on the CPU: calloc'd by numpy (large
+    blocks come zeroed from the OS on first touch), aligned to 64 bytes for the kernels' vector loads."""
+    if torch.device(device).type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    import numpy as np
+
+    n = math.prod(shape) * dtype.itemsize
+    raw = torch.from_numpy(np.zeros(n + 64, dtype=np.uint8))
+    off = -raw.data_ptr() % 64
+    return raw[off : off + n].view(dtype).view(shape)

@@ -8,14 +8,17 @@ from pathlib import Path
 from cag.store import snapshots as snapfiles
 
 from . import kv
-from .errors import SnapshotCorrupt, StaleRefused
+from .errors import IndexUnusable, SnapshotCorrupt, StaleRefused
+
+
+_finite: dict[str, tuple] = {}  # path -> the file's stamp when its values were found finite
 
 
 def open_snapshot(engine, row: dict, dequant=None) -> snapfiles.Snapshot:
     """Load a snapshot file and verify it against its index row and the loaded model: header key,
     checksum (once per unchanged file: snapfiles._checked), model fingerprint, a key recomputed from
     its token ids (with the dtype it is stored in: a snapshot of another CAG_KV_DTYPE is sound, only
-    stale, see freshness.py), tensor shapes.
+    stale, see freshness.py), tensor shapes, finite values (ingest refuses to build any other).
     Any failure marks it corrupt (stale for every corpus on it, rebuilt by the next ingest); a
     snapshot the index records for another model is refused as stale."""
     lm, digest = engine.lm, row["digest"]
@@ -30,7 +33,16 @@ def open_snapshot(engine, row: dict, dequant=None) -> snapfiles.Snapshot:
                                           "layout or dtype, or an edited header)")
         if not kv.kv_shape_ok(snap.kv, lm.n_layers, lm.n_kv_heads, lm.head_dim, snap.n_tokens):
             raise snapfiles.SnapshotError(f"snapshot {digest[:12]}: tensor shapes do not fit the model")
+        snapfiles.spans_of(snap.meta, f"snapshot {digest[:12]}")  # what a refresh reuses by (a file older than the header checksum)
+        stamp = snapfiles._stamp(path)
+        if _finite.get(str(path)) != stamp or stamp is None:  # once per unchanged file, as the checksum
+            if why := kv.nonfinite(snap.kv):  # NaN or inf would reach every answer on it (int8: its scales too)
+                raise snapfiles.SnapshotError(f"snapshot {digest[:12]}: {why}")
+            _finite[str(path)] = stamp
     except snapfiles.SnapshotError as e:
-        engine.index.set_snapshot_status(digest, "corrupt")
+        try:
+            engine.index.set_snapshot_status(digest, "corrupt")
+        except IndexUnusable:
+            pass  # a read-only index cannot record it; the refusal stands
         raise SnapshotCorrupt(f"{e}; run `cag ingest {row['corpus']}` to rebuild it") from None
     return snap
