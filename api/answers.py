@@ -24,21 +24,23 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class AskCall:
-    """One question as the routes parsed it (the native and the OpenAI route alike)."""
+    """One question (or conversation) as the routes parsed it (the native and the OpenAI route alike)."""
 
     corpus: str
-    question: str
+    question: str | None  # None when `messages` carry the conversation
     mode: str = "cag"
     max_tokens: int | None = None
     on_stale: str = "serve"
     shards: int = 1
     stream: bool = False  # hand text pieces to on_text as they come
     decoding: DecodeConfig | None = None
+    messages: tuple[tuple[str, str], ...] | None = None  # (role, text): a conversation (cag.chat)
 
     def run(self, engine: Engine, on_text, should_stop) -> Answer:
         return answer_question(engine, self.corpus, self.question, mode=str(self.mode), max_tokens=self.max_tokens,
                                on_text=on_text if self.stream else None, should_stop=should_stop,
-                               on_stale=str(self.on_stale), decoding=self.decoding, shards=self.shards)
+                               on_stale=str(self.on_stale), decoding=self.decoding, shards=self.shards,
+                               messages=list(self.messages) if self.messages is not None else None)
 
 
 class LocalAnswers:

@@ -35,8 +35,20 @@ class _EngineCollector:
                                   value=stats.get("snapshot_hits", 0))
         yield CounterMetricFamily("cag_snapshot_loads", "Snapshot files loaded (resident cache misses).",
                                   value=stats.get("snapshot_loads", 0))
-        yield GaugeMetricFamily("cag_resident_bytes", "Bytes held by resident snapshots (LRU bound: CAG_RESIDENT_BYTES).",
-                                value=engine.resident_bytes)
+        yield GaugeMetricFamily("cag_resident_bytes", "Bytes held by resident snapshots and kept conversations "
+                                "(LRU bound: CAG_RESIDENT_BYTES).", value=engine.resident_bytes)
+        yield GaugeMetricFamily("cag_conversations_kept", "Conversations whose K/V are kept for their next turn (cag.kept).",
+                                value=stats.get("conversations_kept", 0))
+        yield GaugeMetricFamily("cag_conversation_bytes", "Bytes of kept conversations (LRU bound: CAG_CONVERSATION_BYTES; "
+                                "counted in CAG_RESIDENT_BYTES too).", value=stats.get("conversation_bytes", 0))
+        yield CounterMetricFamily("cag_conversation_hits", "Requests that continued a kept conversation.",
+                                  value=stats.get("conversation_hits", 0))
+        yield CounterMetricFamily("cag_conversation_misses", "Requests on a snapshot that found no kept conversation to continue.",
+                                  value=stats.get("conversation_misses", 0))
+        yield CounterMetricFamily("cag_conversation_reused_tokens", "Prompt tokens copied from kept conversations instead of prefilled.",
+                                  value=stats.get("conversation_reused_tokens", 0))
+        yield CounterMetricFamily("cag_conversation_evictions", "Kept conversations evicted for the byte budget.",
+                                  value=stats.get("conversation_evictions", 0))
         yield CounterMetricFamily("cag_decode_steps", "Batched decode steps (one forward for every active request).",
                                   value=stats.get("decode_steps", 0))
         yield CounterMetricFamily("cag_decode_rows", "Tokens decoded in batched steps (rows / steps = mean batch size).",
@@ -45,8 +57,8 @@ class _EngineCollector:
                                 value=stats.get("decode_active", 0))
         yield GaugeMetricFamily("cag_decode_waiting", "Requests waiting for a place in the decode batch.",
                                 value=stats.get("decode_waiting", 0))
-        yield GaugeMetricFamily("cag_decode_slot_bytes", "Bytes of one request's suffix slot (question + answer K/V): "
-                                "the memory one more concurrent request costs (0 before the first batched answer).",
+        yield GaugeMetricFamily("cag_decode_slot_bytes", "Bytes of one request's suffix slot (its conversation and answer "
+                                "K/V at the slot's full room; pages are used as tokens are written; 0 before the first batched answer).",
                                 value=stats.get("slot_bytes", 0))
         yield GaugeMetricFamily("cag_generations_running", "Generations running on a worker.", value=self.running())
         yield GaugeMetricFamily("cag_generations_waiting", "Generations admitted and waiting for a worker.", value=self.waiting())
@@ -65,7 +77,8 @@ class Metrics:
                                 ["route", "method", "status"], registry=r)
         self.latency = Histogram("cag_http_request_duration_seconds", "HTTP request latency (streams: until the last byte).",
                                  ["route"], buckets=_LATENCY, registry=r)
-        self.tokens = Counter("cag_tokens", "Tokens by kind: prompt, cached (served from a snapshot), completion.",
+        self.tokens = Counter("cag_tokens", "Tokens by kind: prompt, cached (not recomputed: snapshot and kept conversation), "
+                              "conversation (of those, from a kept conversation), completion.",
                               ["kind", "mode"], registry=r)
         self.answers = Counter("cag_answers", "Answers generated.", ["mode"], registry=r)
         self.ttft = Histogram("cag_time_to_first_token_seconds", "Time to first token, request start to first token.",
@@ -81,6 +94,7 @@ class Metrics:
         self.answers.labels(a.mode).inc()
         self.tokens.labels("prompt", a.mode).inc(a.prompt_tokens)
         self.tokens.labels("cached", a.mode).inc(a.cached_tokens)
+        self.tokens.labels("conversation", a.mode).inc(a.conversation_tokens)
         self.tokens.labels("completion", a.mode).inc(a.completion_tokens)
         self.ttft.labels(a.mode).observe(a.ttft_ms / 1e3)
         if a.mode == "cag":

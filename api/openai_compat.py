@@ -1,7 +1,9 @@
-"""OpenAI-compatible chat completions: `model` names a corpus, the last user message is the question.
+"""OpenAI-compatible chat completions: `model` names a corpus, `messages` are the conversation.
 
-Earlier turns and system messages are not part of the prompt: the knowledge prefix is the corpus's
-fixed snapshot, and the question suffix is built by cag.prompt from the question alone.
+The knowledge prefix is the corpus's snapshot; the conversation (system messages, earlier turns, the
+last user message) is the suffix after it (cag.chat), its K/V kept between turns (cag.kept), so a
+follow-up prefills only its new tokens. `usage.prompt_tokens_details.cached_tokens` counts the
+snapshot's tokens and the reused conversation's; the `cag` extension says which.
 Extensions (ignored by OpenAI clients, settable with `extra_body`): `mode`, `on_stale`; the
 response carries a `cag` object with the snapshot, staleness and timings.
 """
@@ -26,22 +28,23 @@ from .streaming import EventStream, TextTrim, event
 router = APIRouter(tags=["openai"])
 
 
-def question_of(messages: list[ChatMessage]) -> str:
-    for m in reversed(messages):
-        if m.role != "user":
-            continue
-        if isinstance(m.content, str):
-            text = m.content
+def messages_of(messages: list[ChatMessage]) -> tuple[tuple[str, str], ...]:
+    """(role, text) per message; text parts joined, anything else refused (cag.chat checks the rest)."""
+    out = []
+    for i, m in enumerate(messages):
+        if m.content is None or isinstance(m.content, str):
+            text = m.content or ""
         else:
-            text = "\n".join(p.text for p in (m.content or []) if p.type == "text" and p.text)
-        if not text.strip():
-            raise BadInput("the last user message has no text")
-        return text
-    raise BadInput("no user message: the last message with role 'user' is the question")
+            if other := [p.type for p in m.content if p.type != "text"]:
+                raise BadInput(f"message {i} ({m.role}): content of type {other[0]!r} is not supported: cag reads text")
+            text = "\n".join(p.text for p in m.content if p.text)
+        out.append((m.role, text))
+    return tuple(out)
 
 
 def _extension(a) -> dict:
     return {"corpus": a.corpus, "mode": a.mode, "snapshot": a.snapshot, "stale": a.stale,
+            "cached_tokens": {"snapshot": a.cached_tokens - a.conversation_tokens, "conversation": a.conversation_tokens},
             "stale_reasons": a.stale_reasons, "timings": timings(a), **({"shards": a.shards} if a.shards else {})}
 
 
@@ -70,15 +73,18 @@ async def chat_completions(body: ChatRequest, request: Request, svc: ReadyServic
     """Greedy (exact) unless `temperature` > 0 (below 1e-5 it is greedy too). `max_completion_tokens`
     or `max_tokens` are clamped to CAG_ANSWER_ROOM. With `stream: true`: `chat.completion.chunk`
     events, a usage chunk when `stream_options.include_usage`, then `data: [DONE]`."""
-    question = question_of(body.messages)
-    svc.check_question(question, body.mode)
+    if body.tools or body.functions:
+        raise BadInput("tools and functions are not supported: cag answers from its corpus and calls no tools")
+    messages = messages_of(body.messages)
+    for _, text in messages:
+        svc.check_question(text, body.mode)
     max_tokens = body.max_completion_tokens or body.max_tokens
     # torch.Generator takes seeds 0 .. 2**64-1 (and wraps negative ones the same way): any integer is
     # reduced into that range instead of overflowing there
     seed = None if body.seed is None else body.seed % 2**64
     decoding = DecodeConfig(temperature=body.temperature or 0.0, top_p=body.top_p or 1.0, seed=seed,
                             min_tokens=body.min_tokens)
-    call = AskCall(body.model, question, mode=body.mode, max_tokens=max_tokens, on_stale=body.on_stale,
+    call = AskCall(body.model, None, mode=body.mode, messages=messages, max_tokens=max_tokens, on_stale=body.on_stale,
                    shards=body.shards, stream=body.stream, decoding=decoding)
     gen = svc.runner.start(svc.answers.work(call))
     cid, created = "chatcmpl-" + secrets.token_hex(12), int(time.time())

@@ -83,7 +83,7 @@ def ask_response(svc: Service, a: Answer, body: AskRequest) -> dict:
         answer=a.answer, corpus=a.corpus, mode=a.mode, snapshot=a.snapshot, stale=a.stale,
         stale_reasons=a.stale_reasons, finish_reason=finish_reason(svc, a, body.max_tokens),
         usage={"prompt_tokens": a.prompt_tokens, "cached_tokens": a.cached_tokens,
-               "completion_tokens": a.completion_tokens},
+               "conversation_tokens": a.conversation_tokens, "completion_tokens": a.completion_tokens},
         timings=timings(a),
         **extra,
     )
@@ -92,8 +92,16 @@ def ask_response(svc: Service, a: Answer, body: AskRequest) -> dict:
 
 def start_ask(svc: Service, body: AskRequest) -> Generation:
     svc.check_question(body.question, body.mode)
-    call = AskCall(body.corpus, body.question, mode=body.mode, max_tokens=body.max_tokens, on_stale=body.on_stale,
-                   shards=body.shards, stream=body.stream, decoding=DecodeConfig(min_tokens=body.min_tokens))
+    messages = None
+    if body.history:  # earlier turns: the question is the conversation's last user message
+        from .openai_compat import messages_of
+
+        messages = (*messages_of(body.history), ("user", body.question))
+        for _, text in messages:
+            svc.check_question(text, body.mode)
+    call = AskCall(body.corpus, body.question if messages is None else None, mode=body.mode, max_tokens=body.max_tokens,
+                   on_stale=body.on_stale, shards=body.shards, stream=body.stream,
+                   decoding=DecodeConfig(min_tokens=body.min_tokens), messages=messages)
     return svc.runner.start(svc.answers.work(call))
 
 

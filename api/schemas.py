@@ -44,13 +44,16 @@ class AskRequest(_Request):
     stream: bool = Field(False, description="Server-sent events: `token` events, then one `answer` event.")
     on_stale: StalePolicy = Field("serve", description="serve (flag it), refuse (409) or refresh first.")
     include_token_ids: bool = Field(False, description="Add the generated token ids to the answer.")
+    history: list[ChatMessage] | None = Field(None, description="Earlier turns (system, user, assistant messages) before "
+                                                                "`question`, as in /v1/chat/completions.")
     shards: Count = Field(1, description="Sharded corpora: answer from the S best shards (BM25 routing) and keep the most "
                                          "confident answer; more than the corpus has means all.")
 
 
 class Usage(BaseModel):
     prompt_tokens: int
-    cached_tokens: int = Field(description="Prompt tokens served from the snapshot (not recomputed).")
+    cached_tokens: int = Field(description="Prompt tokens not recomputed: the snapshot's and conversation_tokens.")
+    conversation_tokens: int = Field(0, description="Of those, earlier turns' tokens reused from the kept conversation.")
     completion_tokens: int
 
 
@@ -148,12 +151,12 @@ class Health(BaseModel):
 
 # -- OpenAI-compatible chat ----------------------------------------------------------------------
 class ContentPart(_Request):
-    type: str
+    type: str = Field(description="Only `text` parts are read; any other type (image_url, input_audio, file) is refused.")
     text: str | None = None
 
 
 class ChatMessage(_Request):
-    role: str
+    role: str = Field(description="system (or developer), user or assistant; tool and function are refused.")
     content: str | list[ContentPart] | None = None
 
 
@@ -163,7 +166,9 @@ class StreamOptions(_Request):
 
 class ChatRequest(_Request):
     model: str = Field(min_length=1, description="The corpus name (GET /v1/models).")
-    messages: list[ChatMessage] = Field(min_length=1, description="The last user message is the question.")
+    messages: list[ChatMessage] = Field(min_length=1, description="The conversation: system messages, earlier user and "
+                                        "assistant turns and, last, the user message to answer; all of it is the prompt "
+                                        "after the corpus's knowledge (its K/V kept between turns).")
     max_tokens: Count | None = None
     max_completion_tokens: Count | None = None
     min_tokens: Count0 = Field(0, description="Extension (as vLLM's): no stop token before this many completion tokens.")
@@ -176,6 +181,9 @@ class ChatRequest(_Request):
     mode: Mode = Field("cag", description="Extension: cag | full | rag.")
     on_stale: StalePolicy = Field("serve", description="Extension: serve | refuse | refresh.")
     shards: Count = Field(1, description="Extension: sharded corpora answer from the S best shards.")
+    tools: list[Any] | None = Field(None, description="Refused when not empty: cag answers from its corpus and calls no tools.")
+    functions: list[Any] | None = Field(None, description="Refused when not empty (as `tools`).")
+    user: str | None = Field(None, description="Accepted and ignored: conversations are matched by their tokens.")
 
 
 class AssistantMessage(BaseModel):

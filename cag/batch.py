@@ -34,6 +34,7 @@ from . import kv
 from . import step as lean
 from .generate import DecodeConfig, Generated, TextStream, _pick, generate, generated, sampler
 from .graphs import Graphs
+from .kept import KeptConversations
 from .parts import Part
 from .slots import Prefix, Slots
 from .threads import release as release_workers
@@ -45,13 +46,15 @@ IDLE_EXIT_S = 30.0  # an idle decode thread ends, so a dropped engine (and its s
 @dataclass(eq=False)
 class Request:
     prefix: Prefix
-    suffix: list[int]  # question tokens, prefilled at the prefix's end
+    suffix: list[int]  # question (or conversation) tokens, prefilled at the prefix's end
     cfg: DecodeConfig
     on_text: Callable[[str], None] | None = None
     should_stop: Callable[[], bool] | None = None
     t_start: float = field(default_factory=time.perf_counter)
     score: bool = False  # keep each answer token's log-probability (sharded corpora pick by it)
+    key: str | None = None  # the snapshot digest: its suffix is kept for, and may reuse, kept conversations (cag.kept)
     # scheduler state
+    start: int = 0  # suffix tokens copied from a kept conversation: prefill starts here
     slot: int | None = None
     length: int = 0  # suffix positions written
     next_tok: int | None = None
@@ -71,8 +74,13 @@ class Request:
 class Decoder:
     """Answers over prefixes: batched (one scheduler thread) where cag.step applies, else alone."""
 
-    def __init__(self, lm, room: int, max_batch: int, threads: int = 0, chunk: int = 512, cuda_graphs: bool = True):
+    def __init__(self, lm, room: int, max_batch: int, threads: int = 0, chunk: int = 512, cuda_graphs: bool = True,
+                 kept: KeptConversations | None = None, graph_room: int = 512):
+        # room: the longest suffix (conversation and answer) a slot holds; graph_room: the suffix keys a
+        # captured CUDA step reads (cag.graphs)
         self.lm, self.room, self.max_batch, self.threads, self.chunk = lm, room, max_batch, threads, chunk
+        self.graph_room = graph_room
+        self.kept = kept  # conversations' K/V kept between turns (cag.kept); None: nothing kept
         self.apart = lm.device.type == "cuda"  # each request a forward of its own (module doc: exactness)
         self.cuda_graphs = cuda_graphs
         self.step = lean.for_model(lm.model)
@@ -109,7 +117,7 @@ class Decoder:
                     lm = self.lm
                     self.slots = Slots(lm.n_layers, lm.n_kv_heads, lm.head_dim, self.room, self.max_batch, lm.attn_dtype, lm.device)
                     if self.apart and self.cuda_graphs:
-                        self.graphs = Graphs(self.step, self.slots)
+                        self.graphs = Graphs(self.step, self.slots, self.graph_room)
                 if self._thread is None:
                     self._thread = threading.Thread(target=self._loop, name="cag-decode", daemon=True)
                     self._thread.start()
@@ -148,6 +156,13 @@ class Decoder:
             self._finish(req, kv.Cancelled("stopped before its question was prefilled"))
             return False
         req.slot = self.slots.take()
+        if req.key is not None and self.kept is not None and self.step is not None:
+            kept, n = self.kept.match(req.key, req.suffix)
+            if kept is not None:  # the conversation so far: copied into the slot, prefill starts after it
+                for (k, v), K, V in zip(kept.kv, self.slots.k, self.slots.v):
+                    K[req.slot, :, :n] = k[:, :n]
+                    V[req.slot, :, :n] = v[:, :n]
+                req.start = n
         return True
 
     def _pass(self, batch: list[Request], new: list[Request]) -> None:
@@ -156,7 +171,7 @@ class Decoder:
         has a forward of its own, its decode step a replayed graph (CAG_CUDA_GRAPHS; cag.graphs)."""
         if self.apart:
             for r in batch:
-                if self.graphs is not None:
+                if self.graphs is not None and r.length < self.graphs.room:
                     self._forward([r], [], lambda r=r: [self.graphs.run(r.prefix, r.next_tok, r.slot, r.length)[None]])
                 else:
                     self._forward([r], [], lambda r=r: self.step.run(self._parts([r], []), self.slots))
@@ -169,7 +184,8 @@ class Decoder:
     def _parts(batch: list[Request], new: list[Request]) -> list[Part]:
         parts = [Part(torch.tensor([[r.next_tok] for r in batch]), [r.prefix for r in batch],
                       torch.tensor([r.slot for r in batch]), torch.tensor([r.length for r in batch]))] if batch else []
-        return parts + [Part(torch.tensor([r.suffix]), [r.prefix], torch.tensor([r.slot]), torch.tensor([0])) for r in new]
+        return parts + [Part(torch.tensor([r.suffix[r.start:]]), [r.prefix], torch.tensor([r.slot]), torch.tensor([r.start]),
+                             question=True) for r in new]
 
     def _forward(self, batch: list[Request], new: list[Request], forward: Callable[[], list[torch.Tensor]]) -> None:
         """Run `forward` (logits per part: the decode part (B, V) first when `batch`, then each of
@@ -190,9 +206,18 @@ class Decoder:
                 self._emit(r, out[0][i])
         for r, logits in zip(new, out[len(out) - len(new):]):
             r.length = len(r.suffix)
+            self._keep(r)
             r.stream, r.gen = TextStream(self.lm.tokenizer), sampler(r.cfg)
             self._active.append(r)
             self._emit(r, logits[0])
+
+    def _keep(self, req: Request) -> None:
+        """Keep the request's prefilled suffix (question rows only: cag.kept) for a later turn."""
+        if req.key is None or self.kept is None:
+            return
+        n = len(req.suffix)
+        self.kept.keep(req.key, req.suffix, [(K[req.slot, :, :n].clone(), V[req.slot, :, :n].clone())
+                                              for K, V in zip(self.slots.k, self.slots.v)])
 
     def _emit(self, req: Request, logits: torch.Tensor) -> None:
         """Pick the next token from `logits` (V,): stop, or hand it out and schedule it."""
@@ -219,8 +244,8 @@ class Decoder:
     def _finish(self, req: Request, error: BaseException | None = None) -> None:
         if req in self._active:
             self._active.remove(req)
-        if req.slot is not None:
-            self.slots.give(req.slot)
+        if req.slot is not None:  # zeroed as far as it may have been written (a failed pass: its whole suffix)
+            self.slots.give(req.slot, max(req.length, len(req.suffix)) + 1)
             req.slot = None
         if error is None:
             try:
@@ -236,7 +261,7 @@ class Decoder:
     # -- models the batched step does not cover -------------------------------------------------------
     def _alone(self, req: Request) -> None:
         lm, n = self.lm, req.prefix.n
-        cache = kv.new_cache(lm.model, n + self.room)
+        cache = kv.new_cache(lm.model, n + len(req.suffix) + req.cfg.max_tokens + 1)
         kv.load_into(cache, req.prefix.kv, lm.dtype, lm.device)
         try:
             req.result = generate(lm, cache, n, req.suffix, req.cfg, self.chunk, req.on_text, req.should_stop, req.t_start)

@@ -130,7 +130,7 @@ def attend(r, q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, i: int, scale: 
     B, m, M = r.B, r.m, r.M
     n_kv, d = K.shape[1], K.shape[3]
     rep = M // m
-    if kernel is not None and m == 1 and K.dtype == torch.bfloat16:
+    if kernel is not None and m == 1 and not r.question and K.dtype == torch.bfloat16:
         return _native(kernel, r, q.view(B, n_kv, rep, d), K, V, i, scale).reshape(B, n_kv * rep * d).to(q.dtype)
     q = q.view(B, m, n_kv, rep, d).transpose(1, 2).reshape(B, n_kv, M, d)
     Ks = K[r.slots, :, : r.L] if r.one is None else K[r.one, None, :, : r.L]  # (B, H_kv, L, D): only the suffix is per request

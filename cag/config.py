@@ -46,6 +46,8 @@ class Settings(BaseSettings):
     max_batch: int = Field(16, ge=1, le=1024)  # requests decoded together, one forward per step (cag.batch)
     cuda_graphs: bool = True  # CUDA: each decode step a replayed graph (cag.graphs); false: launched op by op
     resident_bytes: int = Field(2 * 1024**3, ge=0)  # LRU budget for snapshots kept in memory (server)
+    # conversations' K/V kept between turns (cag.kept): LRU, counted in resident_bytes too; 0 keeps none
+    conversation_bytes: int = Field(512 * 1024**2, ge=0)
     ttl_s: float = Field(0.0, ge=0, allow_inf_nan=False)  # snapshot time-to-live; 0 = never expires
     # where snapshots live: unset = CAG_HOME/snapshots only; s3://bucket/prefix = a shared S3-compatible store
     store: str | None = None

@@ -19,13 +19,14 @@ from cag.store.index import Index
 from cag.store.sync import shared_store
 
 from . import corpus as corpora
-from . import freshness, kv, sharded, verify
+from . import chat, freshness, kv, sharded, verify
 from . import ingest as steps
 from .batch import Decoder, Request
 from .config import Settings
-from .errors import BadInput, NotFound, StaleRefused, TooLarge
+from .errors import BadInput, ContextExceeded, NotFound, StaleRefused, TooLarge
 from .generate import DecodeConfig, Generated
 from .hashing import hash_obj
+from .kept import KeptConversations
 from .model import LoadedModel, load_model
 from .names import check_corpus_name
 from .prompt import Layout, build_prefix, build_suffix, layout_for
@@ -33,12 +34,15 @@ from .resident import Resident, ResidentPool
 from .results import Answer, CorpusStatus, IngestResult, Mode, Reporter, StalePolicy, choices
 from .slots import Prefix
 
+MAX_SUFFIX = 32768  # a conversation's tokens: a slot's room is virtual memory, bounded for long-context models
+
 __all__ = ["Answer", "CorpusStatus", "Engine", "IngestResult", "Mode", "Reporter", "StalePolicy"]
 
 
 @dataclass
 class Question:
-    """A checked question: its corpus row, suffix tokens, decoding, staleness, and start time."""
+    """A checked question: its corpus row, suffix tokens, decoding, staleness, and start time. A
+    conversation's suffix holds all its turns (cag.chat); `text` is its last user message."""
 
     corpus: str
     text: str
@@ -48,6 +52,19 @@ class Question:
     decoding: DecodeConfig
     reasons: list[str]
     t_start: float
+    turns: list[chat.Turn] | None = None  # a conversation's turns (None: a plain question)
+
+    @property
+    def search_text(self) -> str:
+        """What retrieval and shard routing search by: a conversation's last two user messages (a
+        follow-up such as "and who owns it?" keeps the subject of the one before)."""
+        return self.text if not self.turns else "\n".join([t.text for t in self.turns if t.role == "user"][-2:])
+
+
+def suffix_room(lm: LoadedModel) -> int:
+    """The longest suffix (a conversation and its answer) a request may hold: the model's context,
+    at most MAX_SUFFIX, in whole blocks of 512 (cag.parts.suffix_keys)."""
+    return -(-min(lm.max_context, MAX_SUFFIX) // 512) * 512
 
 
 class Engine:
@@ -56,9 +73,11 @@ class Engine:
         self.index = Index(settings.index_path)
         self._lm = lm
         self._lm_lock = threading.Lock()
-        self.resident = ResidentPool(settings.resident_bytes)
+        # kept conversations count in the resident budget (cag.resident), with a cap of their own
+        self.kept = KeptConversations(min(settings.conversation_bytes, settings.resident_bytes))
+        self.resident = ResidentPool(settings.resident_bytes, self.kept)
         self._decoder: Decoder | None = None
-        self._layout: tuple[LoadedModel, Layout] | None = None
+        self._layout: tuple[LoadedModel, Layout, str] | None = None
         self.remote = shared_store(settings, self.index)  # CAG_STORE (store/sync.py); falsy without one
 
     # -- the model and what follows from it ------------------------------------------------------
@@ -77,7 +96,9 @@ class Engine:
         with self._lm_lock:
             if self._decoder is None or self._decoder.lm is not lm:
                 s = self.settings
-                self._decoder = Decoder(lm, self.room, s.max_batch, s.threads, s.chunk_tokens, s.cuda_graphs)
+                self.kept.clear()  # K/V of another model's (or format's) steps
+                self._decoder = Decoder(lm, suffix_room(lm), s.max_batch, s.threads, s.chunk_tokens, s.cuda_graphs,
+                                        self.kept, graph_room=-(-self.room // 512) * 512)
             return self._decoder
 
     @property
@@ -95,11 +116,19 @@ class Engine:
     def room(self) -> int:
         return self.settings.question_room + self.settings.answer_room
 
+    @property
+    def suffix_room(self) -> int:
+        return suffix_room(self.lm)
+
     def layout(self) -> Layout:
+        return self._layouts()[1]
+
+    def _layouts(self) -> tuple[LoadedModel, Layout, str]:
         lm = self.lm
         if self._layout is None or self._layout[0] is not lm:  # rendering the chat template costs ~1 ms
-            self._layout = (lm, layout_for(lm.tokenizer))
-        return self._layout[1]
+            layout = layout_for(lm.tokenizer)
+            self._layout = (lm, layout, chat.turn_piece(lm.tokenizer, layout))
+        return self._layout
 
     def require_fit(self, n_prefix: int, what: str) -> None:
         lm = self.lm
@@ -130,7 +159,12 @@ class Engine:
             raise BadInput(f"ttl must be 0 or more seconds, got {ttl_s}")
         if shard_tokens is not None and shard_tokens < 0:
             raise BadInput(f"shard tokens must be 0 (what fits) or more, got {shard_tokens}")
-        name, source = corpora.resolve_source(self.index, target, name)
+        try:
+            name, source = corpora.resolve_source(self.index, target, name)
+        except NotFound:  # a corpus only the shared store knows here: its ref's source (store/sync.py)
+            if not (self.remote and (known := self.remote.source_of(target))):
+                raise
+            name, source = name or target, Path(known)
         name = check_corpus_name(name)
         reporter = reporter or Reporter()
         with corpora.writer_lock(self.settings.home, name):
@@ -156,12 +190,14 @@ class Engine:
         return verify.open_snapshot(self, row, dequant)
 
     # -- ask -------------------------------------------------------------------------------------
-    def ask(self, corpus: str, question: str, mode: str = "cag", max_tokens: int | None = None,
+    def ask(self, corpus: str, question: str | None, mode: str = "cag", max_tokens: int | None = None,
             on_text=None, should_stop=None, on_stale: str = "serve", decoding: DecodeConfig | None = None,
-            shards: int = 1) -> Answer:
+            shards: int = 1, messages: list | None = None) -> Answer:
         """Answer from the snapshot (`cag`) or from the whole corpus prefilled again (`full`). A
-        sharded corpus answers from its `shards` best shards (more than it has: all of them)."""
-        q = self.check(corpus, question, mode, max_tokens, on_stale, decoding)
+        sharded corpus answers from its `shards` best shards (more than it has: all of them).
+        `messages` (chat messages, cag.chat) in place of `question`: answer a conversation's last
+        user message with the whole conversation in the prompt."""
+        q = self.check(corpus, question, mode, max_tokens, on_stale, decoding, messages)
         if q.mode is Mode.RAG:
             raise BadInput("mode 'rag' is answered by cag.rag.answer.ask, above the engine")
         if q.mode is Mode.FULL and len(self.index.shards(corpus)) > 1:  # no context holds it all: the routed shard
@@ -176,9 +212,10 @@ class Engine:
             return self.answer_prompt(q, prefix.ids, on_text, should_stop)
         return self._answer_cached(q, on_text, should_stop, max(1, shards))  # sharded.route clamps to the count
 
-    def check(self, corpus: str, question: str, mode: str = "cag", max_tokens: int | None = None,
-              on_stale: str = "serve", decoding: DecodeConfig | None = None) -> Question:
-        """Everything a question needs before any model work; applies the stale policy."""
+    def check(self, corpus: str, question: str | None, mode: str = "cag", max_tokens: int | None = None,
+              on_stale: str = "serve", decoding: DecodeConfig | None = None, messages: list | None = None) -> Question:
+        """Everything a question (or a conversation: `messages`) needs before any model work; applies
+        the stale policy. A conversation's fit in the context is checked once its prefix is known."""
         lm = self.lm  # loading the model is a one-time cost of the process, not of the question
         if self.settings.threads > 0:
             import torch
@@ -190,6 +227,10 @@ class Engine:
         except ValueError:
             bad = ("mode", mode, Mode) if mode not in {m.value for m in Mode} else ("stale policy", on_stale, StalePolicy)
             raise BadInput(f"unknown {bad[0]} {bad[1]!r}; use one of {choices(bad[2])}") from None
+        turns = None
+        if messages is not None:
+            turns = chat.turns_of(messages)
+            question = chat.question(turns)
         if not question or not question.strip():
             raise BadInput("empty question")
         self.remote.lookup(corpus)  # a shared store's ref: on a miss, and every CAG_STORE_REF_TTL_S
@@ -200,8 +241,11 @@ class Engine:
         if max_tokens < 1:
             raise BadInput("max_tokens must be at least 1")
         d = (decoding or DecodeConfig()).within(min(max_tokens, self.settings.answer_room))
-        suffix = build_suffix(lm.tokenizer, self.layout(), question)
-        if len(suffix) > self.settings.question_room:
+        _, layout, turn = self._layouts()
+        if turns is not None and len(turns) == 1:  # one user message: a plain question (the same tokens)
+            question, turns = turns[0].text, None
+        suffix = build_suffix(lm.tokenizer, layout, question) if turns is None else chat.encode(lm.tokenizer, layout, turn, turns)
+        if turns is None and len(suffix) > self.settings.question_room:
             raise TooLarge(f"question is {len(suffix)} tokens; the room left for it is {self.settings.question_room}")
         reasons = self.stale_reasons(row)
         if reasons and policy is StalePolicy.REFUSE:
@@ -209,7 +253,7 @@ class Engine:
         if reasons and policy is StalePolicy.REFRESH:
             self.ingest(row["source"], name=corpus)  # the recorded source, never a same-named folder in cwd
             row, reasons = self.index.corpus(corpus), []
-        return Question(corpus, question, mode, row, suffix, d, reasons, t_start)
+        return Question(corpus, question, mode, row, suffix, d, reasons, t_start, turns)
 
     def answer_prompt(self, q: Question, prefix_ids: list[int], on_text=None, should_stop=None,
                       held: dict | None = None, **extra) -> Answer:
@@ -228,6 +272,18 @@ class Engine:
         gen, _ = self._generate(Prefix.of(views, lm.attn_dtype, lm.device, self._read(codes)), q, on_text, should_stop)
         return self._finish(q, gen, n, 0, 0.0, None if q.mode is Mode.RAG else q.row["current_snapshot"], **extra)
 
+    def fit(self, q: Question, n_prefix: int) -> None:
+        """A conversation must fit the context after its knowledge prefix, with its answer: OpenAI's
+        context_length_exceeded otherwise (never a silent truncation)."""
+        if q.turns is None:
+            return  # a plain question fits the room ingest reserved (check)
+        lm, n, m = self.lm, len(q.suffix), q.decoding.max_tokens
+        limit = min(lm.max_context, n_prefix + self.suffix_room)
+        if n_prefix + n + m > limit:
+            raise ContextExceeded(f"this model's maximum context length is {limit} tokens; the knowledge takes {n_prefix}, "
+                                  f"the conversation {n} and the answer up to {m} ({n_prefix + n + m} in all); "
+                                  "shorten the conversation or start a new one")
+
     def _answer_cached(self, q: Question, on_text, should_stop, shards: int = 1) -> Answer:
         if len(self.index.shards(q.corpus)) > 1:
             best, tried, routing_ms = sharded.answer(self, q, shards, on_text, should_stop)
@@ -237,7 +293,7 @@ class Engine:
         if not digest or self.index.snapshot(digest) is None:
             raise NotFound(f"corpus {q.corpus!r} has no snapshot: run `cag ingest {q.corpus}`")
         gen, n, load_ms, _ = self.generate_cached(q, digest, on_text, should_stop)
-        return self._finish(q, gen, n, n, load_ms, digest)
+        return self._finish(q, gen, n, n + gen.reused, load_ms, digest)
 
     def generate_cached(self, q: Question, digest: str, on_text=None, should_stop=None, score: bool = False):
         """Answer over resident snapshot `digest`: (Generated, prefix tokens, load ms, mean
@@ -245,11 +301,14 @@ class Engine:
         t0 = time.perf_counter()
         res = self.resident.get(digest, lambda: self._load_resident(digest))
         load_ms = (time.perf_counter() - t0) * 1e3
-        gen, logprob = self._generate(res.prefix, q, on_text, should_stop, score)
+        gen, logprob = self._generate(res.prefix, q, on_text, should_stop, score, key=digest)
         return gen, res.prefix.n, load_ms, logprob
 
-    def _generate(self, prefix: Prefix, q: Question, on_text, should_stop, score: bool = False):
-        req = self.decoder.run(Request(prefix, q.suffix, q.decoding, on_text, should_stop, q.t_start, score))
+    def _generate(self, prefix: Prefix, q: Question, on_text, should_stop, score: bool = False, key: str | None = None):
+        """Decode over `prefix`; `key` (a snapshot digest) keeps the suffix for, and reuses, kept conversations."""
+        self.fit(q, prefix.n)
+        req = self.decoder.run(Request(prefix, q.suffix, q.decoding, on_text, should_stop, q.t_start, score, key=key))
+        req.result.reused = req.start
         return req.result, req.mean_logprob()
 
     def _load_resident(self, digest: str) -> Resident:
@@ -268,21 +327,22 @@ class Engine:
                      stale_reasons=q.reasons, prompt_tokens=n_prefix + len(q.suffix), cached_tokens=cached,
                      completion_tokens=len(gen.ids), load_ms=round(load_ms, 2), ttft_ms=round(gen.ttft_ms, 2),
                      total_ms=round((time.perf_counter() - q.t_start) * 1e3, 2), decode_tok_s=gen.decode_tok_s,
-                     token_ids=gen.ids, **extra)
+                     token_ids=gen.ids, conversation_tokens=gen.reused, **extra)
         row = ans.to_dict()
-        for k in ("stale", "stale_reasons", "passages", "decode_tok_s", "shards", "routing_ms"):
+        for k in ("stale", "stale_reasons", "passages", "decode_tok_s", "shards", "routing_ms", "conversation_tokens"):
             row.pop(k)
-        self.index.log_query(dict(row, question=q.text))
+        if (failed := self.index.log_query(dict(row, question=q.text))) is not None:
+            ans.warnings.append(failed)  # the answer stands (a read-only index, a full disk)
         return ans
 
     # -- resident snapshots ----------------------------------------------------------------------
     @property
-    def stats(self) -> dict:  # resident snapshot counters, and the decoder's once one runs
-        return self.resident.stats | (self._decoder.snapshot() if self._decoder else {})
+    def stats(self) -> dict:  # resident snapshot and kept conversation counters, and the decoder's once one runs
+        return self.resident.stats | self.kept.snapshot() | (self._decoder.snapshot() if self._decoder else {})
 
     @property
-    def resident_bytes(self) -> int:
-        return self.resident.nbytes
+    def resident_bytes(self) -> int:  # snapshots and kept conversations, as the resident budget counts them
+        return self.resident.nbytes + self.kept.nbytes
 
     def evict(self, digest: str | None = None) -> None:
         self.resident.evict(digest)

@@ -1,7 +1,7 @@
 """Named user-facing errors. Each maps once to a CLI exit code and an HTTP status.
 
-Exit codes: 1 user error (bad input, bad setting, unknown name, corrupt snapshot, unusable index
-...), 2 command-line usage (typer's own), 3 refused because the corpus is stale under the `refuse`
+Exit codes: 1 user error (bad input, bad setting, unknown name, corrupt snapshot or store object,
+unusable or read-only index, full disk ...), 2 command-line usage (typer's own), 3 refused because the corpus is stale under the `refuse`
 policy, 4 busy (lock held, or another machine published the corpus first), 5 `cag compare` incomplete (stopped at
 --max-minutes; --resume continues), 6 snapshot store unreachable; the CLI adds 130 for an interrupt.
 """
@@ -44,6 +44,14 @@ class TooLarge(CagError):
     code = "too_large"
 
 
+class ContextExceeded(CagError):
+    """A conversation (with its answer) longer than the context left after the knowledge: OpenAI's
+    context_length_exceeded."""
+
+    http_status = 400
+    code = "context_length_exceeded"
+
+
 class ModelError(CagError):
     """A model that cannot be loaded or is not supported (e.g. sliding-window attention)."""
 
@@ -80,3 +88,17 @@ class StoreUnreachable(IndexUnusable):
     cache holds is still served. Its HTTP code is the index's: the store is the shared index."""
 
     exit_code = 6
+
+
+class StoreCorrupt(SnapshotCorrupt):
+    """An object of a reachable shared store that cannot be used: a corpus's ref that is not a ref,
+    or a blob it names that is missing or unreadable. Exit 1 and 503 like a corrupt snapshot (never
+    6: the store answered); `cag ingest NAME` rebuilds what is missing and writes the ref again."""
+
+
+class StorageFull(CagError):
+    """This machine's disk has no room (ENOSPC, quota) for a snapshot or the index: nothing
+    half-written is kept and the previous snapshot still answers. Free space and ingest again."""
+
+    http_status = 507
+    code = "insufficient_storage"

@@ -6,7 +6,8 @@ time from Python costs more than running them: SmolLM2 on an H200 decoded 38-49 
 kernels once and launches them all with one call.
 
 What is captured: the step of one request (B = 1, one token) over one resident prefix, its
-attention reading the whole suffix slot (the keys past the request's own masked), so one graph per
+attention reading the first `room` keys of its suffix slot (the question and answer room; the keys
+past the request's own masked; a longer conversation steps eagerly past them), so one graph per
 prefix, kept on the Prefix (Prefix.made) and gone with it; the first question on a prefix pays the
 capture (an eager step and a recording, tens of ms). The request's token, slot and suffix start
 are copied into static device tensors before each replay, and the position table is filled up to
@@ -30,8 +31,9 @@ from .parts import Part
 class Graphs:
     """Captured decode steps of `step` (cag.step.LeanStep) writing to `slots` (cag.slots.Slots)."""
 
-    def __init__(self, step, slots):
+    def __init__(self, step, slots, room: int):
         self.step, self.slots = step, slots
+        self.room = min(room, slots.room)  # suffix keys a captured step reads: a request past them steps eagerly
         dev = step.device
         self.tok = torch.zeros(1, 1, dtype=torch.long, device=dev)  # (B=1, m=1)
         self.slot = torch.zeros(1, dtype=torch.long, device=dev)
@@ -53,8 +55,8 @@ class Graphs:
 
     def _capture(self, prefix):
         s = self.step
-        part = Part(self.tok, [prefix], self.slot, self.start, seen=self.slots.room)  # reads the whole slot
-        s.cos_sin(self.start, s.embed[:1], prefix.n + self.slots.room)  # the whole position table, before capture
+        part = Part(self.tok, [prefix], self.slot, self.start, seen=self.room)  # reads the first `room` keys of the slot
+        s.cos_sin(self.start, s.embed[:1], prefix.n + self.room)  # the whole position table, before capture
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):  # warm-up: cuBLAS handles and workspaces are made outside the capture

@@ -180,7 +180,7 @@ def reindex(settings: Settings, index: Index) -> dict:
             continue
         try:
             meta = snapfiles.read_header(path)
-            meta["key"], meta["corpus"], meta["spans"]  # noqa: B018 - required fields
+            meta["key"], meta["corpus"], meta["created"], snapfiles.spans_of(meta, path.name)  # noqa: B018 - required fields
         except (snapfiles.SnapshotError, KeyError):
             bad.append(path.name)
             continue

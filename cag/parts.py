@@ -21,6 +21,13 @@ class Part:
     slots: torch.Tensor
     starts: torch.Tensor
     seen: int | None = None
+    # a question's rows (its whole suffix, or what a kept conversation leaves to prefill: one token, maybe)
+    # take the question's products and attention; None: a part of more than one token per request is one
+    question: bool | None = None
+
+    @property
+    def asks(self) -> bool:
+        return self.question if self.question is not None else self.toks.shape[1] > 1
 
 
 class Rows:
@@ -30,6 +37,7 @@ class Rows:
         dev, rep = s.device, s.rep
         cpu = dev.type == "cpu"
         self.B, self.m = part.toks.shape
+        self.question = part.asks  # the role picks kernels and weight copies, never the row count
         self.M = self.m * rep  # query rows per request and K/V head: token t, head r -> row t*rep + r
         self.r0, self.r1 = r0, r0 + self.B * self.m
         seen = part.seen if part.seen is not None else int(part.starts.max()) + self.m
@@ -60,26 +68,30 @@ def offsets(parts: list[Part]) -> list[int]:
     return out
 
 
-SHORT = 128  # suffixes up to this many keys are read in 16-key steps; longer ones read the whole slot
+SHORT = 128  # suffixes up to this many keys are read in 16-key steps; longer ones in steps of BLOCK
+BLOCK = 512  # torch's CPU flash kernel sums keys in blocks of 512 once a call has that many
 
 
 def suffix_keys(seen: int, room: int) -> int:
     """How many suffix keys a part's attention reads when its longest request sees `seen`: a width
-    that does not depend on who else is in the batch, so a request's rows get the same bits alone
-    and batched. torch's CPU flash kernel gives a row with j visible keys identical results for every
-    width from j rounded up to 16 to 512 when j <= 128 (tests/test_batch.py pins it); for longer
-    suffixes the result moves with the width, so those read the whole slot (room)."""
-    return min(room, -(-seen // 16) * 16) if seen <= SHORT else room
+    that does not depend on who else is in the batch or how a conversation was split into parts, so
+    a request's rows get the same bits alone, batched and over a kept conversation. torch's CPU flash
+    kernel gives a row with j visible keys identical results for every width from j rounded up to
+    16 to 512 when j <= 128, and for every multiple of 512 from j rounded up to 512 on (blocks of
+    masked keys change nothing: tests/test_batch.py pins both); between 128 and 512 keys the result
+    moves with the width, so longer suffixes are read in whole blocks of 512 (a slot's room is a
+    multiple of it)."""
+    return min(room, -(-seen // 16) * 16) if seen <= SHORT else min(room, -(-seen // BLOCK) * BLOCK)
 
 
 def roles(parts: list[Part]) -> list[tuple[int, bool]] | None:
     """(rows, question?) runs of the pass in row order, for the packed products (weights.Packed): a
-    part of more than one token per request is a question; None when every row decodes."""
-    if all(p.toks.shape[1] == 1 for p in parts):
+    question part (Part.asks) is one run; None when every row decodes."""
+    if not any(p.asks for p in parts):
         return None
     out: list[tuple[int, bool]] = []
     for p in parts:
-        q = p.toks.shape[1] > 1
+        q = p.asks
         if out and out[-1][1] == q:
             out[-1] = (out[-1][0] + p.toks.numel(), q)
         else:

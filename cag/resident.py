@@ -31,8 +31,12 @@ class Resident:
 
 
 class ResidentPool:
-    def __init__(self, budget_bytes: int):
+    """`kept`: the kept conversations (cag.kept), counted in the same budget and evicted first (a
+    conversation is recomputed from its snapshot; a snapshot must be read from its file again)."""
+
+    def __init__(self, budget_bytes: int, kept=None):
         self.budget_bytes = budget_bytes
+        self.kept = kept
         self._items: OrderedDict[str, Resident] = OrderedDict()
         self._lock = threading.Lock()
         self.stats = {"snapshot_hits": 0, "snapshot_loads": 0}  # read by /metrics
@@ -63,8 +67,12 @@ class ResidentPool:
                 self._items.pop(digest, None)
 
     def _shrink(self) -> None:
-        while len(self._items) > 1 and sum(r.nbytes for r in self._items.values()) > self.budget_bytes:
-            self._items.popitem(last=False)
+        held = sum(r.nbytes for r in self._items.values())
+        if self.kept is not None:
+            self.kept.shrink(max(0, self.budget_bytes - held))
+            held += self.kept.nbytes
+        while len(self._items) > 1 and held > self.budget_bytes:
+            held -= self._items.popitem(last=False)[1].nbytes
 
     def __contains__(self, digest: str) -> bool:
         with self._lock:

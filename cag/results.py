@@ -84,7 +84,7 @@ class Answer:
     stale: bool
     stale_reasons: list[str]
     prompt_tokens: int
-    cached_tokens: int
+    cached_tokens: int  # the snapshot's tokens plus conversation_tokens
     completion_tokens: int
     load_ms: float
     ttft_ms: float
@@ -92,9 +92,11 @@ class Answer:
     retrieval_ms: float = 0.0  # rag mode only
     decode_tok_s: float | None = None  # tokens after the first, per second (None below two tokens)
     routing_ms: float = 0.0  # sharded corpora: choosing the shard(s)
+    warnings: list[str] = field(default_factory=list)  # what went wrong beside the answer (the query log not written)
     shards: list[dict] = field(default_factory=list)  # sharded corpora: the shard(s) that answered, with scores
     token_ids: list[int] = field(default_factory=list, repr=False)
     passages: list[dict] = field(default_factory=list, repr=False)  # rag mode: what was retrieved
+    conversation_tokens: int = 0  # prompt tokens of earlier turns reused from the kept conversation (cag.kept)
 
     def to_dict(self) -> dict:
         d = asdict(self)

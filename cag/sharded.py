@@ -60,7 +60,7 @@ def route(engine, corpus: str, text: str, k: int) -> tuple[list[dict], list[rout
 
 def answer(engine, q, k: int, on_text, should_stop):
     """Answer a checked question from the k best shards of its corpus (see the module doc)."""
-    rows, routes, routing_ms = route(engine, q.corpus, q.text, k)
+    rows, routes, routing_ms = route(engine, q.corpus, q.search_text, k)
     tried = []
     for rt in routes:
         digest = rows[rt.shard]["snapshot"]

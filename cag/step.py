@@ -10,7 +10,7 @@ one row per layer.
 Same math as transformers, op for op where it matters for the bits:
   * products: the model's own Linear / FastLinear modules (so every CAG_WEIGHTS format is used), a
     layer's q/k/v and gate/up in one call each over their stacked weights (cag.stacking, same bits);
-    a question's rows (a part of more than one token) in bf16 under int8/int4 (parts.roles, weights.Packed);
+    a question's rows (a question part: parts.Part.asks) in bf16 under int8/int4 (parts.roles, weights.Packed);
   * RMSNorm: the formula of LlamaRMSNorm with the model's weights and eps (float32 inside);
   * rope: the model's own rotary embedding module (its values tabled per position: cos_sin);
     `rotate_half(x) * sin` is computed as `roll(x) * (sin with its first half negated)`, equal

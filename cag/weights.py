@@ -16,7 +16,7 @@ weights through cag.native instead, at the speed of reading them: int4 as GGUF Q
 float16 step and min per group of 32: w = m + q * d), int4's LM head as GGUF Q8_0 does ("q8"), bf16
 as a plain matrix, and a question's rows (int8, int4) through the bf16 product; all return float32.
 
-A question's rows (a part of more than one token per request: cag.step) are multiplied in bf16 in
+A question's rows (a question part: cag.parts.Part.asks) are multiplied in bf16 in
 int8 and int4 too, from a second, bf16 copy (FEW layout, calls of <= FEW rows): the integer kernels
 dequantize per row (int4 measured here: 6 ms for 1 row of all SmolLM2 products, 39 ms for 18; bf16
 23 ms for either), so a question's pass costs what bf16's does while every decode row still reads

@@ -69,13 +69,14 @@ def ask(
     stream: Annotated[bool, typer.Option("--stream", help="Print tokens as they are generated.")] = False,
     shards: Annotated[int, typer.Option("--shards", help="Sharded corpora: answer from the S best shards (BM25 routing), keep the most confident answer.")] = 1,
     questions_file: Annotated[str | None, typer.Option("--questions-file", help="Answer every question of FILE (one per line, or JSON lines with a \"question\" field; - for stdin), decoded together in batches: JSON lines out, in input order.")] = None,
+    messages_file: Annotated[str | None, typer.Option("--messages", help="Answer a conversation: FILE holds a JSON list of chat messages (system, user, assistant; the last one the user's question; - for stdin).")] = None,
     model: ModelOpt = None,
     store: StoreOpt = None,
     json_: JsonOpt = False,
 ):
-    """Answer a question from a corpus (or many, with --questions-file)."""
-    if (question is None) == (questions_file is None):
-        raise typer.BadParameter("give a QUESTION or --questions-file FILE, not both", param_hint="QUESTION")
+    """Answer a question from a corpus (or many, with --questions-file; or a conversation's last, with --messages)."""
+    if (question is not None) + (questions_file is not None) + (messages_file is not None) != 1:
+        raise typer.BadParameter("give one of QUESTION, --questions-file FILE or --messages FILE", param_hint="QUESTION")
     from cag.generate import DecodeConfig  # torch: imported when a command needs it, not at start
 
     engine = _engine(model, store=store)
@@ -98,10 +99,17 @@ def ask(
         if n and not 1 <= shards <= n:
             typer.echo(f"warning: --shards {shards} clamped to {max(1, min(shards, n))} ({corpus!r} has {n} shards)", err=True)
 
+    messages = None
+    if messages_file is not None:
+        from cag.cli.chat_cmd import read_messages
+
+        messages = read_messages(messages_file)
     a = answer(engine, corpus, question, mode=mode, max_tokens=max_tokens, on_text=on_text, on_stale=on_stale,
-               k=k, retriever=retriever, shards=shards, decoding=decoding)
+               k=k, retriever=retriever, shards=shards, decoding=decoding, messages=messages)
     if a.stale:
         typer.echo(f"warning: corpus {corpus!r} is stale: {shown('; '.join(a.stale_reasons))}", err=True)
+    for w in a.warnings:  # e.g. a read-only index: the answer stands, its log was not written
+        typer.echo(f"warning: {shown(w)}", err=True)
     if json_:
         _emit(a.to_dict())
         return
@@ -163,6 +171,9 @@ from cag.cli.compare_cmd import compare  # noqa: E402
 
 app.command()(compare)
 from cag.cli.maintenance import gc, invalidate, reindex  # noqa: E402
+from cag.cli.chat_cmd import chat  # noqa: E402
+
+app.command()(chat)
 
 app.command()(invalidate)
 app.command()(gc)

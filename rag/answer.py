@@ -113,7 +113,7 @@ def answer_rag(engine, q, k: int = 3, retriever: str = "bm25", on_text: Callable
 
     t0 = time.perf_counter()
     idx, _cached = get_index(engine, docs, retriever, passage_tokens)
-    hits = idx.retriever.search(q.text, k)
+    hits = idx.retriever.search(q.search_text, k)
     retrieval_ms = (time.perf_counter() - t0) * 1e3
 
     order = {d.name: i for i, d in enumerate(docs)}
@@ -127,15 +127,18 @@ def answer_rag(engine, q, k: int = 3, retriever: str = "bm25", on_text: Callable
     return engine.answer_prompt(q, prefix.ids, on_text, should_stop, retrieval_ms=round(retrieval_ms, 2), passages=passages)
 
 
-def ask(engine, corpus: str, question: str, mode: str = "cag", max_tokens: int | None = None,
+def ask(engine, corpus: str, question: str | None, mode: str = "cag", max_tokens: int | None = None,
         on_text: Callable[[str], None] | None = None, should_stop: Callable[[], bool] | None = None,
-        on_stale: str = "serve", decoding=None, k: int = 3, retriever: str = "bm25", shards: int = 1):
+        on_stale: str = "serve", decoding=None, k: int = 3, retriever: str = "bm25", shards: int = 1,
+        messages: list | None = None):
     """Answer in any mode: `cag` and `full` are the engine's own; `rag` is built here, above it.
-    The one entry point for the CLI, the API and the comparison runner."""
+    The one entry point for the CLI, the API and the comparison runner. `messages`: a conversation
+    (cag.chat) in place of `question`; RAG retrieves by its latest user messages and answers with the
+    whole conversation after the passages, as `cag` and `full` do after the knowledge."""
     if mode != Mode.RAG.value:
         return engine.ask(corpus, question, mode=mode, max_tokens=max_tokens, on_text=on_text,
-                          should_stop=should_stop, on_stale=on_stale, decoding=decoding, shards=shards)
-    q = engine.check(corpus, question, mode, max_tokens, on_stale, decoding)
+                          should_stop=should_stop, on_stale=on_stale, decoding=decoding, shards=shards, messages=messages)
+    q = engine.check(corpus, question, mode, max_tokens, on_stale, decoding, messages)
     return answer_rag(engine, q, k, retriever, on_text, should_stop)
 
 

@@ -188,19 +188,15 @@ def test_chat_completions_with_the_openai_client(server):
     assert "notes" in [m.id for m in client.models.list()]
     assert client.models.retrieve("notes").id == "notes"
 
-    c = client.chat.completions.create(
-        model="notes", max_tokens=24,
-        messages=[{"role": "system", "content": "Be brief."}, {"role": "user", "content": "ignored earlier turn"},
-                  {"role": "assistant", "content": "ok"}, {"role": "user", "content": q}],
-        extra_body={"unknown_field": {"nested": 1}, "logit_bias": {}},
-    )
+    c = client.chat.completions.create(model="notes", max_tokens=24, messages=[{"role": "user", "content": q}],
+                                       extra_body={"unknown_field": {"nested": 1}, "logit_bias": {}})
     assert c.object == "chat.completion" and c.model == "notes"
-    assert c.choices[0].message.content == plain["answer"]
+    assert c.choices[0].message.content == plain["answer"]  # one user message: the plain question
     assert c.choices[0].message.role == "assistant"
     assert c.choices[0].finish_reason in ("stop", "length")
     assert c.usage.prompt_tokens == plain["usage"]["prompt_tokens"]
     assert c.usage.completion_tokens == plain["usage"]["completion_tokens"]
-    assert c.usage.prompt_tokens_details.cached_tokens == plain["usage"]["cached_tokens"] > 0
+    assert c.usage.prompt_tokens_details.cached_tokens >= plain["usage"]["cached_tokens"] > 0
 
     stream = client.chat.completions.create(model="notes", max_tokens=24, stream=True,
                                             stream_options={"include_usage": True},
@@ -209,7 +205,7 @@ def test_chat_completions_with_the_openai_client(server):
     text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
     assert text == plain["answer"]
     assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] in ("stop", "length")
-    assert chunks[-1].usage.prompt_tokens_details.cached_tokens == plain["usage"]["cached_tokens"]
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens == chunks[-1].usage.prompt_tokens - 1  # all but its last token kept
 
     with pytest.raises(openai.NotFoundError):
         client.chat.completions.create(model="nope", messages=[{"role": "user", "content": q}])
@@ -225,6 +221,80 @@ def test_chat_completions_with_the_openai_client(server):
     assert events[-1][1] == "[DONE]"
     first = json.loads(events[0][1])
     assert first["object"] == "chat.completion.chunk" and first["choices"][0]["delta"]["role"] == "assistant"
+
+
+def chat_turns(client, questions: list[str], system: str | None = None, **kw) -> list:
+    """A conversation through the official client: each turn sends the history, the answers it got."""
+    messages = [{"role": "system", "content": system}] if system else []
+    out = []
+    for q in questions:
+        messages.append({"role": "user", "content": q})
+        c = client.chat.completions.create(model="notes", max_tokens=16, messages=messages, **kw)
+        out.append(c)
+        messages.append({"role": "assistant", "content": c.choices[0].message.content})
+    return out
+
+
+def test_a_conversation_through_the_openai_client_reuses_its_turns_exactly(server, tmp_path):
+    import openai
+
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key=KEY, max_retries=0)
+    turns = chat_turns(client, QUESTIONS[:3], system="Answer in one short sentence.")
+    prompt = [c.usage.prompt_tokens for c in turns]
+    cached = [c.usage.prompt_tokens_details.cached_tokens for c in turns]
+    conv = [c.cag["cached_tokens"]["conversation"] for c in turns]  # the extension says which cached tokens are whose
+    snapshot = turns[0].cag["cached_tokens"]["snapshot"]
+    assert prompt[0] < prompt[1] < prompt[2] and conv[0] == 0
+    assert cached[1:] == prompt[:2] and conv[1:] == [p - snapshot for p in prompt[:2]]  # grown by the previous turn
+    # the same conversation, answered from scratch (`full`: the knowledge prefilled again) by the CLI
+    messages = [{"role": "system", "content": "Answer in one short sentence."}]
+    for q, c in zip(QUESTIONS[:3], turns):
+        messages += [{"role": "user", "content": q}, {"role": "assistant", "content": c.choices[0].message.content}]
+    (tmp_path / "m.json").write_text(json.dumps(messages[:-1]))
+    r = subprocess.run([*cag_command(), "ask", "notes", "--messages", str(tmp_path / "m.json"), "--mode", "full",
+                        "--max-tokens", "16", "--json"], env=server.env, cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["answer"] == turns[2].choices[0].message.content
+    # history counts: the last question alone gets another prompt
+    alone = server.ask(QUESTIONS[2], max_tokens=16)
+    assert alone["usage"]["prompt_tokens"] < prompt[2]
+
+
+def test_interleaved_and_concurrent_conversations_get_their_own_answers(server):
+    import openai
+
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key=KEY, max_retries=0)
+    plans = [[QUESTIONS[i % 8], QUESTIONS[(i + 3) % 8]] for i in range(16)]
+    alone = [[c.choices[0].message.content for c in chat_turns(client, p)] for p in plans[:4]]
+    with ThreadPoolExecutor(16) as pool:
+        together = list(pool.map(lambda p: [c.choices[0].message.content for c in chat_turns(client, p)], plans))
+    assert together[:4] == alone and together[8:12] == alone
+    metrics = server.client().get("/metrics").text
+    assert _value(metrics, "cag_conversation_hits_total") >= 16 and _value(metrics, "cag_conversations_kept") >= 1
+
+
+def _value(metrics: str, name: str) -> float:
+    return next(float(line.split()[-1]) for line in metrics.splitlines() if line.startswith(name + " "))
+
+
+@pytest.mark.parametrize("body,code", [
+    ({"messages": [{"role": "tool", "content": "42", "tool_call_id": "x"}, {"role": "user", "content": "q?"}]}, "bad_request"),
+    ({"messages": [{"role": "user", "content": "q?"}], "tools": [{"type": "function", "function": {"name": "f"}}]}, "bad_request"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:,"}}]}]}, "bad_request"),
+    ({"messages": [{"role": "user", "content": ""}]}, "bad_request"),
+    ({"messages": [{"role": "user", "content": "q?"}, {"role": "assistant", "content": "a"}]}, "bad_request"),
+    ({"messages": [{"role": "user", "content": f"Who keeps the lighthouse, number {i}?"} if j == 0 else
+                   {"role": "assistant", "content": "Mara Voss keeps the lighthouse."}
+                   for i in range(1000) for j in range(2)] + [{"role": "user", "content": "q?"}]}, "context_length_exceeded"),
+])
+def test_bad_conversations_get_400_with_a_message(server, body, code):
+    with server.client() as c:
+        r = c.post("/v1/chat/completions", json={"model": "notes", **body})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["code"] == code and err["message"]
+    if code == "context_length_exceeded":
+        assert "maximum context length is 4096 tokens" in err["message"]
 
 
 def decode_counters(server) -> tuple[float, float]:

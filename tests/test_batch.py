@@ -90,11 +90,12 @@ def test_suffix_attention_is_row_invariant():
         # suffix attention: the width read (suffix_keys) changes with the batch's longest suffix, and
         # the keys past a row's own suffix hold other requests' leftovers (masked)
         flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
-        room, heads, d, rows = 512, 3, 64, 3
-        for dtype, seen in ((dt, n) for dt in (torch.float32, torch.bfloat16) for n in (1, 17, 40, 128, 129, 300)):
+        # a slot of a conversation's room: past 512 keys the width grows by blocks of 512
+        room, heads, d, rows = 2048, 3, 64, 3
+        for dtype, seen in ((dt, n) for dt in (torch.float32, torch.bfloat16) for n in (1, 17, 40, 128, 129, 300, 600, 1500)):
             q, k, v = (torch.randn(1, heads, n, d).to(dtype) for n in (rows, room, room))
             outs = []
-            for longest in (seen, seen + 9, 100, 130, room):
+            for longest in (seen, seen + 9, 100, 130, 700, 1100, room):
                 width = suffix_keys(max(seen, longest), room)
                 k2, v2 = k.clone(), v.clone()
                 k2[:, :, seen:], v2[:, :, seen:] = (torch.randn(1, heads, room - seen, d).to(dtype) for _ in "kv")

@@ -1,0 +1,116 @@
+"""Kept conversations: the K/V of a conversation's prompt, kept after its turn so the next turn
+prefills only its new tokens.
+
+A chat turn is the snapshot (the knowledge prefix) plus the conversation so far as its suffix
+(cag.chat). When a turn's question rows have been prefilled, the suffix's keys and values are copied
+out of the request's slot and kept here under the snapshot's digest and the suffix's token ids. A
+later request on the same snapshot whose suffix starts with kept tokens (the client sends the history
+back, plus the answer and a new question) copies the longest such match into its slot and prefills
+from there: matching is by tokens, no session id.
+
+What is kept is exactly what prefilling the whole conversation from scratch writes: only question
+rows are kept (never an answer's decode rows, which run on other kernels and weights), and a
+question row's bits do not depend on how the rows before it were split into turns (row-invariant
+products, cag.parts.suffix_keys). So a reused, an evicted-and-recomputed and a `full` conversation
+give the same tokens. The answer the client sends back is matched as text re-tokenized, which is
+what a recomputation would see too.
+
+Bounded: an LRU under a byte budget (CAG_CONVERSATION_BYTES), also counted in the resident budget
+(cag.resident). Used from the decode thread; counters are read by /metrics from any thread.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+
+@dataclass(eq=False)
+class Kept:
+    key: str  # the snapshot digest the conversation's suffix continues
+    ids: np.ndarray  # (n,) int64: the suffix's token ids
+    kv: list[tuple[torch.Tensor, torch.Tensor]]  # per layer keys, values (H_kv, n, D), the slots' dtype
+
+    @property
+    def n(self) -> int:
+        return len(self.ids)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for pair in self.kv for t in pair)
+
+
+def common_prefix(a: np.ndarray, b: np.ndarray) -> int:
+    m = min(len(a), len(b))
+    diff = np.flatnonzero(a[:m] != b[:m])
+    return int(diff[0]) if len(diff) else m
+
+
+class KeptConversations:
+    def __init__(self, budget_bytes: int):
+        self.budget_bytes = budget_bytes
+        self._items: OrderedDict[int, Kept] = OrderedDict()  # id(Kept) -> Kept, oldest first
+        self._lock = threading.Lock()
+        self.stats = {"conversation_hits": 0, "conversation_misses": 0, "conversation_reused_tokens": 0,
+                      "conversation_evictions": 0}
+
+    def match(self, key: str, ids: list[int]) -> tuple[Kept | None, int]:
+        """The kept conversation sharing the longest token prefix with `ids` on snapshot `key`, and
+        how many of its tokens can be reused (at most len(ids) - 1: the last token's row gives the
+        logits the answer starts from)."""
+        a = np.asarray(ids, dtype=np.int64)
+        best, n = None, 0
+        with self._lock:
+            for item in self._items.values():
+                if item.key == key and (m := common_prefix(a, item.ids)) > n:
+                    best, n = item, m
+            n = min(n, len(ids) - 1)
+            if best is not None and n > 0:
+                self._items.move_to_end(id(best))
+                self.stats["conversation_hits"] += 1
+                self.stats["conversation_reused_tokens"] += n
+                return best, n
+            self.stats["conversation_misses"] += 1
+        return None, 0
+
+    def keep(self, key: str, ids: list[int], kv: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Keep a suffix's K/V (copies the caller made). Kept conversations it extends are dropped:
+        every match they could give, the new one gives too."""
+        item = Kept(key, np.asarray(ids, dtype=np.int64), kv)
+        if item.nbytes > self.budget_bytes:
+            return
+        with self._lock:
+            for k, old in list(self._items.items()):
+                if old.key == key and old.n <= item.n and common_prefix(old.ids, item.ids) == old.n:
+                    del self._items[k]
+            self._items[id(item)] = item
+            self._shrink(self.budget_bytes)
+
+    def shrink(self, budget_bytes: int) -> None:
+        """Evict the oldest until at most `budget_bytes` are kept (the resident pool's share)."""
+        with self._lock:
+            self._shrink(budget_bytes)
+
+    def _shrink(self, budget: int) -> None:
+        while self._items and sum(i.nbytes for i in self._items.values()) > budget:
+            self._items.popitem(last=False)
+            self.stats["conversation_evictions"] += 1
+
+    def clear(self) -> None:
+        with self._lock:
+            self._items.clear()
+
+    @property
+    def nbytes(self) -> int:
+        with self._lock:
+            return sum(i.nbytes for i in self._items.values())
+
+    def snapshot(self) -> dict:
+        """Counters and gauges for /metrics."""
+        with self._lock:
+            return dict(self.stats, conversations_kept=len(self._items),
+                        conversation_bytes=sum(i.nbytes for i in self._items.values()))

@@ -1,0 +1,101 @@
+"""`cag chat NAME`: a terminal chat over a corpus; and reading a conversation from a JSON file for
+`cag ask NAME --messages FILE`. The conversation is the prompt after the knowledge (cag.chat), its
+K/V kept between turns in this process (cag.kept): each turn prefills only its new tokens."""
+
+from __future__ import annotations
+
+import json
+import signal
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from cag.cli.common import ModelOpt, StoreOpt, _engine, handle_errors, shown
+from cag.errors import BadInput
+
+HELP = "Type a question and Enter. /new starts over, /quit (or Ctrl-D) ends; Ctrl-C stops an answer."
+
+
+def read_messages(path: str) -> list[dict]:
+    """A JSON list of chat messages ({"role", "content"}) from a file, or stdin for `-`."""
+    try:
+        text = sys.stdin.read() if path == "-" else Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise BadInput(f"cannot read messages file {path}: {e}") from None
+    try:
+        messages = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise BadInput(f"messages file {path} is not JSON: {e}") from None
+    if isinstance(messages, dict) and isinstance(messages.get("messages"), list):
+        messages = messages["messages"]  # a chat completion request body works too
+    if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
+        raise BadInput(f"messages file {path}: expected a JSON list of {{\"role\", \"content\"}} objects")
+    return messages
+
+
+@handle_errors
+def chat(
+    corpus: Annotated[str, typer.Argument(help="Corpus name (see `cag list`).")],
+    system: Annotated[str | None, typer.Option(help="A system message for the conversation (it follows the knowledge).")] = None,
+    mode: Annotated[str, typer.Option(help="cag: from the snapshot; full: whole knowledge in the prompt, no cache; rag: BM25 top-k passages.")] = "cag",
+    max_tokens: Annotated[int | None, typer.Option(help="Answer length limit in tokens (clamped to CAG_ANSWER_ROOM).")] = None,
+    model: ModelOpt = None,
+    store: StoreOpt = None,
+):
+    """Chat with a corpus in the terminal: the history is kept, answers stream in."""
+    from cag.errors import CagError
+    from cag.kv import Cancelled
+    from cag.rag.answer import ask as answer
+
+    engine = _engine(model, store=store)
+    engine.check(corpus, "ping", mode)  # an unknown corpus or mode: one line before the first prompt
+    start = [{"role": "system", "content": system}] if system else []
+    messages = list(start)
+    typer.echo(f"chatting with {shown(corpus)} ({mode}). {HELP}", err=True)
+    stop = {"now": False}
+
+    def interrupt(*_):
+        stop["now"] = True
+
+    while True:
+        try:
+            line = input("you> ")
+        except EOFError:
+            typer.echo("", err=True)
+            return
+        except KeyboardInterrupt:  # at the prompt: a fresh line, like a shell
+            typer.echo("", err=True)
+            continue
+        text = line.strip()
+        if not text:
+            continue
+        if text in ("/quit", "/exit"):
+            return
+        if text == "/new":
+            messages = list(start)
+            typer.echo("(new conversation)", err=True)
+            continue
+        messages.append({"role": "user", "content": text})
+        stop["now"] = False
+        previous = signal.signal(signal.SIGINT, interrupt)
+        try:
+            a = answer(engine, corpus, None, mode=mode, max_tokens=max_tokens, messages=messages,
+                       on_text=lambda piece: (sys.stdout.write(piece), sys.stdout.flush()), should_stop=lambda: stop["now"])
+        except Cancelled:
+            messages.pop()
+            typer.echo("(stopped)", err=True)
+            continue
+        except CagError as e:
+            messages.pop()
+            typer.echo("\nerror: " + shown(" ".join(str(e).splitlines())), err=True)
+            continue
+        finally:
+            signal.signal(signal.SIGINT, previous)
+        typer.echo("")
+        if stop["now"]:
+            typer.echo("(stopped)", err=True)
+        messages.append({"role": "assistant", "content": a.answer or "..."})
+        typer.echo(f"[{a.mode}] prompt {a.prompt_tokens} tok ({a.cached_tokens} cached: {a.conversation_tokens} of them from "
+                   f"this conversation), answer {a.completion_tokens} tok; ttft {a.ttft_ms:.0f} ms", err=True)

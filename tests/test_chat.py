@@ -1,0 +1,154 @@
+"""Conversations (cag.chat, cag.kept): the whole conversation is the prompt's suffix, its K/V kept
+between turns, and every turn exact: reused == evicted and recomputed == `full`, alone and batched."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from cag import chat, native
+from cag.config import get_settings
+from cag.engine import Engine
+from cag.errors import BadInput, ContextExceeded
+
+Q1 = "Who keeps the lighthouse?"
+Q2 = "And when does the ferry leave?"
+Q3 = "Which bread is sold on Tuesdays?"
+
+
+def conversation(engine, turns: list[str], mode: str = "cag", system: str | None = None, max_tokens: int = 12):
+    """Ask each question with the history so far (the answers the engine gave); the answers."""
+    messages = [{"role": "system", "content": system}] if system else []
+    out = []
+    for q in turns:
+        messages.append({"role": "user", "content": q})
+        a = engine.ask("corpus", None, mode=mode, max_tokens=max_tokens, messages=messages)
+        out.append(a)
+        messages.append({"role": "assistant", "content": a.answer or "..."})
+    return out
+
+
+def history(questions: list[str], answers) -> list[dict]:
+    messages = []
+    for q, a in zip(questions, answers):
+        messages += [{"role": "user", "content": q}, {"role": "assistant", "content": a.answer or "..."}]
+    return messages[:-1]
+
+
+@pytest.fixture
+def engine(tiny_engine, small_corpus):
+    tiny_engine.ingest(str(small_corpus))
+    return tiny_engine
+
+
+FORMATS = [("tiny", "fp32", "torch"), ("tiny", "bf16", "torch"), ("tiny", "int4", "torch"),
+           ("tiny64", "int4", "avx512"), ("tiny64", "bf16", "avx512")]
+
+
+@pytest.mark.parametrize("model,weights,kernels", FORMATS)
+def test_a_conversation_is_exact_reused_recomputed_and_full(request, small_corpus, monkeypatch, model, weights, kernels):
+    if kernels != "torch" and native.load() is None:
+        pytest.skip(f"cag's kernels do not run here: {native.reason()}")
+    monkeypatch.setenv("CAG_MODEL", str(request.getfixturevalue(f"{model}_model_dir")))
+    monkeypatch.setenv("CAG_WEIGHTS", weights)
+    monkeypatch.setenv("CAG_DECODE_KERNELS", kernels)
+    engine = Engine(get_settings())
+    engine.ingest(str(small_corpus))
+    kept = conversation(engine, [Q1, Q2, Q3])
+    assert [a.conversation_tokens > 0 for a in kept] == [False, True, True]  # turns 2 and 3 reuse the last prompt
+    assert [a.cached_tokens - a.conversation_tokens for a in kept] == [kept[0].cached_tokens] * 3  # the snapshot
+    assert kept[0].prompt_tokens < kept[1].prompt_tokens < kept[2].prompt_tokens
+    recomputed, full = [], conversation(engine, [Q1, Q2, Q3], mode="full")
+    for i in range(3):  # each turn recomputed from the snapshot alone, over the same history
+        engine.kept.clear()
+        recomputed.append(engine.ask("corpus", None, max_tokens=12, messages=history([Q1, Q2, Q3][: i + 1], kept)))
+    assert all(a.conversation_tokens == 0 for a in recomputed) and all(a.mode == "full" for a in full)
+    ids = lambda answers: [a.token_ids for a in answers]  # noqa: E731
+    assert ids(kept) == ids(recomputed) == ids(full)
+    again = engine.ask("corpus", Q1, max_tokens=12)  # all but its last token kept: one question row left
+    assert again.conversation_tokens == again.prompt_tokens - again.cached_tokens + again.conversation_tokens - 1
+    assert again.token_ids == kept[0].token_ids
+
+
+def test_one_user_message_is_a_plain_question(engine):
+    plain = engine.ask("corpus", Q1, max_tokens=12)
+    assert engine.ask("corpus", None, max_tokens=12, messages=[{"role": "user", "content": Q1}]).token_ids == plain.token_ids
+
+
+def test_history_and_system_messages_change_the_prompt(engine):
+    alone = engine.ask("corpus", Q2, max_tokens=12)
+    turns = conversation(engine, [Q1, Q2])
+    assert turns[1].prompt_tokens > alone.prompt_tokens
+    told = conversation(engine, [Q1], system="Answer in French.")[0]
+    assert told.prompt_tokens > turns[0].prompt_tokens
+
+
+def test_an_edited_turn_reuses_only_up_to_the_edit(engine):
+    conversation(engine, [Q1, Q2])
+    edited = [{"role": "user", "content": Q3}, {"role": "assistant", "content": "rye"}, {"role": "user", "content": Q2}]
+    a = engine.ask("corpus", None, max_tokens=12, messages=edited)
+    assert a.conversation_tokens < 5  # at most the shared first tokens of the two first questions
+    engine.kept.clear()
+    assert engine.ask("corpus", None, max_tokens=12, messages=edited).token_ids == a.token_ids
+
+
+def test_interleaved_and_concurrent_conversations_keep_their_tokens(engine):
+    questions = [[Q1, Q2, Q3], [Q3, Q1, Q2], [Q2, Q3, Q1], [Q1, Q3, Q2]]
+    alone = [[a.token_ids for a in conversation(engine, qs)] for qs in questions]
+    engine.kept.clear()
+    out: dict[int, list] = {}
+
+    def run(i):
+        out[i] = [a.token_ids for a in conversation(engine, questions[i])]
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(questions))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert [out[i] for i in range(len(questions))] == alone
+    assert engine.stats["conversation_hits"] >= 8
+
+
+def test_kept_conversations_are_bounded_and_evicted(tiny_model_dir, small_corpus, monkeypatch):
+    monkeypatch.setenv("CAG_MODEL", str(tiny_model_dir))
+    monkeypatch.setenv("CAG_CONVERSATION_BYTES", "20000")
+    engine = Engine(get_settings())
+    engine.ingest(str(small_corpus))
+    first = conversation(engine, [Q1, Q2, Q3])
+    for qs in ([Q2, Q3], [Q3, Q1]):
+        conversation(engine, qs)
+    assert engine.kept.nbytes <= 20000 and engine.stats["conversation_evictions"] > 0
+    again = conversation(engine, [Q1, Q2, Q3])
+    assert [a.token_ids for a in again] == [a.token_ids for a in first]
+
+
+@pytest.mark.parametrize("messages,match", [
+    ([], "no messages"),
+    ([{"role": "system", "content": "Be brief."}], "no user message"),
+    ([{"role": "user", "content": Q1}, {"role": "system", "content": "Be brief."}], "must end with a user message"),
+    ([{"role": "user", "content": Q1}, {"role": "assistant", "content": "Mara"}], "must end with a user message"),
+    ([{"role": "assistant", "content": "Hi"}, {"role": "user", "content": Q1}], "starts with an assistant"),
+    ([{"role": "tool", "content": "x"}, {"role": "user", "content": Q1}], "calls no tools"),
+    ([{"role": "user", "content": "  "}], "is empty"),
+    ([{"role": "user", "content": ["image"]}], "must be text"),
+    ([{"role": "wizard", "content": Q1}], "unknown role"),
+])
+def test_bad_conversations_are_refused_with_a_message(engine, messages, match):
+    with pytest.raises(BadInput, match=match):
+        engine.ask("corpus", None, messages=messages)
+
+
+def test_a_conversation_longer_than_the_context_is_refused(engine):
+    messages = []
+    for i in range(400):
+        messages += [{"role": "user", "content": f"{Q1} {i}"}, {"role": "assistant", "content": "Mara Voss keeps it."}]
+    messages.append({"role": "user", "content": Q2})
+    with pytest.raises(ContextExceeded, match="maximum context length is 4096 tokens"):
+        engine.ask("corpus", None, messages=messages)
+
+
+def test_turns_join_system_text_to_the_next_user_message():
+    turns = chat.turns_of([("system", "Be brief."), ("user", "a"), ("user", "b"), ("assistant", "c"), ("developer", "d"), ("user", "e")])
+    assert turns == [chat.Turn("user", "Be brief.\n\na\n\nb"), chat.Turn("assistant", "c"), chat.Turn("user", "d\n\ne")]
