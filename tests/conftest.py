@@ -5,7 +5,8 @@ in-process, saved as a normal Hugging Face folder, so it loads through the same 
 code as any user model. Tier 2 (`real` marker): the embedded SmolLM2-135M, materialized once per
 test session into a shared models folder.
 
-Every test runs with CAG_HOME in its own temp dir: no test writes to a real home.
+Every test runs with CAG_HOME in its own temp dir (no test writes to a real home), and with no
+CAG_* variable from the developer's shell but those in FROM_SHELL.
 """
 
 from __future__ import annotations
@@ -84,15 +85,30 @@ def models_dir(tmp_path_factory) -> Path:
     return Path(shared) if shared else tmp_path_factory.mktemp("models")
 
 
+# The only CAG_* variables the suite takes from the developer's shell, on purpose: where the shared
+# datasets are (read at import above, and by cag.compare) and a models folder shared across runs.
+FROM_SHELL = frozenset({"CAG_DATASETS", "CAG_TEST_MODELS_DIR"})
+
+
+def _clear_shell_settings(mp: pytest.MonkeyPatch) -> None:
+    for var in [v for v in os.environ if v.startswith("CAG_") and v not in FROM_SHELL]:
+        mp.delenv(var)  # a setting (or test hook) left in the shell would leak into the suite
+
+
+@pytest.fixture(scope="session", autouse=True)
+def no_shell_settings():
+    """Cleared for the whole session too: module-scoped fixtures (servers) start before `cag_home`."""
+    with pytest.MonkeyPatch.context() as mp:
+        _clear_shell_settings(mp)
+        yield
+
+
 @pytest.fixture(autouse=True)
 def cag_home(tmp_path, monkeypatch, models_dir) -> Path:
+    _clear_shell_settings(monkeypatch)
     home = tmp_path / "cag-home"
     monkeypatch.setenv("CAG_HOME", str(home))
     monkeypatch.setenv("CAG_MODELS_DIR", str(models_dir))
-    for var in ("CAG_MODEL", "CAG_KV_DTYPE", "CAG_API_KEYS", "CAG_TTL_S", "CAG_DEVICE", "CAG_DTYPE", "CAG_STORE",
-                "CAG_STORE_CACHE_BYTES", "CAG_STORE_REF_TTL_S", "CAG_STORE_GC_GRACE_S", "CAG_THREADS",
-                "CAG_DECODE_KERNELS"):
-        monkeypatch.delenv(var, raising=False)
     monkeypatch.setenv("CAG_WEIGHTS", "fp32")  # `auto` measures the machine; tests pin what they compare
     return home
 

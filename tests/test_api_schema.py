@@ -1,6 +1,6 @@
 """The API description is the API: schemathesis over every operation of a real server's
 /openapi.json finds no server error and no response that disagrees with the description; the
-README's error table and the error classes agree with the statuses the API documents.
+error table of docs/http-api.md and the error classes agree with the statuses the API documents.
 """
 
 from __future__ import annotations
@@ -96,7 +96,7 @@ def test_every_operation_conforms_to_the_openapi_description(schema_server):
     assert time.monotonic() - t0 < 60
 
 
-# -- the error statuses: code, README and description agree ---------------------------------------
+# -- the error statuses: code, docs/http-api.md and description agree ------------------------------
 def _error_classes():
     import cag.api.errors
     import cag.errors
@@ -120,9 +120,9 @@ def test_every_error_class_has_its_status_and_code_in_the_table():
     assert status_of(__import__("cag.errors").errors.SnapshotCorrupt) == 503
 
 
-def test_the_readme_error_table_lists_every_status_and_code():
-    text = (REPO / "README.md").read_text()
-    section = text[text.index("## HTTP API"):]
+def test_the_documented_error_table_lists_every_status_and_code():
+    text = (REPO / "docs" / "http-api.md").read_text()
+    section = text[text.index("## Errors"):]
     section = section[:section.index("\n## ", 1)]
     rows = re.findall(r"^\| `?(\d{3})`? \| ([^|]+) \|", section, flags=re.M)
     table = {int(status): {c.strip(" `") for c in codes.split(",")} for status, codes in rows}
