@@ -51,9 +51,10 @@ def status_of(e: CagError | type[CagError]) -> int:
 
 # Every status the API answers with an error body: its codes, and when.
 STATUSES: dict[int, tuple[tuple[str, ...], str]] = {
-    400: (("invalid_request", "bad_request", "model_error"),
+    400: (("invalid_request", "bad_request", "model_error", "context_length_exceeded"),
           "Bad input: a body that is not JSON or does not fit the schema (invalid_request), input the engine "
-          "refuses, e.g. a blank question or no user message (bad_request), a model it cannot use (model_error)."),
+          "refuses, e.g. a blank question or no user message (bad_request), a model it cannot use (model_error), "
+          "a conversation longer than the context left after the knowledge (context_length_exceeded)."),
     401: (("invalid_api_key",), "Missing or wrong API key (only when CAG_API_KEYS is set)."),
     404: (("not_found",), "Unknown corpus, model, job or path."),
     405: (("method_not_allowed",), "The path exists, the method does not (see the Allow header)."),
@@ -65,9 +66,12 @@ STATUSES: dict[int, tuple[tuple[str, ...], str]] = {
     500: (("internal_error",), "A bug: logged with its traceback; the body says no more."),
     503: (("not_ready", "snapshot_corrupt", "index_unusable"),
           "The model is still loading or failed to load (not_ready), the corpus's snapshot failed verification "
-          "and must be rebuilt, e.g. by POST /v1/corpora/{name}/refresh (snapshot_corrupt), or the index "
-          "database cannot be used (index_unusable)."),
+          "or is missing from the shared store, or its ref there is corrupt, and must be rebuilt, e.g. by "
+          "POST /v1/corpora/{name}/refresh (snapshot_corrupt), or the index database cannot be used or "
+          "written, e.g. read-only (index_unusable)."),
     504: (("timeout",), "Queue wait plus generation took longer than CAG_REQUEST_TIMEOUT_S."),
+    507: (("insufficient_storage",), "The server's disk has no room for a snapshot (a refresh, or on_stale refresh): "
+                                     "nothing half-written is kept and the previous snapshot still answers."),
 }
 
 

@@ -18,8 +18,8 @@ from cag.store import snapshots as snapfiles
 from cag.store.index import Index
 from cag.store.sync import shared_store
 
-from . import corpus as corpora
 from . import chat, freshness, kv, sharded, verify
+from . import corpus as corpora
 from . import ingest as steps
 from .batch import Decoder, Request
 from .config import Settings

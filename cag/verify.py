@@ -8,8 +8,7 @@ from pathlib import Path
 from cag.store import snapshots as snapfiles
 
 from . import kv
-from .errors import IndexUnusable, SnapshotCorrupt, StaleRefused
-
+from .errors import IndexUnusable, SnapshotCorrupt, StaleRefused, StorageFull
 
 _finite: dict[str, tuple] = {}  # path -> the file's stamp when its values were found finite
 
@@ -42,7 +41,7 @@ def open_snapshot(engine, row: dict, dequant=None) -> snapfiles.Snapshot:
     except snapfiles.SnapshotError as e:
         try:
             engine.index.set_snapshot_status(digest, "corrupt")
-        except IndexUnusable:
-            pass  # a read-only index cannot record it; the refusal stands
+        except (IndexUnusable, StorageFull):
+            pass  # an index that cannot be written (read-only, full) does not record it; the refusal stands
         raise SnapshotCorrupt(f"{e}; run `cag ingest {row['corpus']}` to rebuild it") from None
     return snap

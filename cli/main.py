@@ -170,8 +170,8 @@ app.command()(serve)
 from cag.cli.compare_cmd import compare  # noqa: E402
 
 app.command()(compare)
-from cag.cli.maintenance import gc, invalidate, reindex  # noqa: E402
 from cag.cli.chat_cmd import chat  # noqa: E402
+from cag.cli.maintenance import gc, invalidate, reindex  # noqa: E402
 
 app.command()(chat)
 
