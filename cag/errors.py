@@ -1,9 +1,10 @@
 """Named user-facing errors. Each maps once to a CLI exit code and an HTTP status.
 
 Exit codes: 1 user error (bad input, bad setting, unknown name, corrupt snapshot or store object,
-unusable or read-only index, full disk ...), 2 command-line usage (typer's own), 3 refused because the corpus is stale under the `refuse`
-policy, 4 busy (lock held, or another machine published the corpus first), 5 `cag compare` incomplete (stopped at
---max-minutes; --resume continues), 6 snapshot store unreachable; the CLI adds 130 for an interrupt.
+unusable or read-only index, full disk ...), 2 command-line usage (typer's own), 3 refused because
+the corpus is stale under the `refuse` policy, 4 busy (lock held, or another machine published the
+corpus first), 5 `cag compare` incomplete (stopped at --max-minutes; --resume continues), 6 snapshot
+store unreachable; the CLI adds 130 for an interrupt.
 """
 
 from __future__ import annotations

@@ -54,7 +54,7 @@ def ask_file(engine, corpus: str, path: str, options: dict) -> int:
     items = read_questions(path)
     if engine.index.corpus(corpus) is None:
         raise NotFound(f"unknown corpus {corpus!r}; `cag list` shows the known ones")
-    t0, first_error, tokens = time.perf_counter(), 0, 0
+    t0, first_error, tokens, warnings = time.perf_counter(), 0, 0, {}
     bar = tqdm(total=len(items), unit="q", file=sys.stderr, disable=not sys.stderr.isatty(), dynamic_ncols=True)
     results = ask_many(engine, corpus, [q for _, q, _ in items], **options)
     for (no, question, obj), (_, a) in zip(items, results):
@@ -65,10 +65,13 @@ def ask_file(engine, corpus: str, path: str, options: dict) -> int:
         else:
             row |= a.to_dict()
             tokens += a.completion_tokens
+            warnings.update(dict.fromkeys(a.warnings))  # each once on stderr, every one in its row
         _emit(row)
         sys.stdout.flush()
         bar.update(1)
     bar.close()
+    for w in warnings:
+        typer.echo(f"warning: {' '.join(w.split())}", err=True)
     s = time.perf_counter() - t0
     stats = engine.stats
     batch = stats.get("decode_rows", 0) / max(1, stats.get("decode_steps", 0))

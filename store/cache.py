@@ -34,14 +34,15 @@ def fill(remote, digest: str, path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{digest}.fetch.{os.getpid()}.tmp")  # gc knows `.<...>.<pid>.tmp` as a temp file
     try:
-        remote.get_blob(digest, tmp)
-        snap = snapfiles.load(tmp, verify=True, decode=False)  # every check a load makes, no dequantizing
-        if short(snap.meta.get("key", ""), 32) != digest:
-            raise snapfiles.SnapshotError(f"snapshot {digest[:12]} in the store holds another key's snapshot")
+        remote.get_blob(digest, tmp)  # SnapshotError when the store does not hold it
+        try:
+            snap = snapfiles.load(tmp, verify=True, decode=False)  # every check a load makes, no dequantizing
+            if short(str(snap.meta.get("key", "")), 32) != digest:
+                raise snapfiles.SnapshotError(f"snapshot {digest[:12]} in the store holds another key's snapshot")
+        except snapfiles.SnapshotError as e:
+            raise snapfiles.SnapshotError(f"snapshot {digest[:12]} fetched from the store failed verification, "
+                                          f"not served: {e}") from None
         os.replace(tmp, path)
-    except snapfiles.SnapshotError as e:
-        raise snapfiles.SnapshotError(f"snapshot {digest[:12]} fetched from the store failed verification, "
-                                      f"not served: {e}") from None
     finally:
         tmp.unlink(missing_ok=True)
     touch(path)

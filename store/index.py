@@ -10,6 +10,7 @@ one file, so "superseded" is derived, never stored: a snapshot that no corpus po
 
 from __future__ import annotations
 
+import logging
 import sqlite3
 import threading
 import time
@@ -19,7 +20,9 @@ from pathlib import Path
 
 import sqlite_utils
 
-from cag.errors import IndexUnusable
+from cag.errors import IndexUnusable, StorageFull
+
+log = logging.getLogger("cag.index")
 
 
 def _m1(db: sqlite_utils.Database) -> None:
@@ -78,6 +81,7 @@ class Index:
     def __init__(self, path: Path):
         self.path = path
         self._local = threading.local()
+        self._query_columns: set[str] | None = None
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
         except OSError as e:
@@ -106,19 +110,51 @@ class Index:
                 self.db.execute(f"PRAGMA user_version = {i}")
 
     @contextmanager
-    def atomic(self):
-        """One transaction (BEGIN IMMEDIATE: writers queue on the busy timeout, never interleave)."""
+    def atomic(self, doing: str = "cannot write to the index"):
+        """One transaction (BEGIN IMMEDIATE: writers queue on the busy timeout, never interleave). A
+        write the file refuses (read-only, disk full, I/O error) is one line, `doing` first:
+        IndexUnusable or StorageFull."""
         conn = self.db.conn
         if conn.in_transaction:
             yield
             return
-        conn.execute("BEGIN IMMEDIATE")
         try:
-            yield
-        except BaseException:
-            conn.execute("ROLLBACK")
-            raise
-        conn.execute("COMMIT")
+            conn.execute("BEGIN IMMEDIATE")
+            try:
+                yield
+            except BaseException:
+                if conn.in_transaction:  # SQLite rolls some failures (a full disk) back itself
+                    conn.execute("ROLLBACK")
+                raise
+            conn.execute("COMMIT")
+        except sqlite3.OperationalError as e:
+            if (refused := self._write_error(e, doing)) is None:
+                raise
+            raise refused from None
+
+    def _write_error(self, e: sqlite3.OperationalError, doing: str) -> Exception | None:
+        """The CagError of a write the database file refused, None for other errors (kept as they are)."""
+        name = getattr(e, "sqlite_errorname", "") or ""
+        if name.startswith("SQLITE_READONLY") or "readonly" in str(e):
+            return IndexUnusable(f"{doing}: {self.path} is read-only ({e})")
+        if name == "SQLITE_FULL" or "is full" in str(e):
+            return StorageFull(f"{doing}: {self.path}: the disk is full ({e}); free space and try again")
+        if name.startswith(("SQLITE_IOERR", "SQLITE_CANTOPEN")):
+            return IndexUnusable(f"{doing}: {self.path} ({e})")
+        return None
+
+    def require_writable(self, doing: str) -> None:
+        """Raise IndexUnusable (or StorageFull) now if the index cannot be written: a write of the
+        header's user_version to itself, rolled back, so that work whose result must be recorded
+        (an ingest) fails before it starts, not after."""
+        conn = self.db.conn
+        try:
+            with self.atomic(doing):
+                version = conn.execute("PRAGMA user_version").fetchone()[0]
+                conn.execute(f"PRAGMA user_version = {int(version)}")
+                raise _Probe
+        except _Probe:
+            pass
 
     # -- corpora -------------------------------------------------------------------------------
     def _rows(self, table: str, where: str, params: list, order_by: str | None = None) -> list[dict]:
@@ -203,12 +239,25 @@ class Index:
         with self.atomic():
             self.db["snapshots"].update(digest, {"status": status})
 
-    def log_query(self, row: dict) -> None:
-        with self.atomic():
-            self.db["queries"].insert(dict(row, created=time.time()))
-            if row.get("snapshot") and row.get("mode") == "cag":
-                self.db["snapshots"].update(row["snapshot"], {"last_used": time.time()})
+    def log_query(self, row: dict) -> str | None:
+        """Record an answer; a log the file refuses (read-only, disk full) never costs the answer: a
+        warning is logged and returned (the CLI prints it) instead."""
+        try:
+            with self.atomic("the query log could not be written"):
+                if self._query_columns is None:  # an answer carries more fields than the log keeps
+                    self._query_columns = set(self.db["queries"].columns_dict)
+                self.db["queries"].insert({k: v for k, v in dict(row, created=time.time()).items() if k in self._query_columns})
+                if row.get("snapshot") and row.get("mode") == "cag":
+                    self.db["snapshots"].update(row["snapshot"], {"last_used": time.time()})
+        except (IndexUnusable, StorageFull) as e:
+            log.warning("%s", e)
+            return str(e)
+        return None
 
     def queries(self, corpus: str | None = None, limit: int = 100) -> list[dict]:
         where, args = ("corpus = ?", [corpus]) if corpus else (None, None)
         return list(self.db["queries"].rows_where(where, args, order_by="id desc", limit=limit))
+
+
+class _Probe(Exception):
+    """Rolls require_writable's probe back."""

@@ -14,6 +14,13 @@ a partial blob. Refs are written with conditional PUTs (`If-None-Match: *` for a
 refused (StoreConflict) instead of silently overwriting; a store that ignores those headers is
 caught by reading the ref back after the write.
 
+Healing: a blob carries the blake3 of its bytes as object metadata (`x-amz-meta-blake3`), and an
+upload is skipped only when the stored object has that size and that digest, so a blob damaged or
+replaced in the store (which drops or contradicts the digest) is sent again by the next ingest (a
+blob stored before the digest existed is sent once more). A blob a ref names that is missing, or a
+ref that is not a ref, is StoreCorrupt (exit 1, 503), never StoreUnreachable: an ingest does not
+adopt such a ref, rebuilds, and overwrites it (its conditional write expects the bad ref's ETag).
+
 Why s3fs: it is the S3 filesystem of fsspec (kept by the Dask/fsspec maintainers), reads the usual
 AWS settings (AWS_ENDPOINT_URL, keys, region, profiles), and passes PutObject's IfMatch /
 IfNoneMatch through to botocore; obstore (Rust) is faster per request but adds a compiled
@@ -29,7 +36,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlparse
 
-from cag.errors import BadSettings, StoreConflict, StoreUnreachable
+import blake3
+
+from cag.errors import BadSettings, StoreConflict, StoreCorrupt, StoreUnreachable
+
+from .snapshots import SnapshotError, decode_header
 
 # Test-only: the path of a flag file. A blob upload writes it once half the blob has been read
 # by the upload (inside the PUT), then sleeps, so a crash test can kill -9 the ingest mid-upload.
@@ -53,6 +64,7 @@ class Ref:
 
     body: dict
     etag: str
+    broken: str = ""  # why the stored object is not a usable ref (read with broken_ok): an ingest overwrites it
 
     @property
     def generation(self) -> int:
@@ -153,51 +165,70 @@ class RemoteStore:
             self._call("create_bucket")
 
     # -- blobs -----------------------------------------------------------------------------------
-    def blob_size(self, digest: str) -> int | None:
+    def blob_head(self, digest: str) -> tuple[int, str | None] | None:
+        """(size, blake3 of its bytes as recorded at upload, None when not recorded), or None: no such blob."""
         try:
-            return int(self._call("head_object", Key=self.blob_key(digest))["ContentLength"])
+            r = self._call("head_object", Key=self.blob_key(digest))
         except FileNotFoundError:
             return None
+        return int(r["ContentLength"]), (r.get("Metadata") or {}).get("blake3")
 
     def put_blob(self, path: Path, digest: str) -> None:
-        """Upload a finished snapshot file under its final name. A blob already there (same digest,
-        same size: the same content) is not sent again; it is copied onto itself so that its
-        LastModified is now, which keeps `gc` (grace period) from deleting it before the ref that
-        names it again is written."""
-        size = path.stat().st_size
-        key = self.blob_key(digest)
-        if self.blob_size(digest) == size:
-            self._call("copy_object", Key=key, CopySource={"Bucket": self.bucket, "Key": key}, MetadataDirective="REPLACE")
+        """Upload a finished snapshot file under its final name, with the blake3 of its bytes. A blob
+        already there with the same size and digest (the same content) is not sent again; it is
+        copied onto itself so that its LastModified is now, which keeps `gc` (grace period) from
+        deleting it before the ref that names it again is written. Any other blob under that name
+        (damaged, replaced, or stored without a digest) is overwritten: the verified local file is
+        what the ref will name."""
+        size, content = path.stat().st_size, file_digest(path)
+        key, meta = self.blob_key(digest), {"blake3": content}
+        if self.blob_head(digest) == (size, content):
+            self._call("copy_object", Key=key, CopySource={"Bucket": self.bucket, "Key": key}, MetadataDirective="REPLACE",
+                       Metadata=meta)
             return
         if size > SINGLE_PUT_MAX:
             try:
-                self.fs.put_file(str(path), f"{self.bucket}/{key}")
+                self.fs.put_file(str(path), f"{self.bucket}/{key}", Metadata=meta)
             except OSError as e:
                 raise self._unreachable(e) from None
             return
         with open(path, "rb") as f:
             flag = os.environ.get(PAUSE_DURING_UPLOAD_ENV)  # test-only, see PAUSE_DURING_UPLOAD_ENV
             body = _PausingReader(f, size, flag) if flag else f
-            self._call("put_object", Key=key, Body=body, ContentLength=size)
+            self._call("put_object", Key=key, Body=body, ContentLength=size, Metadata=meta)
+
+    def _missing(self, digest: str) -> SnapshotError:
+        return SnapshotError(f"snapshot {digest[:12]} is missing from the store {self.url}")
 
     def get_blob(self, digest: str, dest: Path) -> None:
-        """Download a blob to `dest` (a temp name; the cache verifies it and renames it)."""
+        """Download a blob to `dest` (a temp name; the cache verifies it and renames it). A blob
+        missing from a store that answers is a SnapshotError (a ref names it: the store is damaged)."""
         try:
             self.fs.get_file(f"{self.bucket}/{self.blob_key(digest)}", str(dest))
         except FileNotFoundError:
-            raise
+            raise self._missing(digest) from None
         except Exception as e:  # botocore, aiohttp and OSError alike: the store did not answer
             raise self._unreachable(e) from None
 
     def read_header(self, digest: str) -> tuple[dict, int]:
-        """A blob's safetensors metadata (JSON values decoded) from two ranged reads, and its size."""
+        """A blob's safetensors metadata (JSON values decoded, its header checksum checked) from two
+        ranged reads, and its size. SnapshotError when the blob is missing or its header unreadable."""
         key = self.blob_key(digest)
-        head = self._call("get_object", Key=key, Range="bytes=0-7")
-        size = int(head["ContentRange"].rsplit("/", 1)[1])
-        n = int.from_bytes(self._read_body(head), "little")
-        raw = self._read_body(self._call("get_object", Key=key, Range=f"bytes=8-{8 + n - 1}"))
-        meta = json.loads(raw).get("__metadata__") or {}
-        return {k: json.loads(v) for k, v in meta.items()}, size
+        try:
+            head = self._call("get_object", Key=key, Range="bytes=0-7")
+            size = int(head["ContentRange"].rsplit("/", 1)[1])
+            n = int.from_bytes(self._read_body(head), "little")
+            if not 0 < n <= min(size - 8, 100 * 1024**2):
+                raise ValueError(f"header length {n} in a blob of {size} bytes")
+            raw = json.loads(self._read_body(self._call("get_object", Key=key, Range=f"bytes=8-{8 + n - 1}")))
+            meta = raw.get("__metadata__") or {}
+            if not isinstance(meta, dict):
+                raise ValueError("__metadata__ is not an object")
+        except FileNotFoundError:
+            raise self._missing(digest) from None
+        except (ValueError, KeyError, TypeError, AttributeError, IndexError) as e:
+            raise SnapshotError(f"snapshot {digest[:12]} in the store: header unreadable ({e})") from None
+        return decode_header(meta, f"snapshot {digest[:12]} in the store"), size
 
     def _read_body(self, response) -> bytes:
         from fsspec.asyn import sync
@@ -232,15 +263,19 @@ class RemoteStore:
             token = r["NextContinuationToken"]
 
     # -- refs ------------------------------------------------------------------------------------
-    def get_ref(self, corpus: str) -> Ref | None:
+    def get_ref(self, corpus: str, broken_ok: bool = False) -> Ref | None:
+        """The corpus's ref, None when it has none. A stored object that is not a ref (not JSON, or
+        not the fields a ref needs) is StoreCorrupt, or with `broken_ok` (an ingest about to write it
+        again) a Ref with an empty body and `broken` saying why, whose ETag the overwrite expects."""
         try:
             data, etag = self._get(self.ref_key(corpus))
         except FileNotFoundError:
             return None
-        try:
-            return Ref(json.loads(data), etag)
-        except ValueError:
-            raise StoreUnreachable(f"ref of {corpus!r} in {self.url} is not JSON; re-ingest the corpus") from None
+        why = ref_problem(data, corpus)
+        if why and not broken_ok:
+            raise StoreCorrupt(f"ref of {corpus!r} in {self.url} is corrupt ({why}); run `cag ingest {corpus}` "
+                               f"to write it again (`cag ingest PATH --name {corpus}` where {corpus!r} is unknown)")
+        return Ref({}, etag, why) if why else Ref(json.loads(data), etag)
 
     def refs(self) -> list[Ref]:
         out = []
@@ -273,3 +308,34 @@ class RemoteStore:
         gen = f" (now generation {now.generation}, from {now.body.get('host', '?')})" if now else ""
         return StoreConflict(f"corpus {corpus!r} was published by another ingest meanwhile{gen}; your snapshot "
                              f"is uploaded but not current: run `cag ingest {corpus}` again")
+
+
+def file_digest(path: Path) -> str:
+    """blake3 of a file's bytes (what a stored blob's `blake3` metadata says it holds)."""
+    h = blake3.blake3(max_threads=blake3.blake3.AUTO)
+    h.update_mmap(str(path))
+    return h.hexdigest()
+
+
+def ref_problem(data: bytes, corpus: str) -> str:
+    """Why a stored ref cannot be used ("" when it can): what adopt and gc read must be there."""
+    try:
+        body = json.loads(data)
+    except ValueError:
+        return "not JSON"
+    if not isinstance(body, dict):
+        return "not a JSON object"
+    if body.get("corpus") != corpus:
+        return f"it names corpus {str(body.get('corpus'))[:40]!r}"
+    shards = body.get("shards")
+    if not isinstance(shards, list) or not shards or not all(isinstance(d, str) and d.isalnum() for d in shards):
+        return "its shards are not a list of snapshot digests"
+    docs = body.get("documents", [])
+    if not isinstance(docs, list) or not all(isinstance(d, dict) and isinstance(d.get("path"), str)
+                                              and isinstance(d.get("content_hash"), str) for d in docs):
+        return "its documents are not a list of {path, content_hash}"
+    try:
+        int(body.get("generation", 0))
+    except (TypeError, ValueError):
+        return "its generation is not a number"
+    return ""

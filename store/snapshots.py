@@ -8,22 +8,31 @@ Layout of a file:
             `checksum` = blake3 over `name|dtype|shape|` + bytes of every tensor in name order.
 The checksum covers each tensor's dtype and shape, not only its bytes: rewriting `F16` to `BF16`
 in the safetensors header keeps a parseable file of the same bytes that would decode as garbage.
-Load also checks every layer tensor against the header's dtype and (1, H_kv, n_tokens, D).
-No pickle anywhere: safetensors holds raw tensor bytes and a JSON header only.
+`header_checksum` = blake3 over every other metadata field (name and stored JSON, `checksum`
+included): the spans, key, corpus, created time ... that ingest, reindex and the store's refs trust.
+It is checked from the header alone (also by `read_header` and by a ranged read from the store). A
+format-2 file written before it has none and is read as before (its tensors checked), so existing
+snapshots keep their keys and stay current; what the engine reads of its header is validated
+instead (`spans`). Load also checks every layer tensor against the header's dtype and
+(1, H_kv, n_tokens, D). No pickle anywhere: safetensors holds raw tensor bytes and a JSON header only.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import os
+import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import blake3
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
+
+from cag.errors import IndexUnusable, StorageFull
 
 from . import kv_int8
 
@@ -78,14 +87,67 @@ def _checksum(tensors: dict[str, torch.Tensor]) -> str:
 
 
 def _encode(meta: dict) -> dict[str, str]:
-    return {k: json.dumps(v, ensure_ascii=False) for k, v in meta.items()}  # every value JSON: types survive
+    raw = {k: json.dumps(v, ensure_ascii=False) for k, v in meta.items()}  # every value JSON: types survive
+    raw["header_checksum"] = json.dumps(_header_checksum(raw))
+    return raw
 
 
-def _decode(raw: dict[str, str]) -> dict:
+def _header_checksum(raw: dict[str, str]) -> str:
+    """blake3 over every metadata field but itself, as stored (name and JSON text), in name order."""
+    fields = sorted((k, v) for k, v in raw.items() if k != "header_checksum")
+    return "blake3:" + blake3.blake3(json.dumps(fields, ensure_ascii=False).encode()).hexdigest()
+
+
+def _decode(raw: dict[str, str], name: str = "snapshot") -> dict:
     try:
         return {k: json.loads(v) for k, v in raw.items()}
-    except ValueError:
-        raise SnapshotError("snapshot header is not valid JSON metadata") from None
+    except (TypeError, ValueError):
+        raise SnapshotError(f"{name}: header is not valid JSON metadata") from None
+
+
+def _check_header(raw: dict[str, str], meta: dict, name: str) -> None:
+    if "header_checksum" in meta and meta["header_checksum"] != _header_checksum(raw):
+        raise SnapshotError(f"{name}: header checksum mismatch (its metadata was edited or damaged)")
+
+
+def decode_header(raw: dict[str, str], name: str = "snapshot") -> dict:
+    """The metadata's values parsed, after its `header_checksum` (when it has one) is checked."""
+    meta = _decode(raw, name)
+    _check_header(raw, meta, name)
+    return meta
+
+
+def spans_of(meta: dict, name: str = "snapshot") -> list[dict]:
+    """The header's document spans, validated: [{path, content_hash, start, end}] in prompt order,
+    0 <= start <= end <= n_tokens, none overlapping. Everything that builds on a snapshot's documents
+    (a refresh's reuse, the index's rows, freshness) reads them; a file written before the header
+    checksum has only this check."""
+    spans, n = meta.get("spans"), meta.get("n_tokens")
+    ok = isinstance(spans, list) and type(n) is int
+    end = 0
+    for s in spans if ok else []:
+        ok = (isinstance(s, dict) and isinstance(s.get("path"), str) and isinstance(s.get("content_hash"), str)
+              and type(s.get("start")) is int and type(s.get("end")) is int and end <= s["start"] <= s["end"] <= n)
+        if not ok:
+            break
+        end = s["end"]
+    if not ok:
+        raise SnapshotError(f"{name}: header field 'spans' missing or invalid")
+    return spans
+
+
+def _write_error(e: Exception, path: Path) -> Exception:
+    """A failed write of a snapshot file as one line: no room (ENOSPC, quota) is StorageFull, any
+    other refusal (permissions, a read-only or failing disk) IndexUnusable: CAG_HOME cannot be used."""
+    if isinstance(e, OSError):
+        code, reason = e.errno, e.strerror or str(e)
+    else:  # safetensors: 'Error while serializing: IoError(Os { code: 28, kind: StorageFull, message: "..." })'
+        m = re.search(r"code: (\d+).*?message: \"([^\"]*)\"", str(e))
+        code, reason = (int(m.group(1)), m.group(2)) if m else (None, " ".join(str(e).split())[:200])
+    if code in (errno.ENOSPC, errno.EDQUOT):
+        return StorageFull(f"cannot write snapshot {path.name} in {path.parent}: {reason}; nothing was kept and the "
+                           "previous snapshot still answers: free space and run the ingest again")
+    return IndexUnusable(f"cannot write snapshot {path.name} in {path.parent}: {reason}")
 
 
 def _fsync_dir(folder: Path) -> None:
@@ -117,9 +179,9 @@ def save(path: Path, kv, ids: list[int], meta: dict, dtype: torch.dtype) -> int:
                   dtype=str(dtype).removeprefix("torch."), checksum=_checksum(tensors))
     if kv:  # the shape every layer tensor must have on load, from the tensors themselves
         header.update(n_kv_heads=kv[0][0].shape[1], head_dim=kv[0][0].shape[3])
-    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
+        path.parent.mkdir(parents=True, exist_ok=True)
         save_file(tensors, str(tmp), metadata=_encode(header))
         with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
@@ -128,15 +190,24 @@ def save(path: Path, kv, ids: list[int], meta: dict, dtype: torch.dtype) -> int:
             time.sleep(3600)
         os.replace(tmp, path)
         _fsync_dir(path.parent)
+    except SafetensorError as e:
+        if "IoError" not in str(e):
+            raise  # not the disk: a bug, with its traceback
+        raise _write_error(e, path) from None
+    except OSError as e:
+        raise _write_error(e, path) from None
     finally:
         tmp.unlink(missing_ok=True)
     return path.stat().st_size
 
 
 def read_header(path: Path) -> dict:
+    """The header's metadata, its header checksum checked (the tensors are not read)."""
     try:
         with safe_open(str(path), framework="pt") as f:
-            return _decode(f.metadata() or {})
+            return decode_header(f.metadata() or {}, f"snapshot {path.name}")
+    except SnapshotError:
+        raise
     except FileNotFoundError:
         raise SnapshotError(f"snapshot file missing: {path}") from None
     except Exception as e:
@@ -174,11 +245,14 @@ def load(path: Path, expect_key: str | None = None, verify: bool = True, dequant
     stamp, t0 = _stamp(path), time.time_ns()
     try:
         with safe_open(str(path), framework="pt") as f:
-            meta = _decode(f.metadata() or {})
+            raw = f.metadata() or {}
+            meta = _decode(raw, f"snapshot {path.name}")
             if meta.get("format") != FORMAT_VERSION:
                 raise SnapshotError(f"snapshot {path.name}: unknown format {meta.get('format')!r}")
             if expect_key is not None and meta.get("key") != expect_key:
                 raise SnapshotError(f"snapshot {path.name} was built for another key; refusing to serve it")
+            if verify:
+                _check_header(raw, meta, f"snapshot {path.name}")
             tensors = {name: f.get_tensor(name) for name in f.keys()}
     except SnapshotError:
         raise

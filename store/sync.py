@@ -4,7 +4,10 @@
 What the engine calls (cag/engine.py, cag/ingest.py, cag/maintenance.py):
   put_blob(path, digest)        after a snapshot file is saved, before anything names it
   publish(corpus, docs, rows, expect)   the ref, conditionally, before the local index publishes
-  pull(corpus)                  at the start of an ingest: adopt the store's ref if it moved
+  pull(corpus)                  at the start of an ingest: adopt the store's ref if it moved (a ref
+                                that is corrupt or names a missing blob is not adopted: the ingest
+                                rebuilds and overwrites it)
+  source_of(corpus)             `cag ingest NAME` of a corpus this machine knows only from the store
   lookup(corpus)                before a question: adopt the store's ref on a miss, and every
                                 CAG_STORE_REF_TTL_S for a known corpus (best effort: when the store
                                 is unreachable, a known corpus keeps being served from the cache)
@@ -20,12 +23,12 @@ import threading
 import time
 from pathlib import Path
 
-from cag.errors import SnapshotCorrupt, StoreUnreachable
+from cag.errors import StoreCorrupt, StoreUnreachable
 
 from . import cache
 from .index import Index
 from .remote import Ref, RemoteStore
-from .snapshots import SnapshotError
+from .snapshots import SnapshotError, spans_of
 
 
 def shared_store(settings, index: Index) -> Shared | LocalOnly:
@@ -109,12 +112,27 @@ class Shared:
         return ref
 
     def pull(self, corpus: str) -> Ref | None:
-        """The store's ref of `corpus` (None: not in the store), adopted into the index if it differs."""
-        ref = self.remote.get_ref(corpus)
-        if ref is not None and self._differs(corpus, ref):
-            self.adopt(ref)
+        """The store's ref of `corpus` for an ingest that will write it (None: not in the store),
+        adopted into the index if it differs. A ref that is corrupt, or that names a blob missing or
+        unreadable, is not adopted: the ingest rebuilds from the source and its conditional write
+        (expecting this ref's ETag) replaces it. That is how `cag ingest NAME` heals the store."""
+        ref = self.remote.get_ref(corpus, broken_ok=True)
+        if ref is not None and not ref.broken and self._differs(corpus, ref):
+            try:
+                self.adopt(ref)
+            except SnapshotError:
+                pass
         self._checked[corpus] = time.monotonic()
         return ref
+
+    def source_of(self, corpus: str) -> str | None:
+        """The source folder the store's ref of `corpus` records (None: no such corpus, or a corrupt
+        ref), so that `cag ingest NAME` works on a machine that knows the corpus only from the store."""
+        if not corpus or "/" in corpus or corpus.startswith((".", "~")):
+            return None
+        ref = self.remote.get_ref(corpus, broken_ok=True)
+        source = ref.body.get("source") if ref is not None and not ref.broken else None
+        return source if isinstance(source, str) and source else None
 
     def lookup(self, corpus: str) -> bool:
         """Bring the index up to the store for a question on `corpus`. A corpus unknown here is looked
@@ -126,17 +144,17 @@ class Shared:
             return False
         try:
             ref = self.remote.get_ref(corpus)
-        except StoreUnreachable:
+        except (StoreUnreachable, StoreCorrupt):
             if known:
-                return False  # the cache still serves what it holds
+                return False  # the cache still serves what it holds (a corrupt ref waits for `cag ingest`)
             raise
         self._checked[corpus] = time.monotonic()
         if ref is None or not self._differs(corpus, ref):
             return False
         try:
             self.adopt(ref)
-        except (SnapshotError, KeyError, ValueError) as e:  # a blob missing or with an unreadable header
-            raise SnapshotCorrupt(f"corpus {corpus!r} in the store: {e}; run `cag ingest {corpus}` to rebuild it") from None
+        except SnapshotError as e:  # a blob missing, or with a header unreadable or edited
+            raise StoreCorrupt(f"corpus {corpus!r} in the store: {e}; run `cag ingest {corpus}` to rebuild it") from None
         return True
 
     def _differs(self, corpus: str, ref: Ref) -> bool:
@@ -154,7 +172,9 @@ class Shared:
                 meta, size = read_header(path), path.stat().st_size
             else:
                 meta, size = self.remote.read_header(digest)
-            shards.append((_snapshot_row(digest, meta, size, path), meta.get("spans", [])))
+            if not isinstance(meta.get("key"), str):
+                raise SnapshotError(f"snapshot {digest[:12]}: header has no key")
+            shards.append((_snapshot_row(digest, meta, size, path), spans_of(meta, f"snapshot {digest[:12]}")))
         b = ref.body
         corpus = {"name": b["corpus"], "source": b.get("source"), "model": b.get("model"), "ttl_s": b.get("ttl_s"),
                   "shard_tokens": b.get("shard_tokens")}
@@ -169,9 +189,13 @@ class Shared:
         """Adopt every ref in the store (`cag reindex`). Returns the corpora."""
         out = []
         for ref in self.remote.refs():
-            if self._differs(ref.body["corpus"], ref):
-                self.adopt(ref)
-            out.append(ref.body["corpus"])
+            corpus = ref.body["corpus"]
+            if self._differs(corpus, ref):
+                try:
+                    self.adopt(ref)
+                except SnapshotError as e:
+                    raise StoreCorrupt(f"corpus {corpus!r} in the store: {e}; run `cag ingest {corpus}` to rebuild it") from None
+            out.append(corpus)
         return sorted(out)
 
     # -- gc --------------------------------------------------------------------------------------
@@ -196,7 +220,7 @@ class Shared:
 
 
 def _snapshot_row(digest: str, meta: dict, size: int, path: Path) -> dict:
-    spans = meta.get("spans", [])
+    spans = meta["spans"]  # checked by spans_of
     return {"key": meta["key"], "digest": digest, "corpus": meta.get("corpus"), "model": meta.get("model"),
             "model_fingerprint": meta.get("model_fingerprint"), "tokenizer_fingerprint": meta.get("tokenizer_fingerprint"),
             "n_tokens": meta.get("n_tokens"), "n_documents": len(spans), "bytes": size, "dtype": meta.get("dtype"),
