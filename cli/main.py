@@ -6,6 +6,7 @@ Exit codes: 0 ok, 1 user error, 2 usage error, 3 stale corpus refused (--on-stal
 
 from __future__ import annotations
 
+import logging
 import sys
 from typing import Annotated
 
@@ -80,6 +81,7 @@ def ask(
     from cag.generate import DecodeConfig  # torch: imported when a command needs it, not at start
 
     engine = _engine(model, store=store)
+    logging.getLogger("cag.index").addHandler(logging.NullHandler())  # its warnings come with the answer (a.warnings)
     decoding = DecodeConfig(min_tokens=min_tokens)
     if questions_file is not None:
         from cag.cli.batch_cmd import ask_file
