@@ -6,6 +6,9 @@ model answer 503 (not_ready) until then.
 
 With CAG_API_KEYS set, every route but /health (the API, /metrics, /docs and /openapi.json) carries
 the `RequireKey` security dependency: the check and its OpenAPI declaration are one thing.
+
+The chat page (api/ui.py: `/` and `/ui/<file>`, static files that hold no data) is open too, unless
+CAG_UI=false; it asks for a key when the API answers 401.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ import cag
 from cag.config import Settings, get_settings
 from cag.engine import Engine
 
-from . import errors, openai_compat, routes
+from . import errors, openai_compat, routes, ui
 from .auth import RequireKey
 from .middleware import BodyLimit, RequestMetrics
 from .runner import ClientGone
@@ -92,6 +95,8 @@ def create_app(settings: ApiSettings | None = None, cag_settings: Settings | Non
     app.include_router(routes.router, **guarded)
     app.include_router(openai_compat.router, **guarded)
     app.include_router(docs, dependencies=guarded.get("dependencies"))
+    if settings.ui:
+        app.include_router(ui.router)
 
     # added innermost first: CORS > metrics > body limit > routes
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)

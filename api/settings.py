@@ -27,6 +27,7 @@ class ApiSettings(BaseSettings):
     max_queue: int = Field(16, ge=0)  # requests allowed to wait for a worker; beyond that 429 + Retry-After
     request_timeout_s: float = Field(300.0, gt=0, allow_inf_nan=False)  # queue wait + generation; past it 504
     cors_origins: str = ""  # comma-separated origins, "*" for any; CORS is off when empty
+    ui: bool = True  # the chat page at / (api/ui.py); false (or `cag serve --no-ui`): 404 there, the API unchanged
 
     @field_validator("api_keys")
     @classmethod

@@ -20,6 +20,7 @@ def serve(
     max_queue: Annotated[int | None, typer.Option(help="Requests that may wait for a worker; more get 429. Env: CAG_MAX_QUEUE.")] = None,
     timeout: Annotated[float | None, typer.Option(help="Per-request timeout in seconds. Env: CAG_REQUEST_TIMEOUT_S.")] = None,
     log_level: Annotated[str, typer.Option(help="uvicorn log level: critical, error, warning, info, debug.")] = "info",
+    no_ui: Annotated[bool, typer.Option("--no-ui", help="Leave out the chat page at / (404 there; /docs and the API unchanged). Env: CAG_UI=false.")] = False,
     store: Annotated[str | None, typer.Option("--store", help="Shared snapshot store, s3://bucket/prefix (default: CAG_HOME only). Env: CAG_STORE.")] = None,
     replicas: Annotated[int | None, typer.Option(help="Serve on Ray Serve with N engine replicas (needs the `ray` extra); 0: plain serve. Env: CAG_REPLICAS.")] = None,
     ray_address: Annotated[str | None, typer.Option("--ray-address", help="Join this Ray cluster (default: start a local Ray instance). Env: CAG_RAY_ADDRESS.")] = None,
@@ -32,8 +33,8 @@ def serve(
     spill_after_s: Annotated[float | None, typer.Option("--spill-after-s", help="Seconds a question waits for a replica holding its corpus before another replica loads it (default 2). Env: CAG_SPILL_AFTER_S.")] = None,
 ):
     """Serve the knowledge API: POST /v1/ask, the OpenAI-compatible /v1/chat/completions and /v1/models,
-    corpora and refresh jobs, /health, /metrics, docs at /docs. API keys come from CAG_API_KEYS
-    (comma-separated), never from the command line."""
+    corpora and refresh jobs, /health, /metrics, docs at /docs, and a chat page at / (unless --no-ui).
+    API keys come from CAG_API_KEYS (comma-separated), never from the command line."""
     import uvicorn
 
     from cag.api.app import create_app
@@ -41,7 +42,8 @@ def serve(
     from cag.api.settings import load_api_settings
 
     try:  # a bad setting (CAG_API_KEYS=" , ", CAG_WORKERS=0 ...) is one line and exit 1, never an open server
-        api_settings = load_api_settings(workers=workers, max_queue=max_queue, request_timeout_s=timeout)
+        api_settings = load_api_settings(workers=workers, max_queue=max_queue, request_timeout_s=timeout,
+                                         ui=False if no_ui else None)
         cag_settings = get_settings(model=model, store=store)
         scale = load_replica_settings(replicas=replicas, ray_address=ray_address, cpus_per_replica=cpus_per_replica,
                                       gpus_per_replica=gpus_per_replica, min_replicas=min_replicas, max_replicas=max_replicas,
@@ -59,6 +61,7 @@ def serve(
 
         serve_on_ray(host, port, api_settings, cag_settings, scale, log_level)
         return
-    typer.echo(f"cag: serving on http://{host}:{port} (model loads in the background; GET /health turns 200 when ready)",
+    page = f"; chat page at http://{host}:{port}/" if api_settings.ui else ""
+    typer.echo(f"cag: serving on http://{host}:{port} (model loads in the background; GET /health turns 200 when ready{page})",
                err=True)
     uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
