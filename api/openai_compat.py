@@ -5,7 +5,7 @@ last user message) is the suffix after it (cag.chat), its K/V kept between turns
 follow-up prefills only its new tokens. `usage.prompt_tokens_details.cached_tokens` counts the
 snapshot's tokens and the reused conversation's; the `cag` extension says which.
 Extensions (ignored by OpenAI clients, settable with `extra_body`): `mode`, `on_stale`; the
-response carries a `cag` object with the snapshot, staleness and timings.
+response carries a `cag` object with the snapshot, staleness, timings and the decode path (`decode`).
 """
 
 from __future__ import annotations
@@ -45,7 +45,8 @@ def messages_of(messages: list[ChatMessage]) -> tuple[tuple[str, str], ...]:
 def _extension(a) -> dict:
     return {"corpus": a.corpus, "mode": a.mode, "snapshot": a.snapshot, "stale": a.stale,
             "cached_tokens": {"snapshot": a.cached_tokens - a.conversation_tokens, "conversation": a.conversation_tokens},
-            "stale_reasons": a.stale_reasons, "timings": timings(a), **({"shards": a.shards} if a.shards else {})}
+            "stale_reasons": a.stale_reasons, "timings": timings(a), **({"shards": a.shards} if a.shards else {}),
+            **({"decode": a.decode} if a.decode else {})}
 
 
 def _usage(a) -> dict:

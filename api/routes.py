@@ -79,6 +79,8 @@ def ask_response(svc: Service, a: Answer, body: AskRequest) -> dict:
         extra["passages"] = a.passages
     if a.shards:
         extra["shards"] = a.shards
+    if a.decode:
+        extra["decode"] = a.decode
     out = AskResponse(
         answer=a.answer, corpus=a.corpus, mode=a.mode, snapshot=a.snapshot, stale=a.stale,
         stale_reasons=a.stale_reasons, finish_reason=finish_reason(svc, a, body.max_tokens),
@@ -216,14 +218,14 @@ def _card(row: dict) -> dict:
                  tags=["operations"], summary="200 once the model is loaded, 503 before (never needs a key)")
 @open_router.head("/health", include_in_schema=False)  # load balancers probe with HEAD: GET's status, no body
 async def health(svc: ServiceDep):
-    """Open to anyone: it names the model and the decode kernels (and why those) once loaded, and
-    says no more than `error` when loading failed (the reason, which may hold file paths, is in the
-    server's log)."""
+    """Open to anyone: it names the model and how it decodes (weights format, kernels, fast step or
+    forward, and why) once loaded, and says no more than `error` when loading failed (the reason, which
+    may hold file paths, is in the server's log)."""
     extra = svc.answers.health()  # under Ray Serve: {"replicas": engine replicas answering}; 0 is not ready
     if svc.ready and extra.get("replicas", 1):
         lm = svc.engine.lm
         return {"status": "ok", "model": svc.model_name, "decode_kernels": lm.kernels,
-                "decode_kernels_reason": lm.kernels_why or None, **extra}
+                "decode_kernels_reason": lm.kernels_why or None, "decode": lm.decode_path(), **extra}
     if svc.load_error:
         return JSONResponse({"status": "error", "error": "the model failed to load; see the server log"},
                             status_code=503)

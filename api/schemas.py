@@ -75,6 +75,18 @@ class ShardInfo(BaseModel):
     chosen: bool = True
 
 
+class DecodeInfo(BaseModel):
+    weights: str = Field(description="The weights format decode multiplies in (CAG_WEIGHTS resolved): fp32, bf16, int8 or int4.")
+    kernels: str = Field(description="What decode rows run on: amx, avx512 (cag's kernels) or torch.")
+    kernels_reason: str | None = Field(None, description="Why those kernels (a setting, the CPU, the head width ...).")
+    step: Literal["fast", "forward"] = Field(description="fast: cag's lean batched step; forward: transformers' forward, "
+                                                         "one request at a time (a model the step does not cover).")
+    step_reason: str | None = Field(None, description="With `forward`: why the fast step does not cover this model.")
+    native: Literal["layers", "glue", "attention", "none"] = Field(
+        description="Which native kernels the fast step runs: layers (all layers in one call), glue (attention, products, "
+                    "norm / rope / silu; a family's q/k norms, post-norms, multipliers in torch), attention, or none.")
+
+
 class AskResponse(BaseModel):
     answer: str
     corpus: str
@@ -88,6 +100,7 @@ class AskResponse(BaseModel):
     token_ids: list[int] | None = None
     passages: list[dict[str, Any]] | None = None
     shards: list[ShardInfo] | None = Field(None, description="Sharded corpora: the shard(s) that answered.")
+    decode: DecodeInfo | None = Field(None, description="What decoded the answer: weights format, kernels, fast step or forward.")
 
 
 # -- corpora, models, jobs ---------------------------------------------------------------------
@@ -144,6 +157,7 @@ class Health(BaseModel):
     model: str | None = None
     decode_kernels: str | None = Field(None, description="What decode rows run on: amx, avx512 (cag's kernels) or torch.")
     decode_kernels_reason: str | None = Field(None, description="Why those kernels (a setting, the CPU, no compiler ...).")
+    decode: DecodeInfo | None = Field(None, description="How answers decode: weights format, kernels, fast step or forward (and why).")
     error: str | None = None
     replicas: int | None = Field(None, description="Under Ray Serve (`cag serve --replicas N`): engine replicas answering; "
                                                     "0 is `loading` (503).")
@@ -217,7 +231,7 @@ class ChatCompletion(BaseModel):
     system_fingerprint: str | None = None
     choices: list[Choice]
     usage: ChatUsage
-    cag: dict[str, Any] = Field(default_factory=dict, description="Extension: snapshot, staleness, timings.")
+    cag: dict[str, Any] = Field(default_factory=dict, description="Extension: snapshot, staleness, timings, decode path.")
 
 
 # -- server-sent events --------------------------------------------------------------------------
@@ -245,7 +259,7 @@ class ChatCompletionChunk(BaseModel):
     system_fingerprint: str | None = None
     choices: list[ChunkChoice] = Field(description="Empty in the usage chunk.")
     usage: ChatUsage | None = Field(None, description="Only in the last chunk, with stream_options.include_usage.")
-    cag: dict[str, Any] | None = Field(None, description="Extension, in the usage chunk: snapshot, staleness, timings.")
+    cag: dict[str, Any] | None = Field(None, description="Extension, in the usage chunk: snapshot, staleness, timings, decode path.")
 
 
 # -- errors ------------------------------------------------------------------------------------

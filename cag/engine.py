@@ -327,7 +327,7 @@ class Engine:
                      stale_reasons=q.reasons, prompt_tokens=n_prefix + len(q.suffix), cached_tokens=cached,
                      completion_tokens=len(gen.ids), load_ms=round(load_ms, 2), ttft_ms=round(gen.ttft_ms, 2),
                      total_ms=round((time.perf_counter() - q.t_start) * 1e3, 2), decode_tok_s=gen.decode_tok_s,
-                     token_ids=gen.ids, conversation_tokens=gen.reused, **extra)
+                     token_ids=gen.ids, conversation_tokens=gen.reused, decode=self.lm.decode_path(), **extra)
         row = ans.to_dict()
         for k in ("stale", "stale_reasons", "passages", "decode_tok_s", "shards", "routing_ms", "conversation_tokens"):
             row.pop(k)

@@ -37,7 +37,7 @@ def is_silu(act) -> bool:
     return type(act).__name__ in ("SiLU", "SiLUActivation")
 
 
-def _own(lin):
+def own(lin):
     """A module's own packed copy (not its share of a stacked group's), else None."""
     return lin.packs if getattr(lin, "cols", 0) is None else None
 
@@ -52,8 +52,8 @@ def weights(step, model) -> Weights | None:
     the lean step with its glue (so its layers have stacked q/k/v and gate/up, and silu)."""
     out = Weights([], [])
     for f, layer in zip(step.fns, model.model.layers):
-        qkv, o, gu, dn = (_packed(p) for p in (f.qkv_packed, _own(layer.self_attn.o_proj), f.gu_packed,
-                                             _own(layer.mlp.down_proj)))
+        qkv, o, gu, dn = (_packed(p) for p in (f.qkv_packed, own(layer.self_attn.o_proj), f.gu_packed,
+                                             own(layer.mlp.down_proj)))
         if None in (qkv, o, gu, dn) or any(n.dtype != torch.float32 for n in (f.norm1, f.norm2)):
             return None
         out.tensors.extend([f.norm1.contiguous(), *qkv, *o, f.norm2.contiguous(), *gu, *dn])

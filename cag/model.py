@@ -71,6 +71,28 @@ class LoadedModel:
         """Whether a prefix leaves `room` tokens (question + answer) inside the context window."""
         return n_prefix + room <= self.max_context
 
+    def decode_path(self) -> dict:
+        """What decodes this model's answers, as answers, /health and `cag info` report it: the weights
+        format, the decode kernels (and why those), the fast step (cag.step) or transformers' forward (and
+        why not the step), and which of cag's native kernels the step runs (cag.step.LeanStep.native)."""
+        from . import step
+
+        built = step.for_model(self.model)
+        return {"weights": self.weights, "kernels": self.kernels, "kernels_reason": self.kernels_why or None,
+                "step": "fast" if built is not None else "forward",
+                "step_reason": None if built is not None else step.why_not(self.model),
+                "native": built.native if built is not None else "none"}
+
+    def info(self, kv_dtype: torch.dtype) -> dict:
+        """The model's shape and how cag runs it (`cag info`); `kv_dtype`: the snapshots' storage dtype."""
+        text = self.model.config.get_text_config(decoder=True)
+        return {"model": self.name, "model_type": getattr(text, "model_type", None), "class": type(self.model).__name__,
+                "parameters": sum(p.numel() for p in self.model.parameters()), "layers": self.n_layers,
+                "heads": text.num_attention_heads, "kv_heads": self.n_kv_heads, "head_dim": self.head_dim,
+                "context": self.max_context, "dtype": str(self.dtype).removeprefix("torch."), "device": self.device.type,
+                **self.decode_path(),
+                "kv_dtype": str(kv_dtype).removeprefix("torch."), "kv_bytes_per_token": self.kv_bytes(1, kv_dtype)}
+
 
 def attn_dtype(weights: str, dtype: torch.dtype, device: torch.device) -> torch.dtype:
     """LoadedModel.attn_dtype for a weights format, compute dtype and device."""

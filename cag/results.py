@@ -97,6 +97,7 @@ class Answer:
     token_ids: list[int] = field(default_factory=list, repr=False)
     passages: list[dict] = field(default_factory=list, repr=False)  # rag mode: what was retrieved
     conversation_tokens: int = 0  # prompt tokens of earlier turns reused from the kept conversation (cag.kept)
+    decode: dict = field(default_factory=dict)  # what decoded it: weights, kernels, fast step or forward (LoadedModel.decode_path)
 
     def to_dict(self) -> dict:
         d = asdict(self)

@@ -1,5 +1,5 @@
-"""A lean decode step: one token through a Llama-architecture model's own modules, without
-transformers' per-layer Python.
+"""A lean decode step: one token through a Llama-shaped model's own modules, without transformers'
+per-layer Python.
 
 Why: a one-token `model(...)` forward over a StaticCache spends about a third of a SmolLM2 step on
 a CPU (15-21 ms of ~33-43 ms) outside the weight products: mask construction, cache bookkeeping,
@@ -22,90 +22,35 @@ The cache is the caller's StaticCache: the new K and V are written in place at `
 layer's `cumulative_length` set to pos+1, so the next transformers forward (a question's prefill)
 continues from a consistent cache.
 
-`for_model(model)` returns None for anything else (other layer structures, hooks, training mode),
-and `LeanStep.bind(cache)` None for a cache it does not write; the caller then runs the
-transformers forward.
+Families: cag.families (FAMILIES): Llama, Mistral, Qwen2, Qwen3 (q/k norms per head), Phi-3 (fused
+q/k/v and gate/up), Granite (multipliers), OLMo-2 (post-norms, q/k norms over the projection). With
+cag's kernels every family's attention, products and glue run natively, its own pieces in torch
+between them; all layers in one native call (cag.fused) only for Llama's layer (Family.plain).
+
+`for_model(model)` returns None for anything else (other families or layer structures, hooks, training
+mode), and `why_not(model)` says why; the caller then runs the transformers forward.
 """
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
 
 from . import cascade, fused, native
+from .families import FAMILIES, family, norms, projections, qk_norms, refs, why_not  # noqa: F401 (FAMILIES, why_not: the step's API)
 from .parts import Part, Rows, offsets
 from .parts import roles as role_runs
 from .stacking import group_of, product, together
 
 ATTR = "_cag_lean_step"  # where the built step (or the verdict None) is kept on the model
-# model_type -> class-name prefix: decoder layers identical to Llama's (norm -> attention ->
-# residual -> norm -> gated MLP -> residual; rope on q and k; biases, if any, inside the Linears).
-FAMILIES = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2"}
-
-
-def _classes(model_type: str):
-    mod = importlib.import_module(f"transformers.models.{model_type}.modeling_{model_type}")
-    prefix = FAMILIES[model_type]
-    return tuple(getattr(mod, prefix + s) for s in ("ForCausalLM", "DecoderLayer", "Attention", "MLP", "RMSNorm"))
-
-
-def _hooked(model: torch.nn.Module) -> bool:
-    """Hooks (accelerate offload, user hooks) would be skipped by calling forward methods directly."""
-    return any(m._forward_hooks or m._forward_pre_hooks or hasattr(m, "_hf_hook") for m in model.modules())
 
 
 def _global_hooks() -> bool:
     from torch.nn.modules import module as nn_module
 
     return bool(nn_module._global_forward_hooks or nn_module._global_forward_pre_hooks)
-
-
-def _refs(model) -> tuple:
-    """Every object the step calls or reads, in a fixed order: a swapped module (weights.apply on a
-    copy of the model) makes the tuple differ, and the step is rebuilt."""
-    inner = model.model
-    out = [getattr(model, native.ATTR, "torch"), inner.embed_tokens, inner.embed_tokens.weight, inner.rotary_emb,
-           inner.norm, inner.norm.weight, model.lm_head]
-    for layer in inner.layers[: model.config.num_hidden_layers]:
-        a, m = layer.self_attn, layer.mlp
-        out += [layer, layer.input_layernorm, layer.input_layernorm.weight, a.q_proj, a.k_proj, a.v_proj, a.o_proj,
-                layer.post_attention_layernorm, layer.post_attention_layernorm.weight,
-                m.gate_proj, m.up_proj, m.down_proj, m.act_fn]
-    return tuple(out)
-
-
-def why_not(model) -> str | None:
-    """None when the lean step computes what this model's forward computes, else the reason."""
-    config = model.config
-    model_type = getattr(config, "model_type", None)
-    if model_type not in FAMILIES:
-        return f"model type {model_type!r}"
-    causal, layer_cls, attn_cls, mlp_cls, norm_cls = _classes(model_type)
-    if type(model) is not causal:
-        return f"class {type(model).__name__}"
-    if model.training:
-        return "training mode (dropout)"
-    inner = model.model
-    layers = inner.layers[: config.num_hidden_layers]
-    if type(inner.embed_tokens) is not torch.nn.Embedding or type(inner.norm) is not norm_cls:
-        return "embedding or final norm of another kind"
-    if getattr(config, "sliding_window", None) is not None and getattr(config, "use_sliding_window", True):
-        return "sliding-window attention"
-    for layer in layers:
-        a = layer.self_attn
-        if (type(layer) is not layer_cls or type(a) is not attn_cls or type(layer.mlp) is not mlp_cls
-                or type(layer.input_layernorm) is not norm_cls or type(layer.post_attention_layernorm) is not norm_cls):
-            return "a layer of another structure"
-        if getattr(a, "sliding_window", None) is not None:
-            return "sliding-window attention"
-        if a.num_key_value_groups * config.num_key_value_heads != config.num_attention_heads:
-            return "query heads not a multiple of K/V heads"
-    if _hooked(model):
-        return "forward hooks"
-    return None
 
 
 class Layer(NamedTuple):
@@ -123,18 +68,23 @@ class Layer(NamedTuple):
     act: Callable
     qkv_packed: Callable | None  # (x, roles) -> the stacked q/k/v product (R, (H + 2 H_kv) D) where packed, else None
     gu_packed: Callable | None  # (x, roles) -> the stacked gate/up product (R, 2 I) where packed, else None
+    qk: Callable | None  # (q, k) -> q, k normed before rope (Family.qk_norm), else None
 
 
 class LeanStep:
     """Per-model references gathered once; `bind(cache)` gives the per-request step function."""
 
     def __init__(self, model):
-        config, inner = model.config, model.model
-        self.refs = _refs(model)
+        config, inner, fam = model.config, model.model, family(model)
+        self.refs = refs(model)
         self.dtype = inner.embed_tokens.weight.dtype
         self.device = inner.embed_tokens.weight.device
         self.n_kv = config.num_key_value_heads
-        self.rms = _rms_fp32 if self.dtype == torch.float32 else _rms
+        self.rms = _rms_fp32 if self.dtype == torch.float32 else _rms_w32 if fam.norm_weight_fp32 else _rms
+        self.post = fam.post_norms  # OLMo-2: norms on the attention's and the MLP's outputs
+        # Granite: the embedding x embedding_multiplier, each branch x residual_multiplier, logits / logits_scaling
+        self.embed_mult, self.residual, self.logits_div = (
+            (config.embedding_multiplier, config.residual_multiplier, config.logits_scaling) if fam.multipliers else (None,) * 3)
         self.embed = inner.embed_tokens.weight  # (V, hidden)
         self.rope = inner.rotary_emb
         self.table: tuple | None = None  # cos, sin (positions, D) for static rope types (cos_sin)
@@ -142,19 +92,21 @@ class LeanStep:
         self.head = getattr(model.lm_head, "decode", model.lm_head.forward)  # one row per request: the packed copy
         first = inner.layers[0].self_attn
         self.head_dim, self.rep = first.head_dim, first.num_key_value_groups
+        d = self.head_dim
+        self.widths = (config.num_attention_heads * d, self.n_kv * d, self.n_kv * d)  # q, k, v columns of the q/k/v product
         self.fns: list[Layer] = []  # per layer; products through the packed weights where there are any (FastLinear.decode)
         f = product  # bound methods skip Module.__call__: a few µs x 7 x layers
         packed = True  # every layer's q/k/v and gate/up share packed copies (they take bf16 input)
         for layer in inner.layers[: config.num_hidden_layers]:
             a, m = layer.self_attn, layer.mlp
+            (n1, n2), (qkv, gu, act) = norms(layer, fam), projections(layer, fam)
+            inter = m.down_proj.in_features
             self.fns.append(Layer(
-                layer.input_layernorm.weight, layer.input_layernorm.variance_epsilon,
-                together(a.q_proj, a.k_proj, a.v_proj), f(a.o_proj), a.scaling,
-                layer.post_attention_layernorm.weight, layer.post_attention_layernorm.variance_epsilon,
-                together(m.gate_proj, m.up_proj), f(m.down_proj), m.act_fn.forward,
-                group_of(a.q_proj, a.k_proj, a.v_proj), group_of(m.gate_proj, m.up_proj),
+                n1.weight, n1.variance_epsilon, _together(qkv, self.widths), f(a.o_proj), a.scaling,
+                n2.weight, n2.variance_epsilon, _together(gu, (inter, inter)), f(m.down_proj), act.forward,
+                _shared(qkv), _shared(gu), qk_norms(a, fam, self.rms, d),
             ))
-            packed = packed and None not in self.fns[-1][-2:] and fused.is_silu(m.act_fn)
+            packed = packed and self.fns[-1].qkv_packed is not None and self.fns[-1].gu_packed is not None and fused.is_silu(act)
         half = self.head_dim // 2
         # decode rows over bf16 K/V through cag.native's kernel (CAG_DECODE_KERNELS resolved to amx or avx512 at load)
         mode = getattr(model, native.ATTR, "torch")
@@ -164,9 +116,16 @@ class LeanStep:
         # below), silu(gate) x up rounded to bf16 (its own bits); with int4/bf16 weights, all layers in one call (cag.fused)
         glue = self.kernel and packed and self.dtype == torch.float32
         self.glue = (torch.ops.cag.rms_bf16, torch.ops.cag.rope_write) if glue else None
-        self.fused = fused.weights(self, model) if glue and mode == "avx512" else None
+        self.fused = fused.weights(self, model) if glue and mode == "avx512" and fam.plain else None  # Llama's layer only
         # rotate_half(x) = cat(-x2, x1) = roll(x, D/2) * sign, sign = (-1)*D/2 ++ (+1)*D/2
         self.sign = torch.cat([-torch.ones(half), torch.ones(half)]).to(self.device, self.dtype)  # (D,)
+
+    @property
+    def native(self) -> str:
+        """Which of cag's native kernels decode rows run on: "layers" (all layers in one call, cag.fused),
+        "glue" (attention, products, norm / rope / silu glue; a family's q/k norms, post-norms and
+        multipliers in torch between them), "attention" (the attention alone) or "none"."""
+        return "layers" if self.fused else "glue" if self.glue else "attention" if self.kernel else "none"
 
     def cos_sin(self, pos: torch.Tensor, h: torch.Tensor, top: int) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sign-folded sin (R, D) at positions `pos` (R,), all below `top` (known on the host:
@@ -187,7 +146,7 @@ class LeanStep:
 
     def current(self, model) -> bool:
         """Still the model's modules (identity: modules define no __eq__), dtype and device."""
-        return self.embed.dtype == self.dtype and self.embed.device == self.device and _refs(model) == self.refs
+        return self.embed.dtype == self.dtype and self.embed.device == self.device and refs(model) == self.refs
 
     def forward(self, toks: torch.Tensor, prefixes: list, slots: torch.Tensor, starts: torch.Tensor,
                 buffers, all_logits: bool = False) -> torch.Tensor:
@@ -213,6 +172,9 @@ class LeanStep:
         fns = s.fns
         R = rows[-1].r1
         h = s.embed.index_select(0, torch.cat([p.toks.reshape(-1) for p in parts]).to(s.device))  # (R, hidden)
+        if s.embed_mult is not None:
+            h = h * s.embed_mult
+        post, mult, widths = s.post, s.residual, s.widths
         cos, sin = s.cos_sin(torch.cat([r.pos for r in rows]), h, max(r.top for r in rows))
         cos, sin = cos.view(R, 1, d), sin.view(R, 1, d)
         rows_slot = torch.cat([r.rows_slot for r in rows])  # (R,) where each token's K/V is written
@@ -226,32 +188,48 @@ class LeanStep:
         if glue and fused.applies(s, rows, roles, kernel):  # all layers in one native call
             h = fused.layers(s, rows[0], h, cos2, sin2, buffers, rows_slot, rows_pos)
             fns = ()
-        for i, ((w1, e1, qkv_f, o_f, scale, w2, e2, gu_f, d_f, act, qkv_all, gu_all), K, V) in enumerate(
+        for i, ((w1, e1, qkv_f, o_f, scale, w2, e2, gu_f, d_f, act, qkv_all, gu_all, qk), K, V) in enumerate(
                 zip(fns, buffers.k, buffers.v)):
-            x = norm(h, w1, e1)
+            x = h if post else norm(h, w1, e1)
             if glue:  # roped q (R, H, D); roped k and v written to each row's slot and position
-                q = rope_write(qkv_all(x, roles), cos2, sin2, K, V, rows_slot, rows_pos, n_kv * rep)
+                qkv = qkv_all(x, roles)
+                if qk is not None:  # q and k normed in torch, then the native rope over them
+                    q, k, v = qkv.split(widths, -1)
+                    q, k = qk(q, k)
+                    qkv = torch.cat([q.reshape(R, -1), k.reshape(R, -1), v], -1)
+                q = rope_write(qkv, cos2, sin2, K, V, rows_slot, rows_pos, n_kv * rep)
             else:
                 q, k, v = qkv_f(x, roles)  # (R, H*D), (R, H_kv*D) x 2: views of one product where the weights are stacked
+                if qk is not None:
+                    q, k = qk(q, k)
                 q, k = q.view(R, n_kv * rep, d), k.view(R, n_kv, d)
                 K[rows_slot, :, rows_pos] = (k * cos + k.roll(half, -1) * sin).to(K.dtype)  # roped K into the request's slot
                 V[rows_slot, :, rows_pos] = v.view(R, n_kv, d).to(V.dtype)
-                q = q * cos + q.roll(half, -1) * sin
+                q = (q * cos + q.roll(half, -1) * sin).to(q.dtype)  # OLMo-2 ropes in float32 (its cos, sin), then casts
             o = [cascade.attend(r, q[r.r0 : r.r1], K, V, i, scale, up, kernel) for r in rows]
             o = o[0] if len(o) == 1 else torch.cat(o)
-            h = h + o_f(o.to(torch.bfloat16) if glue else o, roles)  # with the glue: the products' bf16 input, as they round it
-            x = norm(h, w2, e2)
+            y = o_f(o.to(torch.bfloat16) if glue else o, roles)  # with the glue: the products' bf16 input, as they round it
+            if post:
+                y = rms(y, w1, e1)
+            h = h + y if mult is None else h + y * mult
+            x = h if post else norm(h, w2, e2)
             if glue:  # silu(gate) x up straight to the down product's bf16 input
-                h = h + d_f(torch.ops.cag.silu_mul_bf16(gu_all(x, roles)), roles)
-                continue
-            g, u = gu_f(x, roles)
-            y = act(g) * u
-            h = h + d_f(y, roles)
+                y = d_f(torch.ops.cag.silu_mul_bf16(gu_all(x, roles)), roles)
+            else:
+                g, u = gu_f(x, roles)
+                y = d_f(act(g) * u, roles)
+            if post:
+                y = rms(y, w2, e2)
+            h = h + y if mult is None else h + y * mult
         w, e = s.final
         if all_logits:
-            return [s.head(rms(h[r.r0 : r.r1].view(r.B, r.m, -1), w, e)) for r in rows]
-        logits = s.head(rms(torch.cat([h[r.r0 : r.r1].view(r.B, r.m, -1)[:, -1] for r in rows]), w, e))  # one product
+            return [s.logits(rms(h[r.r0 : r.r1].view(r.B, r.m, -1), w, e)) for r in rows]
+        logits = s.logits(rms(torch.cat([h[r.r0 : r.r1].view(r.B, r.m, -1)[:, -1] for r in rows]), w, e))  # one product
         return list(logits.split([r.B for r in rows]))
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """The LM head over final-normed rows (Granite: divided by its logits_scaling, as its forward does)."""
+        return self.head(x) if self.logits_div is None else self.head(x) / self.logits_div
 
 
 
@@ -265,6 +243,27 @@ def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
 def _rms_fp32(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     """_rms for float32 compute, without its two no-op casts (two calls x 61 norms a token)."""
     return w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+
+
+def _rms_w32(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """Olmo2RMSNorm's formula: the weight applied in float32, then cast (the same as _rms in float32)."""
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return (w * h).to(x.dtype)
+
+
+def _together(mods: tuple, widths: tuple[int, ...]) -> Callable:
+    """(x, roles) -> the products of a group (q/k/v, gate/up), one tensor per member's columns: stacked
+    members (cag.stacking), or the family's one fused Linear split into them (Phi-3)."""
+    if len(mods) > 1:
+        return together(*mods)
+    f = product(mods[0])
+    return lambda x, roles=None: f(x, roles).split(widths, -1)
+
+
+def _shared(mods: tuple):
+    """The packed copy a group's product reads: the members' shared one, or a fused Linear's own."""
+    return group_of(*mods) if len(mods) > 1 else fused.own(mods[0])
 
 
 def for_model(model) -> LeanStep | None:

@@ -173,6 +173,7 @@ from cag.cli.compare_cmd import compare  # noqa: E402
 
 app.command()(compare)
 from cag.cli.chat_cmd import chat  # noqa: E402
+from cag.cli.info_cmd import info  # noqa: E402
 from cag.cli.maintenance import gc, invalidate, reindex  # noqa: E402
 
 app.command()(chat)
@@ -180,6 +181,7 @@ app.command()(chat)
 app.command()(invalidate)
 app.command()(gc)
 app.command()(reindex)
+app.command()(info)
 
 
 def main() -> None:

@@ -151,8 +151,8 @@ def _family(name: str):
         rope = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
                 "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
         model = transformers.LlamaForCausalLM(transformers.LlamaConfig(rope_parameters=rope, **common))
-    else:
-        model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(head_dim=16, **common))
+    else:  # Phi-2: partial rotary, parallel attention and MLP, LayerNorm (tests/test_families.py: the families it covers)
+        model = transformers.PhiForCausalLM(transformers.PhiConfig(**common))
     model.eval()
     attention.install(model)
     return model
@@ -164,8 +164,8 @@ def test_lean_step_covers_llama_shaped_families(name):
 
 
 def test_an_unsupported_model_is_refused_by_the_check():
-    model = _family("qwen3")  # q/k norms: not Llama's layer
-    assert "qwen3" in lean.why_not(model) and lean.for_model(model) is None
+    model = _family("phi")  # not a Llama-shaped layer
+    assert "'phi'" in lean.why_not(model) and lean.for_model(model) is None
 
 
 def test_the_support_check_decides_the_path(tiny_engine, small_corpus, monkeypatch):

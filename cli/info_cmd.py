@@ -1,0 +1,31 @@
+"""`cag info`: load a model and say how cag runs it, without asking anything."""
+
+from __future__ import annotations
+
+import typer
+
+from cag.cli.common import JsonOpt, ModelOpt, _emit, _engine, _human_bytes, handle_errors, shown
+
+NATIVE = {"layers": "all layers in one native call", "glue": "native attention, products and glue",
+          "attention": "native attention", "none": "torch's kernels"}
+
+
+@handle_errors
+def info(model: ModelOpt = None, json_: JsonOpt = False):
+    """Load the model and print its shape and how it decodes: weights format, kernels, fast step or forward (and why), snapshot bytes per token."""
+    engine = _engine(model)
+    d = engine.lm.info(engine.kv_dtype)
+    if json_:
+        _emit(d)
+        return
+    step = f"fast step, {NATIVE[d['native']]}" if d["step"] == "fast" else f"transformers forward ({d['step_reason']})"
+    lines = [
+        f"model:    {d['model']}",
+        f"family:   {d['model_type']} ({d['class']}), {d['parameters'] / 1e6:.1f}M parameters",
+        f"shape:    {d['layers']} layers, {d['heads']} heads ({d['kv_heads']} K/V), heads of {d['head_dim']}, context {d['context']}",
+        f"compute:  {d['dtype']} on {d['device']}, weights {d['weights']}",
+        f"kernels:  {d['kernels']}" + (f" ({d['kernels_reason']})" if d["kernels_reason"] else ""),
+        f"decode:   {step}",
+        f"snapshot: {_human_bytes(d['kv_bytes_per_token'])} per token ({d['kv_dtype']} K/V)",
+    ]
+    typer.echo("\n".join(shown(line) for line in lines))

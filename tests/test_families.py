@@ -1,0 +1,212 @@
+"""The fast step (cag.step) for each family it covers: Llama, Mistral, Qwen2 (Llama's layer), Qwen3 (q/k
+norms per head), Phi-3 (fused q/k/v and gate/up), Granite (multipliers), OLMo-2 (post-norms, q/k norms over
+the projection), on tiny random-weight models built from their transformers configs.
+
+* the step's logits and K/V equal the transformers forward's bit for bit, in float32 and bfloat16, when its
+  attention is the forward's own call over the same keys (the step reads a shared prefix and a request's own
+  suffix apart, merged by log-sum-exp: through that, within float tolerance, as for every family);
+* `cag` == `full` token for token, alone and asked together, through torch's kernels (fp32) and cag's
+  (bf16 and int4 weights: attention, products and glue natively, a family's own pieces in torch between
+  them; all layers in one native call for Llama's layer only);
+* what the step does not compute is refused with the reason (partial rotary, longrope)."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+
+from cag import attention, cascade, native
+from cag import step as lean
+from cag.config import get_settings
+from cag.engine import Engine
+from cag.slots import Prefix, Slots
+from tests import test_step as ts
+from tests.conftest import HANDBOOK, _train_tokenizer
+from tests.test_batch import together
+from tests.test_exactness import QUESTIONS
+
+NEW = ["qwen3", "phi3", "granite", "olmo2"]
+FAMILIES = ["llama", "mistral", "qwen2", *NEW]
+CLASSES = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3", "phi3": "Phi3",
+           "granite": "Granite", "olmo2": "Olmo2"}
+
+
+def config(name: str, hidden: int = 64, heads: int = 4, kv_heads: int = 2, vocab: int = 300, init: float = 0.3, **extra):
+    """A 2-layer config of family `name` (heads of hidden / heads), without sliding windows."""
+    c = dict(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=2,
+             num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=4096,
+             initializer_range=init, pad_token_id=0, bos_token_id=1, eos_token_id=2) | extra
+    d = hidden // heads
+    return {
+        "llama": lambda: transformers.LlamaConfig(**c),
+        "mistral": lambda: transformers.MistralConfig(sliding_window=None, **c),
+        "qwen2": lambda: transformers.Qwen2Config(use_sliding_window=False, **c),
+        "qwen3": lambda: transformers.Qwen3Config(head_dim=d, use_sliding_window=False, **c),
+        "phi3": lambda: transformers.Phi3Config(**c),
+        # multipliers far from 1 (Granite-3's are 12, 0.22, 1/128 and 8 at their sizes)
+        "granite": lambda: transformers.GraniteConfig(embedding_multiplier=2.5, residual_multiplier=0.6,
+                                                      attention_multiplier=0.7 / math.sqrt(d), logits_scaling=0.4, **c),
+        "olmo2": lambda: transformers.Olmo2Config(**c),
+    }[name]()
+
+
+def build(name: str, dtype=torch.float32, **kw) -> torch.nn.Module:
+    """A tiny random model of family `name`; norm weights random too (a norm applied in the wrong place,
+    or not at all, changes the logits)."""
+    torch.manual_seed(1)
+    model = getattr(transformers, CLASSES[name] + "ForCausalLM")(config(name, **kw))
+    for n, p in model.named_parameters():
+        if n.endswith("norm.weight"):
+            torch.nn.init.normal_(p, 1.0, 0.3)
+    if name == "qwen2":
+        torch.nn.init.normal_(model.model.layers[0].self_attn.q_proj.bias, std=0.5)  # biases that matter
+    model = model.to(dtype).eval()
+    attention.install(model)
+    return model
+
+
+def same_attention(r, q, K, V, i, scale, up, kernel=None):
+    """In place of cascade.attend, for one request: the forward's own attention call (cag.attention's
+    packed GQA over transformers' causal mask) over its prefix's keys followed by its suffix's."""
+    ((prefix, _),) = r.groups
+    slot, seen, m = int(r.slots_cpu[0]), int(r.lens[0]), r.m
+    Kp, Vp = prefix.kv[i]
+    keys, values = torch.cat([Kp, K[slot : slot + 1, :, :seen]], 2), torch.cat([Vp, V[slot : slot + 1, :, :seen]], 2)
+    n, (H, D) = keys.shape[2], q.shape[1:]
+    mask = torch.ones(m, n, dtype=torch.bool).tril(n - m)[None, None]  # (1, 1, m, n): row t sees keys up to n - m + t
+    out, _ = attention.packed_gqa_sdpa(None, q.view(1, m, H, D).transpose(1, 2), keys, values, mask, scaling=scale)
+    return out.reshape(m, H * D)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("name", FAMILIES)
+def test_the_step_is_the_forward_bit_for_bit(name, dtype, monkeypatch):
+    """A question over a shared prefix, then 8 decode steps: logits and the K/V written equal the
+    transformers forward's over one contiguous cache, bit for bit, with the attention call made the same."""
+    model = build(name, dtype)
+    assert type(model).__name__ == CLASSES[name] + "ForCausalLM" and lean.why_not(model) is None
+    monkeypatch.setattr(cascade, "attend", same_attention)
+    monkeypatch.setitem(ts.TOLERANCE, dtype, 0.0)
+    ts.assert_steps_match(model)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("name", NEW)
+def test_the_step_is_the_forward_within_tolerance(name, dtype, monkeypatch):
+    """Through the step's own attention (prefix and suffix apart, merged): within float tolerance (Granite's
+    logits are divided by its logits_scaling, and their differences with them)."""
+    model = build(name, dtype)
+    if name == "granite":
+        monkeypatch.setitem(ts.TOLERANCE, dtype, ts.TOLERANCE[dtype] / model.config.logits_scaling)
+    ts.assert_steps_match(model)
+
+
+def test_what_the_step_does_not_compute_is_refused():
+    rope = {"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0] * 8, "long_factor": [2.0] * 8,
+            "original_max_position_embeddings": 256}
+    assert "partial rotary" in lean.why_not(build("phi3", partial_rotary_factor=0.5))
+    assert "longrope" in lean.why_not(build("phi3", rope_parameters=rope, original_max_position_embeddings=256))
+    model = build("qwen3")
+    model.model.layers[1].self_attn.k_norm = torch.nn.LayerNorm(16)
+    assert lean.why_not(model) == "q/k norms of another kind" and lean.for_model(model) is None
+
+
+# -- through the engine: tiny models with the tokenizer of the tiny fixture, heads of 64 ---------------
+@pytest.fixture(scope="module")
+def family_dirs(tmp_path_factory) -> dict[str, Path]:
+    """Each new family as a Hugging Face folder (hidden 256, 4 heads of 64, 2 K/V heads), built once."""
+    tok = _train_tokenizer([p.read_text() for p in sorted(HANDBOOK.glob("*.md"))] + ["What is the answer? The answer is 42."])
+    ids = dict(vocab=len(tok), pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
+    out = {}
+    for name in NEW:
+        model = build(name, hidden=256, init=0.15, tie_word_embeddings=True, **ids)
+        out[name] = tmp_path_factory.mktemp(f"tiny-{name}")
+        model.save_pretrained(out[name])
+        tok.save_pretrained(out[name])
+    return out
+
+
+def _engine(monkeypatch, folder: Path, weights: str, kernels: str) -> Engine:
+    if kernels != "torch" and (why := native.why_not()):
+        pytest.skip(f"cag's kernels cannot run here: {why}")
+    monkeypatch.setenv("CAG_MODEL", str(folder))
+    monkeypatch.setenv("CAG_WEIGHTS", weights)
+    monkeypatch.setenv("CAG_DECODE_KERNELS", kernels)
+    return Engine(get_settings())
+
+
+@pytest.mark.parametrize(("weights", "kernels"), [("fp32", "torch"), ("bf16", "avx512"), ("int4", "avx512")])
+@pytest.mark.parametrize("name", NEW)
+def test_cag_equals_full_alone_and_together(family_dirs, small_corpus, monkeypatch, name, weights, kernels):
+    engine = _engine(monkeypatch, family_dirs[name], weights, kernels)
+    step = lean.for_model(engine.lm.model)
+    native_path = "none" if kernels == "torch" else "layers" if name == "phi3" else "glue"  # one call: Llama's layer only
+    assert engine.lm.decode_path() == {"weights": weights, "kernels": kernels, "kernels_reason": engine.lm.kernels_why,
+                                       "step": "fast", "step_reason": None, "native": native_path}
+    assert (step.glue is not None) == (kernels != "torch") and (step.fused is not None) == (native_path == "layers")
+    engine.ingest(str(small_corpus))
+    alone = []
+    for q in QUESTIONS[:3]:
+        cached = engine.ask("corpus", q, max_tokens=16).token_ids
+        assert len(cached) == 16 and cached == engine.ask("corpus", q, max_tokens=16, mode="full").token_ids
+        alone.append(cached)
+    assert len({tuple(a) for a in alone}) > 1  # different questions, different answers
+    assert together(engine, [lambda q=q: engine.ask("corpus", q, max_tokens=16).token_ids for q in QUESTIONS[:3]]) == alone
+
+
+@pytest.mark.parametrize("name", NEW)
+@torch.inference_mode()
+def test_the_native_glue_computes_the_family(family_dirs, monkeypatch, name):
+    """cag's kernels around a family's own pieces (bf16 weights): the step's logits stay within bf16's
+    rounding of the same step through torch's kernels, while leaving out a q/k norm or the residual
+    multiplier moves them far more (measured: 14-160x; so each piece is computed on the native path too)."""
+    model = _engine(monkeypatch, family_dirs[name], "bf16", "avx512").lm.model
+    step = lean.for_model(model)
+    assert step.glue is not None
+    prefix = Prefix.of(ts.prefix_of(model).kv, torch.bfloat16, "cpu")  # what decode reads: bf16 K/V
+
+    def logits(glue, kernel=step.kernel, fused=step.fused):
+        saved = step.glue, step.kernel, step.fused
+        step.glue, step.kernel, step.fused = glue, kernel, fused
+        try:
+            slots = Slots(*ts.shapes(model), 32, 1, torch.bfloat16)
+            slots.take()
+            step.forward(torch.tensor([ts.QUESTION]), [prefix], torch.tensor([0]), torch.tensor([0]), slots)
+            return torch.cat([step.forward(torch.tensor([[t]]), [prefix], torch.tensor([0]), torch.tensor([len(ts.QUESTION) + i]), slots)
+                              for i, t in enumerate((5, 9, 11))])
+        finally:
+            step.glue, step.kernel, step.fused = saved
+
+    native_ = logits(step.glue)
+    torch_ = logits(None, None, None)
+    scale, kernels_apart = torch_.abs().mean(), (native_ - torch_).abs().mean()  # measured: 0.5-0.8% of the scale
+    assert kernels_apart < 0.03 * scale
+    if name in ("qwen3", "olmo2"):  # the q/k norms left out
+        saved = [f.qk for f in step.fns]
+        step.fns = [f._replace(qk=None) for f in step.fns]
+        try:
+            assert (logits(step.glue) - native_).abs().mean() > max(5 * kernels_apart, 0.05 * scale)
+        finally:
+            step.fns = [f._replace(qk=q) for f, q in zip(step.fns, saved)]
+    if name == "granite":
+        saved = step.residual
+        step.residual = None
+        try:
+            assert (logits(step.glue) - native_).abs().mean() > max(5 * kernels_apart, 0.05 * scale)
+        finally:
+            step.residual = saved
+
+
+@pytest.mark.parametrize("weights", ["int4", "bf16"])
+def test_phi3_layers_in_one_native_call_are_the_separate_ops(family_dirs, monkeypatch, weights):
+    """Phi-3's fused q/k/v and gate/up products are Llama's layer: decode_layers takes them (its own packed
+    copies) and gives the separate ops' logits and K/V bit for bit (test_native's check, on Phi-3)."""
+    from tests.test_native import test_a_fused_layer_is_the_separate_ops_bit_for_bit as same_bits
+
+    if why := native.why_not():
+        pytest.skip(f"cag's kernels cannot run here: {why}")
+    same_bits(None, family_dirs["phi3"], monkeypatch, 300, [0, 3, 6], [0, 1, 0], weights)
