@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from functools import partial
 from typing import TYPE_CHECKING
 
+from cag.errors import BadInput
 from cag.generate import DecodeConfig
 from cag.rag.answer import ask as answer_question
 
@@ -20,6 +21,8 @@ from .runner import Work
 
 if TYPE_CHECKING:
     from cag.engine import Answer, Engine
+
+    from .schemas import ChatMessage
 
 
 @dataclass(frozen=True)
@@ -41,6 +44,20 @@ class AskCall:
                                on_text=on_text if self.stream else None, should_stop=should_stop,
                                on_stale=str(self.on_stale), decoding=self.decoding, shards=self.shards,
                                messages=list(self.messages) if self.messages is not None else None)
+
+
+def messages_of(messages: list[ChatMessage]) -> tuple[tuple[str, str], ...]:
+    """(role, text) per message; text parts joined, anything else refused (cag.chat checks the rest)."""
+    out = []
+    for i, m in enumerate(messages):
+        if m.content is None or isinstance(m.content, str):
+            text = m.content or ""
+        else:
+            if other := [p.type for p in m.content if p.type != "text"]:
+                raise BadInput(f"message {i} ({m.role}): content of type {other[0]!r} is not supported: cag reads text")
+            text = "\n".join(p.text for p in m.content if p.text)
+        out.append((m.role, text))
+    return tuple(out)
 
 
 class LocalAnswers:

@@ -18,28 +18,14 @@ from fastapi import APIRouter, Request
 from cag.errors import BadInput
 from cag.generate import DecodeConfig
 
-from .answers import AskCall
+from .answers import AskCall, messages_of
 from .deps import ReadyService
 from .routes import MODEL_ERRORS, finish_reason, sse_json, stream_errors, streamed, timings
-from .schemas import ChatCompletion, ChatMessage, ChatRequest
+from .schemas import ChatCompletion, ChatRequest
 from .service import Service
 from .streaming import EventStream, TextTrim, event
 
 router = APIRouter(tags=["openai"])
-
-
-def messages_of(messages: list[ChatMessage]) -> tuple[tuple[str, str], ...]:
-    """(role, text) per message; text parts joined, anything else refused (cag.chat checks the rest)."""
-    out = []
-    for i, m in enumerate(messages):
-        if m.content is None or isinstance(m.content, str):
-            text = m.content or ""
-        else:
-            if other := [p.type for p in m.content if p.type != "text"]:
-                raise BadInput(f"message {i} ({m.role}): content of type {other[0]!r} is not supported: cag reads text")
-            text = "\n".join(p.text for p in m.content if p.text)
-        out.append((m.role, text))
-    return tuple(out)
 
 
 def _extension(a) -> dict:

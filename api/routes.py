@@ -16,7 +16,7 @@ from cag.engine import Answer
 from cag.errors import CagError, NotFound
 from cag.generate import DecodeConfig
 
-from .answers import AskCall
+from .answers import AskCall, messages_of
 from .deps import ReadyService, ServiceDep
 from .errors import documented, error_body, status_of
 from .metrics import CONTENT_TYPE
@@ -96,8 +96,6 @@ def start_ask(svc: Service, body: AskRequest) -> Generation:
     svc.check_question(body.question, body.mode)
     messages = None
     if body.history:  # earlier turns: the question is the conversation's last user message
-        from .openai_compat import messages_of
-
         messages = (*messages_of(body.history), ("user", body.question))
         for _, text in messages:
             svc.check_question(text, body.mode)

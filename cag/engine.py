@@ -11,60 +11,30 @@ from __future__ import annotations
 
 import threading
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 from cag.store import snapshots as snapfiles
 from cag.store.index import Index
 from cag.store.sync import shared_store
 
-from . import chat, freshness, kv, sharded, verify
+from . import chat, freshness, kv, questions, sharded, verify
 from . import corpus as corpora
 from . import ingest as steps
 from .batch import Decoder, Request
 from .config import Settings
-from .errors import BadInput, ContextExceeded, NotFound, StaleRefused, TooLarge
+from .errors import BadInput, NotFound, TooLarge
 from .generate import DecodeConfig, Generated
 from .hashing import hash_obj
 from .kept import KeptConversations
 from .model import LoadedModel, load_model
 from .names import check_corpus_name
-from .prompt import Layout, build_prefix, build_suffix, layout_for
+from .prompt import Layout, build_prefix, layout_for
+from .questions import Question, suffix_room
 from .resident import Resident, ResidentPool
-from .results import Answer, CorpusStatus, IngestResult, Mode, Reporter, StalePolicy, choices
+from .results import Answer, CorpusStatus, IngestResult, Mode, Reporter, StalePolicy
 from .slots import Prefix
 
-MAX_SUFFIX = 32768  # a conversation's tokens: a slot's room is virtual memory, bounded for long-context models
-
 __all__ = ["Answer", "CorpusStatus", "Engine", "IngestResult", "Mode", "Reporter", "StalePolicy"]
-
-
-@dataclass
-class Question:
-    """A checked question: its corpus row, suffix tokens, decoding, staleness, and start time. A
-    conversation's suffix holds all its turns (cag.chat); `text` is its last user message."""
-
-    corpus: str
-    text: str
-    mode: Mode
-    row: dict
-    suffix: list[int]
-    decoding: DecodeConfig
-    reasons: list[str]
-    t_start: float
-    turns: list[chat.Turn] | None = None  # a conversation's turns (None: a plain question)
-
-    @property
-    def search_text(self) -> str:
-        """What retrieval and shard routing search by: a conversation's last two user messages (a
-        follow-up such as "and who owns it?" keeps the subject of the one before)."""
-        return self.text if not self.turns else "\n".join([t.text for t in self.turns if t.role == "user"][-2:])
-
-
-def suffix_room(lm: LoadedModel) -> int:
-    """The longest suffix (a conversation and its answer) a request may hold: the model's context,
-    at most MAX_SUFFIX, in whole blocks of 512 (cag.parts.suffix_keys)."""
-    return -(-min(lm.max_context, MAX_SUFFIX) // 512) * 512
 
 
 class Engine:
@@ -201,7 +171,7 @@ class Engine:
         if q.mode is Mode.RAG:
             raise BadInput("mode 'rag' is answered by cag.rag.answer.ask, above the engine")
         if q.mode is Mode.FULL and len(self.index.shards(corpus)) > 1:  # no context holds it all: the routed shard
-            rows, (route, *_), routing_ms = sharded.route(self, corpus, question, 1)
+            rows, (route, *_), routing_ms = sharded.route(self, corpus, q.search_text, 1)
             snap = self.index.snapshot(rows[route.shard]["snapshot"])
             ids = snapfiles.read_ids(self.remote.ensure_local(snap["digest"], Path(snap["path"])))
             return self.answer_prompt(q, ids, on_text, should_stop, held=snap, routing_ms=round(routing_ms, 2),
@@ -214,46 +184,8 @@ class Engine:
 
     def check(self, corpus: str, question: str | None, mode: str = "cag", max_tokens: int | None = None,
               on_stale: str = "serve", decoding: DecodeConfig | None = None, messages: list | None = None) -> Question:
-        """Everything a question (or a conversation: `messages`) needs before any model work; applies
-        the stale policy. A conversation's fit in the context is checked once its prefix is known."""
-        lm = self.lm  # loading the model is a one-time cost of the process, not of the question
-        if self.settings.threads > 0:
-            import torch
-
-            torch.set_num_threads(self.settings.threads)  # process-wide; the same value from every thread
-        t_start = time.perf_counter()
-        try:
-            mode, policy = Mode(mode), StalePolicy(on_stale)
-        except ValueError:
-            bad = ("mode", mode, Mode) if mode not in {m.value for m in Mode} else ("stale policy", on_stale, StalePolicy)
-            raise BadInput(f"unknown {bad[0]} {bad[1]!r}; use one of {choices(bad[2])}") from None
-        turns = None
-        if messages is not None:
-            turns = chat.turns_of(messages)
-            question = chat.question(turns)
-        if not question or not question.strip():
-            raise BadInput("empty question")
-        self.remote.lookup(corpus)  # a shared store's ref: on a miss, and every CAG_STORE_REF_TTL_S
-        row = self.index.corpus(corpus)
-        if row is None:
-            raise NotFound(f"unknown corpus {corpus!r}; `cag list` shows the known ones")
-        max_tokens = self.settings.max_tokens if max_tokens is None else max_tokens
-        if max_tokens < 1:
-            raise BadInput("max_tokens must be at least 1")
-        d = (decoding or DecodeConfig()).within(min(max_tokens, self.settings.answer_room))
-        _, layout, turn = self._layouts()
-        if turns is not None and len(turns) == 1:  # one user message: a plain question (the same tokens)
-            question, turns = turns[0].text, None
-        suffix = build_suffix(lm.tokenizer, layout, question) if turns is None else chat.encode(lm.tokenizer, layout, turn, turns)
-        if turns is None and len(suffix) > self.settings.question_room:
-            raise TooLarge(f"question is {len(suffix)} tokens; the room left for it is {self.settings.question_room}")
-        reasons = self.stale_reasons(row)
-        if reasons and policy is StalePolicy.REFUSE:
-            raise StaleRefused(f"corpus {corpus!r} is stale: " + "; ".join(reasons))
-        if reasons and policy is StalePolicy.REFRESH:
-            self.ingest(row["source"], name=corpus)  # the recorded source, never a same-named folder in cwd
-            row, reasons = self.index.corpus(corpus), []
-        return Question(corpus, question, mode, row, suffix, d, reasons, t_start, turns)
+        """Everything a question (or a conversation: `messages`) needs before any model work (cag.questions)."""
+        return questions.check(self, corpus, question, mode, max_tokens, on_stale, decoding, messages)
 
     def answer_prompt(self, q: Question, prefix_ids: list[int], on_text=None, should_stop=None,
                       held: dict | None = None, **extra) -> Answer:
@@ -271,18 +203,6 @@ class Engine:
             views, codes = kv.stored(views, snapfiles.DTYPES.get(held["dtype"], self.kv_dtype) if held else self.kv_dtype)
         gen, _ = self._generate(Prefix.of(views, lm.attn_dtype, lm.device, self._read(codes)), q, on_text, should_stop)
         return self._finish(q, gen, n, 0, 0.0, None if q.mode is Mode.RAG else q.row["current_snapshot"], **extra)
-
-    def fit(self, q: Question, n_prefix: int) -> None:
-        """A conversation must fit the context after its knowledge prefix, with its answer: OpenAI's
-        context_length_exceeded otherwise (never a silent truncation)."""
-        if q.turns is None:
-            return  # a plain question fits the room ingest reserved (check)
-        lm, n, m = self.lm, len(q.suffix), q.decoding.max_tokens
-        limit = min(lm.max_context, n_prefix + self.suffix_room)
-        if n_prefix + n + m > limit:
-            raise ContextExceeded(f"this model's maximum context length is {limit} tokens; the knowledge takes {n_prefix}, "
-                                  f"the conversation {n} and the answer up to {m} ({n_prefix + n + m} in all); "
-                                  "shorten the conversation or start a new one")
 
     def _answer_cached(self, q: Question, on_text, should_stop, shards: int = 1) -> Answer:
         if len(self.index.shards(q.corpus)) > 1:
@@ -306,7 +226,7 @@ class Engine:
 
     def _generate(self, prefix: Prefix, q: Question, on_text, should_stop, score: bool = False, key: str | None = None):
         """Decode over `prefix`; `key` (a snapshot digest) keeps the suffix for, and reuses, kept conversations."""
-        self.fit(q, prefix.n)
+        questions.fit(q, prefix.n, self.lm.max_context, self.suffix_room)
         req = self.decoder.run(Request(prefix, q.suffix, q.decoding, on_text, should_stop, q.t_start, score, key=key))
         req.result.reused = req.start
         return req.result, req.mean_logprob()

@@ -50,6 +50,9 @@ def common_prefix(a: np.ndarray, b: np.ndarray) -> int:
     return int(diff[0]) if len(diff) else m
 
 
+MIN_REUSE = 16  # fewer shared tokens (two questions that start alike) are not worth a copy: prefilled again
+
+
 class KeptConversations:
     def __init__(self, budget_bytes: int):
         self.budget_bytes = budget_bytes
@@ -61,7 +64,7 @@ class KeptConversations:
     def match(self, key: str, ids: list[int]) -> tuple[Kept | None, int]:
         """The kept conversation sharing the longest token prefix with `ids` on snapshot `key`, and
         how many of its tokens can be reused (at most len(ids) - 1: the last token's row gives the
-        logits the answer starts from)."""
+        logits the answer starts from); none below MIN_REUSE tokens."""
         a = np.asarray(ids, dtype=np.int64)
         best, n = None, 0
         with self._lock:
@@ -69,7 +72,7 @@ class KeptConversations:
                 if item.key == key and (m := common_prefix(a, item.ids)) > n:
                     best, n = item, m
             n = min(n, len(ids) - 1)
-            if best is not None and n > 0:
+            if best is not None and n >= MIN_REUSE:
                 self._items.move_to_end(id(best))
                 self.stats["conversation_hits"] += 1
                 self.stats["conversation_reused_tokens"] += n

@@ -136,7 +136,7 @@ def test_ask_equals_cag_ask_and_the_engine(server, tiny_model_dir):
     q = QUESTIONS[0]
     got = server.ask(q, max_tokens=24, include_token_ids=True)
     assert got["corpus"] == "notes" and got["mode"] == "cag" and got["stale"] is False
-    assert set(got["usage"]) == {"prompt_tokens", "cached_tokens", "completion_tokens"}
+    assert set(got["usage"]) == {"prompt_tokens", "cached_tokens", "conversation_tokens", "completion_tokens"}
     assert set(got["timings"]) >= {"load_ms", "ttft_ms", "total_ms"}
     assert got["usage"]["cached_tokens"] > 0 and got["usage"]["completion_tokens"] == len(got["token_ids"])
 
@@ -145,8 +145,10 @@ def test_ask_equals_cag_ask_and_the_engine(server, tiny_model_dir):
     assert cli.returncode == 0, cli.stderr
     want = json.loads(cli.stdout)
     assert got["answer"] == want["answer"]
-    for k in ("prompt_tokens", "cached_tokens", "completion_tokens"):
+    for k in ("prompt_tokens", "completion_tokens"):
         assert got["usage"][k] == want[k]
+    # the snapshot's share of the cached tokens (either may also have reused an earlier asking of q)
+    assert got["usage"]["cached_tokens"] - got["usage"]["conversation_tokens"] == want["cached_tokens"] - want["conversation_tokens"]
     assert got["snapshot"] == want["snapshot"]
 
     from cag.config import Settings
@@ -171,7 +173,10 @@ def test_ask_stream_sends_tokens_then_the_answer(server):
     final = json.loads(events[-1][1])
     text = "".join(json.loads(d)["text"] for e, d in events if e == "token")
     assert text == final["answer"] == plain["answer"]
-    assert final["usage"] == plain["usage"] and set(final["timings"]) >= {"load_ms", "ttft_ms", "total_ms"}
+    snapshot = lambda u: u["cached_tokens"] - u["conversation_tokens"]  # noqa: E731 (the second asking reuses the first)
+    assert final["usage"]["prompt_tokens"] == plain["usage"]["prompt_tokens"] and snapshot(final["usage"]) == snapshot(plain["usage"])
+    assert final["usage"]["completion_tokens"] == plain["usage"]["completion_tokens"]
+    assert set(final["timings"]) >= {"load_ms", "ttft_ms", "total_ms"}
 
     # errors before the first token keep their HTTP status, also when streaming
     with server.client() as c:

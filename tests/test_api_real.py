@@ -43,7 +43,7 @@ def test_served_answer_equals_cag_ask_on_the_handbook(real_server):
     assert r.status_code == 200, r.text
     got = r.json()
     assert got["answer"] == want["answer"] and got["answer"]
-    assert got["usage"] == {k: want[k] for k in ("prompt_tokens", "cached_tokens", "completion_tokens")}
+    assert got["usage"] == {k: want[k] for k in ("prompt_tokens", "cached_tokens", "conversation_tokens", "completion_tokens")}
     assert got["usage"]["cached_tokens"] > 1000  # the handbook came from the snapshot
 
     with httpx.stream("POST", f"{url}/v1/ask", json={"corpus": "handbook", "question": q, "max_tokens": 24,
@@ -54,4 +54,6 @@ def test_served_answer_equals_cag_ask_on_the_handbook(real_server):
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
     c = client.chat.completions.create(model="handbook", max_tokens=24, messages=[{"role": "user", "content": q}])
     assert c.choices[0].message.content == want["answer"]
-    assert c.usage.prompt_tokens_details.cached_tokens == want["cached_tokens"]
+    # asked a third time: all of the question but its last token comes from the kept prompt (cag.kept)
+    assert c.usage.prompt_tokens_details.cached_tokens == c.usage.prompt_tokens - 1
+    assert c.cag["cached_tokens"] == {"snapshot": want["cached_tokens"], "conversation": c.usage.prompt_tokens - 1 - want["cached_tokens"]}

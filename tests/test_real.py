@@ -39,3 +39,38 @@ def test_cli_end_to_end_in_a_subprocess(cag_home, models_dir):
     assert ans["mode"] == "cag" and ans["cached_tokens"] == info["n_tokens"] and ans["answer"]
     st = json.loads(run("status", "handbook", "--json").stdout)
     assert st["stale"] is False and st["n_tokens"] == info["n_tokens"]
+
+
+def test_real_model_conversation_is_exact_kept_recomputed_full_and_batched(real_engine):
+    """Three turns on the handbook, each answer the history's: the kept conversation, the same turn
+    recomputed from the snapshot alone, `full`, and two conversations at once all agree token for token."""
+    import threading
+
+    real_engine.ingest(str(HANDBOOK))
+
+    def converse(questions, mode="cag"):
+        messages, out = [{"role": "system", "content": "Answer in one short sentence."}], []
+        for q in questions:
+            messages.append({"role": "user", "content": q})
+            a = real_engine.ask("handbook", None, mode=mode, max_tokens=16, messages=messages)
+            out.append(a)
+            messages.append({"role": "assistant", "content": a.answer})
+        return out, messages
+
+    kept, messages = converse(QUESTIONS[:3])
+    assert [a.conversation_tokens > 0 for a in kept] == [False, True, True]
+    real_engine.kept.clear()
+    again = real_engine.ask("handbook", None, max_tokens=16, messages=messages[:-1])
+    full, _ = converse(QUESTIONS[:3], mode="full")
+    assert again.conversation_tokens == 0 and again.token_ids == kept[-1].token_ids
+    assert [a.token_ids for a in full] == [a.token_ids for a in kept]
+    real_engine.kept.clear()
+    together = {}
+    threads = [threading.Thread(target=lambda i=i, qs=qs: together.__setitem__(i, converse(qs)[0]))
+               for i, qs in enumerate([QUESTIONS[:3], QUESTIONS[1:4]])]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert [a.token_ids for a in together[0]] == [a.token_ids for a in kept]
+    assert [a.token_ids for a in together[1]] == [a.token_ids for a in converse(QUESTIONS[1:4])[0]]
