@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import json
 import os
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlparse
@@ -42,9 +41,6 @@ from cag.errors import BadSettings, StoreConflict, StoreCorrupt, StoreUnreachabl
 
 from .snapshots import SnapshotError, decode_header
 
-# Test-only: the path of a flag file. A blob upload writes it once half the blob has been read
-# by the upload (inside the PUT), then sleeps, so a crash test can kill -9 the ingest mid-upload.
-PAUSE_DURING_UPLOAD_ENV = "CAG_TEST_PAUSE_DURING_UPLOAD"
 # A single PUT carries up to 5 GiB; larger blobs go as a multipart upload (also atomic: the object
 # appears only when the upload completes).
 SINGLE_PUT_MAX = 4 * 1024**3
@@ -73,28 +69,6 @@ class Ref:
     @property
     def shards(self) -> list[str]:
         return list(self.body.get("shards", []))
-
-
-class _PausingReader:
-    """A file reader for the upload body that pauses (test-only) once half of it was read."""
-
-    def __init__(self, f, size: int, flag: str):
-        self.f, self.half, self.flag, self.done = f, size // 2, flag, 0
-
-    def read(self, n: int = -1) -> bytes:
-        out = self.f.read(n)
-        self.done += len(out)
-        if self.done >= self.half and self.flag:
-            Path(self.flag).write_text(str(self.done))
-            self.flag = ""
-            time.sleep(3600)
-        return out
-
-    def seek(self, *a):
-        return self.f.seek(*a)
-
-    def tell(self):
-        return self.f.tell()
 
 
 class RemoteStore:
@@ -193,9 +167,7 @@ class RemoteStore:
                 raise self._unreachable(e) from None
             return
         with open(path, "rb") as f:
-            flag = os.environ.get(PAUSE_DURING_UPLOAD_ENV)  # test-only, see PAUSE_DURING_UPLOAD_ENV
-            body = _PausingReader(f, size, flag) if flag else f
-            self._call("put_object", Key=key, Body=body, ContentLength=size, Metadata=meta)
+            self._call("put_object", Key=key, Body=f, ContentLength=size, Metadata=meta)
 
     def _missing(self, digest: str) -> SnapshotError:
         return SnapshotError(f"snapshot {digest[:12]} is missing from the store {self.url}")

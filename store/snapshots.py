@@ -39,9 +39,6 @@ from . import kv_int8
 # "2": the checksum covers dtype and shape. A version-1 file is refused as an unknown format,
 # and since the version is part of every snapshot key, `cag ingest` rebuilds it.
 FORMAT_VERSION = "2"
-# Test-only: the path of a flag file. `save` creates it once the temp file is written and fsynced,
-# just before the rename, then sleeps, so a crash test can kill -9 the writer at that moment.
-PAUSE_BEFORE_RENAME_ENV = "CAG_TEST_PAUSE_BEFORE_RENAME"
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32, "int8": torch.int8}
 # Files whose checksum passed in this process: path -> stamp (device, inode, size, mtime_ns, ctime_ns).
 # Every write to a file moves its ctime, which no call can set back, so a later load (trust=True) of
@@ -185,9 +182,6 @@ def save(path: Path, kv, ids: list[int], meta: dict, dtype: torch.dtype) -> int:
         save_file(tensors, str(tmp), metadata=_encode(header))
         with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
-        if flag := os.environ.get(PAUSE_BEFORE_RENAME_ENV):  # test-only, see PAUSE_BEFORE_RENAME_ENV
-            Path(flag).write_text(str(tmp))
-            time.sleep(3600)
         os.replace(tmp, path)
         _fsync_dir(path.parent)
     except SafetensorError as e:

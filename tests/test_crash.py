@@ -1,16 +1,14 @@
 """Crash safety: kill -9 a real `cag ingest` process while it writes a snapshot, on a first build
 and on a refresh, and prove the kill landed mid-write: the writer pauses after its temp file is
-written and fsynced, just before the rename (store/snapshots.py, CAG_TEST_PAUSE_BEFORE_RENAME), and
+written and fsynced, just before the rename (a seam the test installs: tests/faults.py), and
 the test kills it only once it has said so. Then nothing half-written is served, the previous
 snapshot stays current, `cag gc` removes the leftover, and the next ingest completes."""
 
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -22,13 +20,15 @@ from cag.config import get_settings
 from cag.engine import Engine
 from cag.store import snapshots
 
+from . import faults
+from .conftest import REPO
+
 Q = "When does the ferry leave?"
 
 
 def _paused_ingest(args: list[str], flag: Path) -> tuple[subprocess.Popen, Path]:
     """Start `cag ingest ARGS` and wait until it holds a complete temp file, just before the rename."""
-    env = dict(os.environ, **{snapshots.PAUSE_BEFORE_RENAME_ENV: str(flag)})
-    proc = subprocess.Popen([sys.executable, "-m", "cag", "ingest", *args, "--json"], env=env,
+    proc = subprocess.Popen(faults.command("rename", flag, "ingest", *args, "--json"), cwd=REPO,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     deadline = time.monotonic() + 300
     while not (flag.exists() and flag.read_text()):  # the flag holds the temp file's path

@@ -13,7 +13,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 import urllib.request
 from pathlib import Path
@@ -25,8 +24,10 @@ from cag.cli.main import app
 from cag.config import get_settings
 from cag.engine import Engine
 from cag.errors import SnapshotCorrupt, StoreConflict, StoreUnreachable
-from cag.store import remote as remote_mod
 from cag.store.remote import RemoteStore
+
+from . import faults
+from .conftest import REPO
 
 Q = "When does the ferry leave?"
 URL = "s3://cag-test/team"
@@ -146,8 +147,8 @@ def test_kill_9_during_the_upload_leaves_no_ref_to_a_partial_blob(s3, small_corp
     (small_corpus / "c.md").write_text("The bakery on Quay Street sells rye bread on Fridays now.\n")
 
     flag = tmp_path / "uploading"
-    env = dict(os.environ, CAG_HOME=str(a_home), **{remote_mod.PAUSE_DURING_UPLOAD_ENV: str(flag)})
-    proc = subprocess.Popen([sys.executable, "-m", "cag", "ingest", "corpus", "--json"], env=env,
+    env = dict(os.environ, CAG_HOME=str(a_home))
+    proc = subprocess.Popen(faults.command("upload", flag, "ingest", "corpus", "--json"), env=env, cwd=REPO,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     deadline = time.monotonic() + 300
     while not (flag.exists() and flag.read_text()):  # half the blob has been read by the PUT
