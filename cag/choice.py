@@ -2,9 +2,9 @@
 
 A CPU with bf16 dot products in hardware (AMX, AVX512-BF16) gets int4 for a model whose matrices
 already lie on int4's grid (a GGUF Q4_1 model such as the embedded one: int4 keeps its weights as
-they are and decodes a 4K-token answer 1.4-1.5x faster than fp32 here, with fp32's F1), else bf16;
-other CPUs get fp32 or bf16 by a timing probe, its verdict cached. The README's "Decode formats"
-has the measurements.
+they are and decodes faster than fp32 with fp32's quality: bench/bench_decode.py and
+bench/bench_weights_quality.py measure both), else bf16; other CPUs get fp32 or bf16 by a timing
+probe, its verdict cached. docs/performance.md has the current figures.
 """
 
 from __future__ import annotations

@@ -95,7 +95,7 @@ class Engine:
 
     def _layouts(self) -> tuple[LoadedModel, Layout, str]:
         lm = self.lm
-        if self._layout is None or self._layout[0] is not lm:  # rendering the chat template costs ~1 ms
+        if self._layout is None or self._layout[0] is not lm:  # rendering the chat template: once per model
             layout = layout_for(lm.tokenizer)
             self._layout = (lm, layout, chat.turn_piece(lm.tokenizer, layout))
         return self._layout
@@ -108,7 +108,7 @@ class Engine:
 
     def snapshot_key(self, ids: list[int], kv_name: str | None = None) -> str:
         """Everything that determines the tensors (stored as `kv_name`, default the configured dtype);
-        see DESIGN.md sections 3-5."""
+        docs/concepts.md (snapshot keys)."""
         lm = self.lm
         return hash_obj({
             "format": snapfiles.FORMAT_VERSION, "model": lm.fingerprint, "tokenizer": lm.tokenizer_fingerprint,

@@ -1,8 +1,9 @@
 """The lean step's decoder layers in one native call (cag.native's `decode_layers`) for a pass of
 decode rows only (one new token per request, on any number of prefixes), with int4 or bf16 weights.
 
-Why: as separate ops a layer is ~13 torch calls and 5 OpenMP regions; at a few µs each that was a
-third of a step on a short prefix on 2 cores (and one call per layer still ~1 ms a step). The
+Why: as separate ops a layer is ~13 torch calls and 5 OpenMP regions, whose fixed costs were a
+large share of a step on a short prefix on 2 cores, one call per layer still a measurable one
+(bench/bench_decode.py). The
 native call runs the same pieces (RMSNorm to bf16, the products, rope with the K/V write, the
 attention over the pre-paired prefix and the slots, silu x up, the residual adds) for every layer in
 one parallel region, in the same order: the same bits as the separate ops (tests/test_native.py), so

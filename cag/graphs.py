@@ -1,8 +1,8 @@
 """CUDA graphs of the decode step: one request's next token through every layer in one replay.
 
 Why: on CUDA a lean decode step (cag.step) is ~1,700 small kernels, and launching them one at a
-time from Python costs more than running them: SmolLM2 on an H200 decoded 38-49 tokens/s so, and
-192 with each step a replay of 5 ms (bench/results/gpu_check.md). A CUDA graph records the step's
+time from Python costs more than running them (bench/gpu_check.py measures both ways; figures in
+docs/performance.md). A CUDA graph records the step's
 kernels once and launches them all with one call.
 
 What is captured: the step of one request (B = 1, one token) over one resident prefix, its

@@ -3,9 +3,9 @@ by AVX512-BF16 dot products), int4 and bf16 weight products at the speed of read
 the step's glue around them (RMSNorm straight to bf16; rope with the K/V write).
 
 Why: a decode step reads every weight and the whole cache once, so its floor is the time of that
-read. torch's kernels run well below it for one row (int4: the weights dequantized per row at
-10-17 GB/s; flash attention over 4K bf16 keys at ~7 GB/s; ~30 small ops a layer between them).
-These run near it (bench_decode).
+read. torch's kernels run well below it for one row (int4: the weights dequantized per row; flash
+attention over bf16 keys; ~30 small ops a layer between them). These run near it: bench_decode
+measures the step beside the read bound.
 
 How: compiled on first use for this machine (-march=native) with the system C++ compiler, against
 the installed torch, into ~/.cache/cag/kernels ($XDG_CACHE_HOME/cag/kernels; key: sources, torch

@@ -2,7 +2,7 @@
 per-layer Python.
 
 Why: a one-token `model(...)` forward over a StaticCache spends about a third of a SmolLM2 step on
-a CPU (15-21 ms of ~33-43 ms) outside the weight products: mask construction, cache bookkeeping,
+a CPU outside the weight products (bench/bench_decode.py measures both): mask construction, cache bookkeeping,
 output dataclasses, keyword plumbing through 30 layers. For one token none of it is needed: every
 key at or before the new position is visible, so attention needs no mask, and the cache write is
 one row per layer.
@@ -47,12 +47,6 @@ from .stacking import group_of, product, together
 ATTR = "_cag_lean_step"  # where the built step (or the verdict None) is kept on the model
 
 
-def _global_hooks() -> bool:
-    from torch.nn.modules import module as nn_module
-
-    return bool(nn_module._global_forward_hooks or nn_module._global_forward_pre_hooks)
-
-
 class Layer(NamedTuple):
     """What the step calls and reads in one decoder layer (unpacked by position in `run`)."""
 
@@ -72,7 +66,7 @@ class Layer(NamedTuple):
 
 
 class LeanStep:
-    """Per-model references gathered once; `bind(cache)` gives the per-request step function."""
+    """Per-model references gathered once; `run` steps the parts of a pass over them."""
 
     def __init__(self, model):
         config, inner, fam = model.config, model.model, family(model)

@@ -4,9 +4,9 @@ torch's CPU kernels (and cag's) run on OpenMP, which gives every thread that cal
 workers of its own. Once more workers exist than there are CPUs, libgomp stops letting idle
 workers spin and every parallel region has to wake its workers from the kernel: a decode step runs
 ~150 small regions, and on a 2-core machine a thread that had once prefilled (the CLI's main
-thread, an API worker) halved the decode thread's speed while it merely waited (bench_decode's
-step at 1K: 124 tok/s; served: 59). A thread about to wait for the decode thread gives its pool back
-(OpenMP 5.0's `omp_pause_resource_all`); its next parallel region builds a new one (~0.1 ms).
+thread, an API worker) halved the decode thread's speed while it merely waited (bench_decode's step
+against the served rate). A thread about to wait for the decode thread gives its pool back (OpenMP
+5.0's `omp_pause_resource_all`); its next parallel region builds a new one, which costs little.
 """
 
 from __future__ import annotations

@@ -18,8 +18,8 @@ as a plain matrix, and a question's rows (int8, int4) through the bf16 product; 
 
 A question's rows (a question part: cag.parts.Part.asks) are multiplied in bf16 in
 int8 and int4 too, from a second, bf16 copy (FEW layout, calls of <= FEW rows): the integer kernels
-dequantize per row (int4 measured here: 6 ms for 1 row of all SmolLM2 products, 39 ms for 18; bf16
-23 ms for either), so a question's pass costs what bf16's does while every decode row still reads
+dequantize per row (their cost grows with the rows, bf16's hardly: bench/bench_decode.py), so a
+question's pass costs what bf16's does while every decode row still reads
 the small copy. The role, not the row count, picks the copy, so a row's bits never depend on what
 else shares its pass.
 
@@ -50,8 +50,7 @@ GROUP = 32  # int4 group size along the input dimension
 # rows (questions admitted together) is multiplied in calls of at most this many.
 ROWS = 128
 # bf16 holds two oneDNN layouts of each weight. The one for batches of FEW rows multiplies 1-16 rows
-# 20-25% faster than the 1-row layout (AMX machine, all SmolLM2 layers: 30 vs 39 ms for 1 row, 33 vs
-# 42 ms for 16) but re-blocks its sum above 32 rows; the 1-row layout serves calls of more rows (a
+# faster than the 1-row layout (bench/bench_decode.py) but re-blocks its sum above 32 rows; the 1-row layout serves calls of more rows (a
 # question admitted), row-invariant up to ROWS. Up to 32 rows the two give identical bits, so a row's
 # result never depends on which one ran (tests/test_batch.py). A vocabulary-sized output (the LM head:
 # one row per request) keeps the FEW layout alone, in calls of at most FEW rows.

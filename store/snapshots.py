@@ -42,8 +42,8 @@ FORMAT_VERSION = "2"
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32, "int8": torch.int8}
 # Files whose checksum passed in this process: path -> stamp (device, inode, size, mtime_ns, ctime_ns).
 # Every write to a file moves its ctime, which no call can set back, so a later load (trust=True) of
-# a file with the same stamp reads the bytes that were checked and skips the blake3 pass: ~25-45 ms
-# for 90-150 MB on 2 cores, most of a cold load. File times are coarse (a clock tick), so a file
+# a file with the same stamp reads the bytes that were checked and skips the blake3 pass, most of a
+# cold load (bench/bench_engine.py). File times are coarse (a clock tick), so a file
 # checked within SETTLE_S of its last change is not remembered: a write in the same tick could keep
 # its stamp (git's "racily clean" index entries, same cure).
 _checked: dict[str, tuple] = {}
