@@ -114,6 +114,13 @@ def cag_home(tmp_path, monkeypatch, models_dir) -> Path:
 
 
 @pytest.fixture
+def tiny(tiny_model_dir, monkeypatch):
+    """CAG_MODEL set to the tiny model, for commands run in this process (typer's CliRunner)."""
+    monkeypatch.setenv("CAG_MODEL", str(tiny_model_dir))
+    return tiny_model_dir
+
+
+@pytest.fixture
 def tiny_engine(tiny_model_dir, monkeypatch):
     from cag.config import get_settings
     from cag.engine import Engine

@@ -17,12 +17,6 @@ def cag(*args: str):
 
 
 @pytest.fixture
-def tiny(tiny_model_dir, monkeypatch):
-    monkeypatch.setenv("CAG_MODEL", str(tiny_model_dir))
-    return tiny_model_dir
-
-
-@pytest.fixture
 def ingested(tiny, small_corpus):
     r = cag("ingest", str(small_corpus), "--name", "town", "--json")
     assert r.exit_code == 0, r.output

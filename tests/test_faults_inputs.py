@@ -7,22 +7,10 @@ import json
 import re
 
 import pytest
-from typer.testing import CliRunner
 
 from cag import documents
-from cag.cli.main import app
 
-runner = CliRunner()
-
-
-def cag(*args: str):
-    return runner.invoke(app, list(args), catch_exceptions=False)
-
-
-@pytest.fixture
-def tiny(tiny_model_dir, monkeypatch):
-    monkeypatch.setenv("CAG_MODEL", str(tiny_model_dir))
-    return tiny_model_dir
+from .test_cli import cag
 
 
 # -- 6: file links that leave the corpus folder ---------------------------------------------------
