@@ -53,10 +53,16 @@ def common_prefix(a: np.ndarray, b: np.ndarray) -> int:
 MIN_REUSE = 16  # fewer shared tokens (two questions that start alike) are not worth a copy: prefilled again
 
 
+def _head(key: str, ids) -> tuple:
+    """Where a kept conversation is found: any match of MIN_REUSE tokens or more shares its first ones."""
+    return (key, tuple(int(t) for t in ids[:MIN_REUSE]))
+
+
 class KeptConversations:
     def __init__(self, budget_bytes: int):
         self.budget_bytes = budget_bytes
         self._items: OrderedDict[int, Kept] = OrderedDict()  # id(Kept) -> Kept, oldest first
+        self._heads: dict[tuple, dict[int, Kept]] = {}  # _head -> the kept conversations that start so
         self._lock = threading.Lock()
         self.stats = {"conversation_hits": 0, "conversation_misses": 0, "conversation_reused_tokens": 0,
                       "conversation_evictions": 0}
@@ -68,8 +74,8 @@ class KeptConversations:
         a = np.asarray(ids, dtype=np.int64)
         best, n = None, 0
         with self._lock:
-            for item in self._items.values():
-                if item.key == key and (m := common_prefix(a, item.ids)) > n:
+            for item in self._heads.get(_head(key, ids), {}).values() if len(ids) > MIN_REUSE else ():
+                if (m := common_prefix(a, item.ids)) > n:
                     best, n = item, m
             n = min(n, len(ids) - 1)
             if best is not None and n >= MIN_REUSE:
@@ -84,13 +90,14 @@ class KeptConversations:
         """Keep a suffix's K/V (copies the caller made). Kept conversations it extends are dropped:
         every match they could give, the new one gives too."""
         item = Kept(key, np.asarray(ids, dtype=np.int64), kv)
-        if item.nbytes > self.budget_bytes:
+        if item.nbytes > self.budget_bytes or item.n < MIN_REUSE:
             return
         with self._lock:
-            for k, old in list(self._items.items()):
-                if old.key == key and old.n <= item.n and common_prefix(old.ids, item.ids) == old.n:
-                    del self._items[k]
-            self._items[id(item)] = item
+            head = _head(key, ids)
+            for k, old in list(self._heads.get(head, {}).items()):
+                if old.n <= item.n and common_prefix(old.ids, item.ids) == old.n:
+                    self._drop(k)
+            self._items[id(item)] = self._heads.setdefault(head, {})[id(item)] = item
             self._shrink(self.budget_bytes)
 
     def shrink(self, budget_bytes: int) -> None:
@@ -99,13 +106,23 @@ class KeptConversations:
             self._shrink(budget_bytes)
 
     def _shrink(self, budget: int) -> None:
-        while self._items and sum(i.nbytes for i in self._items.values()) > budget:
-            self._items.popitem(last=False)
+        held = sum(i.nbytes for i in self._items.values())
+        while self._items and held > budget:
+            held -= self._drop(next(iter(self._items))).nbytes
             self.stats["conversation_evictions"] += 1
+
+    def _drop(self, k: int) -> Kept:
+        item = self._items.pop(k)
+        bucket = self._heads[_head(item.key, item.ids)]
+        del bucket[k]
+        if not bucket:
+            del self._heads[_head(item.key, item.ids)]
+        return item
 
     def clear(self) -> None:
         with self._lock:
             self._items.clear()
+            self._heads.clear()
 
     @property
     def nbytes(self) -> int:

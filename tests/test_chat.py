@@ -152,3 +152,30 @@ def test_a_conversation_longer_than_the_context_is_refused(engine):
 def test_turns_join_system_text_to_the_next_user_message():
     turns = chat.turns_of([("system", "Be brief."), ("user", "a"), ("user", "b"), ("assistant", "c"), ("developer", "d"), ("user", "e")])
     assert turns == [chat.Turn("user", "Be brief.\n\na\n\nb"), chat.Turn("assistant", "c"), chat.Turn("user", "d\n\ne")]
+
+
+def test_kept_conversations_are_found_by_their_first_tokens_and_replaced_by_their_extension():
+    import torch
+
+    from cag.kept import KeptConversations
+
+    kept = KeptConversations(10**9)
+    kv = lambda n: [(torch.zeros(2, n, 4), torch.zeros(2, n, 4))]  # noqa: E731
+    base = list(range(100, 140))
+    kept.keep("d", base, kv(40))
+    kept.keep("d", base + [1, 2, 3], kv(43))  # the next turn: it replaces the one it extends
+    assert [i.n for i in kept._items.values()] == [43]
+    assert kept.match("d", base + [1, 2, 3, 9])[1] == 43
+    assert kept.match("d", base + [1, 2, 3])[1] == 42  # the last token is prefilled: its row gives the logits
+    assert kept.match("e", base + [1])[0] is None  # another snapshot
+    assert kept.match("d", base[:10] + [7] * 20)[0] is None  # 10 shared tokens: below the reuse floor
+    kept.keep("d", base[:10], kv(10))  # too short to be worth keeping
+    for i in range(50):
+        kept.keep("d", [i] * 20, kv(20))
+    assert len(kept._items) == 51 and kept.match("d", [7] * 25)[1] == 20
+    half = kept.nbytes // 2
+    kept.shrink(half)  # the oldest go first: the base conversation, then the oldest of the others
+    assert kept.nbytes <= half and kept.match("d", base + [1, 2, 3, 9])[0] is None
+    assert kept.match("d", [49] * 25)[1] == 20 and kept.stats["conversation_evictions"] == 51 - len(kept._items)
+    kept.shrink(0)
+    assert not kept._items and not kept._heads
