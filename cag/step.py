@@ -48,7 +48,7 @@ ATTR = "_cag_lean_step"  # where the built step (or the verdict None) is kept on
 
 
 class Layer(NamedTuple):
-    """What the step calls and reads in one decoder layer (unpacked by position in `run`)."""
+    """What the step calls and reads in one decoder layer."""
 
     norm1: torch.Tensor  # input_layernorm weight (hidden,)
     eps1: float
@@ -182,38 +182,37 @@ class LeanStep:
         if glue and fused.applies(s, rows, roles, kernel):  # all layers in one native call
             h = fused.layers(s, rows[0], h, cos2, sin2, buffers, rows_slot, rows_pos)
             fns = ()
-        for i, ((w1, e1, qkv_f, o_f, scale, w2, e2, gu_f, d_f, act, qkv_all, gu_all, qk), K, V) in enumerate(
-                zip(fns, buffers.k, buffers.v)):
-            x = h if post else norm(h, w1, e1)
+        for i, (L, K, V) in enumerate(zip(fns, buffers.k, buffers.v)):  # L: the layer's Layer
+            x = h if post else norm(h, L.norm1, L.eps1)
             if glue:  # roped q (R, H, D); roped k and v written to each row's slot and position
-                qkv = qkv_all(x, roles)
-                if qk is not None:  # q and k normed in torch, then the native rope over them
+                qkv = L.qkv_packed(x, roles)
+                if L.qk is not None:  # q and k normed in torch, then the native rope over them
                     q, k, v = qkv.split(widths, -1)
-                    q, k = qk(q, k)
+                    q, k = L.qk(q, k)
                     qkv = torch.cat([q.reshape(R, -1), k.reshape(R, -1), v], -1)
                 q = rope_write(qkv, cos2, sin2, K, V, rows_slot, rows_pos, n_kv * rep)
             else:
-                q, k, v = qkv_f(x, roles)  # (R, H*D), (R, H_kv*D) x 2: views of one product where the weights are stacked
-                if qk is not None:
-                    q, k = qk(q, k)
+                q, k, v = L.qkv(x, roles)  # (R, H*D), (R, H_kv*D) x 2: views of one product where the weights are stacked
+                if L.qk is not None:
+                    q, k = L.qk(q, k)
                 q, k = q.view(R, n_kv * rep, d), k.view(R, n_kv, d)
                 K[rows_slot, :, rows_pos] = (k * cos + k.roll(half, -1) * sin).to(K.dtype)  # roped K into the request's slot
                 V[rows_slot, :, rows_pos] = v.view(R, n_kv, d).to(V.dtype)
                 q = (q * cos + q.roll(half, -1) * sin).to(q.dtype)  # OLMo-2 ropes in float32 (its cos, sin), then casts
-            o = [cascade.attend(r, q[r.r0 : r.r1], K, V, i, scale, up, kernel) for r in rows]
+            o = [cascade.attend(r, q[r.r0 : r.r1], K, V, i, L.scale, up, kernel) for r in rows]
             o = o[0] if len(o) == 1 else torch.cat(o)
-            y = o_f(o.to(torch.bfloat16) if glue else o, roles)  # with the glue: the products' bf16 input, as they round it
+            y = L.o(o.to(torch.bfloat16) if glue else o, roles)  # with the glue: the products' bf16 input, as they round it
             if post:
-                y = rms(y, w1, e1)
+                y = rms(y, L.norm1, L.eps1)
             h = h + y if mult is None else h + y * mult
-            x = h if post else norm(h, w2, e2)
+            x = h if post else norm(h, L.norm2, L.eps2)
             if glue:  # silu(gate) x up straight to the down product's bf16 input
-                y = d_f(torch.ops.cag.silu_mul_bf16(gu_all(x, roles)), roles)
+                y = L.down(torch.ops.cag.silu_mul_bf16(L.gu_packed(x, roles)), roles)
             else:
-                g, u = gu_f(x, roles)
-                y = d_f(act(g) * u, roles)
+                g, u = L.gate_up(x, roles)
+                y = L.down(L.act(g) * u, roles)
             if post:
-                y = rms(y, w2, e2)
+                y = rms(y, L.norm2, L.eps2)
             h = h + y if mult is None else h + y * mult
         w, e = s.final
         if all_logits:
