@@ -216,8 +216,7 @@ class Decoder:
         if req.key is None or self.kept is None:
             return
         n = len(req.suffix)
-        self.kept.keep(req.key, req.suffix, [(K[req.slot, :, :n].clone(), V[req.slot, :, :n].clone())
-                                              for K, V in zip(self.slots.k, self.slots.v)])
+        self.kept.keep(req.key, req.suffix, [(K[req.slot, :, :n], V[req.slot, :, :n]) for K, V in zip(self.slots.k, self.slots.v)])
 
     def _emit(self, req: Request, logits: torch.Tensor) -> None:
         """Pick the next token from `logits` (V,): stop, or hand it out and schedule it."""

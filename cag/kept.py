@@ -34,14 +34,14 @@ class Kept:
     key: str  # the snapshot digest the conversation's suffix continues
     ids: np.ndarray  # (n,) int64: the suffix's token ids
     kv: list[tuple[torch.Tensor, torch.Tensor]]  # per layer keys, values (H_kv, n, D), the slots' dtype
+    nbytes: int = 0
+
+    def __post_init__(self):
+        self.nbytes = sum(t.nbytes for pair in self.kv for t in pair)
 
     @property
     def n(self) -> int:
         return len(self.ids)
-
-    @property
-    def nbytes(self) -> int:
-        return sum(t.nbytes for pair in self.kv for t in pair)
 
 
 def common_prefix(a: np.ndarray, b: np.ndarray) -> int:
@@ -63,6 +63,7 @@ class KeptConversations:
         self.budget_bytes = budget_bytes
         self._items: OrderedDict[int, Kept] = OrderedDict()  # id(Kept) -> Kept, oldest first
         self._heads: dict[tuple, dict[int, Kept]] = {}  # _head -> the kept conversations that start so
+        self._held = 0  # bytes of _items
         self._lock = threading.Lock()
         self.stats = {"conversation_hits": 0, "conversation_misses": 0, "conversation_reused_tokens": 0,
                       "conversation_evictions": 0}
@@ -87,17 +88,18 @@ class KeptConversations:
         return None, 0
 
     def keep(self, key: str, ids: list[int], kv: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """Keep a suffix's K/V (copies the caller made). Kept conversations it extends are dropped:
-        every match they could give, the new one gives too."""
-        item = Kept(key, np.asarray(ids, dtype=np.int64), kv)
-        if item.nbytes > self.budget_bytes or item.n < MIN_REUSE:
-            return
+        """Keep a copy of a suffix's K/V (`kv`: views of a request's slot, per layer (H_kv, n, D)).
+        Kept conversations it extends are dropped: every match they could give, the new one gives too."""
+        if len(ids) < MIN_REUSE or sum(t.nbytes for pair in kv for t in pair) > self.budget_bytes:
+            return  # nothing copied
+        item = Kept(key, np.asarray(ids, dtype=np.int64), [(k.clone(), v.clone()) for k, v in kv])
         with self._lock:
             head = _head(key, ids)
             for k, old in list(self._heads.get(head, {}).items()):
                 if old.n <= item.n and common_prefix(old.ids, item.ids) == old.n:
                     self._drop(k)
             self._items[id(item)] = self._heads.setdefault(head, {})[id(item)] = item
+            self._held += item.nbytes
             self._shrink(self.budget_bytes)
 
     def shrink(self, budget_bytes: int) -> None:
@@ -106,9 +108,8 @@ class KeptConversations:
             self._shrink(budget_bytes)
 
     def _shrink(self, budget: int) -> None:
-        held = sum(i.nbytes for i in self._items.values())
-        while self._items and held > budget:
-            held -= self._drop(next(iter(self._items))).nbytes
+        while self._items and self._held > budget:
+            self._drop(next(iter(self._items)))
             self.stats["conversation_evictions"] += 1
 
     def _drop(self, k: int) -> Kept:
@@ -117,20 +118,22 @@ class KeptConversations:
         del bucket[k]
         if not bucket:
             del self._heads[_head(item.key, item.ids)]
+        self._held -= item.nbytes
         return item
 
     def clear(self) -> None:
         with self._lock:
             self._items.clear()
             self._heads.clear()
+            self._held = 0
 
     @property
     def nbytes(self) -> int:
         with self._lock:
-            return sum(i.nbytes for i in self._items.values())
+            return self._held
 
     def snapshot(self) -> dict:
         """Counters and gauges for /metrics."""
         with self._lock:
             return dict(self.stats, conversations_kept=len(self._items),
-                        conversation_bytes=sum(i.nbytes for i in self._items.values()))
+                        conversation_bytes=self._held)
