@@ -12,7 +12,7 @@ from typing import Annotated
 
 import typer
 
-from cag.cli.common import ModelOpt, StoreOpt, _engine, handle_errors, shown
+from cag.cli.common import MaxTokensOpt, ModelOpt, ModeOpt, StoreOpt, _engine, handle_errors, shown
 from cag.errors import BadInput
 
 HELP = "Type a question and Enter. /new starts over, /quit (or Ctrl-D) ends; Ctrl-C stops an answer."
@@ -39,8 +39,8 @@ def read_messages(path: str) -> list[dict]:
 def chat(
     corpus: Annotated[str, typer.Argument(help="Corpus name (see `cag list`).")],
     system: Annotated[str | None, typer.Option(help="A system message for the conversation (it follows the knowledge).")] = None,
-    mode: Annotated[str, typer.Option(help="cag: from the snapshot; full: whole knowledge in the prompt, no cache; rag: BM25 top-k passages.")] = "cag",
-    max_tokens: Annotated[int | None, typer.Option(help="Answer length limit in tokens (clamped to CAG_ANSWER_ROOM).")] = None,
+    mode: ModeOpt = "cag",
+    max_tokens: MaxTokensOpt = None,
     model: ModelOpt = None,
     store: StoreOpt = None,
 ):

@@ -12,7 +12,7 @@ from typing import Annotated
 
 import typer
 
-from cag.cli.common import JsonOpt, ModelOpt, StoreOpt, _age, _emit, _engine, _human_bytes, _TqdmReporter, handle_errors, shown
+from cag.cli.common import JsonOpt, MaxTokensOpt, ModelOpt, ModeOpt, StoreOpt, _age, _emit, _engine, _human_bytes, _TqdmReporter, handle_errors, shown
 
 app = typer.Typer(
     help="Cache-augmented generation: prefill a knowledge corpus once, answer questions from its KV snapshot.",
@@ -61,8 +61,8 @@ def ingest(
 def ask(
     corpus: Annotated[str, typer.Argument(help="Corpus name (see `cag list`).")],
     question: Annotated[str | None, typer.Argument(help="The question (or --questions-file).")] = None,
-    mode: Annotated[str, typer.Option(help="cag: from the snapshot; full: whole knowledge in the prompt, no cache; rag: BM25 top-k passages.")] = "cag",
-    max_tokens: Annotated[int | None, typer.Option(help="Answer length limit in tokens (clamped to CAG_ANSWER_ROOM).")] = None,
+    mode: ModeOpt = "cag",
+    max_tokens: MaxTokensOpt = None,
     min_tokens: Annotated[int, typer.Option(help="No stop token before this many answer tokens (fixed-length answers, e.g. for timing).")] = 0,
     k: Annotated[int, typer.Option(help="rag mode: passages to retrieve.")] = 3,
     retriever: Annotated[str, typer.Option(help="rag mode: bm25 or dense.")] = "bm25",
