@@ -20,9 +20,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .errors import BadInput
-from .prompt import _K, INSTRUCTION, Layout, encode_template, encode_text
+from .prompt import _K, _Q, OPENINGS, Layout, encode_template, encode_text
 
-_Q, _A, _Q2 = "\x00QUESTION\x00", "\x00ANSWER\x00", "\x00FOLLOWUP\x00"
+_A, _Q2 = "\x00ANSWER\x00", "\x00FOLLOWUP\x00"
 SYSTEM_ROLES = ("system", "developer")  # OpenAI's newer name for system messages
 ROLES = (*SYSTEM_ROLES, "user", "assistant")
 PLAIN_TURN = "\n\nQuestion: "  # the plain-text layout's (no chat template) piece after an answer
@@ -74,12 +74,7 @@ def turns_of(messages: list) -> list[Turn]:
 def turn_piece(tokenizer, layout: Layout) -> str:
     """The template text between an assistant message and the next user message."""
     if getattr(tokenizer, "chat_template", None):
-        system = f"{INSTRUCTION}\n\n<knowledge>\n{_K}</knowledge>"
-        attempts = (
-            [{"role": "system", "content": system}, {"role": "user", "content": _Q}],
-            [{"role": "user", "content": f"{system}\n\nQuestion: {_Q}"}],
-        )
-        for first in attempts:
+        for first in OPENINGS:
             messages = [*first, {"role": "assistant", "content": _A}, {"role": "user", "content": _Q2}]
             try:
                 text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)

@@ -41,16 +41,19 @@ class Prefix:
     spans: list[tuple[str, int, int]] = field(default_factory=list)  # (doc name, start, end) token spans
 
 
+SYSTEM = f"{INSTRUCTION}\n\n<knowledge>\n{_K}</knowledge>"
+# the opening messages a template is rendered with, in order of preference: knowledge in a system
+# turn; for templates without a system role, in the user turn (cag.chat renders the same openings)
+OPENINGS = (
+    [{"role": "system", "content": SYSTEM}, {"role": "user", "content": _Q}],
+    [{"role": "user", "content": f"{SYSTEM}\n\nQuestion: {_Q}"}],
+)
+
+
 def layout_for(tokenizer) -> Layout:
     """Split the model's chat template at marker strings; plain-text layout when it has none."""
-    system = f"{INSTRUCTION}\n\n<knowledge>\n{_K}</knowledge>"
     if getattr(tokenizer, "chat_template", None):
-        attempts = (
-            [{"role": "system", "content": system}, {"role": "user", "content": _Q}],
-            # templates without a system role: knowledge goes in the user turn
-            [{"role": "user", "content": f"{system}\n\nQuestion: {_Q}"}],
-        )
-        for messages in attempts:
+        for messages in OPENINGS:
             try:
                 text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
             except Exception:
@@ -59,7 +62,7 @@ def layout_for(tokenizer) -> Layout:
                 head, rest = text.split(_K)
                 mid, tail = rest.split(_Q)
                 return Layout(head, mid, tail)
-    return Layout(f"{system.split(_K)[0]}", "</knowledge>\n\nQuestion: ", "\nAnswer:")
+    return Layout(f"{SYSTEM.split(_K)[0]}", "</knowledge>\n\nQuestion: ", "\nAnswer:")
 
 
 def document_text(name: str, text: str) -> str:
