@@ -14,8 +14,8 @@ from functools import partial
 from typing import TYPE_CHECKING
 
 from cag.errors import BadInput
-from cag.generate import DecodeConfig
 from cag.rag.answer import ask as answer_question
+from cag.runtime.generate import DecodeConfig
 
 from .runner import Work
 
@@ -37,7 +37,7 @@ class AskCall:
     shards: int = 1
     stream: bool = False  # hand text pieces to on_text as they come
     decoding: DecodeConfig | None = None
-    messages: tuple[tuple[str, str], ...] | None = None  # (role, text): a conversation (cag.chat)
+    messages: tuple[tuple[str, str], ...] | None = None  # (role, text): a conversation (cag.answering.chat)
 
     def run(self, engine: Engine, on_text, should_stop) -> Answer:
         return answer_question(engine, self.corpus, self.question, mode=str(self.mode), max_tokens=self.max_tokens,
@@ -47,7 +47,7 @@ class AskCall:
 
 
 def messages_of(messages: list[ChatMessage]) -> tuple[tuple[str, str], ...]:
-    """(role, text) per message; text parts joined, anything else refused (cag.chat checks the rest)."""
+    """(role, text) per message; text parts joined, anything else refused (cag.answering.chat checks the rest)."""
     out = []
     for i, m in enumerate(messages):
         if m.content is None or isinstance(m.content, str):

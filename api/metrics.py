@@ -37,7 +37,7 @@ class _EngineCollector:
                                   value=stats.get("snapshot_loads", 0))
         yield GaugeMetricFamily("cag_resident_bytes", "Bytes held by resident snapshots and kept conversations "
                                 "(LRU bound: CAG_RESIDENT_BYTES).", value=engine.resident_bytes)
-        yield GaugeMetricFamily("cag_conversations_kept", "Conversations whose K/V are kept for their next turn (cag.kept).",
+        yield GaugeMetricFamily("cag_conversations_kept", "Conversations whose K/V are kept for their next turn (cag.runtime.kept_conversations).",
                                 value=stats.get("conversations_kept", 0))
         yield GaugeMetricFamily("cag_conversation_bytes", "Bytes of kept conversations (LRU bound: CAG_CONVERSATION_BYTES; "
                                 "counted in CAG_RESIDENT_BYTES too).", value=stats.get("conversation_bytes", 0))

@@ -1,7 +1,7 @@
 """OpenAI-compatible chat completions: `model` names a corpus, `messages` are the conversation.
 
 The knowledge prefix is the corpus's snapshot; the conversation (system messages, earlier turns, the
-last user message) is the suffix after it (cag.chat), its K/V kept between turns (cag.kept), so a
+last user message) is the suffix after it (cag.answering.chat), its K/V kept between turns (cag.runtime.kept_conversations), so a
 follow-up prefills only its new tokens. `usage.prompt_tokens_details.cached_tokens` counts the
 snapshot's tokens and the reused conversation's; the `cag` extension says which.
 Extensions (ignored by OpenAI clients, settable with `extra_body`): `mode`, `on_stale`; the
@@ -16,7 +16,7 @@ import time
 from fastapi import APIRouter, Request
 
 from cag.errors import BadInput
-from cag.generate import DecodeConfig
+from cag.runtime.generate import DecodeConfig
 
 from .answers import AskCall, messages_of
 from .deps import ReadyService

@@ -14,7 +14,8 @@ from fastapi.responses import JSONResponse
 
 from cag.engine import Answer
 from cag.errors import CagError, NotFound
-from cag.generate import DecodeConfig
+from cag.runtime import describe
+from cag.runtime.generate import DecodeConfig
 
 from .answers import AskCall, messages_of
 from .deps import ReadyService, ServiceDep
@@ -223,7 +224,7 @@ async def health(svc: ServiceDep):
     if svc.ready and extra.get("replicas", 1):
         lm = svc.engine.lm
         return {"status": "ok", "model": svc.model_name, "decode_kernels": lm.kernels,
-                "decode_kernels_reason": lm.kernels_why or None, "decode": lm.decode_path(), **extra}
+                "decode_kernels_reason": lm.kernels_why or None, "decode": describe.decode_path(lm), **extra}
     if svc.load_error:
         return JSONResponse({"status": "error", "error": "the model failed to load; see the server log"},
                             status_code=503)

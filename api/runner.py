@@ -29,7 +29,7 @@ Work = Callable[[Callable[[str], None], Callable[[], bool]], object]  # (on_text
 
 def _set_threads(n: int) -> None:
     """torch's intra-op thread count is process-wide (the last torch.set_num_threads from any thread
-    wins): set once, for the engine's decode thread (cag.batch) that does every request's model work."""
+    wins): set once, for the engine's decode thread (cag.runtime.decoder) that does every request's model work."""
     if n > 0:
         import torch
 

@@ -97,9 +97,9 @@ def main() -> None:
 
     from cag.config import get_settings
     from cag.engine import Engine
-    from cag.generate import DecodeConfig
-    from cag.model import GGUF_FILE, _gguf_dir
-    from cag.prompt import build_prefix, build_suffix
+    from cag.model.loading import GGUF_FILE, _gguf_dir
+    from cag.model.prompt import build_prefix, build_suffix
+    from cag.runtime.generate import DecodeConfig
 
     load_before = os.getloadavg()
     threads = torch.get_num_threads()

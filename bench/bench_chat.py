@@ -25,7 +25,7 @@ from pathlib import Path
 
 from cag.config import get_settings
 from cag.engine import Engine
-from cag.generate import DecodeConfig
+from cag.runtime.generate import DecodeConfig
 
 from .bench_weights_quality import squad_folders
 from .common import machine, write

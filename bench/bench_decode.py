@@ -11,8 +11,8 @@ For snapshots of about 1K, 2K, 4K and 7K tokens (Paul Graham essays), for each C
   * the step split: the weight products alone (every decode-row product of the model, timed
     apart) vs everything else (attention over the cache, norms, rope, sampling, Python);
   * the same decode through the transformers forward over a StaticCache (the path of models
-    cag/step.py does not cover), measured alternately with the step, side by side in one run;
-  * packed formats once per decode kernels setting (--kernels): cag's own (cag/native.py: attention
+    cag/runtime/step.py does not cover), measured alternately with the step, side by side in one run;
+  * packed formats once per decode kernels setting (--kernels): cag's own (cag/kernels/native.py: attention
     on AMX tiles or by AVX512-BF16 dot products, int4/bf16 products, fused norm and rope) where they
     run here, and torch's, side by side.
 The snapshot is the same for every format (prefill never uses the packed weights).
@@ -30,12 +30,14 @@ from pathlib import Path
 
 import torch
 
-from cag import choice, kv, native, weights
-from cag import step as lean
 from cag.config import get_settings
 from cag.engine import Engine
-from cag.generate import DecodeConfig, decode
-from cag.model import attn_dtype
+from cag.kernels import native
+from cag.model import auto_weights, weights
+from cag.model.loading import attn_dtype
+from cag.runtime import kv_cache
+from cag.runtime import step as lean
+from cag.runtime.generate import DecodeConfig, decode
 
 from .common import essay_corpus, machine, step_decode_rate, write
 
@@ -66,8 +68,8 @@ def copy_bandwidth(reps: int = 5) -> float:
 
 def forward_rate(model, cache, start: int, n: int, first: int) -> float:
     """Tokens/s of decode through the transformers forward over a StaticCache holding the prefix (the
-    path of models cag/step.py does not cover): n-1 timed steps after a 1-token prompt."""
-    logits = kv.prefill(model, cache, [first], start)
+    path of models cag/runtime/step.py does not cover): n-1 timed steps after a 1-token prompt."""
+    logits = kv_cache.prefill(model, cache, [first], start)
     t = time.perf_counter()
     out = list(decode(model, cache, logits, start + 1, DecodeConfig(max_tokens=n), stops=set()))
     return (len(out) - 1) / (time.perf_counter() - t)
@@ -158,7 +160,7 @@ def main() -> None:
                 weights.apply(m, fmt, native=ker != "torch")
                 object.__setattr__(m, native.ATTR, ker)
                 models[fmt, ker] = m
-        auto = choice.choose(lm.model, "auto", get_settings().models_dir)  # the verdict a server here uses (cached)
+        auto = auto_weights.choose(lm.model, "auto", get_settings().models_dir)  # the verdict a server here uses (cached)
         bw, cbw = read_bandwidth(), copy_bandwidth()
         # Products (and the bandwidth) are timed again next to every decode cell and the best kept:
         # one load spike at the start must not stand for the whole run.
@@ -170,8 +172,8 @@ def main() -> None:
             ing = engine.ingest(str(essay_corpus(home / f"essays-{size}", size, count)), name=f"essays{size}")
             snap = engine.open_snapshot(engine.index.snapshot(ing.snapshot))
             for (fmt, ker), model in models.items():
-                cache = kv.new_cache(model, ing.n_tokens + engine.room)
-                kv.load_into(cache, snap.kv, lm.dtype)
+                cache = kv_cache.new_cache(model, ing.n_tokens + engine.room)
+                kv_cache.load_into(cache, snap.kv, lm.dtype)
                 assert lean.why_not(model) is None, lean.why_not(model)
                 tps, fwd = paired_rates(model, cache, snap.kv, ing.n_tokens, args.decode_tokens, first, args.rounds)
                 prod[fmt, ker] = min(prod[fmt, ker], products_ms(model))
@@ -182,7 +184,7 @@ def main() -> None:
                              "lean_over_forward": tps / fwd})
                 print(rows[-1], flush=True)
                 if ker == "avx512" and args.int8_kv:  # the same step over the prefix's int8 codes (CAG_KV_DTYPE=int8)
-                    deq, codes = kv.stored(snap.kv, torch.int8)  # what `cag` reads from an int8 snapshot
+                    deq, codes = kv_cache.stored(snap.kv, torch.int8)  # what `cag` reads from an int8 snapshot
                     tps8 = max(step_decode_rate(model, deq, args.decode_tokens, first, codes=codes) for _ in range(args.rounds))
                     int8_bytes = sum(t.nbytes for layer in codes for t in layer)
                     rows.append(rows[-1] | {"kv": "int8", "decode_tok_s": tps8, "step_ms": 1e3 / tps8, "cache_bytes": int8_bytes,
@@ -218,9 +220,9 @@ def main() -> None:
             "a timed copy of that many bytes (which also writes them: the looser one). K/V 'int8': the prefix's int8 "
             "codes (CAG_KV_DTYPE=int8) read by the avx512 attention, the forward column unchanged (it reads bf16). "
             "'rest' is a decode step less its weight products: attention over the cache, norms, rope, sampling and "
-            "the Python of 30 layers; the lean step (cag/step.py) cuts the forward's per-layer Python, mask and cache "
+            "the Python of 30 layers; the lean step (cag/runtime/step.py) cuts the forward's per-layer Python, mask and cache "
             "bookkeeping. The products are timed as separate calls, each with its own overhead: int4 on cag's kernels "
-            "runs all layers of a step in one call (cag/fused.py), so there 'rest' is what the step takes beyond those "
+            "runs all layers of a step in one call (cag/runtime/one_call.py), so there 'rest' is what the step takes beyond those "
             "separate calls.\n")
     write(args.name, {"machine": machine(), "auto": auto, "read_bandwidth": bw, "copy_bandwidth": cbw, "load_before": load_before,
                      "load_after": os.getloadavg(), "rows": rows}, head + body + foot)

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import httpx
 
-from cag.api.harness import cag_command, serving
+from bench.harness import cag_command, serving
 from cag.compare.metrics import summarize
 from cag.config import get_settings
 

@@ -17,7 +17,7 @@ ESSAYS = Path(os.environ.get("CAG_DATASETS", REPO.parent / "shared" / "datasets"
 def machine() -> str:
     import torch
 
-    from cag.choice import cpuinfo
+    from cag.model.auto_weights import cpuinfo
 
     cpu = cpuinfo("model name") or platform.processor()
     return f"{os.cpu_count()} x {cpu}, torch {torch.__version__}, {torch.get_num_threads()} threads"
@@ -64,16 +64,17 @@ def write(name: str, payload: dict, table: str) -> None:
 
 
 def step_decode_rate(model, prefix_kv: list, n: int, first: int, room: int = 64, codes: list | None = None) -> float:
-    """Tokens/s of one request decoding alone over a prefix (the decode path of cag.batch, without its
+    """Tokens/s of one request decoding alone over a prefix (the decode path of cag.runtime.decoder, without its
     thread hop): the first token from a 1-token question, then n-1 timed steps (stop tokens ignored).
     `prefix_kv`: per layer (k, v) (1, H_kv, n_prefix, D), any dtype (cast to the one served requests attend in);
     `codes`: an int8 snapshot's (store.snapshots.Snapshot.codes), read by cag's AVX-512 attention."""
     import torch
 
-    from cag import step as lean
-    from cag.model import attn_dtype
-    from cag.slots import Prefix, Slots
-    from cag.weights import FastLinear
+    from cag.model.loading import attn_dtype
+    from cag.model.weights import FastLinear
+    from cag.runtime import step as lean
+    from cag.runtime.rows import Part
+    from cag.runtime.slots import Prefix, Slots
 
     built = lean.for_model(model)
     fmt = next((m.fmt for m in model.modules() if isinstance(m, FastLinear)), "fp32")
@@ -82,8 +83,8 @@ def step_decode_rate(model, prefix_kv: list, n: int, first: int, room: int = 64,
     cfg = model.config
     slots = Slots(cfg.num_hidden_layers, cfg.num_key_value_heads, built.head_dim, max(room, n + 1), 1, dtype, device)
     slot = torch.tensor([slots.take()])
-    logits = built.forward(torch.tensor([[first]]), [prefix], slot, torch.tensor([0]), slots)[0]
+    logits = built.run([Part(torch.tensor([[first]]), [prefix], slot, torch.tensor([0]))], slots)[0][0]
     t = time.perf_counter()
     for i in range(1, n):
-        logits = built.forward(logits.argmax().view(1, 1), [prefix], slot, torch.tensor([i]), slots)[0]
+        logits = built.run([Part(logits.argmax().view(1, 1), [prefix], slot, torch.tensor([i]))], slots)[0][0]
     return (n - 1) / (time.perf_counter() - t)

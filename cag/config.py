@@ -13,7 +13,7 @@ from typing import Literal
 from pydantic import Field, ValidationError, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from .errors import BadSettings
+from cag.errors import BadSettings
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 
@@ -26,9 +26,9 @@ class Settings(BaseSettings):
     device: Literal["auto", "cpu", "cuda"] = "auto"  # auto: CUDA when torch sees one
     # compute dtype of the model (auto: float32 on the CPU, bfloat16 on CUDA)
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"
-    # format decode multiplies in (cag/weights.py); auto: measured at load, bf16 where it beats fp32
+    # format decode multiplies in (cag/model/weights.py); auto: measured at load, bf16 where it beats fp32
     weights: Literal["auto", "fp32", "bf16", "int8", "int4"] = "auto"
-    # the kernels decode rows run on (cag/native.py, built once per machine): amx / avx512 = cag's own
+    # the kernels decode rows run on (cag/kernels/native.py, built once per machine): amx / avx512 = cag's own
     # (attention on AMX tiles / by AVX512-BF16 dot products; int4 and bf16 products; fused norm and
     # rope), torch = torch's; auto: avx512 where it can run over bf16 K/V (faster than amx on AMX CPUs), else torch
     decode_kernels: Literal["auto", "amx", "avx512", "torch"] = "auto"
@@ -36,17 +36,17 @@ class Settings(BaseSettings):
     # load), else float16; int8: quantized blocks with one fp16 scale each (store/kv_int8.py)
     kv_dtype: Literal["auto", "float16", "bfloat16", "float32", "int8"] = "auto"
     chunk_tokens: int = Field(512, ge=1)  # prefill chunk: bounds activation memory, drives the progress bar
-    # input limits, checked on file sizes before anything is read (cag/corpus.py): bounded time and memory
+    # input limits, checked on file sizes before anything is read (cag/knowledge/corpus.py): bounded time and memory
     max_document_bytes: int = Field(32 * 1024**2, ge=1)  # one document file
     max_corpus_bytes: int = Field(128 * 1024**2, ge=1)  # all the documents of a corpus together
     question_room: int = Field(256, ge=1)  # tokens reserved after the knowledge for the question suffix
     answer_room: int = Field(256, ge=1)  # tokens reserved for the answer; also the max_tokens ceiling
     max_tokens: int = Field(128, ge=1)  # default answer length
     threads: int = Field(0, ge=0)  # torch intra-op threads; 0 = torch's default
-    max_batch: int = Field(16, ge=1, le=1024)  # requests decoded together, one forward per step (cag.batch)
-    cuda_graphs: bool = True  # CUDA: each decode step a replayed graph (cag.graphs); false: launched op by op
+    max_batch: int = Field(16, ge=1, le=1024)  # requests decoded together, one forward per step (cag.runtime.decoder)
+    cuda_graphs: bool = True  # CUDA: each decode step a replayed graph (cag.runtime.cuda_graphs); false: launched op by op
     resident_bytes: int = Field(2 * 1024**3, ge=0)  # LRU budget for snapshots kept in memory (server)
-    # conversations' K/V kept between turns (cag.kept): LRU, counted in resident_bytes too; 0 keeps none
+    # conversations' K/V kept between turns (cag.runtime.kept_conversations): LRU, counted in resident_bytes too; 0 keeps none
     conversation_bytes: int = Field(512 * 1024**2, ge=0)
     ttl_s: float = Field(0.0, ge=0, allow_inf_nan=False)  # snapshot time-to-live; 0 = never expires
     # where snapshots live: unset = CAG_HOME/snapshots only; s3://bucket/prefix = a shared S3-compatible store

@@ -13,26 +13,27 @@ import threading
 import time
 from pathlib import Path
 
+from cag.answering import across_shards, chat, questions
+from cag.answering.questions import Question, suffix_room
+from cag.answering.resident import Resident, ResidentPool
+from cag.config import Settings
+from cag.errors import BadInput, NotFound, TooLarge
+from cag.hashing import hash_obj
+from cag.knowledge import corpus as corpora
+from cag.knowledge import freshness, verify
+from cag.knowledge import ingest as steps
+from cag.knowledge.names import check_corpus_name
+from cag.model.loading import LoadedModel, load_model
+from cag.model.prompt import Layout, build_prefix, layout_for
+from cag.results import Answer, CorpusStatus, IngestResult, Mode, Reporter, StalePolicy
+from cag.runtime import describe, kv_cache
+from cag.runtime.decoder import Decoder, Request
+from cag.runtime.generate import DecodeConfig, Generated
+from cag.runtime.kept_conversations import KeptConversations
+from cag.runtime.slots import Prefix
 from cag.store import snapshots as snapfiles
 from cag.store.index import Index
 from cag.store.sync import shared_store
-
-from . import chat, freshness, kv, questions, sharded, verify
-from . import corpus as corpora
-from . import ingest as steps
-from .batch import Decoder, Request
-from .config import Settings
-from .errors import BadInput, NotFound, TooLarge
-from .generate import DecodeConfig, Generated
-from .hashing import hash_obj
-from .kept import KeptConversations
-from .model import LoadedModel, load_model
-from .names import check_corpus_name
-from .prompt import Layout, build_prefix, layout_for
-from .questions import Question, suffix_room
-from .resident import Resident, ResidentPool
-from .results import Answer, CorpusStatus, IngestResult, Mode, Reporter, StalePolicy
-from .slots import Prefix
 
 __all__ = ["Answer", "CorpusStatus", "Engine", "IngestResult", "Mode", "Reporter", "StalePolicy"]
 
@@ -43,7 +44,7 @@ class Engine:
         self.index = Index(settings.index_path)
         self._lm = lm
         self._lm_lock = threading.Lock()
-        # kept conversations count in the resident budget (cag.resident), with a cap of their own
+        # kept conversations count in the resident budget (cag.answering.resident), with a cap of their own
         self.kept = KeptConversations(min(settings.conversation_bytes, settings.resident_bytes))
         self.resident = ResidentPool(settings.resident_bytes, self.kept)
         self._decoder: Decoder | None = None
@@ -61,7 +62,7 @@ class Engine:
 
     @property
     def decoder(self) -> Decoder:
-        """Where answers are decoded: batched across concurrent requests (cag.batch)."""
+        """Where answers are decoded: batched across concurrent requests (cag.runtime.decoder)."""
         lm = self.lm
         with self._lm_lock:
             if self._decoder is None or self._decoder.lm is not lm:
@@ -156,7 +157,7 @@ class Engine:
         return IngestResult.of(plan, built, est)
 
     def open_snapshot(self, row: dict, dequant=None) -> snapfiles.Snapshot:
-        """Load a snapshot file and verify it (cag.verify); a failure marks it corrupt."""
+        """Load a snapshot file and verify it (cag.knowledge.verify); a failure marks it corrupt."""
         return verify.open_snapshot(self, row, dequant)
 
     # -- ask -------------------------------------------------------------------------------------
@@ -165,13 +166,13 @@ class Engine:
             shards: int = 1, messages: list | None = None) -> Answer:
         """Answer from the snapshot (`cag`) or from the whole corpus prefilled again (`full`). A
         sharded corpus answers from its `shards` best shards (more than it has: all of them).
-        `messages` (chat messages, cag.chat) in place of `question`: answer a conversation's last
+        `messages` (chat messages, cag.answering.chat) in place of `question`: answer a conversation's last
         user message with the whole conversation in the prompt."""
         q = self.check(corpus, question, mode, max_tokens, on_stale, decoding, messages)
         if q.mode is Mode.RAG:
             raise BadInput("mode 'rag' is answered by cag.rag.answer.ask, above the engine")
         if q.mode is Mode.FULL and len(self.index.shards(corpus)) > 1:  # no context holds it all: the routed shard
-            rows, (route, *_), routing_ms = sharded.route(self, corpus, q.search_text, 1)
+            rows, (route, *_), routing_ms = across_shards.route(self, corpus, q.search_text, 1)
             snap = self.index.snapshot(rows[route.shard]["snapshot"])
             ids = snapfiles.read_ids(self.remote.ensure_local(snap["digest"], Path(snap["path"])))
             return self.answer_prompt(q, ids, on_text, should_stop, held=snap, routing_ms=round(routing_ms, 2),
@@ -180,11 +181,11 @@ class Engine:
             docs, _ = self.read_corpus(Path(q.row["source"]), corpus)
             prefix = build_prefix(self.lm.tokenizer, self.layout(), [(d.name, d.text) for d in docs])
             return self.answer_prompt(q, prefix.ids, on_text, should_stop)
-        return self._answer_cached(q, on_text, should_stop, max(1, shards))  # sharded.route clamps to the count
+        return self._answer_cached(q, on_text, should_stop, max(1, shards))  # across_shards.route clamps to the count
 
     def check(self, corpus: str, question: str | None, mode: str = "cag", max_tokens: int | None = None,
               on_stale: str = "serve", decoding: DecodeConfig | None = None, messages: list | None = None) -> Question:
-        """Everything a question (or a conversation: `messages`) needs before any model work (cag.questions)."""
+        """Everything a question (or a conversation: `messages`) needs before any model work (cag.answering.questions)."""
         return questions.check(self, corpus, question, mode, max_tokens, on_stale, decoding, messages)
 
     def answer_prompt(self, q: Question, prefix_ids: list[int], on_text=None, should_stop=None,
@@ -195,18 +196,18 @@ class Engine:
         from the setting's (stale, still served): cag == full, bitwise."""
         lm, n = self.lm, len(prefix_ids)
         self.require_fit(n, "the prompt's knowledge")
-        cache = kv.new_cache(lm.model, n)
-        kv.prefill(lm.model, cache, prefix_ids, 0, self.settings.chunk_tokens, should_stop=should_stop)
-        views, codes = kv.views(cache, n), None
+        cache = kv_cache.new_cache(lm.model, n)
+        kv_cache.prefill(lm.model, cache, prefix_ids, 0, self.settings.chunk_tokens, should_stop=should_stop)
+        views, codes = kv_cache.views(cache, n), None
         if q.mode is not Mode.RAG:  # RAG's passages have no snapshot to match
             held = held or (self.index.snapshot(q.row["current_snapshot"]) if q.row.get("current_snapshot") else None)
-            views, codes = kv.stored(views, snapfiles.DTYPES.get(held["dtype"], self.kv_dtype) if held else self.kv_dtype)
+            views, codes = kv_cache.stored(views, snapfiles.DTYPES.get(held["dtype"], self.kv_dtype) if held else self.kv_dtype)
         gen, _ = self._generate(Prefix.of(views, lm.attn_dtype, lm.device, self._read(codes)), q, on_text, should_stop)
         return self._finish(q, gen, n, 0, 0.0, None if q.mode is Mode.RAG else q.row["current_snapshot"], **extra)
 
     def _answer_cached(self, q: Question, on_text, should_stop, shards: int = 1) -> Answer:
         if len(self.index.shards(q.corpus)) > 1:
-            best, tried, routing_ms = sharded.answer(self, q, shards, on_text, should_stop)
+            best, tried, routing_ms = across_shards.answer(self, q, shards, on_text, should_stop)
             return self._finish(q, best.gen, best.n_tokens, best.n_tokens, best.load_ms, best.snapshot,
                                 shards=[t.info() | {"chosen": t is best} for t in tried], routing_ms=round(routing_ms, 2))
         digest = q.row["current_snapshot"]
@@ -238,7 +239,7 @@ class Engine:
         return Resident(snap, prefix)
 
     def _read(self, codes: list | None) -> list | None:
-        """An int8 snapshot's codes where decode rows read them (cag.native's AVX-512 attention), else None."""
+        """An int8 snapshot's codes where decode rows read them (cag.kernels.native's AVX-512 attention), else None."""
         return codes if self.lm.kernels == "avx512" else None
 
     def _finish(self, q: Question, gen: Generated, n_prefix: int, cached: int, load_ms: float,
@@ -247,7 +248,7 @@ class Engine:
                      stale_reasons=q.reasons, prompt_tokens=n_prefix + len(q.suffix), cached_tokens=cached,
                      completion_tokens=len(gen.ids), load_ms=round(load_ms, 2), ttft_ms=round(gen.ttft_ms, 2),
                      total_ms=round((time.perf_counter() - q.t_start) * 1e3, 2), decode_tok_s=gen.decode_tok_s,
-                     token_ids=gen.ids, conversation_tokens=gen.reused, decode=self.lm.decode_path(), **extra)
+                     token_ids=gen.ids, conversation_tokens=gen.reused, decode=describe.decode_path(self.lm), **extra)
         row = ans.to_dict()
         for k in ("stale", "stale_reasons", "passages", "decode_tok_s", "shards", "routing_ms", "conversation_tokens"):
             row.pop(k)

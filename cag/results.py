@@ -61,7 +61,7 @@ class IngestResult:
 
     @classmethod
     def of(cls, plan, built: list, estimates: list[int]) -> IngestResult:
-        """The result of an ingest (cag.ingest Plan and Built per shard); the top-level snapshot and
+        """The result of an ingest (cag.knowledge.ingest Plan and Built per shard); the top-level snapshot and
         path are shard 0's, sizes and times add up over the shards."""
         shards = [{"shard": s.index, "snapshot": b.row["digest"], "n_documents": len(s.units),
                    "n_tokens": len(s.prefix.ids), "bytes": b.row["bytes"], "status": b.status,
@@ -96,8 +96,8 @@ class Answer:
     shards: list[dict] = field(default_factory=list)  # sharded corpora: the shard(s) that answered, with scores
     token_ids: list[int] = field(default_factory=list, repr=False)
     passages: list[dict] = field(default_factory=list, repr=False)  # rag mode: what was retrieved
-    conversation_tokens: int = 0  # prompt tokens of earlier turns reused from the kept conversation (cag.kept)
-    decode: dict = field(default_factory=dict)  # what decoded it: weights, kernels, fast step or forward (LoadedModel.decode_path)
+    conversation_tokens: int = 0  # prompt tokens of earlier turns reused from the kept conversation (cag.runtime.kept_conversations)
+    decode: dict = field(default_factory=dict)  # what decoded it: weights, kernels, fast step or forward (cag.runtime.describe)
 
     def to_dict(self) -> dict:
         d = asdict(self)

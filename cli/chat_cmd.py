@@ -1,6 +1,6 @@
 """`cag chat NAME`: a terminal chat over a corpus; and reading a conversation from a JSON file for
-`cag ask NAME --messages FILE`. The conversation is the prompt after the knowledge (cag.chat), its
-K/V kept between turns in this process (cag.kept): each turn prefills only its new tokens."""
+`cag ask NAME --messages FILE`. The conversation is the prompt after the knowledge (cag.answering.chat), its
+K/V kept between turns in this process (cag.runtime.kept_conversations): each turn prefills only its new tokens."""
 
 from __future__ import annotations
 
@@ -46,8 +46,8 @@ def chat(
 ):
     """Chat with a corpus in the terminal: the history is kept, answers stream in."""
     from cag.errors import CagError
-    from cag.kv import Cancelled
     from cag.rag.answer import ask as answer
+    from cag.runtime.kv_cache import Cancelled
 
     engine = _engine(model, store=store)
     engine.check(corpus, "ping", mode)  # an unknown corpus or mode: one line before the first prompt

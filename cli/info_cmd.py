@@ -14,7 +14,9 @@ NATIVE = {"layers": "all layers in one native call", "glue": "native attention, 
 def info(model: ModelOpt = None, json_: JsonOpt = False):
     """Load the model and print its shape and how it decodes: weights format, kernels, fast step or forward (and why), snapshot bytes per token."""
     engine = _engine(model)
-    d = engine.lm.info(engine.kv_dtype)
+    from cag.runtime import describe
+
+    d = describe.info(engine.lm, engine.kv_dtype)
     if json_:
         _emit(d)
         return

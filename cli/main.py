@@ -78,7 +78,7 @@ def ask(
     """Answer a question from a corpus (or many, with --questions-file; or a conversation's last, with --messages)."""
     if (question is not None) + (questions_file is not None) + (messages_file is not None) != 1:
         raise typer.BadParameter("give one of QUESTION, --questions-file FILE or --messages FILE", param_hint="QUESTION")
-    from cag.generate import DecodeConfig  # torch: imported when a command needs it, not at start
+    from cag.runtime.generate import DecodeConfig  # torch: imported when a command needs it, not at start
 
     engine = _engine(model, store=store)
     logging.getLogger("cag.index").addHandler(logging.NullHandler())  # its warnings come with the answer (a.warnings)

@@ -13,7 +13,7 @@ from .common import JsonOpt, StoreOpt, _emit, _human_bytes, handle_errors, shown
 
 
 def _index_and_settings(store: str | None = None):
-    from cag.store.index import Index  # sqlite-utils (and torch, via cag.maintenance) load per command, not at start-up
+    from cag.store.index import Index  # sqlite-utils (and torch, via cag.knowledge.upkeep) load per command, not at start-up
 
     s = get_settings(store=store)
     return s, Index(s.index_path)
@@ -28,10 +28,10 @@ def invalidate(
     """Mark a corpus (or the snapshots containing a document) invalid; `ask --on-stale` decides what happens next."""
     if corpus is None and doc is None:
         raise typer.BadParameter("give a corpus name, --doc PATH, or both")
-    from cag import maintenance
+    from cag.knowledge import upkeep
 
     _, index = _index_and_settings()
-    marked = maintenance.invalidate(index, corpus, doc)
+    marked = upkeep.invalidate(index, corpus, doc)
     if json_:
         _emit({"invalidated": marked})
     else:
@@ -49,10 +49,10 @@ def gc(
     """Delete snapshots no corpus uses, corrupt ones and leftover temp files, then LRU ones over --max-bytes."""
     if max_bytes is not None and max_bytes < 0:
         raise BadInput(f"--max-bytes must be 0 or more, got {max_bytes}")
-    from cag import maintenance
+    from cag.knowledge import upkeep
 
     settings, index = _index_and_settings(store)
-    r = maintenance.gc(settings, index, max_bytes=max_bytes, dry_run=dry_run, include_current=include_current)
+    r = upkeep.gc(settings, index, max_bytes=max_bytes, dry_run=dry_run, include_current=include_current)
     if json_:
         _emit(r.to_dict())
         return
@@ -72,10 +72,10 @@ def _label(d: dict) -> str:
 @handle_errors
 def reindex(store: StoreOpt = None, json_: JsonOpt = False):
     """Rebuild the snapshot index from the snapshot files' own headers and, with a shared store, its refs."""
-    from cag import maintenance
+    from cag.knowledge import upkeep
 
     settings, index = _index_and_settings(store)
-    r = maintenance.reindex(settings, index)
+    r = upkeep.reindex(settings, index)
     if json_:
         _emit(r)
         return

@@ -54,11 +54,12 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from cag.errors import BadInput, CagError, TooLarge
-from cag.generate import DecodeConfig, stop_ids
 from cag.hashing import hash_obj, short
-from cag.prompt import INSTRUCTION, build_prefix, document_text, encode_text
+from cag.knowledge.shards import doc_of
+from cag.model.loading import stop_ids
+from cag.model.prompt import INSTRUCTION, build_prefix, document_text, encode_text
 from cag.rag.answer import ask
-from cag.shards import doc_of
+from cag.runtime.generate import DecodeConfig
 
 from . import datasets as ds
 from .metrics import answer_in_output, exact_match, f1, f1_first_sentence
@@ -498,7 +499,7 @@ def _shard_router(engine, info: SetInfo, corpus: str) -> tuple[float, list[set[s
     """Build a sharded corpus's router before its first question (as RAG's index is built before
     its first), so no question's TTFT carries it: (build ms, the dataset doc ids of each shard).
     A shard's spans name its documents, or `name#partN` for a part of a long one."""
-    from cag.sharded import route
+    from cag.answering.across_shards import route
 
     t0 = time.perf_counter()
     route(engine, corpus, "warm up the router", 1)
@@ -577,7 +578,7 @@ def routing_recall(engine, info: SetInfo, mode: str, q: ds.QAItem, a, row: Row) 
     """Fill a sharded cag row's routing fields: the shard that answered, the 2 best shards by routing
     (the router the answer used, asked again after the answer so its timing is the answer's own),
     and the share of the question's gold documents in each."""
-    from cag.sharded import route
+    from cag.answering.across_shards import route
 
     shard_docs = info.shard_docs[mode]
     chosen = next((s for s in a.shards if s.get("chosen", True)), a.shards[0])

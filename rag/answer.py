@@ -30,7 +30,7 @@ from pathlib import Path, PurePosixPath
 
 from cag.errors import BadInput, CagError, TooLarge
 from cag.hashing import hash_obj
-from cag.prompt import build_prefix, encode_text
+from cag.model.prompt import build_prefix, encode_text
 from cag.results import Mode
 
 from .chunking import DEFAULT_TARGET_TOKENS, Passage, chunk_documents
@@ -133,7 +133,7 @@ def ask(engine, corpus: str, question: str | None, mode: str = "cag", max_tokens
         messages: list | None = None):
     """Answer in any mode: `cag` and `full` are the engine's own; `rag` is built here, above it.
     The one entry point for the CLI, the API and the comparison runner. `messages`: a conversation
-    (cag.chat) in place of `question`; RAG retrieves by its latest user messages and answers with the
+    (cag.answering.chat) in place of `question`; RAG retrieves by its latest user messages and answers with the
     whole conversation after the passages, as `cag` and `full` do after the knowledge."""
     if mode != Mode.RAG.value:
         return engine.ask(corpus, question, mode=mode, max_tokens=max_tokens, on_text=on_text,
@@ -143,7 +143,7 @@ def ask(engine, corpus: str, question: str | None, mode: str = "cag", max_tokens
 
 
 def ask_many(engine, corpus: str, questions: list[str], workers: int | None = None, **kw) -> Iterator:
-    """Answer many questions on one corpus, decoded together (cag.batch): yields (question, Answer or
+    """Answer many questions on one corpus, decoded together (cag.runtime.decoder): yields (question, Answer or
     the CagError it raised) in input order. `workers` questions are in flight at once (default
     CAG_MAX_BATCH); the others wait. `kw` are `ask`'s options."""
     from concurrent.futures import ThreadPoolExecutor

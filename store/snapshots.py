@@ -65,7 +65,7 @@ class Snapshot:
     kv: list[tuple[torch.Tensor, torch.Tensor]]  # per layer (1, H_kv, T, D), storage dtype (int8: dequantized fp16)
     ids: list[int]
     # an int8 snapshot's codes as stored, per layer: keys, their scales, values, their scales
-    # ((1, H_kv, T, D) int8, (1, H_kv, T, D / block) fp16); what cag.native's AVX-512 attention reads
+    # ((1, H_kv, T, D) int8, (1, H_kv, T, D / block) fp16); what cag.kernels.native's AVX-512 attention reads
     codes: list[tuple[torch.Tensor, ...]] | None = None
 
     @property

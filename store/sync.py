@@ -1,7 +1,7 @@
 """This machine and the shared store: the local SQLite index is a cache of the store's refs, and
 `CAG_HOME/snapshots/` a bounded cache of its blobs.
 
-What the engine calls (cag/engine.py, cag/ingest.py, cag/maintenance.py):
+What the engine calls (cag/engine.py, cag/knowledge/ingest.py, cag/knowledge/upkeep.py):
   put_blob(path, digest)        after a snapshot file is saved, before anything names it
   publish(corpus, docs, rows, expect)   the ref, conditionally, before the local index publishes
   pull(corpus)                  at the start of an ingest: adopt the store's ref if it moved (a ref

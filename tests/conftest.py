@@ -74,7 +74,7 @@ def tiny_model_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def tiny64_model_dir(tmp_path_factory) -> Path:
-    """The tiny model with heads of 64 (SmolLM2's), the width cag.native's decode attention takes."""
+    """The tiny model with heads of 64 (SmolLM2's), the width cag.kernels.native's decode attention takes."""
     return _tiny(tmp_path_factory, "tiny64-model", hidden=256, heads=4, kv_heads=2, init=0.15)
 
 
@@ -132,7 +132,7 @@ def tiny_engine(tiny_model_dir, monkeypatch):
 @pytest.fixture(scope="session")
 def real_lm(models_dir):
     from cag.config import DEFAULT_MODEL
-    from cag.model import load_model
+    from cag.model.loading import load_model
 
     return load_model(DEFAULT_MODEL, models_dir)
 

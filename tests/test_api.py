@@ -22,7 +22,7 @@ import httpx
 import pytest
 from httpx_sse import EventSource
 
-from cag.api.harness import cag_command, serving
+from bench.harness import cag_command, serving
 from tests.conftest import REPO
 
 KEY = "test-key-1"
@@ -397,7 +397,7 @@ def test_metrics_are_prometheus_text(server):
 # -- in-process: FastAPI's TestClient on the same engine code -------------------------------------
 @pytest.fixture(scope="module")
 def tiny_lm(tiny_model_dir, models_dir):
-    from cag.model import load_model
+    from cag.model.loading import load_model
 
     return load_model(str(tiny_model_dir), models_dir)
 

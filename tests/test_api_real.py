@@ -9,7 +9,7 @@ import subprocess
 import httpx
 import pytest
 
-from cag.api.harness import cag_command, serving
+from bench.harness import cag_command, serving
 from tests.conftest import HANDBOOK, REPO
 from tests.test_api import sse_events
 

@@ -158,7 +158,7 @@ def test_the_description_documents_streams_metrics_and_errors(tiny_model_dir, mo
 def test_blank_api_keys_are_a_start_up_error_not_an_open_server(monkeypatch):
     import subprocess
 
-    from cag.api.harness import cag_command
+    from bench.harness import cag_command
     from cag.api.settings import ApiSettings, load_api_settings
     from cag.errors import BadSettings
 

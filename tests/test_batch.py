@@ -1,4 +1,4 @@
-"""Continuous batching (cag.batch): concurrent questions are decoded together, each getting the
+"""Continuous batching (cag.runtime.decoder): concurrent questions are decoded together, each getting the
 tokens it gets alone; a request that fails or stops leaves the batch without harming the others;
 `cag ask --questions-file` answers a file of questions in batches."""
 
@@ -13,10 +13,11 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from cag import native
 from cag.errors import TooLarge
+from cag.kernels import native
 from cag.rag.answer import ask_many
 from tests.conftest import REPO
+from tests.cpu import formats
 
 QUESTIONS = ["Who keeps the lighthouse?", "When does the ferry leave?", "What does the bakery sell on Tuesdays?",
              "Where is the ferry going?", "Who lights the lamp?", "What is sold on Quay Street?"]
@@ -37,7 +38,7 @@ def together(engine, calls: list) -> list:
         return list(pool.map(run, calls))
 
 
-@pytest.fixture(params=["bf16", "int8"])
+@pytest.fixture(params=formats("bf16", "int8"))
 def tiny_engine(request, tiny_model_dir, monkeypatch):
     """The tiny model decoding in a packed format: those kernels give each row the same bits whatever
     the number of rows (test_packed_products_and_suffix_attention_are_row_invariant), so batched ==
@@ -60,7 +61,7 @@ def tiny_engine(request, tiny_model_dir, monkeypatch):
 ])
 def test_packed_products_are_row_invariant(kernels):
     """What exactness in a batch rests on: a row's result does not depend on the other rows."""
-    from cag.weights import FastLinear
+    from cag.model.weights import FastLinear
 
     if kernels == "native" and (why := native.why_not()):
         pytest.skip(f"cag's kernels cannot run here: {why}")
@@ -83,7 +84,7 @@ def test_packed_products_are_row_invariant(kernels):
 
 
 def test_suffix_attention_is_row_invariant():
-    from cag.parts import suffix_keys
+    from cag.runtime.rows import suffix_keys
 
     torch.manual_seed(0)
     with torch.inference_mode():
@@ -113,10 +114,10 @@ def test_suffix_attention_is_row_invariant():
 def test_cascade_attention_rows_do_not_depend_on_the_batch_at_any_prefix_length(dtype):
     """Requests on one prefix attend together: a row's output must be its output alone, and the right
     attention. torch's float32 flash kernel broke the first for prefixes of 1-3 keys past a multiple
-    of 512 (513, 1027, 2049 below), which cag.cascade reads in two parts."""
+    of 512 (513, 1027, 2049 below), which cag.runtime.cascade reads in two parts."""
     from types import SimpleNamespace
 
-    from cag import cascade
+    from cag.runtime import cascade
 
     torch.manual_seed(0)
     heads, rows, d, room, seen, B = 3, 3, 64, 16, 5, 4
@@ -151,7 +152,7 @@ def test_concurrent_questions_are_decoded_together_with_their_alone_tokens(tiny_
 
 
 def test_requests_decoded_apart_get_their_batched_tokens(tiny_engine, small_corpus):
-    """The CUDA way (cag.batch: each request a forward of its own), run eagerly on the CPU: the same
+    """The CUDA way (cag.runtime.decoder: each request a forward of its own), run eagerly on the CPU: the same
     tokens as one forward for the batch, one row a step, every slot given back."""
     tiny_engine.ingest(str(small_corpus))
     batched = together(tiny_engine, [lambda q=q: tiny_engine.ask("corpus", q, max_tokens=16).token_ids for q in QUESTIONS])
@@ -207,7 +208,7 @@ def test_a_failing_or_stopped_request_leaves_the_batch_and_the_others_finish(tin
 
 
 def test_a_request_stopped_while_waiting_never_starts(tiny_engine, small_corpus):
-    from cag.kv import Cancelled
+    from cag.runtime.kv_cache import Cancelled
 
     tiny_engine.ingest(str(small_corpus))
     with pytest.raises(Cancelled):
@@ -260,7 +261,7 @@ def test_cli_questions_file(tiny_model_dir, small_corpus, tmp_path):
 def test_questions_tokenized_at_once_get_the_tokens_they_get_alone(tiny_engine):
     """Encoding user text and template pieces from many threads (API workers) at once: each call
     keeps its own special-token handling (the tokenizer's flag for it is shared state)."""
-    from cag.prompt import encode_template, encode_text
+    from cag.model.prompt import encode_template, encode_text
 
     tok = tiny_engine.lm.tokenizer
     texts = [(encode_text, "Who keeps <|im_end|> the lighthouse?"), (encode_template, "<|im_end|>\n<|im_start|>assistant\n")] * 8
@@ -282,7 +283,7 @@ def test_full_equals_cag_with_fp16_snapshots_in_packed_formats(tiny_engine, smal
 def test_min_tokens_holds_back_stop_tokens_alone_and_batched(tiny_engine, small_corpus, monkeypatch):
     """`min_tokens` (fixed-length answers for load tests): no stop token is picked before that many
     answer tokens, and a batched answer is still the answer alone."""
-    from cag.generate import DecodeConfig
+    from cag.runtime.generate import DecodeConfig
 
     tiny_engine.ingest(str(small_corpus))
     qs = QUESTIONS[:3]
@@ -304,7 +305,7 @@ def test_min_tokens_holds_back_stop_tokens_alone_and_batched(tiny_engine, small_
 def test_a_prefix_converted_through_float32_has_the_direct_conversions_bits(src, dst):
     """Prefix.of converts fp16 <-> bf16 snapshots through float32 (twice as fast): every finite value,
     subnormal and infinity must get exactly the bits of torch's direct conversion."""
-    from cag.slots import Prefix
+    from cag.runtime.slots import Prefix
 
     torch.manual_seed(0)
     x = (torch.randn(1, 3, 512, 64) * torch.logspace(-9, 5, 64)).to(src)  # spans both types' subnormals and overflow
@@ -315,12 +316,12 @@ def test_a_prefix_converted_through_float32_has_the_direct_conversions_bits(src,
 
 
 def test_cuda_cascade_pieces_merge_to_the_attention():
-    """cag.cascade's CUDA way, its pieces run on the CPU: the suffix by a float32 softmax (keys past a
+    """cag.runtime.cascade's CUDA way, its pieces run on the CPU: the suffix by a float32 softmax (keys past a
     request's own masked, a different count per request), the prefix by a kernel that returns its
     log-sum-exp (the CPU flash kernel standing in for CUDA's), merged: the attention over both."""
     from types import SimpleNamespace
 
-    from cag import cascade
+    from cag.runtime import cascade
 
     torch.manual_seed(0)
     heads, rows, d, room, B, n = 3, 3, 64, 32, 2, 700

@@ -1,4 +1,4 @@
-"""Conversations (cag.chat, cag.kept): the whole conversation is the prompt's suffix, its K/V kept
+"""Conversations (cag.answering.chat, cag.runtime.kept_conversations): the whole conversation is the prompt's suffix, its K/V kept
 between turns, and every turn exact: reused == evicted and recomputed == `full`, alone and batched."""
 
 from __future__ import annotations
@@ -7,10 +7,12 @@ import threading
 
 import pytest
 
-from cag import chat, native
+from cag.answering import chat
 from cag.config import get_settings
 from cag.engine import Engine
 from cag.errors import BadInput, ContextExceeded
+from cag.kernels import native
+from tests.cpu import formats
 
 Q1 = "Who keeps the lighthouse?"
 Q2 = "And when does the ferry leave?"
@@ -42,8 +44,8 @@ def engine(tiny_engine, small_corpus):
     return tiny_engine
 
 
-FORMATS = [("tiny", "fp32", "torch"), ("tiny", "bf16", "torch"), ("tiny", "int4", "torch"),
-           ("tiny64", "int4", "avx512"), ("tiny64", "bf16", "avx512")]
+FORMATS = formats(("tiny", "fp32", "torch"), ("tiny", "bf16", "torch"), ("tiny", "int4", "torch"),
+                  ("tiny64", "int4", "avx512"), ("tiny64", "bf16", "avx512"))
 
 
 @pytest.mark.parametrize("model,weights,kernels", FORMATS)
@@ -157,7 +159,7 @@ def test_turns_join_system_text_to_the_next_user_message():
 def test_kept_conversations_are_found_by_their_first_tokens_and_replaced_by_their_extension():
     import torch
 
-    from cag.kept import KeptConversations
+    from cag.runtime.kept_conversations import KeptConversations
 
     kept = KeptConversations(10**9)
     kv = lambda n: [(torch.zeros(2, n, 4), torch.zeros(2, n, 4))]  # noqa: E731

@@ -21,7 +21,7 @@ from cag.compare import datasets as ds
 from cag.compare.datasets import resolve_dataset
 from cag.compare.runner import CompareConfig, batches, plan, run_compare
 from cag.errors import BadInput
-from cag.shards import doc_of
+from cag.knowledge.shards import doc_of
 
 ROW_KEYS = {"set", "size", "prefix_tokens", "qid", "question", "golds", "gold_docs", "mode", "retriever", "k",
             "answer", "em", "f1", "f1_first", "answer_in_output", "prompt_tokens", "cached_tokens",
@@ -214,7 +214,7 @@ def test_compare_squad_small_and_sharded_beyond_the_context(tiny_engine, tmp_pat
 
 def _shard_doc_ids(engine, info, shard: int) -> set[str]:
     """The dataset doc ids of one shard, read from its snapshot's spans (documents or their parts)."""
-    from cag.shards import doc_of
+    from cag.knowledge.shards import doc_of
 
     spans = engine.index.snapshot_documents(info.snapshots[shard]["snapshot"])
     return {info.files[doc_of(s["path"])] for s in spans}
@@ -225,7 +225,7 @@ def test_shard_size_sweep_labels_routing_and_bad_caps(qa_jsonl, tmp_path, tiny_m
     one snapshot fits, routed and reported next to cag and RAG; 0 is cag itself; a cap that leaves no
     room for knowledge skips that variant with its reason, not the run."""
     from cag.cli.main import app
-    from cag.prompt import build_prefix, document_text, encode_text
+    from cag.model.prompt import build_prefix, document_text, encode_text
 
     tok = tiny_engine.lm.tokenizer
     overhead = len(build_prefix(tok, tiny_engine.layout(), []).ids)

@@ -6,8 +6,8 @@ import io
 
 import pytest
 
-from cag import documents
 from cag.errors import BadInput
+from cag.knowledge import documents
 
 
 def test_scan_is_sorted_recursive_and_reports_skipped(tmp_path):

@@ -10,6 +10,7 @@ import torch
 
 from cag.config import get_settings
 from cag.engine import Engine
+from tests.cpu import formats
 
 QUESTIONS = [
     "Who keeps the lighthouse?",
@@ -78,7 +79,7 @@ def test_asking_never_mutates_the_loaded_snapshot(tiny_engine, small_corpus):
 
 def test_matches_transformers_generate(tiny_engine, small_corpus):
     """An independent reference: HF generate with its own DynamicCache on the same prompt ids."""
-    from cag.prompt import build_prefix, build_suffix
+    from cag.model.prompt import build_prefix, build_suffix
 
     tiny_engine.ingest(str(small_corpus))
     ans = tiny_engine.ask("corpus", QUESTIONS[1], max_tokens=12)
@@ -128,7 +129,7 @@ def test_index_and_engine_work_from_other_threads(tiny_engine, small_corpus):
     assert "".join(pieces).strip() == answer.answer and answer.token_ids == alone[0]
 
 
-@pytest.mark.parametrize("weights", ["fp32", "bf16", "int8", "int4"])
+@pytest.mark.parametrize("weights", formats("fp32", "bf16", "int8", "int4"))
 def test_cag_equals_full_in_every_weights_format(tiny_model_dir, small_corpus, monkeypatch, weights):
     """Decode runs on packed weights in each format; the snapshot path and the no-cache path decode
     through the same modules, so they agree token for token within a format."""
@@ -144,7 +145,7 @@ def test_cag_equals_full_in_every_weights_format(tiny_model_dir, small_corpus, m
         assert cached.token_ids == engine.ask("corpus", q, max_tokens=16, mode="full").token_ids
 
 
-@pytest.mark.parametrize("weights", ["fp32", "bf16"])
+@pytest.mark.parametrize("weights", formats("fp32", "bf16"))
 def test_cag_equals_full_over_a_snapshot_stored_in_another_dtype(tiny_model_dir, small_corpus, monkeypatch, weights):
     """A snapshot stored as float16 while the setting now means bfloat16 (CAG_KV_DTYPE changed, or
     `auto` resolves otherwise) is stale but served as stored: `full` must hold its fresh K/V at the

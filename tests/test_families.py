@@ -1,4 +1,4 @@
-"""The fast step (cag.step) for each family it covers: Llama, Mistral, Qwen2 (Llama's layer), Qwen3 (q/k
+"""The fast step (cag.runtime.step) for each family it covers: Llama, Mistral, Qwen2 (Llama's layer), Qwen3 (q/k
 norms per head), Phi-3 (fused q/k/v and gate/up), Granite (multipliers), OLMo-2 (post-norms, q/k norms over
 the projection), on tiny random-weight models built from their transformers configs.
 
@@ -19,13 +19,16 @@ import pytest
 import torch
 import transformers
 
-from cag import attention, cascade, native
-from cag import step as lean
 from cag.config import get_settings
 from cag.engine import Engine
-from cag.slots import Prefix, Slots
+from cag.kernels import native
+from cag.model import prefill_attention
+from cag.runtime import cascade, describe
+from cag.runtime import step as lean
+from cag.runtime.slots import Prefix, Slots
 from tests import test_step as ts
 from tests.conftest import HANDBOOK, _train_tokenizer
+from tests.cpu import formats
 from tests.test_batch import together
 from tests.test_exactness import QUESTIONS
 
@@ -65,12 +68,12 @@ def build(name: str, dtype=torch.float32, **kw) -> torch.nn.Module:
     if name == "qwen2":
         torch.nn.init.normal_(model.model.layers[0].self_attn.q_proj.bias, std=0.5)  # biases that matter
     model = model.to(dtype).eval()
-    attention.install(model)
+    prefill_attention.install(model)
     return model
 
 
 def same_attention(r, q, K, V, i, scale, up, kernel=None):
-    """In place of cascade.attend, for one request: the forward's own attention call (cag.attention's
+    """In place of cascade.attend, for one request: the forward's own attention call (cag.model.prefill_attention's
     packed GQA over transformers' causal mask) over its prefix's keys followed by its suffix's."""
     ((prefix, _),) = r.groups
     slot, seen, m = int(r.slots_cpu[0]), int(r.lens[0]), r.m
@@ -78,7 +81,7 @@ def same_attention(r, q, K, V, i, scale, up, kernel=None):
     keys, values = torch.cat([Kp, K[slot : slot + 1, :, :seen]], 2), torch.cat([Vp, V[slot : slot + 1, :, :seen]], 2)
     n, (H, D) = keys.shape[2], q.shape[1:]
     mask = torch.ones(m, n, dtype=torch.bool).tril(n - m)[None, None]  # (1, 1, m, n): row t sees keys up to n - m + t
-    out, _ = attention.packed_gqa_sdpa(None, q.view(1, m, H, D).transpose(1, 2), keys, values, mask, scaling=scale)
+    out, _ = prefill_attention.packed_gqa_sdpa(None, q.view(1, m, H, D).transpose(1, 2), keys, values, mask, scaling=scale)
     return out.reshape(m, H * D)
 
 
@@ -139,13 +142,13 @@ def _engine(monkeypatch, folder: Path, weights: str, kernels: str) -> Engine:
     return Engine(get_settings())
 
 
-@pytest.mark.parametrize(("weights", "kernels"), [("fp32", "torch"), ("bf16", "avx512"), ("int4", "avx512")])
+@pytest.mark.parametrize(("weights", "kernels"), formats(("fp32", "torch"), ("bf16", "avx512"), ("int4", "avx512")))
 @pytest.mark.parametrize("name", NEW)
 def test_cag_equals_full_alone_and_together(family_dirs, small_corpus, monkeypatch, name, weights, kernels):
     engine = _engine(monkeypatch, family_dirs[name], weights, kernels)
     step = lean.for_model(engine.lm.model)
     native_path = "none" if kernels == "torch" else "layers" if name == "phi3" else "glue"  # one call: Llama's layer only
-    assert engine.lm.decode_path() == {"weights": weights, "kernels": kernels, "kernels_reason": engine.lm.kernels_why,
+    assert describe.decode_path(engine.lm) == {"weights": weights, "kernels": kernels, "kernels_reason": engine.lm.kernels_why,
                                        "step": "fast", "step_reason": None, "native": native_path}
     assert (step.glue is not None) == (kernels != "torch") and (step.fused is not None) == (native_path == "layers")
     engine.ingest(str(small_corpus))
@@ -175,8 +178,8 @@ def test_the_native_glue_computes_the_family(family_dirs, monkeypatch, name):
         try:
             slots = Slots(*ts.shapes(model), 32, 1, torch.bfloat16)
             slots.take()
-            step.forward(torch.tensor([ts.QUESTION]), [prefix], torch.tensor([0]), torch.tensor([0]), slots)
-            return torch.cat([step.forward(torch.tensor([[t]]), [prefix], torch.tensor([0]), torch.tensor([len(ts.QUESTION) + i]), slots)
+            ts.one_part(step, torch.tensor([ts.QUESTION]), [prefix], torch.tensor([0]), torch.tensor([0]), slots)
+            return torch.cat([ts.one_part(step, torch.tensor([[t]]), [prefix], torch.tensor([0]), torch.tensor([len(ts.QUESTION) + i]), slots)
                               for i, t in enumerate((5, 9, 11))])
         finally:
             step.glue, step.kernel, step.fused = saved
@@ -201,7 +204,7 @@ def test_the_native_glue_computes_the_family(family_dirs, monkeypatch, name):
             step.residual = saved
 
 
-@pytest.mark.parametrize("weights", ["int4", "bf16"])
+@pytest.mark.parametrize("weights", formats("int4", "bf16"))
 def test_phi3_layers_in_one_native_call_are_the_separate_ops(family_dirs, monkeypatch, weights):
     """Phi-3's fused q/k/v and gate/up products are Llama's layer: decode_layers takes them (its own packed
     copies) and gives the separate ops' logits and K/V bit for bit (test_native's check, on Phi-3)."""

@@ -8,7 +8,7 @@ import re
 
 import pytest
 
-from cag import documents
+from cag.knowledge import documents
 
 from .test_cli import cag
 
@@ -103,7 +103,7 @@ def test_long_text_is_tokenized_in_bounded_pieces_with_the_same_tokens(tiny_mode
     any document up to a piece."""
     from transformers import AutoTokenizer
 
-    from cag.prompt import PIECE_CHARS, encode_text, pieces
+    from cag.model.prompt import PIECE_CHARS, encode_text, pieces
 
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
     text = ("The ferry leaves at 7:15.\n\n  Two  spaces,\ttabs; <|im_end|> 12345 über naïve.\n" * 8000)
@@ -122,8 +122,8 @@ def test_cutting_a_long_document_gives_the_parts_of_exact_counting(tiny_model_di
     (48 s a megabyte here); now each piece is counted once: the parts must be what exact counting gives."""
     from transformers import AutoTokenizer
 
-    from cag import shards
-    from cag.prompt import document_text, encode_text
+    from cag.knowledge import shards
+    from cag.model.prompt import document_text, encode_text
 
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
     count = lambda s: len(encode_text(tok, s))  # noqa: E731
@@ -206,10 +206,11 @@ def test_the_cli_says_what_it_reads_when_it_is_big(capsys):
 def test_snapshots_that_cannot_fit_on_the_disk_are_refused_before_prefill(tiny, small_corpus, monkeypatch):
     import shutil
 
-    from cag import ingest, kv
+    from cag.knowledge import ingest
+    from cag.runtime import kv_cache
 
     monkeypatch.setattr(ingest.shutil, "disk_usage", lambda p: shutil._ntuple_diskusage(10**9, 10**9 - 1000, 1000))
-    monkeypatch.setattr(kv, "prefill", lambda *a, **k: pytest.fail("prefilled a corpus that cannot be saved"))
+    monkeypatch.setattr(kv_cache, "prefill", lambda *a, **k: pytest.fail("prefilled a corpus that cannot be saved"))
     r = cag("ingest", str(small_corpus), "--name", "town")
     assert r.exit_code == 1, r.output
     assert re.fullmatch(r"error: the knowledge of 'town' is \d+ tokens in 1 shard\(s\): its snapshots need ~[\d.]+ KB and "

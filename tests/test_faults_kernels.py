@@ -6,7 +6,7 @@ without an fp32 row.
 Each start runs in a subprocess with a private cache folder (XDG_CACHE_HOME), so a crash cannot kill
 pytest and no test touches the user's cache. Rebuilds cost nothing: the "compiler" (CXX) is a script
 that writes the library this machine already built (one real build per machine, shared with
-tests/test_native.py) and counts its calls; what is tested is what cag.native does around it.
+tests/test_native.py) and counts its calls; what is tested is what cag.kernels.native does around it.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from cag import native
+from cag.kernels import native
 from tests.conftest import REPO
 
 START = "from cag import native; print(native.resolve('auto')); print(native.reason())"
@@ -168,9 +168,9 @@ def test_health_says_which_kernels_run_and_why(tiny64_model_dir, monkeypatch, tm
     monkeypatch.setenv("PATH", str(tmp_path))  # no c++ or g++ on it
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
     monkeypatch.setenv("CAG_MODEL", str(tiny64_model_dir))
-    monkeypatch.setenv("CAG_WEIGHTS", "bf16")  # bf16 K/V, heads of 64: what cag's kernels would take
+    monkeypatch.setenv("CAG_WEIGHTS", "int4")  # bf16 K/V, heads of 64: what cag's kernels would take
     engine = Engine(get_settings())
-    with caplog.at_level(logging.WARNING, logger="cag.native"), TestClient(create_app(engine=engine)) as c:
+    with caplog.at_level(logging.WARNING, logger="cag.kernels.native"), TestClient(create_app(engine=engine)) as c:
         assert c.head("/health").status_code in (200, 503)
         r = c.get("/health")
         while r.status_code == 503 and r.json()["status"] == "loading":

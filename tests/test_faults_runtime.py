@@ -8,11 +8,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from cag import kv, native
 from cag.config import get_settings
 from cag.engine import Engine
 from cag.errors import ModelError, SnapshotCorrupt
-from cag.slots import Slots
+from cag.kernels import native
+from cag.runtime import kv_cache
+from cag.runtime.slots import Slots
 from cag.store import snapshots as snapfiles
 
 QUESTION = "Who keeps the lighthouse?"
@@ -59,7 +60,7 @@ def test_a_nan_snapshot_is_refused_and_never_reaches_another_corpus(request, tmp
         engine.ask("poisoned", QUESTION, max_tokens=12)
     assert engine.index.snapshot(engine.index.corpus("poisoned")["current_snapshot"])["status"] == "corrupt"
     # served anyway (the check bypassed): its request's NaN stays its own
-    monkeypatch.setattr(kv, "nonfinite", lambda *a, **k: None)
+    monkeypatch.setattr(kv_cache, "nonfinite", lambda *a, **k: None)
     engine.index.set_snapshot_status(engine.index.corpus("poisoned")["current_snapshot"], "ready")
     engine.ask("poisoned", QUESTION, max_tokens=12)
     for _ in range(2):
@@ -92,9 +93,9 @@ def test_a_slot_given_back_is_zero_where_its_request_wrote():
 
 def test_nonfinite_names_the_layer():
     layers = [(torch.zeros(1, 2, 5, 4), torch.zeros(1, 2, 5, 4)) for _ in range(3)]
-    assert kv.nonfinite(layers) is None
+    assert kv_cache.nonfinite(layers) is None
     layers[2][0][0, 1, 4, 3] = float("-inf")
-    assert kv.nonfinite(layers) == "layer 2 keys hold NaN or inf"
+    assert kv_cache.nonfinite(layers) == "layer 2 keys hold NaN or inf"
     layers[2][0][0, 1, 4, 3] = 1e6
-    assert kv.nonfinite(layers) is None and "past what int8" in kv.nonfinite(layers, torch.int8) if 1e6 > 65504 * 127 else True
-    assert "past what float16" in kv.nonfinite(layers, torch.float16)
+    assert kv_cache.nonfinite(layers) is None and "past what int8" in kv_cache.nonfinite(layers, torch.int8) if 1e6 > 65504 * 127 else True
+    assert "past what float16" in kv_cache.nonfinite(layers, torch.float16)

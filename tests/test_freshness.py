@@ -12,12 +12,12 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from cag import maintenance
 from cag.cli.main import app
 from cag.config import get_settings
 from cag.engine import Engine
 from cag.errors import Busy, StaleRefused
-from cag.freshness import stale_reasons
+from cag.knowledge import upkeep
+from cag.knowledge.freshness import stale_reasons
 from cag.store import snapshots
 from cag.store.index import MIGRATIONS, Index
 
@@ -226,12 +226,12 @@ def test_identical_corpora_keep_their_own_status_in_the_index(cag_home, tmp_path
     row = index.snapshot("s1")
     assert row["status"] == "ready" and not index.superseded("s1") and index.corpora_using("s1") == ["a"]
     assert stale_reasons(index.corpus("a"), row, [], []) == []
-    r = maintenance.gc(settings, index, max_bytes=0)
+    r = upkeep.gc(settings, index, max_bytes=0)
     assert r.deleted == [] and Path(shared["path"]).exists()  # every snapshot is some corpus's current one
     index.publish({"name": "a", "source": str(source), "model": "m", "ttl_s": None}, [],
                   _snap_row("s3", settings.snapshots_dir, "a"), [])
     assert index.superseded("s1")  # now no corpus points to it
-    r = maintenance.gc(settings, index)
+    r = upkeep.gc(settings, index)
     assert [(d["digest"], d["why"]) for d in r.deleted] == [("s1", "superseded (no corpus uses it)")]
     assert not Path(shared["path"]).exists() and index.snapshot("s1") is None
 
@@ -311,7 +311,7 @@ def test_a_snapshot_of_another_kv_dtype_is_stale_not_corrupt(tiny_model_dir, sma
     e = Engine(get_settings())
     assert e.kv_name == "float16"  # fp32 weights attend in float32
     e.ingest(str(small_corpus))
-    monkeypatch.setenv("CAG_WEIGHTS", "bf16")
+    monkeypatch.setenv("CAG_WEIGHTS", "int8")
     e2 = Engine(get_settings())
     assert e2.kv_name == "bfloat16"  # packed weights attend over bf16 K/V
     old = e2.index.corpus("corpus")["current_snapshot"]

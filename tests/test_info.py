@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 import transformers
 
-from cag import native
+from cag.kernels import native
+from cag.runtime import describe
 from tests.conftest import HANDBOOK, _train_tokenizer
 from tests.test_cli import cag
 
@@ -89,7 +90,7 @@ def test_the_api_names_the_decode_path(tiny_model_dir, small_corpus, monkeypatch
     monkeypatch.setenv("CAG_MODEL", str(tiny_model_dir))
     engine = Engine(get_settings())
     engine.ingest(str(small_corpus), name="notes")
-    want = {k: v for k, v in engine.lm.decode_path().items() if v is not None}
+    want = {k: v for k, v in describe.decode_path(engine.lm).items() if v is not None}
     assert want["step"] == "fast" and want["weights"] == "fp32"
     with app_client(engine) as c:
         assert c.get("/health").json()["decode"] == want

@@ -1,4 +1,4 @@
-"""cag.native's AVX-512 attention over an int8 prefix (CAG_KV_DTYPE=int8: the snapshot's codes, laid
+"""cag.kernels.native's AVX-512 attention over an int8 prefix (CAG_KV_DTYPE=int8: the snapshot's codes, laid
 out once by pair_kv8): the attention it computes against the dequantized prefix, rows that never depend
 on the batch or the thread count, and its bad inputs. cag == full over int8 snapshots through the
 kernels is in tests/test_native.py."""
@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cag import native
+from cag.kernels import native
 from cag.store import kv_int8
 from tests.test_native import case, library  # noqa: F401 (the fixture, used by every test here)
 

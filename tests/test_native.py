@@ -1,4 +1,4 @@
-"""cag.native's decode attention (AVX512-BF16, and AMX where the CPU has it): the attention it computes,
+"""cag.kernels.native's decode attention (AVX512-BF16, and AMX where the CPU has it): the attention it computes,
 rows that never depend on the batch, its bad inputs; the step's glue, and whole layers in one call
 (the same bits as the separate ops); the CAG_DECODE_KERNELS modes; and cag == full through the kernels on a
 model with heads of 64. Where the library cannot be built here
@@ -11,14 +11,15 @@ import logging
 import pytest
 import torch
 
-from cag import native
-from cag import step as lean
-from cag import weights as weights_mod
 from cag.config import get_settings
 from cag.engine import Engine
 from cag.errors import ModelError
+from cag.kernels import native
+from cag.model import weights as weights_mod
+from cag.runtime import step as lean
 from tests.test_batch import together
 from tests.test_exactness import QUESTIONS
+from tests.test_step import one_part
 
 
 @pytest.fixture(scope="module")
@@ -179,9 +180,10 @@ def test_a_failed_build_falls_back_or_refuses(monkeypatch, tmp_path, caplog):
     with torch's kernels after one warning, `amx` and `avx512` refuse with the reason."""
     monkeypatch.setattr(native, "_state", {})
     monkeypatch.setattr(native, "why_not", lambda: None)
+    monkeypatch.setattr(native, "cpu_why_not", lambda: None)  # a CPU that could run it, whatever this one is
     monkeypatch.setenv("CXX", "false")
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    with caplog.at_level(logging.WARNING, logger="cag.native"):
+    with caplog.at_level(logging.WARNING, logger="cag.kernels.native"):
         assert native.resolve("auto") == "torch"
     assert "falls back to torch" in caplog.text and "did not build" in caplog.text
     for mode in ("amx", "avx512"):
@@ -229,9 +231,9 @@ def test_cag_equals_full_through_the_kernels(library, tiny64_model_dir, small_co
 def test_the_resident_budget_counts_the_pairs(library):
     """A prefix's pairs (as many bytes again) count in its size, and the pool evicts for them at the next
     request, not only at the next load."""
-    from cag import cascade
-    from cag.resident import Resident, ResidentPool
-    from cag.slots import Prefix
+    from cag.answering.resident import Resident, ResidentPool
+    from cag.runtime import cascade
+    from cag.runtime.slots import Prefix
 
     def resident(n):
         return Resident(None, Prefix([(torch.zeros(1, 3, n, 64, dtype=torch.bfloat16),) * 2], n))
@@ -281,7 +283,7 @@ def _fused_engine(tiny64_model_dir, monkeypatch, weights="int4"):
 def test_a_fused_layer_is_the_separate_ops_bit_for_bit(library, tiny64_model_dir, monkeypatch, n, starts, which, weights):
     """decode_layers (all layers in one parallel region) gives the logits and the K/V the separate ops
     give, bit for bit, over several steps."""
-    from cag.slots import Prefix, Slots
+    from cag.runtime.slots import Prefix, Slots
 
     engine, step = _fused_engine(tiny64_model_dir, monkeypatch, weights)
     assert step.fused is not None
@@ -297,7 +299,7 @@ def test_a_fused_layer_is_the_separate_ops_bit_for_bit(library, tiny64_model_dir
         taken = torch.tensor([slots.take() for _ in range(B)])
         toks, at, out = torch.tensor([[7 + b] for b in range(B)]), torch.tensor(starts), []
         for _ in range(6):
-            logits = step.forward(toks, [prefixes[i] for i in which], taken, at, slots)
+            logits = one_part(step, toks, [prefixes[i] for i in which], taken, at, slots)
             toks, at = logits.argmax(-1).view(B, 1), at + 1
             out.append(logits)
         return torch.stack(out), [t[taken] for t in slots.k + slots.v]  # the slots taken (the rest: never written)
@@ -311,8 +313,8 @@ def test_a_fused_layer_is_the_separate_ops_bit_for_bit(library, tiny64_model_dir
 
 
 def test_decode_layers_refuses_bad_inputs(library, tiny64_model_dir, monkeypatch):
-    from cag import cascade
-    from cag.slots import Prefix, Slots
+    from cag.runtime import cascade
+    from cag.runtime.slots import Prefix, Slots
 
     engine, step = _fused_engine(tiny64_model_dir, monkeypatch)
     cfg = engine.lm.model.config

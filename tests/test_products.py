@@ -1,4 +1,4 @@
-"""cag.native's weight products for decode rows (int4 as GGUF Q4_1 holds it, int8 groups as Q8_0
+"""cag.kernels.native's weight products for decode rows (int4 as GGUF Q4_1 holds it, int8 groups as Q8_0
 holds it for int4's LM head, bf16): the products they compute, rows whose bits never depend on the other rows of a call or on the threads, the int4 layout,
 and bad inputs. Skipped with the reason where the library cannot be built here."""
 
@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cag import native, weights
+from cag.kernels import native
+from cag.model import weights
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -113,7 +114,7 @@ def test_rows_never_depend_on_the_call_or_the_threads(kind):
 
 
 def test_stacked_columns_equal_separate_matrices():
-    """A layer's q/k/v share one packed stack (cag.stacking): each column comes out as from its own matrix."""
+    """A layer's q/k/v share one packed stack (cag.model.stacked_products): each column comes out as from its own matrix."""
     a, b = weight(192, 576, 1), weight(64, 576, 2)
     x = torch.randn(3, 576).bfloat16()
     stacked = torch.ops.cag.int4_mm(x, *weights.pack_int4(torch.cat([a, b])))
@@ -141,13 +142,15 @@ def test_bad_inputs_are_refused():
 
 
 def test_packed_takes_the_native_layout_only_where_it_fits():
-    """int4 needs inputs in whole pairs of groups (in % 64 == 0): other widths keep torch's kernel."""
-    assert weights.Packed(weight(64, 576), None, "int4", native=True).native
-    assert not weights.Packed(weight(64, 544), None, "int4", native=True).native
-    assert not weights.Packed(weight(64, 576), None, "int4").native
-    assert not weights.Packed(weight(64, 576), None, "int8", native=True).native
+    """int4 needs inputs in whole pairs of groups (in % 64 == 0): other widths keep torch's kernel for
+    decode rows (a question's rows still take the native bf16 product)."""
+    assert type(weights.pack(weight(64, 576), None, "int4", native=True)) is weights.NativePacked
+    assert type(weights.pack(weight(64, 544), None, "int4", native=True)) is weights.TorchPackedNativeQuestions
+    assert type(weights.pack(weight(64, 576), None, "int4")) is weights.TorchPacked
+    assert type(weights.pack(weight(64, 576), None, "int8", native=True)) is weights.TorchPackedNativeQuestions
     # int4's LM head is int8 in groups of 32 with cag's kernels, bf16 with torch's
-    assert weights._head_format("int4", native=True) == "q8" and weights._head_format("int4") == "bf16"
+    assert weights._head_format("int4", native=True) == "q8"
+    assert weights._head_format("int4") == ("bf16" if weights.bf16_packs() else "int8")
 
 
 @pytest.mark.real

@@ -13,7 +13,7 @@ import pytest
 from typer.testing import CliRunner
 
 from cag.errors import BadInput
-from cag.prompt import build_prefix, build_suffix
+from cag.model.prompt import build_prefix, build_suffix
 from cag.rag import answer as rag_answer
 from cag.rag.answer import answer_rag, ask, get_index, passage_name
 

@@ -21,7 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from cag.api.harness import cag_command, serving
+from bench.harness import cag_command, serving
 
 from .conftest import REPO
 

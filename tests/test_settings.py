@@ -14,7 +14,7 @@ from typer.testing import CliRunner
 from cag.cli.main import app
 from cag.config import Settings, get_settings
 from cag.errors import BadInput, BadSettings, CagError
-from cag.names import MAX_NAME_CHARS, check_corpus_name
+from cag.knowledge.names import MAX_NAME_CHARS, check_corpus_name
 
 runner = CliRunner()
 

@@ -7,7 +7,7 @@ import pytest
 
 from cag.config import get_settings
 from cag.engine import Engine
-from cag.shards import Unit, doc_of, pack
+from cag.knowledge.shards import Unit, doc_of, pack
 
 DOCS = {
     "a-lighthouse.md": "The lighthouse keeper is Mara Voss. She lights the lamp at dusk and logs every ship.",

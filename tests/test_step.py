@@ -1,4 +1,4 @@
-"""The batched step (cag.step) computes what the transformers forward computes: same logits within
+"""The batched step (cag.runtime.step) computes what the transformers forward computes: same logits within
 float tolerance, same K/V; a batch gives each request what it gets alone; models it does not handle
 answer through the transformers forward."""
 
@@ -7,13 +7,22 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cag import attention, kv, stacking, weights
-from cag import step as lean
-from cag.slots import Prefix, Slots
+from cag.model import prefill_attention, stacked_products, weights
+from cag.runtime import kv_cache
+from cag.runtime import step as lean
+from cag.runtime.rows import Part
+from cag.runtime.slots import Prefix, Slots
+from tests.cpu import formats, needs_bf16
 
 PROMPT = list(range(3, 43))  # 40 token ids, any will do on a random model
 QUESTION = list(range(50, 62))  # a question's 12 tokens
 TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2.5e-1}  # logits, absolute (bf16: roundings compound over the steps of the chaotic tiny model)
+
+
+def one_part(step, toks, prefixes, slots, starts, buffers, all_logits=False):
+    """m new tokens for each of B requests as one part of a pass: logits (B, V) of each request's last
+    token (step.run's first output)."""
+    return step.run([Part(toks, prefixes, slots, starts)], buffers, all_logits)[0]
 
 
 def forward_step(model, cache, tok: int, pos: int) -> torch.Tensor:
@@ -31,9 +40,9 @@ def shapes(model) -> tuple[int, int, int]:
 
 def prefix_of(model, ids=PROMPT) -> Prefix:
     """A prefix prefilled by transformers, as ingest builds a snapshot."""
-    cache = kv.new_cache(model, len(ids))
-    kv.prefill(model, cache, ids, 0)
-    return Prefix(kv.views(cache, len(ids)), len(ids))
+    cache = kv_cache.new_cache(model, len(ids))
+    kv_cache.prefill(model, cache, ids, 0)
+    return Prefix(kv_cache.views(cache, len(ids)), len(ids))
 
 
 def new_slots(model, room: int = 32, capacity: int = 4) -> Slots:
@@ -51,11 +60,11 @@ def assert_steps_match(model, n_steps: int = 8) -> None:
     built = lean.for_model(model)
     assert built is not None, lean.why_not(model)
     n = len(PROMPT)
-    ref = kv.new_cache(model, n + 32)
-    kv.prefill(model, ref, PROMPT, 0)
-    want = kv.prefill(model, ref, QUESTION, n)
+    ref = kv_cache.new_cache(model, n + 32)
+    kv_cache.prefill(model, ref, PROMPT, 0)
+    want = kv_cache.prefill(model, ref, QUESTION, n)
     prefix, slots = prefix_of(model), new_slots(model)
-    got = built.forward(torch.tensor([QUESTION]), [prefix], torch.tensor([2]), torch.tensor([0]), slots)[0]
+    got = one_part(built, torch.tensor([QUESTION]), [prefix], torch.tensor([2]), torch.tensor([0]), slots)[0]
     atol = TOLERANCE[model.dtype]
     length = len(QUESTION)
     for _ in range(n_steps):
@@ -63,7 +72,7 @@ def assert_steps_match(model, n_steps: int = 8) -> None:
         assert torch.allclose(got, want, atol=atol, rtol=0), (got - want).abs().max()
         tok = int(want.argmax())
         want = forward_step(model, ref, tok, n + length)
-        got = built.forward(torch.tensor([[tok]]), [prefix], torch.tensor([2]), torch.tensor([length]), slots)[0]
+        got = one_part(built, torch.tensor([[tok]]), [prefix], torch.tensor([2]), torch.tensor([length]), slots)[0]
         length += 1
     for layer, k, v in zip(ref.layers, slots.k, slots.v, strict=True):
         assert torch.allclose(layer.keys[0, :, n : n + length], k[2, :, :length], atol=atol, rtol=0)
@@ -71,7 +80,7 @@ def assert_steps_match(model, n_steps: int = 8) -> None:
 
 
 def tiny(tiny_model_dir, models_dir, dtype="float32", fmt="fp32"):
-    from cag.model import load_model
+    from cag.model.loading import load_model
 
     return load_model(str(tiny_model_dir), models_dir, dtype=dtype, weights=fmt, device="cpu").model
 
@@ -81,6 +90,7 @@ def test_lean_step_equals_the_forward(tiny_model_dir, models_dir, dtype):
     assert_steps_match(tiny(tiny_model_dir, models_dir, dtype=dtype))
 
 
+@needs_bf16
 @pytest.mark.parametrize("fmt", ["int8", "int4"])
 def test_integer_formats_keep_the_lm_head_in_bf16(tiny_model_dir, models_dir, fmt):
     """The head (the tied token embedding here) is not on the layers' 4-bit grid: it stays bf16, and
@@ -94,7 +104,7 @@ def test_integer_formats_keep_the_lm_head_in_bf16(tiny_model_dir, models_dir, fm
         assert ((head.decode(x) - ref).norm() / ref.norm()) < 0.01
 
 
-@pytest.mark.parametrize("fmt", ["bf16", "int8", "int4"])
+@pytest.mark.parametrize("fmt", formats("bf16", "int8", "int4"))
 def test_lean_step_uses_the_packed_weights(tiny_model_dir, models_dir, fmt):
     """Decode rows go through the packed copies (FastLinear.decode), one row or a batch of them: the
     step differs from the fp32 products, yet stays within the format's tolerance of them."""
@@ -103,8 +113,8 @@ def test_lean_step_uses_the_packed_weights(tiny_model_dir, models_dir, fmt):
     with torch.inference_mode():
         for name, m in (("packed", model), ("fp32", plain)):
             prefix, slots = prefix_of(m), new_slots(m)
-            lean.for_model(m).forward(torch.tensor([QUESTION] * 2), [prefix] * 2, torch.tensor([0, 1]), torch.tensor([0, 0]), slots)
-            out[name] = lean.for_model(m).forward(torch.tensor([[7], [9]]), [prefix] * 2, torch.tensor([0, 1]),
+            one_part(lean.for_model(m), torch.tensor([QUESTION] * 2), [prefix] * 2, torch.tensor([0, 1]), torch.tensor([0, 0]), slots)
+            out[name] = one_part(lean.for_model(m), torch.tensor([[7], [9]]), [prefix] * 2, torch.tensor([0, 1]),
                                                   torch.tensor([len(QUESTION)] * 2), slots)  # (2, V)
     assert not torch.equal(out["packed"], out["fp32"])
     assert (out["packed"] - out["fp32"]).abs().mean() < 0.5 * out["fp32"].abs().mean()  # the same model, rounded
@@ -122,10 +132,10 @@ def test_a_batch_gives_each_request_what_it_gets_alone(tiny_model_dir, models_di
     alone, batch = new_slots(model), new_slots(model)
     want = []
     for q, p, s in zip(questions, prefixes, slot_ids):
-        built.forward(torch.tensor([q]), [p], torch.tensor([s]), torch.tensor([0]), alone)
-        built.forward(torch.tensor([q]), [p], torch.tensor([s]), torch.tensor([0]), batch)
-        want.append(built.forward(torch.tensor([[5]]), [p], torch.tensor([s]), torch.tensor([len(q)]), alone)[0])
-    got = built.forward(torch.tensor([[5]] * 3), prefixes, torch.tensor(slot_ids), torch.tensor([len(q) for q in questions]), batch)
+        one_part(built, torch.tensor([q]), [p], torch.tensor([s]), torch.tensor([0]), alone)
+        one_part(built, torch.tensor([q]), [p], torch.tensor([s]), torch.tensor([0]), batch)
+        want.append(one_part(built, torch.tensor([[5]]), [p], torch.tensor([s]), torch.tensor([len(q)]), alone)[0])
+    got = one_part(built, torch.tensor([[5]] * 3), prefixes, torch.tensor(slot_ids), torch.tensor([len(q) for q in questions]), batch)
     for i, q in enumerate(questions):
         assert torch.allclose(got[i], want[i], atol=1e-4, rtol=0), (got[i] - want[i]).abs().max()
         s = slot_ids[i]
@@ -154,7 +164,7 @@ def _family(name: str):
     else:  # Phi-2: partial rotary, parallel attention and MLP, LayerNorm (tests/test_families.py: the families it covers)
         model = transformers.PhiForCausalLM(transformers.PhiConfig(**common))
     model.eval()
-    attention.install(model)
+    prefill_attention.install(model)
     return model
 
 
@@ -178,7 +188,7 @@ def test_the_support_check_decides_the_path(tiny_engine, small_corpus, monkeypat
     model.__dict__.pop(lean.ATTR, None)
     tiny_engine._decoder = None
     monkeypatch.setattr(lean, "why_not", lambda m: "refused for the test")
-    monkeypatch.setattr(lean.LeanStep, "forward", lambda *a: pytest.fail("the batched step ran"))
+    monkeypatch.setattr(lean.LeanStep, "run", lambda *a: pytest.fail("the batched step ran"))
     fallback = [tiny_engine.ask("corpus", q, max_tokens=12).token_ids for q in ("Who keeps the lighthouse?", "When?")]
     assert not tiny_engine.decoder.batched
     assert fallback == batched
@@ -203,7 +213,7 @@ def test_swapped_modules_rebuild_the_step(tiny_model_dir, models_dir):
     second = lean.for_model(model)
     assert second is not first and second.current(model)
     a = model.model.layers[0].self_attn
-    assert isinstance(a.q_proj, weights.FastLinear) and stacking.group_of(a.q_proj, a.k_proj, a.v_proj) is a.q_proj.packs
+    assert isinstance(a.q_proj, weights.FastLinear) and stacked_products.group_of(a.q_proj, a.k_proj, a.v_proj) is a.q_proj.packs
     x = torch.randn(2, a.q_proj.in_features)
     with torch.inference_mode():  # the step's q/k/v: one product over the stacked packed weights, columns as apart
         assert all(torch.equal(got, m.decode(x)) for got, m in zip(second.fns[0].qkv(x), (a.q_proj, a.k_proj, a.v_proj)))
@@ -213,14 +223,14 @@ def test_swapped_modules_rebuild_the_step(tiny_model_dir, models_dir):
 def test_a_question_rides_along_a_decode_step(tiny_model_dir, models_dir):
     """run() with a decode part and a question part (one pass over the weights) gives each part what
     it gets in a pass of its own, within float tolerance."""
-    from cag.parts import Part
+    from cag.runtime.rows import Part
 
     model = tiny(tiny_model_dir, models_dir)
     built = lean.for_model(model)
     pa, pb = prefix_of(model), prefix_of(model, PROMPT[:30])
     apart, mixed = new_slots(model), new_slots(model)
     for slots in (apart, mixed):  # two requests already decoding, in slots 0 and 1
-        built.forward(torch.tensor([QUESTION] * 2), [pa, pa], torch.tensor([0, 1]), torch.tensor([0, 0]), slots)
+        one_part(built, torch.tensor([QUESTION] * 2), [pa, pa], torch.tensor([0, 1]), torch.tensor([0, 0]), slots)
     decode = Part(torch.tensor([[5], [6]]), [pa, pa], torch.tensor([0, 1]), torch.tensor([len(QUESTION)] * 2))
     question = Part(torch.tensor([QUESTION[:9]]), [pb], torch.tensor([2]), torch.tensor([0]))
     want = [built.run([decode], apart)[0], built.run([question], apart)[0]]
@@ -232,12 +242,13 @@ def test_a_question_rides_along_a_decode_step(tiny_model_dir, models_dir):
         assert torch.allclose(ka[2, :, :9], km[2, :, :9], atol=1e-5, rtol=0)
 
 
+@needs_bf16
 @torch.inference_mode()
 def test_a_questions_rows_multiply_in_bf16_under_the_integer_formats(tiny_model_dir, models_dir):
     """int4 decode rows read the 4-bit copy; a question's rows (a part of more than one token per
     request) read a bf16 copy, so a question's pass under int4 gives bf16's bits exactly (the two bf16
     layouts agree up to 32 rows), alone or riding along a decode step. A decode row does not."""
-    from cag.parts import Part
+    from cag.runtime.rows import Part
 
     int4, bf16 = (tiny(tiny_model_dir, models_dir, fmt=f) for f in ("int4", "bf16"))
     prefix = prefix_of(int4)

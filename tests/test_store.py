@@ -268,7 +268,7 @@ def test_int8_snapshots_travel_through_the_store(s3, small_corpus, tmp_path, mon
 
 
 def test_of_two_ingests_racing_on_one_corpus_the_second_is_refused_not_lost(s3, small_corpus, tmp_path):
-    from cag import ingest as steps
+    from cag.knowledge import ingest as steps
 
     a, c = machine(tmp_path, "a"), machine(tmp_path, "c")
     first = a.ingest(str(small_corpus), name="corpus")

@@ -1,5 +1,5 @@
-"""The shape of the package: one import name, no import circles, small engine modules, a CLI that
-starts without loading torch."""
+"""The shape of the package: one import name, no import circles, rooms that import downwards only,
+a CLI that starts without loading torch."""
 
 from __future__ import annotations
 
@@ -15,8 +15,9 @@ FOLDERS = {"cag": "cag", "store": "cag.store", "api": "cag.api", "cli": "cag.cli
 def _modules() -> dict[str, Path]:
     mods = {}
     for folder, pkg in FOLDERS.items():
-        for path in sorted((REPO / folder).glob("*.py")):
-            mods[pkg if path.stem == "__init__" else f"{pkg}.{path.stem}"] = path
+        for path in sorted((REPO / folder).rglob("*.py")):
+            dotted = ".".join((pkg, *path.relative_to(REPO / folder).with_suffix("").parts))
+            mods[dotted.removesuffix(".__init__")] = path
     return mods
 
 
@@ -97,9 +98,37 @@ def test_the_engine_never_imports_the_layers_above_it():
         assert "cag.engine" not in _imports(name, mods[name], set(mods)), name
 
 
-def test_engine_modules_stay_small():
-    sizes = {p.name: len(p.read_text().splitlines()) for p in (REPO / "cag").glob("*.py")}
-    assert {name: n for name, n in sizes.items() if n > 300} == {}
+# cag's rooms, lowest first: a module imports only from its own room, a lower one, or the shared
+# base (config, errors, hashing, results, store); the engine sits above them all.
+ROOMS = ("cag.kernels", "cag.model", "cag.runtime", ("cag.knowledge", "cag.answering"), "cag.engine")
+BASE = ("cag.config", "cag.errors", "cag.hashing", "cag.results", "cag.store")
+
+
+def _rank(module: str) -> int | None:
+    for i, room in enumerate(ROOMS):
+        for r in (room if isinstance(room, tuple) else (room,)):
+            if module == r or module.startswith(r + "."):
+                return i
+    return None
+
+
+def test_the_rooms_of_cag_point_down():
+    mods = _modules()
+    ranked = [m for m in mods if _rank(m) is not None]
+    assert {_rank(m) for m in ranked} == set(range(len(ROOMS))), "a room is empty: the walk is broken"
+    wrong = []
+    for name in ranked:
+        for dep in _imports(name, mods[name], set(mods)):
+            if dep.startswith(BASE) or dep == "cag":
+                continue
+            rank = _rank(dep)
+            if rank is None or rank > _rank(name) or (rank == _rank(name) and dep.split(".")[:2] != name.split(".")[:2]):
+                wrong.append(f"{name} -> {dep}")
+    assert wrong == []
+
+
+def test_the_room_check_sees_an_upward_import():
+    assert _rank("cag.model.weights") < _rank("cag.runtime.step") < _rank("cag.knowledge.ingest") == _rank("cag.answering.chat")
 
 
 def test_the_cli_starts_without_torch():

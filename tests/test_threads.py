@@ -1,4 +1,4 @@
-"""cag.threads: a thread that waits for the decode thread gives its OpenMP workers back."""
+"""cag.runtime.omp_pools: a thread that waits for the decode thread gives its OpenMP workers back."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import threading
 import pytest
 import torch
 
-from cag import threads
+from cag.runtime import omp_pools
 
 
 @pytest.mark.skipif(platform.system() != "Linux", reason="reads /proc/self/maps")
@@ -20,8 +20,8 @@ def test_release_gives_back_a_threads_pool_and_is_harmless_without_one():
 
     def work():
         got["before"] = (x @ x).sum()  # a parallel region: this thread now has a pool
-        got["released"] = threads.release()
-        got["again"] = threads.release()  # nothing left to give back
+        got["released"] = omp_pools.release()
+        got["again"] = omp_pools.release()  # nothing left to give back
         got["after"] = (x @ x).sum()  # and a new pool when it computes again, same result
 
     t = threading.Thread(target=work)

@@ -25,7 +25,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from cag.api.harness import cag_command
+from bench.harness import cag_command
 from tests.conftest import REPO
 from tests.test_api import KEY, served_notes
 
@@ -535,7 +535,7 @@ def readme_screenshot(out: Path, narrow: Path | None = None) -> None:
     two turns in the page at 1100x860 (and at a phone's 390 px into `narrow`, when given)."""
     import tempfile
 
-    from cag.api.harness import serving
+    from bench.harness import serving
     from tests.conftest import HANDBOOK
 
     if reason := _missing():

@@ -6,12 +6,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cag import choice, stacking, weights
+from cag.model import auto_weights, stacked_products, weights
+from tests.cpu import formats
 
 TOLERANCE = {"bf16": 0.01, "int8": 0.02, "int4": 0.12}  # relative error of one product, random weights
 
 
-@pytest.mark.parametrize("fmt", ["bf16", "int8", "int4"])
+@pytest.mark.parametrize("fmt", formats("bf16", "int8", "int4"))
 def test_packed_product_approximates_the_linear(fmt):
     torch.manual_seed(0)
     lin = torch.nn.Linear(128, 64, bias=True)
@@ -27,7 +28,7 @@ def test_packed_product_approximates_the_linear(fmt):
     assert torch.equal(fast(x), lin(x))  # outside a decode step even one row is exact: prefill
 
 
-@pytest.mark.parametrize("fmt", ["bf16", "int8", "int4"])
+@pytest.mark.parametrize("fmt", formats("bf16", "int8", "int4"))
 @pytest.mark.parametrize("bias", [False, True])
 def test_stacked_siblings_give_the_columns_of_separate_products(fmt, bias):
     """q/k/v (and gate/up) share one packed matrix: the step's one call gives each module the very
@@ -38,8 +39,8 @@ def test_stacked_siblings_give_the_columns_of_separate_products(fmt, bias):
     alone = {n: weights.FastLinear(getattr(attn, n), fmt) for n in ("q_proj", "k_proj", "v_proj")}
     weights.apply(attn, fmt)
     mods = [attn.q_proj, attn.k_proj, attn.v_proj]
-    packs = stacking.group_of(*mods)
-    assert packs is not None and packs.out_features == 160 and stacking.group_of(*mods[::-1]) is None
+    packs = stacked_products.group_of(*mods)
+    assert packs is not None and packs.out_features == 160 and stacked_products.group_of(*mods[::-1]) is None
     with torch.inference_mode():
         for rows in (1, 3, 17, 40, 130):
             x = torch.randn(rows, 64)
@@ -51,7 +52,7 @@ def test_stacked_fp32_weights_are_views_and_the_step_multiplies_them_once():
     """fp32 keeps the model's own weights: stacking makes q/k/v views of one matrix (same values,
     no copy kept), whose one product gives each module's bits; a parameter replaced later (.to())
     is noticed and the members are multiplied one by one again."""
-    from cag.stacking import together
+    from cag.model.stacked_products import together
 
     torch.manual_seed(3)
     attn = torch.nn.Module()
@@ -59,7 +60,7 @@ def test_stacked_fp32_weights_are_views_and_the_step_multiplies_them_once():
     mods = [attn.q_proj, attn.k_proj, attn.v_proj]
     before = [(m.weight.clone(), m.bias.clone()) for m in mods]
     weights.apply(attn, "fp32")
-    w, b = stacking.stacked(*mods)
+    w, b = stacked_products.stacked(*mods)
     assert w.shape == (160, 64) and all(m.weight.untyped_storage().data_ptr() == w.untyped_storage().data_ptr() for m in mods)
     assert all(torch.equal(m.weight, wb[0]) and torch.equal(m.bias, wb[1]) for m, wb in zip(mods, before))
     with torch.inference_mode():
@@ -67,7 +68,7 @@ def test_stacked_fp32_weights_are_views_and_the_step_multiplies_them_once():
             x = torch.randn(rows, 64)
             assert all(torch.equal(got, m(x)) for got, m in zip(together(*mods)(x), mods))
     attn.to(torch.float64)  # new parameter tensors: no longer views of the stack
-    assert stacking.stacked(*mods) is None
+    assert stacked_products.stacked(*mods) is None
     x = torch.randn(2, 64, dtype=torch.float64)
     assert all(torch.equal(got, m(x)) for got, m in zip(together(*mods)(x), mods))
 
@@ -93,16 +94,18 @@ def test_int4_holds_a_4bit_grid_almost_exactly():
 
 def test_auto_picks_a_runnable_format(tmp_path, monkeypatch):
     lin = torch.nn.Sequential(torch.nn.Linear(64, 64))
-    assert choice.choose(lin, "auto") in ("fp32", "bf16")
-    assert choice.choose(lin, "int8") == "int8"
-    assert set(choice.probe(("fp32", "bf16"))) == {"fp32", "bf16"}
+    assert auto_weights.choose(lin, "auto") in ("fp32", "bf16")
+    assert auto_weights.choose(lin, "int8") == "int8"
+    fmts = ("fp32", "bf16") if weights.bf16_packs() else ("fp32", "int8")
+    assert set(auto_weights.probe(fmts)) == set(fmts)
+    monkeypatch.setattr(weights, "bf16_packs", lambda: True)  # what follows asks what `auto` would pick with bf16 products
     # bf16 hardware decides by the CPU's flags, whatever a timing probe would say or had said
-    monkeypatch.setattr(choice, "probe", lambda fmts, rows=1: {"fp32": 1.0, "bf16": 9.0})
+    monkeypatch.setattr(auto_weights, "probe", lambda fmts, rows=1: {"fp32": 1.0, "bf16": 9.0})
     (tmp_path / "weights-auto.json").write_text("{}")
-    monkeypatch.setattr(choice, "cpu_flags", lambda: {"avx512f", "amx_bf16"})
-    assert choice.choose(lin, "auto", tmp_path) == "bf16"
-    monkeypatch.setattr(choice, "cpu_flags", lambda: {"avx2", "fma"})  # no bf16 hardware: the probe's verdict
-    assert choice.choose(lin, "auto", tmp_path) == "fp32"
+    monkeypatch.setattr(auto_weights, "cpu_flags", lambda: {"avx512f", "amx_bf16"})
+    assert auto_weights.choose(lin, "auto", tmp_path) == "bf16"
+    monkeypatch.setattr(auto_weights, "cpu_flags", lambda: {"avx2", "fma"})  # no bf16 hardware: the probe's verdict
+    assert auto_weights.choose(lin, "auto", tmp_path) == "fp32"
     assert "fp32" in (tmp_path / "weights-auto.json").read_text()
 
 
@@ -121,12 +124,13 @@ def test_snapshots_do_not_depend_on_the_weights_format(tiny_model_dir, small_cor
     n = Engine(get_settings(home=tmp_path / "probe")).ingest(str(small_corpus)).n_tokens
     monkeypatch.setenv("CAG_CHUNK_TOKENS", str(n - 1))  # the last prefill chunk is one token
     kv = {}
-    for fmt in ("fp32", "bf16", "int8"):
+    fmts = ("fp32", "bf16", "int8") if weights.bf16_packs() else ("fp32", "int8", "int4")
+    for fmt in fmts:
         monkeypatch.setenv("CAG_WEIGHTS", fmt)
         e = Engine(get_settings(home=tmp_path / fmt))
         e.ingest(str(small_corpus))
         kv[fmt] = snapshots.load(Path(e.index.snapshot(e.index.corpus("corpus")["current_snapshot"])["path"])).kv
-    for fmt in ("bf16", "int8"):
+    for fmt in fmts[1:]:
         assert all(torch.equal(a, b) for pa, pb in zip(kv["fp32"], kv[fmt]) for a, b in zip(pa, pb)), fmt
 
 
@@ -135,17 +139,47 @@ def test_auto_takes_int4_only_where_the_weights_already_lie_on_its_grid(tmp_path
     (a GGUF Q4_1 model: int4 keeps its weights as they are), else bf16; elsewhere never int4."""
     torch.manual_seed(4)
     model = torch.nn.Sequential(torch.nn.Linear(64, 32, bias=False), torch.nn.Linear(64, 48))
-    monkeypatch.setattr(choice, "cpu_flags", lambda: {"avx512f", "amx_bf16"})
-    assert not choice.on_4bit_grid(model) and choice.choose(model, "auto", tmp_path) == "bf16"
+    monkeypatch.setattr(weights, "bf16_packs", lambda: True)  # what `auto` picks where oneDNN packs bf16
+    monkeypatch.setattr(auto_weights, "cpu_flags", lambda: {"avx512f", "amx_bf16"})
+    assert not auto_weights.on_4bit_grid(model) and auto_weights.choose(model, "auto", tmp_path) == "bf16"
     for lin in model:
         d = torch.rand(lin.out_features, 2, 1) * 0.01 + 0.001  # (out, groups, 1)
         q = torch.randint(0, 16, (lin.out_features, 2, 32)).float()
         q[..., 0], q[..., 1] = 0, 15  # the grid's ends, as the Q4_1 quantizer writes them
         lin.weight.data = (torch.randn(lin.out_features, 2, 1) * 0.05 + d * q).reshape(lin.out_features, 64)
-    assert choice.on_4bit_grid(model) and choice.choose(model, "auto", tmp_path) == "int4"
-    monkeypatch.setattr(choice, "cpu_flags", lambda: {"avx2", "fma"})  # no bf16 hardware: fp32 or bf16 only
-    monkeypatch.setattr(choice, "probe", lambda fmts, rows=1: {"fp32": 1.0, "bf16": 9.0})
-    assert choice.choose(model, "auto", tmp_path) == "fp32"
+    assert auto_weights.on_4bit_grid(model) and auto_weights.choose(model, "auto", tmp_path) == "int4"
+    monkeypatch.setattr(auto_weights, "cpu_flags", lambda: {"avx2", "fma"})  # no bf16 hardware: fp32 or bf16 only
+    monkeypatch.setattr(auto_weights, "probe", lambda fmts, rows=1: {"fp32": 1.0, "bf16": 9.0})
+    assert auto_weights.choose(model, "auto", tmp_path) == "fp32"
     model[1].weight.data[3, 5] += 0.3 * 0.001  # one weight off its grid point
-    monkeypatch.setattr(choice, "cpu_flags", lambda: {"avx512f", "amx_bf16"})
-    assert not choice.on_4bit_grid(model) and choice.choose(model, "auto", tmp_path) == "bf16"
+    monkeypatch.setattr(auto_weights, "cpu_flags", lambda: {"avx512f", "amx_bf16"})
+    assert not auto_weights.on_4bit_grid(model) and auto_weights.choose(model, "auto", tmp_path) == "bf16"
+
+
+def test_a_cpu_without_bf16_products_gets_a_clear_error_and_int8_heads(tiny_model_dir, tmp_path, monkeypatch):
+    """An AVX2-only CPU (oneDNN packs no bf16 there): CAG_WEIGHTS=bf16 is refused in one line naming
+    what to use, `auto` picks fp32 without probing bf16, and int8 / int4 keep an int8 LM head and
+    their own products for a question's rows, so they still load and answer."""
+    from cag.config import get_settings
+    from cag.engine import Engine
+    from cag.errors import ModelError
+
+    monkeypatch.setattr(weights, "bf16_packs", lambda: False)
+    monkeypatch.setattr(auto_weights, "probe", lambda *a, **k: pytest.fail("probed bf16 where it cannot run"))
+    lin = torch.nn.Sequential(torch.nn.Linear(64, 64))
+    assert "CAG_WEIGHTS=fp32" in weights.supported("bf16", lin) and auto_weights.choose(lin, "auto") == "fp32"
+    assert weights._head_format("int4") == weights._head_format("int8") == "int8"
+    monkeypatch.setenv("CAG_MODEL", str(tiny_model_dir))
+    monkeypatch.setenv("CAG_WEIGHTS", "bf16")
+    with pytest.raises(ModelError, match="this CPU lacks") as e:
+        _ = Engine(get_settings(home=tmp_path / "bf16")).lm
+    assert "\n" not in str(e.value)
+    monkeypatch.setenv("CAG_WEIGHTS", "int4")
+    monkeypatch.setenv("CAG_DECODE_KERNELS", "torch")  # with cag's kernels int4's head is their q8
+    model = Engine(get_settings(home=tmp_path / "int4")).lm.model
+    head = model.get_output_embeddings()
+    assert head.fmt == "int8" and type(head.packs) is weights.TorchPacked and head.packs.questions is None
+    x = torch.randn(3, head.in_features)
+    with torch.inference_mode():
+        ref = torch.nn.functional.linear(x, head.weight)
+        assert ((head.decode(x) - ref).abs().max() / ref.abs().max()) < 0.02

@@ -1,8 +1,8 @@
 // Decode attention on AVX512-BF16, or on Intel AMX tiles where the compiler targets them: the query
 // rows of each request (one new token: its heads that share a K/V head) over the prefix the requests
 // share and each request's own suffix, in one call.
-// Built and loaded by cag/native.py; used by cag/cascade.py for decode rows over bf16 K/V. At the end of
-// the file, the step's glue (rms_bf16, rope_write) that cag/step.py calls in the same configuration.
+// Built and loaded by cag/kernels/native.py; used by cag/runtime/cascade.py for decode rows over bf16 K/V. At the end of
+// the file, the step's glue (rms_bf16, rope_write) that cag/runtime/step.py calls in the same configuration.
 //
 // Work: keys are read in items of C keys (a prefix chunk for all rows of every request on it, or a
 // suffix chunk for one request's rows), spread over the threads; each item leaves per row its max
@@ -33,8 +33,8 @@ namespace {
 
 constexpr int64_t C = cagk::CHUNK;  // keys per item: its K (transposed) and V (paired) stay in L2
 constexpr int64_t MAXD = cagk::MAXD;
-// A pre-paired prefix item prefetches the one its thread takes AHEAD items later into L2 as it computes:
-// 30 layers at 4K on Zen 4, 2 threads: 5.2-5.6 ms unpaired, 3.6-4.2 paired, with 1 to 3 ahead alike (4: slower).
+// A pre-paired prefix item prefetches the one its thread takes AHEAD items later into L2 as it computes
+// (1 to 3 ahead measured alike, 4 slower: bench/bench_decode.py's attention rows).
 constexpr int64_t AHEAD = 1;
 
 // e^x for x <= 0 (-inf gives 0): x = n ln2 + f, e^f by a degree-6 polynomial, scaled by 2^n.
@@ -235,7 +235,7 @@ inline void pair_keys(const at::BFloat16* k, int64_t stride, int64_t w, int64_t 
 }
 
 // The same item by AVX512-BF16 dot products (CPUs without AMX: AMD Zen 4 and later, Intel before
-// Sapphire Rapids with avx512_bf16). Gathers are slow on some of these (5 of 9 ms at 4K on Zen 4):
+// Sapphire Rapids with avx512_bf16). Gathers are slow on some of these (Zen 4):
 // K's pairs are transposed in registers instead, and V's pairs interleaved in registers as they are
 // used. Scores: per block of 4 rows, 4 chains of 16 keys each, one q pair per step; values: per block of 4 rows, the D
 // dims in D/16 chains, one pair of probabilities per step (dims come out permuted within 128-bit
@@ -257,7 +257,7 @@ void item_avx512_d(const float* const* q, int64_t rows, const at::BFloat16* k, c
   const int64_t nd = D / 32;  // zmm per K/V row
   for (int64_t b = 0; !kpre && b < wp / 16; b++) {
     for (int64_t h = 0; h < nd; h++) {  // dword pairs 16h .. 16h + 15 of 16 keys
-      if (h == 0) prefetch_keys(k, b + 1, w, stride, D);  // measured on Zen 4: 5.6 -> 4.8 ms at 4K
+      if (h == 0) prefetch_keys(k, b + 1, w, stride, D);  // the next block's keys into L1 while this one is paired
       pair_keys(k, stride, w, b, h, sc.kt, wp);
     }
   }
@@ -680,7 +680,7 @@ at::Tensor silu_mul_bf16(const at::Tensor& gu) {
 }
 
 // qkv (R, (H + 2 Hk) D) float32: each row's q, k and v; cos, sin (R, D) float32 (sin's first half
-// negated, cag.step). Writes roped k and v as bf16 to K, V (S, Hk, room, D) at [slot[r], :, pos[r]]
+// negated, cag.runtime.step). Writes roped k and v as bf16 to K, V (S, Hk, room, D) at [slot[r], :, pos[r]]
 // and returns roped q (R, H, D) float32: the same bits as the formula in torch.
 at::Tensor rope_write(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, at::Tensor K, at::Tensor V,
                       const at::Tensor& slots, const at::Tensor& pos, int64_t H) {

@@ -1,13 +1,13 @@
 // The decoder layers of a decode step (one new token per request, int4 or bf16 weights, float32 compute) in one
-// call and one parallel region, for cag/step.py (cag/fused.py).
+// call and one parallel region, for cag/runtime/step.py (cag/runtime/one_call.py).
 //
-// Why: as separate ops a layer costs ~13 torch calls, 5 OpenMP regions and ~15 allocations; at ~4 us
-// each that was ~2 ms of a ~6 ms step on a short prefix (2 cores), and a call per layer still ~30 us
-// a layer of argument passing, allocation and fork/join. Here the threads stay in one region for all
+// Why: as separate ops a layer costs about 13 torch calls, 5 OpenMP regions and 15 allocations, whose
+// fixed costs are a large share of a step on a short prefix (bench/bench_decode.py), and a call per
+// layer still pays argument passing, allocation and fork/join. Here the threads stay in one region for all
 // layers and meet at barriers: the products and the attention are split over them, and the small row
-// work between (norm, rope, residual, silu) runs on thread 0 in about a microsecond each.
+// work between (norm, rope, residual, silu) runs on thread 0.
 //
-// Same pieces, same order, same bits as the ops cag/step.py calls otherwise (rms_bf16, int4_mm or bf16_mm,
+// Same pieces, same order, same bits as the ops cag/runtime/step.py calls otherwise (rms_bf16, int4_mm or bf16_mm,
 // rope_write, decode_attention_avx512 over a pre-paired prefix, silu_mul_bf16, the float32 adds):
 // tests/test_native.py checks the two ways give equal tensors.
 #include <ATen/core/Tensor.h>
@@ -21,7 +21,7 @@
 
 namespace {
 
-struct Product {  // a packed product: int4 (q: (N, K/2) uint8, d: (N, 2, K/32) float16; cag.weights.pack_int4)
+struct Product {  // a packed product: int4 (q: (N, K/2) uint8, d: (N, 2, K/32) float16; cag.model.weights.pack_int4)
   const uint8_t* q;   // or bf16 (w: (N, K))
   const uint16_t* d;
   const uint16_t* w;

@@ -1,19 +1,19 @@
 // Weight products of decode rows on AVX512-BF16, at the speed of reading the weights: int4 groups
 // (CAG_WEIGHTS=int4), int8 groups (the LM head under int4) and plain bf16 (CAG_WEIGHTS=bf16, and a
 // question's rows). Built with decode_attention.cpp
-// into one library by cag/native.py; called by cag/weights.py (Packed) for decode rows.
+// into one library by cag/kernels/native.py; called by cag/model/weights.py (Packed) for decode rows.
 //
-// torch's int4 kernel dequantizes each weight row to float per input row (~10-17 GB/s on these
-// machines); here the nibbles become bf16 in registers with two integer ops and go straight into
+// torch's int4 kernel dequantizes each weight row to float per input row, well below the read rate
+// (bench/bench_decode.py measures both); here the nibbles become bf16 in registers with two integer ops and go straight into
 // AVX512-BF16 dot products, so one pass over the packed bytes serves every row of the call.
 //
-// int4 layout (cag.weights.pack_int4): qw (N, K/2) uint8, each group of 32 inputs in 16 bytes, byte j
+// int4 layout (cag.model.weights.pack_int4): qw (N, K/2) uint8, each group of 32 inputs in 16 bytes, byte j
 // holding input j (low nibble) and input j + 16 (high nibble); dm (N, 2, K/32) float16: per group its
 // step d and its min m, so w = m + q d, q in 0..15 (GGUF Q4_1's shape and precision).
 // bf16 (OR 0x4300) is 128 + q exactly, so a group's dot product of (128 + q) with x, times d, plus
 // (m - 128 d) times the group's sum of x, is sum_i w_i x_i.
 //
-// q8 layout (cag.weights.pack_q8, GGUF Q8_0's shape and precision): qw (N, K) int8, d (N, K/32)
+// q8 layout (cag.model.weights.pack_q8, GGUF Q8_0's shape and precision): qw (N, K) int8, d (N, K/32)
 // float16, w = d q; the int8 values go to float32 in registers (bf16 cannot hold d q exactly).
 //
 // Every row runs the same sequence of operations whatever the other rows of its call and whichever

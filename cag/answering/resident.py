@@ -1,0 +1,87 @@
+"""Snapshots kept in memory between questions: an LRU of loaded snapshots, each as a `Prefix`
+(its K/V in the compute dtype on the compute device), held once and read by every request on it.
+
+A request never writes the prefix: its question and answer go to its own suffix slot (cag.runtime.slots),
+so concurrent requests on one snapshot share it with no copy. The pool owns its state and its
+lock; the engine tells it how to load a snapshot.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from cag.runtime.slots import Prefix
+from cag.store.snapshots import Snapshot
+
+
+@dataclass
+class Resident:
+    """A loaded, verified snapshot (its header and ids; its tensors live on as `prefix`)."""
+
+    snap: Snapshot
+    prefix: Prefix
+
+    @property
+    def nbytes(self) -> int:
+        return self.prefix.nbytes
+
+
+class ResidentPool:
+    """`kept`: the kept conversations (cag.runtime.kept_conversations), counted in the same budget and evicted first (a
+    conversation is recomputed from its snapshot; a snapshot must be read from its file again)."""
+
+    def __init__(self, budget_bytes: int, kept=None):
+        self.budget_bytes = budget_bytes
+        self.kept = kept
+        self._items: OrderedDict[str, Resident] = OrderedDict()
+        self._lock = threading.Lock()
+        self.stats = {"snapshot_hits": 0, "snapshot_loads": 0}  # read by /metrics
+
+    def get(self, digest: str, load: Callable[[], Resident]) -> Resident:
+        """The resident snapshot; `load` reads and verifies the file on a miss. An evicted one stays
+        valid for the requests still holding it."""
+        with self._lock:
+            res = self._items.get(digest)
+            if res is not None:
+                self._items.move_to_end(digest)
+                self.stats["snapshot_hits"] += 1
+                self._shrink()  # a prefix grows once decoding makes its pairs (cag.runtime.cascade): the budget holds then too
+                return res
+        res = load()
+        with self._lock:
+            self.stats["snapshot_loads"] += 1
+            self._items[digest] = res
+            self._items.move_to_end(digest)
+            self._shrink()
+        return res
+
+    def evict(self, digest: str | None = None) -> None:
+        with self._lock:
+            if digest is None:
+                self._items.clear()
+            else:
+                self._items.pop(digest, None)
+
+    def _shrink(self) -> None:
+        held = sum(r.nbytes for r in self._items.values())
+        if self.kept is not None:
+            self.kept.shrink(max(0, self.budget_bytes - held))
+            held += self.kept.nbytes
+        while len(self._items) > 1 and held > self.budget_bytes:
+            held -= self._items.popitem(last=False)[1].nbytes
+
+    def __contains__(self, digest: str) -> bool:
+        with self._lock:
+            return digest in self._items
+
+    def values(self) -> list[Resident]:
+        with self._lock:
+            return list(self._items.values())
+
+    @property
+    def nbytes(self) -> int:
+        with self._lock:
+            return sum(r.nbytes for r in self._items.values())

@@ -1,0 +1,220 @@
+"""cag's native CPU kernels for decode rows, all in one library: decode attention (on AMX tiles, or
+by AVX512-BF16 dot products), int4 and bf16 weight products at the speed of reading the weights, and
+the step's glue around them (RMSNorm straight to bf16; rope with the K/V write).
+
+Why: a decode step reads every weight and the whole cache once, so its floor is the time of that
+read. torch's kernels run well below it for one row (int4: the weights dequantized per row; flash
+attention over bf16 keys; ~30 small ops a layer between them). These run near it: bench_decode
+measures the step beside the read bound.
+
+How: compiled on first use for this machine (-march=native) with the system C++ compiler, against
+the installed torch, into ~/.cache/cag/kernels ($XDG_CACHE_HOME/cag/kernels; key: sources, torch
+version, compiler, CPU flags), then loaded as torch.ops.cag.*. A build takes seconds, once per machine;
+concurrent first uses wait for one build (a lock file beside it). The library is loaded only once it
+is trusted: the folder and the file owned by this user (or root) and writable by no one else, and
+the file's sha256 equal to the digest written beside it (`.so.sha256`) when it was built. What fails
+(a truncated or bit-flipped file would die in dlopen with SIGBUS or SIGILL, at every start) is built
+again, to a temp name renamed into place; the trusted file is loaded through the descriptor it was
+verified on. A folder others can write is made private and its libraries rebuilt; one another user
+owns is refused (torch's kernels, with a warning). The floor is a Linux x86-64 CPU with AVX512-BF16
+(Intel Cooper Lake / Sapphire Rapids and later, AMD Zen 4 and later); the AMX attention is compiled
+in where the CPU has AMX.
+
+CAG_DECODE_KERNELS picks them: `auto` = avx512 where the library builds (on AMX CPUs too: its
+attention decodes faster than the AMX one there, bench/bench_decode.py), else torch's kernels (with one warning, naming why,
+on a CPU that could run them: no compiler, a failed build, an unsafe cache folder; `/health` says
+which kernels run and why: `summary`); `amx` and
+`avx512` refuse to start where they cannot run, with the reason; `torch` never uses them. Kernels
+give different last bits, so `cag` == `full` holds within one setting (both use the same), as across
+CAG_WEIGHTS formats; snapshots (prefill) never depend on it.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import threading
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from cag.errors import ModelError
+from cag.kernels.build_cache import UnsafeCache, _open_trusted, _sha256_fd, _write_new, digest_path, private_folder, verify  # noqa: F401 (digest_path: tests)
+
+log = logging.getLogger(__name__)
+SOURCES = tuple(Path(__file__).parent / f for f in ("decode_attention.cpp", "int8_attention.cpp", "products.cpp",
+                                                                 "layer.cpp"))
+HEADERS = (Path(__file__).parent / "kernels.h",)
+MODES = ("auto", "amx", "avx512", "torch")
+ATTR = "cag_decode_kernels"  # on a loaded model: what CAG_DECODE_KERNELS resolved to ("amx", "avx512" or "torch")
+HEAD_DIMS = (64, 128)  # the head widths the attention kernel takes
+FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512_vnni")  # the library's floor (every CPU with bf16 has VNNI)
+TILES = ("amx_tile", "amx_bf16")  # and the AMX attention's
+_lock = threading.Lock()
+_state: dict = {}  # "fn": the loaded op, or "why": why it cannot run here (once per process)
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def _compiler() -> str | None:
+    return os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "cag" / "kernels"
+
+
+def tiles() -> bool:
+    """Whether this CPU has AMX tiles for bf16 (the library then holds the AMX attention too)."""
+    return all(f in _cpu_flags() for f in TILES)
+
+
+def cpu_why_not() -> str | None:
+    """None where this machine (OS, architecture, CPU flags) can run the library, else why not."""
+    if platform.system() != "Linux" or platform.machine() not in ("x86_64", "AMD64"):
+        return f"it needs Linux on x86-64 (this is {platform.system()} on {platform.machine()})"
+    missing = [f for f in FLAGS if f not in _cpu_flags()]
+    if missing:
+        return "this CPU lacks " + ", ".join(missing)
+    return None
+
+
+def why_not() -> str | None:
+    """None where the library can be built here, else why not (one line)."""
+    if why := cpu_why_not():
+        return why
+    cxx = _compiler()
+    if cxx is None:
+        return "no C++ compiler found (install g++, or set CXX)"
+    if shutil.which(cxx) is None:
+        return f"no C++ compiler found: CXX={cxx!r} is not a program here (install g++, or set CXX to one)"
+    return None
+
+
+def _build() -> tuple[Path, int]:
+    """The library for this machine and a descriptor on it, verified (`verify`); built first when it
+    is missing or not trusted."""
+    from torch.utils.cpp_extension import include_paths
+
+    cxx, lib = _compiler(), Path(torch.__file__).parent / "lib"
+    flags = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c++17", "-ffp-contract=off",
+             f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"]
+    version = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=30).stdout
+    key = hashlib.sha256("\n".join([*(f.read_text() for f in SOURCES + HEADERS), torch.__version__, cxx, version, " ".join(flags),
+                                    " ".join(sorted(_cpu_flags()))]).encode()).hexdigest()[:16]
+    folder = cache_dir()
+    exposed = private_folder(folder)
+    out = folder / f"cag_kernels-{key}.so"
+    lock = os.open(folder / f".{out.stem}.lock", os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # one build at a time: the others wait, then verify what it made
+        fd, why = (None, "its folder was writable by other users") if exposed else verify(out)
+        if fd is not None:
+            return out, fd
+        if why != "missing":
+            log.warning("cag: the cached kernel library %s is not trusted (%s): building it again", out, why)
+        for stale in (out, digest_path(out)):
+            stale.unlink(missing_ok=True)
+        tmp = out.with_name(f".{out.name}.{os.getpid()}.{threading.get_ident()}")
+        log.warning("cag: building cag's decode kernels for this machine (once, a few seconds)")
+        cmd = [cxx, *flags, *(f"-I{p}" for p in include_paths()), *map(str, SOURCES), "-o", str(tmp),
+               f"-L{lib}", "-lc10", "-ltorch_cpu", f"-Wl,-rpath,{lib}"]
+        try:
+            done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+            if done.returncode != 0:
+                first = next((ln for ln in done.stderr.splitlines() if "error" in ln), done.stderr.strip()[:300])
+                raise RuntimeError(f"{Path(cxx).name} failed: {first}")
+            os.chmod(tmp, 0o755)  # whatever the umask: no one else may write it
+            fd = _open_trusted(tmp)
+            try:
+                digest = _sha256_fd(fd)
+            finally:
+                os.close(fd)
+            _write_new(digest_path(out), f"{digest}\n".encode())  # the digest first: a crash between the
+            os.replace(tmp, out)  # two renames leaves a digest with no library, which is built again
+        finally:
+            tmp.unlink(missing_ok=True)
+        fd, why = verify(out)
+        if fd is None:
+            raise RuntimeError(f"the library just built does not verify: {why}")
+        return out, fd
+    finally:
+        os.close(lock)
+
+
+def load() -> Callable | None:
+    """The library, built and loaded once per process (its AMX attention op as a handle); None where
+    it cannot run (the reason: `reason()`)."""
+    with _lock:
+        if not _state:
+            why = why_not()
+            if why is None:
+                try:
+                    path, fd = _build()
+                    try:  # the very file verified, whatever happens to its path meanwhile
+                        torch.ops.load_library(f"/proc/self/fd/{fd}")
+                    finally:
+                        os.close(fd)
+                    _state["fn"], _state["path"] = torch.ops.cag.decode_attention, path
+                except Exception as e:  # a failed build or load: torch's kernels serve instead
+                    why = f"it did not build or load: {str(e).splitlines()[0] if str(e) else type(e).__name__}"
+            _state.setdefault("why", why)
+        return _state.get("fn")
+
+
+def reason() -> str | None:
+    load()
+    return _state.get("why")
+
+
+def attention(mode: str) -> Callable:
+    """The decode attention op of a resolved mode ("amx" or "avx512")."""
+    return torch.ops.cag.decode_attention if mode == "amx" else torch.ops.cag.decode_attention_avx512
+
+
+def resolve(mode: str, device: torch.device | str = "cpu") -> str:
+    """What CAG_DECODE_KERNELS `mode` means here: "amx", "avx512" or "torch". `amx` or `avx512` where
+    they cannot run raise ModelError (one line); `auto` falls back to "torch" with one warning."""
+    if mode not in MODES:
+        raise ModelError(f"unknown decode kernels {mode!r}; use one of {', '.join(MODES)}")
+    if mode == "torch":
+        return "torch"
+    if torch.device(device).type != "cpu":
+        if mode != "auto":
+            raise ModelError(f"CAG_DECODE_KERNELS={mode} is for the CPU; on {torch.device(device).type} use auto or torch")
+        return "torch"
+    if load() is not None:
+        if mode == "amx" and not tiles():
+            raise ModelError(f"CAG_DECODE_KERNELS=amx cannot run here: this CPU lacks {', '.join(f for f in TILES if f not in _cpu_flags())}; use avx512 or auto")
+        return "avx512" if mode == "auto" else mode  # auto: avx512 decodes faster than amx on AMX CPUs too (README)
+    if mode != "auto":
+        raise ModelError(f"CAG_DECODE_KERNELS={mode} cannot run here: {reason()}; use auto or torch")
+    if not _state.get("warned"):
+        _state["warned"] = True
+        if cpu_why_not() is None:  # a CPU that could run them (no compiler, a failed build): say so, once;
+            log.warning("cag: decode falls back to torch's kernels (slower): %s", reason())  # elsewhere torch's are simply the ones
+    return "torch"
+
+
+def public_reason() -> str | None:
+    """`reason()` with no file path or compiler output in it: for /health, which anyone may read."""
+    why = reason()
+    if why is None or cpu_why_not() is not None:
+        return why
+    if why.startswith("no C++ compiler"):
+        return "no C++ compiler found (install g++, or set CXX)"
+    return "it did not build or load (the server's log says why)"

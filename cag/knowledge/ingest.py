@@ -1,0 +1,202 @@
+"""Ingest as named steps: plan the shards (one, when the corpus fits a context), then per shard
+reuse a verified snapshot with the same key or build one (reusing the shard's current snapshot up
+to its first changed document), then publish every shard in one transaction.
+
+Each step takes the Engine (model, settings, index); `Engine.ingest` runs them under the
+corpus's writer lock. A crash before `publish` leaves the corpus on its previous snapshots.
+"""
+
+from __future__ import annotations
+
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from cag.errors import BadInput, ModelError, SnapshotCorrupt, StaleRefused, TooLarge
+from cag.hashing import short
+from cag.knowledge import documents
+from cag.knowledge.corpus import read_corpus
+from cag.knowledge.documents import human_bytes
+from cag.knowledge.shards import Unit, pack, units_of
+from cag.model.prompt import Prefix, document_text, encode_template, encode_text
+from cag.runtime import kv_cache
+from cag.store import snapshots as snapfiles
+
+
+@dataclass
+class Shard:
+    """One shard's prefix (head | units | mid) and its key."""
+
+    index: int
+    units: list[Unit]
+    prefix: Prefix
+    key: str
+
+    @property
+    def digest(self) -> str:
+        return short(self.key, 32)
+
+    @property
+    def spans(self) -> list[dict]:
+        return [{"path": u.name, "content_hash": u.content_hash, "start": s[1], "end": s[2]}
+                for s, u in zip(self.prefix.spans, self.units)]
+
+
+@dataclass
+class Plan:
+    """What an ingest will write: the corpus's documents packed into shards."""
+
+    name: str
+    source: Path
+    docs: list[documents.Document]
+    skipped: list[str]
+    ttl_s: float | None
+    shard_tokens: int | None
+    shards: list[Shard] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+    ref: object = None  # with a shared store: the corpus's ref read at the start (a conditional write expects it)
+
+
+@dataclass
+class Built:
+    """A shard's snapshot after this ingest: its index row and how it came to be."""
+
+    row: dict
+    status: str  # built | refreshed | fresh
+    reused: int = 0
+    prefill_ms: float = 0.0
+
+
+def plan(engine, name: str, source: Path, ttl_s: float | None, shard_tokens: int | None, reporter=None) -> Plan:
+    """Read the corpus (within CAG_MAX_DOCUMENT_BYTES / CAG_MAX_CORPUS_BYTES) and pack it into shards
+    that each fit the context (and `shard_tokens`); refuse shards that would not fit on the disk."""
+    engine.index.require_writable("cannot record the snapshot")  # a read-only index fails now, before any work
+    ref = engine.remote.pull(name) if engine.remote else None  # another machine's newer ref is adopted first
+    row = engine.index.corpus(name) or {}
+    ttl_s = row.get("ttl_s") if ttl_s is None else ttl_s
+    shard_tokens = row.get("shard_tokens") if shard_tokens is None else shard_tokens or None
+    docs, skipped = read_corpus(engine.index, source, name, engine.settings, reporter)  # refused before the model loads
+    lm, layout = engine.lm, engine.layout()
+    head, mid = encode_template(lm.tokenizer, layout.head), encode_template(lm.tokenizer, layout.mid)
+    capacity = lm.max_context - engine.room
+    if shard_tokens:
+        capacity = min(capacity, shard_tokens)
+    if capacity - len(head) - len(mid) < 16:
+        raise BadInput(f"shards of {capacity} tokens leave no room for knowledge: the prompt layout alone is "
+                       f"{len(head) + len(mid)} tokens (raise --shard-tokens)")
+    tokenizing = getattr(reporter, "tokenizing", None)
+    tick = tokenizing(sum(len(d.text) for d in docs)) if tokenizing else None
+    units = units_of(lm.tokenizer, docs, capacity - len(head) - len(mid), tick)
+    getattr(reporter, "tokenized", lambda: None)()
+    previous = [[s["path"] for s in engine.index.snapshot_documents(r["snapshot"])] for r in engine.index.shards(name)]
+    out = Plan(name, source, docs, skipped, ttl_s, shard_tokens, ref=ref,
+               warnings=[f"{u.name}: a sentence longer than a shard, cut between tokens" for u in units if u.cut_by_tokens])
+    for i, sp in enumerate(pack(units, capacity, len(head) + len(mid), previous)):
+        ids, spans = list(head), []
+        for u in sp.units:
+            start = len(ids)
+            ids += u.ids if u.ids is not None else encode_text(lm.tokenizer, document_text(u.name, u.text))
+            u.ids = None  # held once, in the shard's ids
+            spans.append((u.name, start, len(ids)))
+        ids += mid
+        engine.require_fit(len(ids), "a shard's knowledge")
+        out.shards.append(Shard(i, sp.units, Prefix(ids, spans), engine.snapshot_key(ids)))
+    check_room(engine, out)
+    return out
+
+
+def check_room(engine, plan: Plan) -> None:
+    """Refuse, before any prefill, snapshots that cannot fit on the disk: the KV-size formula over
+    the shards not already there, against the free space of the snapshots folder."""
+    folder = engine.settings.snapshots_dir
+    new = [s for s in plan.shards if not (folder / f"{s.digest}.safetensors").exists()]
+    need = sum(engine.lm.kv_bytes(len(s.prefix.ids), engine.kv_dtype) for s in new)
+    here = next((p for p in (folder, *folder.parents) if p.exists()), None)
+    free = shutil.disk_usage(here).free if here is not None and need else None
+    if free is not None and need > free:
+        n = sum(len(s.prefix.ids) for s in plan.shards)
+        raise TooLarge(f"the knowledge of {plan.name!r} is {n} tokens in {len(plan.shards)} shard(s): its snapshots need "
+                       f"~{human_bytes(need)} and {folder} has {human_bytes(free)} free; free space, or ingest less")
+
+
+def reuse_fresh(engine, shard: Shard) -> Built | None:
+    """An existing snapshot with this shard's key, verified exactly as a question would verify it."""
+    row = engine.index.snapshot(shard.digest)
+    if not row or row["status"] == "corrupt" or (not Path(row["path"]).exists() and not engine.remote):
+        return None  # with a shared store a file missing here is fetched (and verified) by open_snapshot
+    try:
+        engine.open_snapshot(row)
+    except (SnapshotCorrupt, StaleRefused):
+        return None  # rebuilt (a corrupt file is marked so)
+    if engine.remote:  # the ref about to name it needs the blob in the store
+        engine.remote.put_blob(Path(row["path"]), shard.digest)
+    return Built(row, "fresh", reused=len(shard.prefix.ids))
+
+
+def reusable(engine, corpus: str, shard: Shard) -> tuple[int, list | None]:
+    """Tokens of the shard's current snapshot that stay valid: the longest common prefix of token
+    ids, cut back to a document boundary (KV at position i depends only on tokens 0..i)."""
+    rows = engine.index.shards(corpus)
+    digest = rows[shard.index]["snapshot"] if shard.index < len(rows) else None
+    snap = engine.index.snapshot(digest) if digest else None
+    if not snap or snap["model_fingerprint"] != engine.lm.fingerprint or snap["dtype"] != engine.kv_name:
+        return 0, None
+    try:  # int8 dequantized in fp32: the kept positions quantize again to the very same bytes
+        old = engine.open_snapshot(snap, dequant=torch.float32)
+    except (SnapshotCorrupt, StaleRefused):
+        return 0, None
+    common = 0
+    for a, b in zip(old.ids, shard.prefix.ids):
+        if a != b:
+            break
+        common += 1
+    spans = old.meta["spans"]
+    bounds = [s["start"] for s in spans] + [max((s["end"] for s in spans), default=0)]
+    cut = max((b for b in bounds if b <= common), default=0)
+    return cut, (old.kv if cut else None)
+
+
+def build(engine, plan: Plan, shard: Shard, reused: int, old_kv, tick) -> Built:
+    """Prefill the shard (after its `reused` tokens) and save its snapshot file atomically."""
+    lm, ids = engine.lm, shard.prefix.ids
+    n = len(ids)
+    t0 = time.perf_counter()
+    cache = kv_cache.new_cache(lm.model, n + engine.room)
+    if old_kv is not None:
+        kv_cache.load_into(cache, [(k[:, :, :reused], v[:, :, :reused]) for k, v in old_kv], lm.dtype, lm.device)
+    kv_cache.prefill(lm.model, cache, ids[reused:], reused, engine.settings.chunk_tokens, tick)
+    prefill_ms = (time.perf_counter() - t0) * 1e3
+    path = engine.settings.snapshots_dir / f"{shard.digest}.safetensors"
+    created = time.time()
+    meta = {"key": shard.key, "corpus": plan.name, "model": lm.name, "model_fingerprint": lm.fingerprint,
+            "tokenizer_fingerprint": lm.tokenizer_fingerprint, "layout": engine.layout().as_dict(),
+            "n_kv_heads": lm.n_kv_heads, "head_dim": lm.head_dim, "spans": shard.spans, "created": created,
+            "compute_dtype": str(lm.dtype), "source": str(plan.source), "ttl_s": plan.ttl_s,
+            "n_documents": len(shard.units), "reused_tokens": reused, "prefill_ms": prefill_ms,
+            "shard": shard.index, "n_shards": len(plan.shards), "shard_tokens": plan.shard_tokens}
+    layers = kv_cache.export(cache, n)
+    if why := kv_cache.nonfinite(layers, engine.kv_dtype):  # a snapshot holding NaN or inf would answer garbage forever
+        raise ModelError(f"the model's keys and values for {plan.name!r} cannot be stored: {why}; "
+                         "prefill in float32 (CAG_DTYPE=float32) or store them in bfloat16 (CAG_KV_DTYPE=bfloat16)")
+    nbytes = snapfiles.save(path, layers, ids, meta, engine.kv_dtype)
+    del cache
+    if engine.remote:  # uploaded whole under its final name before any ref can name it
+        engine.remote.put_blob(path, shard.digest)
+    row = {"key": shard.key, "digest": shard.digest, "corpus": plan.name, "model": lm.name,
+           "model_fingerprint": lm.fingerprint, "tokenizer_fingerprint": lm.tokenizer_fingerprint,
+           "n_tokens": n, "n_documents": len(shard.units), "bytes": nbytes, "dtype": engine.kv_name,
+           "path": str(path), "created": created, "last_used": None, "prefill_ms": prefill_ms, "reused_tokens": reused}
+    engine.resident.evict(shard.digest)
+    return Built(row, "refreshed" if reused else "built", reused, prefill_ms)
+
+
+def publish(engine, plan: Plan, built: list[Built]) -> None:
+    corpus_row = {"name": plan.name, "source": str(plan.source), "model": engine.lm.name, "ttl_s": plan.ttl_s,
+                  "shard_tokens": plan.shard_tokens}
+    doc_rows = [{"path": d.name, "content_hash": d.content_hash, "size": d.size, "mtime": d.mtime} for d in plan.docs]
+    if engine.remote:  # the store is the truth: its ref first (conditional), then this machine's index
+        engine.remote.publish(corpus_row, doc_rows, [b.row for b in built], plan.ref)
+    engine.index.publish_shards(corpus_row, doc_rows, [(b.row, s.spans) for b, s in zip(built, plan.shards)])

@@ -1,0 +1,361 @@
+"""The format decoding computes its matrix-vector products in (CAG_WEIGHTS): fp32, bf16, int8, int4.
+
+A decode step multiplies one token's activations by every weight once, so its time is the time
+to read the weights: fewer bytes per weight is the lever, as long as the kernel runs near memory
+speed. Each nn.Linear is replaced by a `FastLinear` that keeps the model's own weight (used by
+the transformers forward: prefill of the knowledge) and adds a packed copy used by the batched step
+(`decode`: a question's tokens and every decode row, one per request):
+
+  bf16  oneDNN-packed bf16 weight (`mkldnn._linear_pointwise`; AMX / AVX512-BF16 where present)
+  int8  per-output-channel symmetric int8 (`aten._weight_int8pack_mm`)
+  int4  groups of 32 along the input, asymmetric: w = (q - 8) * scale + zero, q in 0..15
+        (`aten._weight_int4pack_mm_for_cpu`); the embedded model's GGUF Q4_1 has this exact shape
+  (int8 and int4 keep the LM head in bf16: _head_format)
+With cag's own kernels (CAG_DECODE_KERNELS amx or avx512: `native`), decode rows multiply int4 and bf16
+weights through cag.kernels.native instead, at the speed of reading them: int4 as GGUF Q4_1 holds it (a
+float16 step and min per group of 32: w = m + q * d), int4's LM head as GGUF Q8_0 does ("q8"), bf16
+as a plain matrix, and a question's rows (int8, int4) through the bf16 product; all return float32.
+
+A question's rows (a question part: cag.runtime.rows.Part.asks) are multiplied in bf16 in
+int8 and int4 too, from a second, bf16 copy (FEW layout, calls of <= FEW rows): the integer kernels
+dequantize per row (their cost grows with the rows, bf16's hardly: bench/bench_decode.py), so a
+question's pass costs what bf16's does while every decode row still reads
+the small copy. The role, not the row count, picks the copy, so a row's bits never depend on what
+else shares its pass.
+
+Activations enter the packed kernels as bf16 (the kernels' input dtype) and leave in the model's
+dtype; the residual stream and norms stay in the compute dtype; decode attention reads resident
+prefixes and request buffers held in bf16 (LoadedModel.attn_dtype: half the cache bytes a step reads). Prefill
+(and so every snapshot) never touches the packed copy: snapshots do not depend on this setting.
+Both `cag` and `full` decode through the same modules, so cag == full holds in every format.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import threading
+
+import torch
+import torch.nn.functional as F
+
+from cag.kernels import native as cag_native
+from cag.model import stacked_products
+
+FORMATS = ("fp32", "bf16", "int8", "int4")
+NATIVE_MM = {"int4": "int4_mm", "q8": "q8_mm", "bf16": "bf16_mm"}  # cag.kernels.native's product per packed format
+GROUP = 32  # int4 group size along the input dimension
+# Rows per packed product call. Up to 128 rows, each row's result is bit-identical whatever the
+# other rows (the kernels block the rows, never the sum); oneDNN's bf16 kernel for a 1536-wide
+# input changes its summation for some larger row counts (measured at 160-256), so a pass with more
+# rows (questions admitted together) is multiplied in calls of at most this many.
+ROWS = 128
+# bf16 holds two oneDNN layouts of each weight. The one for batches of FEW rows multiplies 1-16 rows
+# faster than the 1-row layout (bench/bench_decode.py) but re-blocks its sum above 32 rows; the 1-row layout serves calls of more rows (a
+# question admitted), row-invariant up to ROWS. Up to 32 rows the two give identical bits, so a row's
+# result never depends on which one ran (tests/test_batch.py). A vocabulary-sized output (the LM head:
+# one row per request) keeps the FEW layout alone, in calls of at most FEW rows.
+FEW, WIDE = 32, 16384
+_mode = threading.local()
+
+
+@contextlib.contextmanager
+def decoding():
+    """Within it (a decode step through the transformers forward, for models cag.runtime.step does not
+    cover), FastLinear.forward multiplies one-row calls through the packed copy. Everywhere else,
+    prefill above all, the model's own weights: a snapshot's key leaves CAG_WEIGHTS out, so a
+    last prefill chunk of one token must not take the packed path."""
+    before = getattr(_mode, "decoding", False)
+    _mode.decoding = True
+    try:
+        yield
+    finally:
+        _mode.decoding = before
+
+
+def _pack_bf16(w: torch.Tensor, rows: int):
+    return torch.ops.mkldnn._reorder_linear_weight(w.to(torch.bfloat16).contiguous(), rows)
+
+
+@functools.cache
+def bf16_packs() -> bool:
+    """Whether oneDNN packs bf16 weights on this CPU: it needs AVX-512 (BW, VL, DQ) or AVX-NE-CONVERT,
+    so an AVX2-only CPU has no bf16 format (and int8 / int4 keep their own products for a question's
+    rows and an int8 LM head)."""
+    if not torch.backends.mkldnn.is_available():
+        return False
+    try:
+        _pack_bf16(torch.zeros(16, 32), 1)
+    except RuntimeError:
+        return False
+    return True
+
+
+def _pack_int8(w: torch.Tensor):
+    w = w.float()
+    scale = (w.abs().amax(dim=1) / 127).clamp(min=1e-12)  # (out,)
+    q = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8).contiguous()  # (out, in)
+    return q, scale.to(torch.bfloat16)
+
+
+def grid4(g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each group's 4-bit affine grid, its min and max on the ends (as GGUF Q4_1 writes it):
+    groups (..., 32) -> lo, step (..., 1); the points are lo + q * step, q = 0..15."""
+    lo, hi = g.amin(-1, keepdim=True), g.amax(-1, keepdim=True)
+    return lo, ((hi - lo) / 15).clamp(min=1e-12)
+
+
+def pack_int4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """cag.kernels.native's int4 layout of an (out, in) weight, in % 64 == 0: qw (out, in/2) uint8, byte j of a
+    group's 16 holding its input j (low nibble) and j + 16 (high); dm (out, 2, in/32) float16, each
+    group's step d and min m (as GGUF Q4_1 stores them), the points m + q * d, q = 0..15."""
+    out_f, in_f = w.shape
+    g = w.detach().float().reshape(out_f, in_f // GROUP, GROUP)  # (out, in/32, 32)
+    lo, step = grid4(g)
+    d, m = step.clamp(min=2 ** -24).half(), lo.half()  # (out, in/32, 1) each; 2^-24: float16's least step
+    q = torch.round((g - m.float()) / d.float()).clamp(0, 15).to(torch.uint8)  # (out, in/32, 32)
+    qw = (q[..., :16] | (q[..., 16:] << 4)).reshape(out_f, in_f // 2).contiguous()
+    return qw, torch.stack([d[..., 0], m[..., 0]], 1).contiguous()
+
+
+def pack_q8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """cag.kernels.native's int8 layout (GGUF Q8_0's) of an (out, in) weight, in % 32 == 0: qw (out, in) int8,
+    d (out, in/32) float16, w = d * q per group of 32, q in -127..127."""
+    out_f, in_f = w.shape
+    g = w.detach().float().reshape(out_f, in_f // GROUP, GROUP)
+    d = (g.abs().amax(-1, keepdim=True) / 127).clamp(min=2 ** -24).half()  # (out, in/32, 1)
+    q = torch.round(g / d.float()).clamp(-127, 127).to(torch.int8).reshape(out_f, in_f).contiguous()
+    return q, d[..., 0].contiguous()
+
+
+def _pack_int4(w: torch.Tensor):
+    w = w.float()
+    out_f, in_f = w.shape
+    g = w.reshape(out_f, in_f // GROUP, GROUP)  # (out, in/32, 32)
+    lo, scale = grid4(g)  # (out, in/32, 1) each
+    q = torch.round((g - lo) / scale).clamp(0, 15).to(torch.int32).reshape(out_f, in_f)
+    lo, scale = lo[..., 0], scale[..., 0]  # (out, in/32)
+    zero = lo + 8 * scale  # the kernel computes (q - 8) * scale + zero
+    scales_zeros = torch.stack([scale.t(), zero.t()], dim=-1).to(torch.bfloat16).contiguous()  # (in/32, out, 2)
+    return torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1), scales_zeros
+
+
+class Packed:
+    """Packed copies of one (out, in) weight for a pass's rows: `packed(x, roles)` (..., in) -> (..., out).
+    One subclass per kernel path; `pack` picks it. `packed` is the decode rows' copy (a tensor, or a
+    tuple for the integer formats), `questions` the copy a question's rows use where it is another one."""
+
+    def __init__(self, w: torch.Tensor, bias: torch.Tensor | None, fmt: str):
+        self.out_features, self.in_features = w.shape
+        self.fmt, self.bias = fmt, bias
+        self.out_dtype = w.dtype  # the compute dtype, whatever the input's (the step may hand over bf16 rows)
+        self.packed = self.questions = None
+
+    @property
+    def nbytes(self) -> int:
+        return packed_bytes(self.packed) + packed_bytes(self.questions)
+
+    def __call__(self, x: torch.Tensor, roles: list[tuple[int, bool]] | None = None) -> torch.Tensor:
+        """The packed product of a pass's rows (..., in) -> (..., out). `roles`: (rows, question?) runs
+        in row order; None: all decode rows (one per request of a batch)."""
+        x2 = x.reshape(-1, self.in_features).to(torch.bfloat16)  # (rows, in)
+        if roles is None or len(roles) == 1 or self.fmt == "bf16":  # one kernel for every row
+            y = self._rows(x2, roles is not None and roles[0][1])
+        else:
+            y = torch.cat([self._rows(c, q) for c, (_, q) in zip(x2.split([n for n, _ in roles]), roles)])
+        y = y.to(self.out_dtype).reshape(*x.shape[:-1], self.out_features)  # (..., out)
+        return y if self.bias is None else y + self.bias
+
+    def _rows(self, x2: torch.Tensor, question: bool) -> torch.Tensor:
+        """(rows, in) bf16 -> (rows, out): a question's rows or decode rows, each row's bits its own."""
+        raise NotImplementedError
+
+
+class NativePacked(Packed):
+    """cag.kernels.native's products: decode rows in int4 (GGUF Q4_1's layout), q8 (Q8_0's) or bf16,
+    any number of rows in one call, float32 out; a question's rows through its bf16 product, over a
+    plain bf16 copy (int4) or the format's own product (bf16, q8). `plain`: the float32 result is the
+    answer as it is (no bias, float32 compute), so cag.runtime.one_call can take the copy."""
+
+    def __init__(self, w: torch.Tensor, bias: torch.Tensor | None, fmt: str):
+        super().__init__(w, bias, fmt)
+        w = w.detach()
+        self.packed = {"int4": pack_int4, "q8": pack_q8, "bf16": lambda w: w.to(torch.bfloat16).contiguous()}[fmt](w)
+        self.mm = getattr(torch.ops.cag, NATIVE_MM[fmt])
+        self.plain = bias is None and self.out_dtype == torch.float32
+        self._direct = self.plain and fmt in ("int4", "q8")  # called as the step hands rows over: nothing to convert
+        self.questions = w.to(torch.bfloat16).contiguous() if fmt == "int4" else None
+
+    def __call__(self, x: torch.Tensor, roles: list[tuple[int, bool]] | None = None) -> torch.Tensor:
+        if roles is None and self._direct and x.dim() == 2 and x.dtype == torch.bfloat16 and x.is_contiguous():
+            return self.mm(x, *self.packed)
+        return super().__call__(x, roles)
+
+    def _rows(self, x2: torch.Tensor, question: bool) -> torch.Tensor:
+        if question and self.questions is not None:
+            return torch.ops.cag.bf16_mm(x2.contiguous(), self.questions)
+        return self.mm(x2.contiguous(), *(self.packed if isinstance(self.packed, tuple) else (self.packed,)))
+
+
+class TorchPacked(Packed):
+    """torch's packed CPU products: oneDNN bf16, weight-only int8 / int4, in calls of at most ROWS rows
+    (FEW in bf16's few-rows layout), row-invariant there. bf16 keeps two layouts (`many`: the 1-row
+    layout for calls of more than FEW rows); int8 / int4 multiply a question's rows by a bf16 copy in
+    the few-rows layout (`questions`)."""
+
+    def __init__(self, w: torch.Tensor, bias: torch.Tensor | None, fmt: str):
+        super().__init__(w, bias, fmt)
+        w = w.detach()
+        self.packed = {"bf16": lambda w: _pack_bf16(w, FEW), "int8": _pack_int8, "int4": _pack_int4}[fmt](w)
+        if fmt == "bf16":
+            self.many = _pack_bf16(w, 1) if self.out_features < WIDE else None
+        else:
+            self.many = None
+            self.questions = self._question_copy(w)
+
+    @property
+    def nbytes(self) -> int:
+        return super().nbytes + packed_bytes(self.many)
+
+    def _question_copy(self, w: torch.Tensor):
+        return _pack_bf16(w, FEW) if bf16_packs() else None
+
+    def _rows(self, x2: torch.Tensor, question: bool) -> torch.Tensor:
+        if self.fmt == "bf16":  # both layouts give the same bits up to FEW rows: the count picks
+            many = x2.shape[0] > FEW and self.many is not None
+            fmt, w, most = ("bf16", self.many, ROWS) if many else ("bf16", self.packed, FEW)
+        elif question and self.questions is not None:  # calls of <= FEW rows: row-invariant
+            fmt, w, most = "bf16", self.questions, FEW
+        else:
+            fmt, w, most = self.fmt, self.packed, ROWS
+        if x2.shape[0] <= most:
+            return _torch_mm(x2, w, fmt)
+        return torch.cat([_torch_mm(c, w, fmt) for c in x2.split(most)])
+
+
+class TorchPackedNativeQuestions(TorchPacked):
+    """torch's products for decode rows in a format cag.kernels.native has none for (int8, or int4 whose
+    input is not a multiple of 64), a question's rows through the native bf16 product over a plain
+    bf16 copy: any number of rows in one call. oneDNN's bf16 sums depend on the row count on some CPUs
+    (AMD Zen 4), the native product's never do."""
+
+    def _question_copy(self, w: torch.Tensor):
+        return w.to(torch.bfloat16).contiguous()
+
+    def _rows(self, x2: torch.Tensor, question: bool) -> torch.Tensor:
+        if question:
+            return torch.ops.cag.bf16_mm(x2.contiguous(), self.questions)
+        return super()._rows(x2, question)
+
+
+def pack(w: torch.Tensor, bias: torch.Tensor | None, fmt: str, native: bool = False) -> Packed:
+    """The packed copy of an (out, in) weight for `fmt` on the kernel path this machine has: cag's own
+    products where `native` and the shapes allow (the input a multiple of 32, of 64 for int4), else torch's."""
+    native = native and w.shape[1] % 32 == 0 and cag_native.load() is not None
+    if native and (fmt in ("bf16", "q8") or fmt == "int4" and w.shape[1] % 64 == 0):
+        return NativePacked(w, bias, fmt)
+    if native and fmt in ("int8", "int4"):
+        return TorchPackedNativeQuestions(w, bias, fmt)
+    return TorchPacked(w, bias, fmt)
+
+
+def _torch_mm(x2: torch.Tensor, w, fmt: str) -> torch.Tensor:
+    if fmt == "bf16":
+        return torch.ops.mkldnn._linear_pointwise(x2, w, None, "none", [], "")
+    if fmt == "int8":
+        return torch.ops.aten._weight_int8pack_mm(x2, *w)
+    return torch.ops.aten._weight_int4pack_mm_for_cpu(x2, w[0], GROUP, w[1])
+
+
+class FastLinear(torch.nn.Module):
+    """nn.Linear with a packed copy of its weight for decode rows (one per request in a batch).
+
+    Sibling products that read the same input (a layer's q/k/v, its gate/up) share one packed copy of
+    their weights stacked (`packs`, this module's output columns `cols` of it): the lean step makes one
+    call for the group. Columns come out bit for bit as from separate matrices (the kernels block the
+    output columns, never a column's sum: tests/test_batch.py)."""
+
+    def __init__(self, linear: torch.nn.Linear, fmt: str, packs: Packed | None = None, cols: tuple[int, int] | None = None,
+                 native: bool = False):
+        super().__init__()
+        self.in_features, self.out_features, self.fmt = linear.in_features, linear.out_features, fmt
+        self.weight, self.bias = linear.weight, linear.bias  # the model's own (shared if tied)
+        self.packs = packs or pack(linear.weight, linear.bias, fmt, native)
+        self.cols = cols
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if getattr(_mode, "decoding", False) and x.numel() == self.in_features:  # one decode row
+            return self.decode(x)
+        return F.linear(x, self.weight, self.bias)
+
+    def decode(self, x: torch.Tensor, roles: list[tuple[int, bool]] | None = None) -> torch.Tensor:
+        """This module's product for a pass's rows (R, in) -> (R, out) (roles: Packed.__call__). In a
+        shared group it computes the group's whole product and keeps its columns: only the
+        transformers forward (models the lean step does not cover) calls members one by one."""
+        y = self.packs(x, roles)
+        return y if self.cols is None else y[..., self.cols[0] : self.cols[1]]
+
+
+def supported(fmt: str, model: torch.nn.Module) -> str | None:
+    """None if `fmt` can run for this model here, else why not."""
+    if fmt == "fp32":
+        return None
+    if next(model.parameters()).device.type != "cpu":
+        return f"weights format {fmt} is a CPU kernel; on {next(model.parameters()).device.type} use fp32 (CAG_DTYPE sets the dtype)"
+    if fmt == "bf16" and not bf16_packs():
+        return ("weights format bf16 needs oneDNN's bf16 products, which this CPU lacks (they need AVX-512 or "
+                "AVX-NE-CONVERT); use CAG_WEIGHTS=fp32, int8 or int4 (auto picks fp32 here)")
+    return None
+
+
+def packable(lin: torch.nn.Linear, fmt: str) -> bool:
+    """int4 packs (out, in) matrices with in % 32 == 0 and out % 16 == 0; others stay as they are."""
+    return fmt != "int4" or (lin.in_features % GROUP == 0 and lin.out_features % 16 == 0)
+
+
+def apply(model: torch.nn.Module, fmt: str, native: bool = False) -> int:
+    """Stack each group's weights (cag.model.stacked_products), then swap every nn.Linear of `model` for a FastLinear in
+    `fmt` (fp32: none); `native`: decode rows through cag.kernels.native's products where it has them. Returns
+    the bytes the packed copies take."""
+    stacked_products.stack(model)
+    if fmt == "fp32":
+        return 0
+    packs: dict[int, Packed] = {}
+    for parent, names, lins in stacked_products.groups(model):  # one packed copy of each stacked group
+        if not all(packable(m, fmt) for m in lins) or (st := stacked_products.stacked(*lins)) is None:
+            continue
+        group = pack(*st, fmt, native)  # the stack (sum of outs, in) and its bias
+        packs[id(group)], lo = group, 0
+        for n, m in zip(names, lins):
+            setattr(parent, n, FastLinear(m, fmt, group, (lo, lo + m.out_features)))
+            lo += m.out_features
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    own = lambda m: _head_format(fmt, native and m.in_features % GROUP == 0) if m is head else fmt  # noqa: E731
+    swaps = [(name, m) for name, m in model.named_modules() if isinstance(m, torch.nn.Linear) and packable(m, own(m))]
+    for name, lin in swaps:
+        parent = model.get_submodule(name.rsplit(".", 1)[0]) if "." in name else model
+        fast = FastLinear(lin, own(lin), native=native)
+        setattr(parent, name.rsplit(".", 1)[-1], fast)
+        packs[id(fast.packs)] = fast.packs
+    return sum(p.nbytes for p in packs.values())
+
+
+def _head_format(fmt: str, native: bool = False) -> str:
+    """The LM head keeps 8 bits or more in the integer formats. It is often the token embedding (tied),
+    which a GGUF stores at 6-8 bits while its layers are 4-bit: int4 groups of 32 off that grid move
+    most of the embedded model's answers (bench/bench_weights_quality.py measures each format). With
+    cag.kernels.native, int4's head is int8 in groups of 32 with a float16 scale ("q8", GGUF Q8_0's
+    layout, in which the embedded model ships it: held exactly, half bf16's bytes); elsewhere bf16,
+    or int8 per output channel on a CPU without oneDNN's bf16 products."""
+    if fmt == "int4" and native:
+        return "q8"
+    if fmt in ("int8", "int4"):
+        return "bf16" if bf16_packs() else "int8"
+    return fmt
+
+
+def packed_bytes(packed) -> int:
+    """Bytes of a packed copy (a tensor, or a tuple of them for int8/int4; None: no copy)."""
+    if packed is None:
+        return 0
+    return sum(t.nbytes for t in (packed if isinstance(packed, tuple) else (packed,)))

@@ -1,0 +1,271 @@
+"""Continuous batching: every active request advances one token per step, in one forward.
+
+Decoding one request reads every weight once per token; B requests decoded together read them
+once for all B (cag.runtime.step), and requests on the same snapshot read its prefix once too. One
+scheduler thread owns the model's decode work: a request (from any thread) is queued; its question
+is prefilled in the next pass, alone when nothing else runs, else riding along the decode step
+(its rows share the step's weight reads, in the decode format CAG_WEIGHTS, alone or not); it then
+decodes with the batch and leaves when it stops: a stop token,
+max_tokens, or its `should_stop` (client gone, timeout). Its own failure (a callback raising)
+ends only that request.
+
+Exactness: a request's tokens are the same alone and batched. On the CPU every product and the
+decode attention compute a row from its own inputs (cag.kernels.native, cag.model.weights; tests/test_batch.py),
+so a row's bits do not depend on the rows beside it (with CAG_DECODE_KERNELS=torch: on AMX CPUs
+only, README). On CUDA cuBLAS picks a product's kernel by its shape, so there each request runs a
+forward of its own (tests/test_cuda.py), its decode step a replayed graph (cag.runtime.cuda_graphs).
+
+Models the batched step does not cover (cag.runtime.step.why_not) decode alone, in the caller's thread,
+through the transformers forward over a buffer holding a copy of the prefix.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from cag.runtime import kv_cache
+from cag.runtime import step as lean
+from cag.runtime.cuda_graphs import Graphs
+from cag.runtime.generate import DecodeConfig, Generated, TextStream, _pick, generate, generated, sampler
+from cag.runtime.kept_conversations import KeptConversations
+from cag.runtime.omp_pools import release as release_workers
+from cag.runtime.rows import Part
+from cag.runtime.slots import Prefix, Slots
+
+log = logging.getLogger("cag")
+IDLE_EXIT_S = 30.0  # an idle decode thread ends, so a dropped engine (and its slots) can be freed
+
+
+@dataclass(eq=False)
+class Request:
+    prefix: Prefix
+    suffix: list[int]  # question (or conversation) tokens, prefilled at the prefix's end
+    cfg: DecodeConfig
+    on_text: Callable[[str], None] | None = None
+    should_stop: Callable[[], bool] | None = None
+    t_start: float = field(default_factory=time.perf_counter)
+    score: bool = False  # keep each answer token's log-probability (sharded corpora pick by it)
+    key: str | None = None  # the snapshot digest: its suffix is kept for, and may reuse, kept conversations (cag.runtime.kept_conversations)
+    # scheduler state
+    start: int = 0  # suffix tokens copied from a kept conversation: prefill starts here
+    slot: int | None = None
+    length: int = 0  # suffix positions written
+    next_tok: int | None = None
+    ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    t_first: float | None = None
+    stream: TextStream | None = None
+    gen: torch.Generator | None = None  # a seeded request's sampler
+    error: BaseException | None = None
+    result: Generated | None = None
+    done: threading.Event = field(default_factory=threading.Event)
+
+    def mean_logprob(self) -> float | None:
+        return sum(self.logprobs) / len(self.logprobs) if self.logprobs else None
+
+
+class Decoder:
+    """Answers over prefixes: batched (one scheduler thread) where cag.runtime.step applies, else alone."""
+
+    def __init__(self, lm, room: int, max_batch: int, threads: int = 0, chunk: int = 512, cuda_graphs: bool = True,
+                 kept: KeptConversations | None = None, graph_room: int = 512):
+        # room: the longest suffix (conversation and answer) a slot holds; graph_room: the suffix keys a
+        # captured CUDA step reads (cag.runtime.cuda_graphs)
+        self.lm, self.room, self.max_batch, self.threads, self.chunk = lm, room, max_batch, threads, chunk
+        self.graph_room = graph_room
+        self.kept = kept  # conversations' K/V kept between turns (cag.runtime.kept_conversations); None: nothing kept
+        self.apart = lm.device.type == "cuda"  # each request a forward of its own (module doc: exactness)
+        self.cuda_graphs = cuda_graphs
+        self.step = lean.for_model(lm.model)
+        self.slots: Slots | None = None
+        self.graphs: Graphs | None = None  # CUDA: captured decode steps, one request at a time
+        self._pending: deque[Request] = deque()
+        self._active: list[Request] = []
+        self._cond = threading.Condition()
+        self._thread: threading.Thread | None = None
+        self.stats = {"decode_steps": 0, "decode_rows": 0, "batch_max": 0}  # read by /metrics
+
+    @property
+    def batched(self) -> bool:
+        return self.step is not None
+
+    @property
+    def slot_bytes(self) -> int:
+        return self.lm.kv_bytes(self.room, self.lm.attn_dtype)  # one request's suffix slot: the KV formula over its room
+
+    def snapshot(self) -> dict:
+        """Counters and gauges for /metrics: steps, rows (rows / steps = mean batch), active, waiting."""
+        return dict(self.stats, decode_active=len(self._active), decode_waiting=len(self._pending),
+                    slot_bytes=self.slot_bytes if self.batched else 0)
+
+    def run(self, req: Request) -> Request:
+        """Answer `req`; blocks until it is done. Raises its error (kv_cache.Cancelled when it was stopped
+        before its question was prefilled)."""
+        if self.step is None:
+            self._alone(req)
+        else:
+            release_workers()  # this thread's OpenMP workers would slow the decode thread's every step
+            with self._cond:
+                if self.slots is None:
+                    lm = self.lm
+                    self.slots = Slots(lm.n_layers, lm.n_kv_heads, lm.head_dim, self.room, self.max_batch, lm.attn_dtype, lm.device)
+                    if self.apart and self.cuda_graphs:
+                        self.graphs = Graphs(self.step, self.slots, self.graph_room)
+                if self._thread is None:
+                    self._thread = threading.Thread(target=self._loop, name="cag-decode", daemon=True)
+                    self._thread.start()
+                self._pending.append(req)
+                self._cond.notify()
+            req.done.wait()
+        if req.error is not None:
+            raise req.error
+        return req
+
+    # -- the scheduler thread ----------------------------------------------------------------------
+    def _loop(self) -> None:
+        if self.threads > 0:
+            torch.set_num_threads(self.threads)
+        with torch.inference_mode():
+            while True:
+                with self._cond:
+                    if not self._pending and not self._active:
+                        release_workers()  # idle: the threads that prefill get the CPUs to themselves
+                    while not self._pending and not self._active:
+                        if not self._cond.wait(timeout=IDLE_EXIT_S):  # idle: end the thread (the next run starts one)
+                            self._thread = None
+                            return
+                    new = [self._pending.popleft() for _ in range(min(len(self._pending), self.max_batch - len(self._active)))]
+                if self._active:  # questions ride along the decode step's weight reads
+                    self._pass(list(self._active), [r for r in new if self._take_slot(r)])
+                    continue
+                for req in new:  # nothing to decode yet: each question alone, as a lone request runs
+                    if self._take_slot(req):
+                        self._pass([], [req])
+                if self._active:
+                    self._pass(list(self._active), [])
+
+    def _take_slot(self, req: Request) -> bool:
+        if req.should_stop and req.should_stop():
+            self._finish(req, kv_cache.Cancelled("stopped before its question was prefilled"))
+            return False
+        req.slot = self.slots.take()
+        if req.key is not None and self.kept is not None and self.step is not None:
+            kept, n = self.kept.match(req.key, req.suffix)
+            if kept is not None:  # the conversation so far: copied into the slot, prefill starts after it
+                for (k, v), K, V in zip(kept.kv, self.slots.k, self.slots.v):
+                    K[req.slot, :, :n] = k[:, :n]
+                    V[req.slot, :, :n] = v[:, :n]
+                req.start = n
+        return True
+
+    def _pass(self, batch: list[Request], new: list[Request]) -> None:
+        """One forward: a decode row for each request of `batch`, and the whole question of each of
+        `new` (which then joins the batch). Emits every request's next token. On CUDA each request
+        has a forward of its own, its decode step a replayed graph (CAG_CUDA_GRAPHS; cag.runtime.cuda_graphs)."""
+        if self.apart:
+            for r in batch:
+                if self.graphs is not None and r.length < self.graphs.room:
+                    self._forward([r], [], lambda r=r: [self.graphs.run(r.prefix, r.next_tok, r.slot, r.length)[None]])
+                else:
+                    self._forward([r], [], lambda r=r: self.step.run(self._parts([r], []), self.slots))
+            for r in new:
+                self._forward([], [r], lambda r=r: self.step.run(self._parts([], [r]), self.slots))
+            return
+        self._forward(batch, new, lambda: self.step.run(self._parts(batch, new), self.slots))
+
+    @staticmethod
+    def _parts(batch: list[Request], new: list[Request]) -> list[Part]:
+        parts = [Part(torch.tensor([[r.next_tok] for r in batch]), [r.prefix for r in batch],
+                      torch.tensor([r.slot for r in batch]), torch.tensor([r.length for r in batch]))] if batch else []
+        return parts + [Part(torch.tensor([r.suffix[r.start:]]), [r.prefix], torch.tensor([r.slot]), torch.tensor([r.start]),
+                             question=True) for r in new]
+
+    def _forward(self, batch: list[Request], new: list[Request], forward: Callable[[], list[torch.Tensor]]) -> None:
+        """Run `forward` (logits per part: the decode part (B, V) first when `batch`, then each of
+        `new`'s (1, V)) and hand every request its next token."""
+        try:
+            out = forward()
+        except Exception as e:  # noqa: BLE001 - the pass itself failed (memory?): every request in it
+            log.exception("decode step failed")
+            for r in batch + new:
+                self._finish(r, e)
+            return
+        if batch:
+            self.stats["decode_steps"] += 1
+            self.stats["decode_rows"] += len(batch)
+            self.stats["batch_max"] = max(self.stats["batch_max"], len(batch))
+            for i, r in enumerate(batch):
+                r.length += 1
+                self._emit(r, out[0][i])
+        for r, logits in zip(new, out[len(out) - len(new):]):
+            r.length = len(r.suffix)
+            self._keep(r)
+            r.stream, r.gen = TextStream(self.lm.tokenizer), sampler(r.cfg)
+            self._active.append(r)
+            self._emit(r, logits[0])
+
+    def _keep(self, req: Request) -> None:
+        """Keep the request's prefilled suffix (question rows only: cag.runtime.kept_conversations) for a later turn."""
+        if req.key is None or self.kept is None:
+            return
+        n = len(req.suffix)
+        self.kept.keep(req.key, req.suffix, [(K[req.slot, :, :n], V[req.slot, :, :n]) for K, V in zip(self.slots.k, self.slots.v)])
+
+    def _emit(self, req: Request, logits: torch.Tensor) -> None:
+        """Pick the next token from `logits` (V,): stop, or hand it out and schedule it."""
+        cfg = req.cfg
+        tok = _pick(logits if req.gen is None else logits.cpu(), cfg, req.gen, self.lm.stops, len(req.ids))  # a seeded generator lives on the CPU
+        if tok in self.lm.stops:
+            return self._finish(req)
+        if req.t_first is None:
+            req.t_first = time.perf_counter()
+        req.ids.append(tok)
+        if req.score:
+            req.logprobs.append(float(torch.log_softmax(logits.float(), -1)[tok]))
+        try:
+            piece = req.stream.push(tok)
+            if req.on_text and piece:
+                req.on_text(piece)
+            stop = req.should_stop is not None and req.should_stop()
+        except Exception as e:  # noqa: BLE001 - a failing callback ends its own request only
+            return self._finish(req, e)
+        if len(req.ids) >= cfg.max_tokens or stop or req.length >= self.room:
+            return self._finish(req)
+        req.next_tok = tok
+
+    def _finish(self, req: Request, error: BaseException | None = None) -> None:
+        if req in self._active:
+            self._active.remove(req)
+        if req.slot is not None:  # zeroed as far as it may have been written (a failed pass: its whole suffix)
+            self.slots.give(req.slot, max(req.length, len(req.suffix)) + 1)
+            req.slot = None
+        if error is None:
+            try:
+                if req.on_text and (tail := req.stream.flush()):
+                    req.on_text(tail)  # a partial character held back: the pieces add up to the text
+            except Exception as e:  # noqa: BLE001
+                error = e
+        if error is None:
+            req.result = generated(req.stream.text, req.ids, req.t_start, req.t_first, time.perf_counter())
+        req.error = error
+        req.done.set()
+
+    # -- models the batched step does not cover -------------------------------------------------------
+    def _alone(self, req: Request) -> None:
+        lm, n = self.lm, req.prefix.n
+        cache = kv_cache.new_cache(lm.model, n + len(req.suffix) + req.cfg.max_tokens + 1)
+        kv_cache.load_into(cache, req.prefix.kv, lm.dtype, lm.device)
+        try:
+            req.result = generate(lm, cache, n, req.suffix, req.cfg, self.chunk, req.on_text, req.should_stop, req.t_start)
+            if req.score and req.result.ids:
+                req.logprobs = kv_cache.answer_logprobs(lm.model, cache, req.suffix, req.result.ids, n)
+        except Exception as e:  # noqa: BLE001 - raised by run()
+            req.error = e
+

@@ -1,0 +1,98 @@
+"""The lean step's decoder layers in one native call (cag.kernels.native's `decode_layers`) for a pass of
+decode rows only (one new token per request, on any number of prefixes), with int4 or bf16 weights.
+
+Why: as separate ops a layer is ~13 torch calls and 5 OpenMP regions, whose fixed costs were a
+large share of a step on a short prefix on 2 cores, one call per layer still a measurable one
+(bench/bench_decode.py). The
+native call runs the same pieces (RMSNorm to bf16, the products, rope with the K/V write, the
+attention over the pre-paired prefix and the slots, silu x up, the residual adds) for every layer in
+one parallel region, in the same order: the same bits as the separate ops (tests/test_native.py), so
+`cag` == `full` and batched == alone hold as before.
+
+`weights(model)` gives what the call takes, once; None where any layer lacks it (int8 or fp32,
+biases, another activation): the step then runs the separate ops.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from cag.model.weights import NativePacked
+from cag.runtime import cascade
+
+_NONE = torch.empty(0)  # the second tensor of a bf16 product (int4 has two: weights and scales)
+
+
+def _packed(packs) -> tuple | None:
+    """A packed copy as decode_layers takes it, where decode rows go straight to cag.kernels.native's product with
+    float32 out and no bias: int4 (qw, dm) or bf16 (w, nothing)."""
+    if not isinstance(packs, NativePacked) or not packs.plain:
+        return None
+    if packs.fmt == "int4":
+        return packs.packed
+    return (packs.packed, _NONE) if packs.fmt == "bf16" else None
+
+
+def is_silu(act) -> bool:
+    return type(act).__name__ in ("SiLU", "SiLUActivation")
+
+
+def own(lin):
+    """A module's own packed copy (not its share of a stacked group's), else None."""
+    return lin.packs if getattr(lin, "cols", 0) is None else None
+
+
+class Weights(NamedTuple):
+    tensors: list[torch.Tensor]  # per layer: input norm, q/k/v (2 tensors), o, post-attention norm, gate/up, down
+    eps: list[float]  # per layer: its two norms' epsilons
+
+
+def weights(step, model) -> Weights | None:
+    """All layers' weights as decode_layers takes them, or None where some layer lacks them. `step`:
+    the lean step with its glue (so its layers have stacked q/k/v and gate/up, and silu)."""
+    out = Weights([], [])
+    for f, layer in zip(step.fns, model.model.layers):
+        qkv, o, gu, dn = (_packed(p) for p in (f.qkv_packed, own(layer.self_attn.o_proj), f.gu_packed,
+                                             own(layer.mlp.down_proj)))
+        if None in (qkv, o, gu, dn) or any(n.dtype != torch.float32 for n in (f.norm1, f.norm2)):
+            return None
+        out.tensors.extend([f.norm1.contiguous(), *qkv, *o, f.norm2.contiguous(), *gu, *dn])
+        out.eps.extend([f.eps1, f.eps2])
+    return out
+
+
+def applies(step, rows: list, roles, kernel) -> bool:
+    """A pass decode_layers computes: decode rows only, one part, the pre-paired kernel."""
+    return step.fused is not None and roles is None and len(rows) == 1 and kernel is torch.ops.cag.decode_attention_avx512
+
+
+def _flat(prefix, n_layers: int) -> list[torch.Tensor]:
+    """A prefix's layers as decode_layers takes them, kept on it where they are views of its K/V and
+    its pairs (no bytes of their own)."""
+    flat = prefix.made.get("layers")
+    if flat is None or len(flat) != 4 * n_layers:
+        flat = [t for i in range(n_layers) for t in cascade.paired(prefix, i)]
+        if prefix.kv[0][0].dtype == torch.bfloat16:
+            prefix.made["layers"] = flat
+    return flat
+
+
+def layers(step, r, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, buffers,
+           rows_slot: torch.Tensor, rows_pos: torch.Tensor) -> torch.Tensor:
+    """All layers over h (R, hidden) float32 (in place; returned): cos, sin (R, D); r: the part's Rows,
+    its requests in groups by prefix (each prefix read once for its requests)."""
+    L = len(buffers.k)
+    flats, rows, slots, lens = [], [], [], []
+    for prefix, idx in r.groups:
+        j = torch.arange(r.B) if idx is None else idx.cpu()
+        flats.append(_flat(prefix, L))
+        rows.append(j)
+        slots.append(r.slots_cpu if idx is None else r.slots_cpu[j])
+        lens.append(r.lens if idx is None else r.lens[j])
+    flat = flats[0] if len(flats) == 1 else [t for i in range(L) for f in flats for t in f[4 * i : 4 * i + 4]]
+    w = step.fused
+    torch.ops.cag.decode_layers(h, w.tensors, w.eps, cos, sin, buffers.k, buffers.v, rows_slot, rows_pos,
+                                step.n_kv * step.rep, flat, rows, slots, lens, step.fns[0].scale)
+    return h

@@ -1,0 +1,272 @@
+"""A lean decode step: one token through a Llama-shaped model's own modules, without transformers'
+per-layer Python.
+
+Why: a one-token `model(...)` forward over a StaticCache spends about a third of a SmolLM2 step on
+a CPU outside the weight products (bench/bench_decode.py measures both): mask construction, cache bookkeeping,
+output dataclasses, keyword plumbing through 30 layers. For one token none of it is needed: every
+key at or before the new position is visible, so attention needs no mask, and the cache write is
+one row per layer.
+
+Same math as transformers, op for op where it matters for the bits:
+  * products: the model's own Linear / FastLinear modules (so every CAG_WEIGHTS format is used), a
+    layer's q/k/v and gate/up in one call each over their stacked weights (cag.model.stacked_products, same bits);
+    a question's rows (a question part: parts.Part.asks) in bf16 under int8/int4 (parts.roles, weights.Packed);
+  * RMSNorm: the formula of LlamaRMSNorm with the model's weights and eps (float32 inside);
+  * rope: the model's own rotary embedding module (its values tabled per position: cos_sin);
+    `rotate_half(x) * sin` is computed as `roll(x) * (sin with its first half negated)`, equal
+    bit for bit (negation is exact);
+  * attention: the query heads that share a K/V head folded into the query length (as
+    cag/model/prefill_attention.py does), q (1, H_kv, rep, D) over keys (1, H_kv, pos+1, D), no K/V copy; decode
+    rows over bf16 K/V through cag.kernels.native's kernel where CAG_DECODE_KERNELS resolved to amx or avx512.
+The cache is the caller's StaticCache: the new K and V are written in place at `pos` and each
+layer's `cumulative_length` set to pos+1, so the next transformers forward (a question's prefill)
+continues from a consistent cache.
+
+Families: cag.model.families (FAMILIES): Llama, Mistral, Qwen2, Qwen3 (q/k norms per head), Phi-3 (fused
+q/k/v and gate/up), Granite (multipliers), OLMo-2 (post-norms, q/k norms over the projection). With
+cag's kernels every family's attention, products and glue run natively, its own pieces in torch
+between them; all layers in one native call (cag.runtime.one_call) only for Llama's layer (Family.plain).
+
+`for_model(model)` returns None for anything else (other families or layer structures, hooks, training
+mode), and `why_not(model)` says why; the caller then runs the transformers forward.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import NamedTuple
+
+import torch
+
+from cag.kernels import native
+from cag.model.families import FAMILIES, family, norms, projections, qk_norms, refs, why_not  # noqa: F401 (FAMILIES, why_not: the step's API)
+from cag.model.stacked_products import group_of, product, together
+from cag.runtime import cascade, one_call
+from cag.runtime.rows import Part, Rows, offsets
+from cag.runtime.rows import roles as role_runs
+
+ATTR = "_cag_lean_step"  # where the built step (or the verdict None) is kept on the model
+
+
+class Layer(NamedTuple):
+    """What the step calls and reads in one decoder layer."""
+
+    norm1: torch.Tensor  # input_layernorm weight (hidden,)
+    eps1: float
+    qkv: Callable  # (x, roles) -> q, k, v
+    o: Callable  # (x, roles) -> o_proj(x)
+    scale: float  # attention's 1/sqrt(D)
+    norm2: torch.Tensor  # post_attention_layernorm weight (hidden,)
+    eps2: float
+    gate_up: Callable  # (x, roles) -> gate, up
+    down: Callable  # (x, roles) -> down_proj(x)
+    act: Callable
+    qkv_packed: Callable | None  # (x, roles) -> the stacked q/k/v product (R, (H + 2 H_kv) D) where packed, else None
+    gu_packed: Callable | None  # (x, roles) -> the stacked gate/up product (R, 2 I) where packed, else None
+    qk: Callable | None  # (q, k) -> q, k normed before rope (Family.qk_norm), else None
+
+
+class LeanStep:
+    """Per-model references gathered once; `run` steps the parts of a pass over them."""
+
+    def __init__(self, model):
+        config, inner, fam = model.config, model.model, family(model)
+        self.refs = refs(model)
+        self.dtype = inner.embed_tokens.weight.dtype
+        self.device = inner.embed_tokens.weight.device
+        self.n_kv = config.num_key_value_heads
+        self.rms = _rms_fp32 if self.dtype == torch.float32 else _rms_w32 if fam.norm_weight_fp32 else _rms
+        self.post = fam.post_norms  # OLMo-2: norms on the attention's and the MLP's outputs
+        # Granite: the embedding x embedding_multiplier, each branch x residual_multiplier, logits / logits_scaling
+        self.embed_mult, self.residual, self.logits_div = (
+            (config.embedding_multiplier, config.residual_multiplier, config.logits_scaling) if fam.multipliers else (None,) * 3)
+        self.embed = inner.embed_tokens.weight  # (V, hidden)
+        self.rope = inner.rotary_emb
+        self.table: tuple | None = None  # cos, sin (positions, D) for static rope types (cos_sin)
+        self.final = (inner.norm.weight, inner.norm.variance_epsilon)
+        self.head = getattr(model.lm_head, "decode", model.lm_head.forward)  # one row per request: the packed copy
+        first = inner.layers[0].self_attn
+        self.head_dim, self.rep = first.head_dim, first.num_key_value_groups
+        d = self.head_dim
+        self.widths = (config.num_attention_heads * d, self.n_kv * d, self.n_kv * d)  # q, k, v columns of the q/k/v product
+        self.fns: list[Layer] = []  # per layer; products through the packed weights where there are any (FastLinear.decode)
+        f = product  # bound methods skip Module.__call__: a few µs x 7 x layers
+        packed = True  # every layer's q/k/v and gate/up share packed copies (they take bf16 input)
+        for layer in inner.layers[: config.num_hidden_layers]:
+            a, m = layer.self_attn, layer.mlp
+            (n1, n2), (qkv, gu, act) = norms(layer, fam), projections(layer, fam)
+            inter = m.down_proj.in_features
+            self.fns.append(Layer(
+                n1.weight, n1.variance_epsilon, _together(qkv, self.widths), f(a.o_proj), a.scaling,
+                n2.weight, n2.variance_epsilon, _together(gu, (inter, inter)), f(m.down_proj), act.forward,
+                _shared(qkv), _shared(gu), qk_norms(a, fam, self.rms, d),
+            ))
+            packed = packed and self.fns[-1].qkv_packed is not None and self.fns[-1].gu_packed is not None and one_call.is_silu(act)
+        half = self.head_dim // 2
+        # decode rows over bf16 K/V through cag.kernels.native's kernel (CAG_DECODE_KERNELS resolved to amx or avx512 at load)
+        mode = getattr(model, native.ATTR, "torch")
+        self.kernel = native.attention(mode) if mode != "torch" and native.load() and self.head_dim in native.HEAD_DIMS else None
+        # and with it, for float32 compute over packed products, the glue around them in one call each: RMSNorm
+        # straight to the products' bf16 input, rope of q and k with the K/V write (same bits as the formulas
+        # below), silu(gate) x up rounded to bf16 (its own bits); with int4/bf16 weights, all layers in one call (cag.runtime.one_call)
+        glue = self.kernel and packed and self.dtype == torch.float32
+        self.glue = (torch.ops.cag.rms_bf16, torch.ops.cag.rope_write) if glue else None
+        self.fused = one_call.weights(self, model) if glue and mode == "avx512" and fam.plain else None  # Llama's layer only
+        # rotate_half(x) = cat(-x2, x1) = roll(x, D/2) * sign, sign = (-1)*D/2 ++ (+1)*D/2
+        self.sign = torch.cat([-torch.ones(half), torch.ones(half)]).to(self.device, self.dtype)  # (D,)
+
+    @property
+    def native(self) -> str:
+        """Which of cag's native kernels decode rows run on: "layers" (all layers in one call, cag.runtime.one_call),
+        "glue" (attention, products, norm / rope / silu glue; a family's q/k norms, post-norms and
+        multipliers in torch between them), "attention" (the attention alone) or "none"."""
+        return "layers" if self.fused else "glue" if self.glue else "attention" if self.kernel else "none"
+
+    def cos_sin(self, pos: torch.Tensor, h: torch.Tensor, top: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sign-folded sin (R, D) at positions `pos` (R,), all below `top` (known on the host:
+        nothing is read back from the device), from the model's rope module.
+
+        Static rope types are read from a table the module fills in blocks of 64 positions: cos and
+        sin are vectorized over all but a tail of each call, and the tail is computed another way
+        (last bits differ), so a position's values must not depend on which rows share the call.
+        Dynamic types rescale with the longest position of the call: they are called directly."""
+        if "dynamic" in str(getattr(self.rope, "rope_type", "")):
+            cos, sin = self.rope(h, pos.view(1, -1))
+            return cos[0], sin[0] * self.sign
+        if self.table is None or top > self.table[0].shape[0]:
+            n = -(-top // 1024) * 1024
+            blocks = [self.rope(h, torch.arange(a, a + 64, device=self.device).view(1, -1)) for a in range(0, n, 64)]
+            self.table = (torch.cat([c[0] for c, _ in blocks]), torch.cat([si[0] for _, si in blocks]) * self.sign)
+        return self.table[0][pos], self.table[1][pos]
+
+    def current(self, model) -> bool:
+        """Still the model's modules (identity: modules define no __eq__), dtype and device."""
+        return self.embed.dtype == self.dtype and self.embed.device == self.device and refs(model) == self.refs
+
+    def forward(self, toks: torch.Tensor, prefixes: list, slots: torch.Tensor, starts: torch.Tensor,
+                buffers, all_logits: bool = False) -> torch.Tensor:
+        """m new tokens for each of B requests, in one pass over the weights.
+
+        toks (B, m): request b's tokens, written to suffix positions starts[b] .. starts[b]+m-1 of its
+        slot slots[b] in `buffers` (cag.runtime.slots.Slots) and seen at absolute positions n_b + those, where
+        n_b = prefixes[b].n. Each token attends to all of its request's prefix (shared, read-only, never
+        copied: requests on one Prefix read it once per layer together) and causally to its own suffix.
+        Returns logits (B, V) of each request's last token, or (B, m, V) with all_logits."""
+        return self.run([Part(toks, prefixes, slots, starts)], buffers, all_logits)[0]
+
+    @torch.inference_mode()
+    def run(self, parts: list[Part], buffers, all_logits: bool = False) -> list[torch.Tensor]:
+        """Several parts (e.g. the decode batch and a newly admitted question) in one pass over the
+        weights: their rows share every product's weight reads (decode rows in CAG_WEIGHTS, a
+        question's rows in its copy for questions: parts.roles), alone or not; attention is per part.
+        Returns per part what `forward` returns."""
+        s = self
+        rms, n_kv, rep, d, half = s.rms, s.n_kv, s.rep, s.head_dim, s.head_dim // 2
+        kernel = s.kernel if s.device.type == "cpu" else None
+        rows = [Rows(p, s, r0, buffers.room) for p, r0 in zip(parts, offsets(parts))]
+        fns = s.fns
+        R = rows[-1].r1
+        h = s.embed.index_select(0, torch.cat([p.toks.reshape(-1) for p in parts]).to(s.device))  # (R, hidden)
+        if s.embed_mult is not None:
+            h = h * s.embed_mult
+        post, mult, widths = s.post, s.residual, s.widths
+        cos, sin = s.cos_sin(torch.cat([r.pos for r in rows]), h, max(r.top for r in rows))
+        cos, sin = cos.view(R, 1, d), sin.view(R, 1, d)
+        rows_slot = torch.cat([r.rows_slot for r in rows])  # (R,) where each token's K/V is written
+        rows_pos = torch.cat([r.rows_pos for r in rows])
+        roles = role_runs(parts)
+        up = s.dtype != torch.float32
+        glue, norm = s.glue, rms  # a layer's norms: with the glue, (R, hidden) float32 -> bf16, the products' input
+        if glue:
+            norm, rope_write = glue
+            cos2, sin2 = cos.view(R, d), sin.view(R, d)
+        if glue and one_call.applies(s, rows, roles, kernel):  # all layers in one native call
+            h = one_call.layers(s, rows[0], h, cos2, sin2, buffers, rows_slot, rows_pos)
+            fns = ()
+        for i, (L, K, V) in enumerate(zip(fns, buffers.k, buffers.v)):  # L: the layer's Layer
+            x = h if post else norm(h, L.norm1, L.eps1)
+            if glue:  # roped q (R, H, D); roped k and v written to each row's slot and position
+                qkv = L.qkv_packed(x, roles)
+                if L.qk is not None:  # q and k normed in torch, then the native rope over them
+                    q, k, v = qkv.split(widths, -1)
+                    q, k = L.qk(q, k)
+                    qkv = torch.cat([q.reshape(R, -1), k.reshape(R, -1), v], -1)
+                q = rope_write(qkv, cos2, sin2, K, V, rows_slot, rows_pos, n_kv * rep)
+            else:
+                q, k, v = L.qkv(x, roles)  # (R, H*D), (R, H_kv*D) x 2: views of one product where the weights are stacked
+                if L.qk is not None:
+                    q, k = L.qk(q, k)
+                q, k = q.view(R, n_kv * rep, d), k.view(R, n_kv, d)
+                K[rows_slot, :, rows_pos] = (k * cos + k.roll(half, -1) * sin).to(K.dtype)  # roped K into the request's slot
+                V[rows_slot, :, rows_pos] = v.view(R, n_kv, d).to(V.dtype)
+                q = (q * cos + q.roll(half, -1) * sin).to(q.dtype)  # OLMo-2 ropes in float32 (its cos, sin), then casts
+            o = [cascade.attend(r, q[r.r0 : r.r1], K, V, i, L.scale, up, kernel) for r in rows]
+            o = o[0] if len(o) == 1 else torch.cat(o)
+            y = L.o(o.to(torch.bfloat16) if glue else o, roles)  # with the glue: the products' bf16 input, as they round it
+            if post:
+                y = rms(y, L.norm1, L.eps1)
+            h = h + y if mult is None else h + y * mult
+            x = h if post else norm(h, L.norm2, L.eps2)
+            if glue:  # silu(gate) x up straight to the down product's bf16 input
+                y = L.down(torch.ops.cag.silu_mul_bf16(L.gu_packed(x, roles)), roles)
+            else:
+                g, u = L.gate_up(x, roles)
+                y = L.down(L.act(g) * u, roles)
+            if post:
+                y = rms(y, L.norm2, L.eps2)
+            h = h + y if mult is None else h + y * mult
+        w, e = s.final
+        if all_logits:
+            return [s.logits(rms(h[r.r0 : r.r1].view(r.B, r.m, -1), w, e)) for r in rows]
+        logits = s.logits(rms(torch.cat([h[r.r0 : r.r1].view(r.B, r.m, -1)[:, -1] for r in rows]), w, e))  # one product
+        return list(logits.split([r.B for r in rows]))
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """The LM head over final-normed rows (Granite: divided by its logits_scaling, as its forward does)."""
+        return self.head(x) if self.logits_div is None else self.head(x) / self.logits_div
+
+
+
+def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """LlamaRMSNorm's formula, op for op (float32 inside, weight applied in the compute dtype)."""
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return w * h.to(x.dtype)
+
+
+def _rms_fp32(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """_rms for float32 compute, without its two no-op casts (two calls x 61 norms a token)."""
+    return w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+
+
+def _rms_w32(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """Olmo2RMSNorm's formula: the weight applied in float32, then cast (the same as _rms in float32)."""
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return (w * h).to(x.dtype)
+
+
+def _together(mods: tuple, widths: tuple[int, ...]) -> Callable:
+    """(x, roles) -> the products of a group (q/k/v, gate/up), one tensor per member's columns: stacked
+    members (cag.model.stacked_products), or the family's one fused Linear split into them (Phi-3)."""
+    if len(mods) > 1:
+        return together(*mods)
+    f = product(mods[0])
+    return lambda x, roles=None: f(x, roles).split(widths, -1)
+
+
+def _shared(mods: tuple):
+    """The packed copy a group's product reads: the members' shared one, or a fused Linear's own."""
+    return group_of(*mods) if len(mods) > 1 else one_call.own(mods[0])
+
+
+def for_model(model) -> LeanStep | None:
+    """The lean step for `model`, built once and kept on it; None when it does not apply."""
+    entry = model.__dict__.get(ATTR)
+    if entry is not None:
+        step = entry[0]
+        if step is None or step.current(model):
+            return step
+    step = None if why_not(model) else LeanStep(model)
+    model.__dict__[ATTR] = (step,)  # a tuple: "checked, unsupported" is kept as (None,)
+    return step
