@@ -1,0 +1,183 @@
+"""Decode speed, TTFT, ingest rate and peak memory per model family and size and per weights format,
+each decode rate beside its read bound, measured in one run.
+
+Models are random-weight ones built from transformers configs (the shapes of the families users run,
+at a small size and at 0.5B / 1B / 3B scale) with the embedded model's tokenizer, built once into
+--work. For each (shape, format) a child process of its own (so that its peak memory is its own):
+  * loads the model (CAG_WEIGHTS=format), ingests an essay corpus of about --tokens tokens;
+  * asks --questions questions (32 tokens each, stop tokens ignored by the decode rate's definition:
+    tokens after the first per second): TTFT and decode tok/s, medians;
+  * reports the decode path (`cag info`'s: fast step or transformers forward, kernels), the bytes of
+    the weights a decode step reads in that format, and its peak RSS (VmHWM).
+The read bound of a step: those weight bytes plus the K/V bytes of the prefix, read once at the read
+bandwidth measured here (a float32 sum over 512 MB, best of 5, as bench/bench_decode.py measures it).
+Writes bench/results/models.json and models.md.
+Run: `python -m bench.bench_models [--shapes small,0.5b,1b] [--formats fp32,bf16,int4]`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from .common import essay_corpus, machine, write
+
+# name: (family, hidden, layers, heads, kv heads, intermediate, tied embeddings)
+SHAPES = {
+    "llama": ("llama", 256, 4, 4, 2, 768, True),
+    "mistral": ("mistral", 256, 4, 4, 2, 768, True),
+    "qwen2": ("qwen2", 256, 4, 4, 2, 768, True),
+    "qwen3": ("qwen3", 256, 4, 4, 2, 768, True),
+    "phi3": ("phi3", 256, 4, 4, 2, 768, True),
+    "granite": ("granite", 256, 4, 4, 2, 768, True),
+    "olmo2": ("olmo2", 256, 4, 4, 2, 768, True),
+    "llama-h96": ("llama", 384, 4, 4, 2, 1024, True),
+    "qwen2.5-0.5b": ("qwen2", 896, 24, 14, 2, 4864, True),
+    "llama-3.2-1b": ("llama", 2048, 16, 32, 8, 8192, True),
+    "llama-3.2-3b": ("llama", 3072, 28, 24, 8, 8192, True),
+}
+GROUPS = {"small": ["llama", "mistral", "qwen2", "qwen3", "phi3", "granite", "olmo2", "llama-h96"],
+          "0.5b": ["qwen2.5-0.5b"], "1b": ["llama-3.2-1b"], "3b": ["llama-3.2-3b"]}
+QUESTIONS = ["What did the author work on before college?", "What is the main argument of the essay?",
+             "Which company is mentioned first?", "What advice does the author give to founders?"]
+
+
+def config(shape: str, vocab: int):
+    import transformers
+
+    fam, hidden, layers, heads, kv, inter, tied = SHAPES[shape]
+    c = dict(vocab_size=vocab, hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
+             num_attention_heads=heads, num_key_value_heads=kv, max_position_embeddings=8192,
+             tie_word_embeddings=tied, initializer_range=0.02)
+    d = hidden // heads
+    return {
+        "llama": lambda: transformers.LlamaConfig(**c),
+        "mistral": lambda: transformers.MistralConfig(sliding_window=None, **c),
+        "qwen2": lambda: transformers.Qwen2Config(use_sliding_window=False, **c),
+        "qwen3": lambda: transformers.Qwen3Config(head_dim=d, use_sliding_window=False, **c),
+        "phi3": lambda: transformers.Phi3Config(**c),
+        "granite": lambda: transformers.GraniteConfig(embedding_multiplier=12.0, residual_multiplier=0.22,
+                                                      attention_multiplier=1 / d, logits_scaling=8.0, **c),
+        "olmo2": lambda: transformers.Olmo2Config(**c),
+    }[fam]()
+
+
+def build(shape: str, work: Path) -> Path:
+    """The random model of `shape` as a model folder (built once), with the embedded tokenizer."""
+    out = work / shape
+    if (out / "config.json").exists():
+        return out
+    import torch
+    import transformers
+
+    from cag.config import DEFAULT_MODEL
+    from cag.model.loading import materialize_default
+
+    tok = transformers.AutoTokenizer.from_pretrained(materialize_default(work / "models"))
+    torch.manual_seed(0)
+    cfg = config(shape, len(tok))
+    cfg.bos_token_id, cfg.eos_token_id = tok.bos_token_id, tok.eos_token_id
+    model = transformers.AutoModelForCausalLM.from_config(cfg)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{shape}-", dir=work))
+    model.save_pretrained(tmp)
+    tok.save_pretrained(tmp)
+    os.replace(tmp, out)
+    print(f"built {shape} ({sum(p.numel() for p in model.parameters()) / 1e6:.0f}M parameters, {DEFAULT_MODEL}'s tokenizer)", flush=True)
+    return out
+
+
+def child(folder: str, corpus: str, questions: int) -> dict:
+    """One (model, format) in this process: the figures above, as JSON on stdout."""
+    from cag.config import get_settings
+    from cag.engine import Engine
+    from cag.runtime import describe
+    from cag.runtime.generate import DecodeConfig
+
+    engine = Engine(get_settings())
+    lm = engine.lm
+    r = engine.ingest(corpus)
+    cfg = DecodeConfig(max_tokens=32, min_tokens=32)  # every answer 32 tokens: rates over the same count
+    rows = [engine.ask(r.corpus, q, decoding=cfg) for q in (QUESTIONS * 4)[: questions + 1]][1:]  # the first warms
+    params = sum(p.numel() * p.element_size() for p in lm.model.parameters())
+    step_bytes = lm.packed_bytes or params  # a packed format's decode rows read the packed copy alone
+    kv_bytes = lm.kv_bytes(r.n_tokens, lm.attn_dtype)
+    return {"n_tokens": r.n_tokens, "ingest_tok_s": r.n_tokens / (r.prefill_ms / 1e3), "ttft_ms": statistics.median(a.ttft_ms for a in rows),
+            "decode_tok_s": statistics.median(a.decode_tok_s for a in rows if a.decode_tok_s),
+            "weights_bytes": step_bytes, "model_bytes": params, "kv_bytes": kv_bytes, **describe.decode_path(lm),
+            "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--shapes", default="small,0.5b,1b", help="groups (small, 0.5b, 1b, 3b) or shape names, comma-separated")
+    ap.add_argument("--formats", default="fp32,bf16,int4", help="CAG_WEIGHTS formats (bf16 skipped where the CPU has no bf16 products)")
+    ap.add_argument("--tokens", type=int, default=1000, help="corpus size in tokens")
+    ap.add_argument("--questions", type=int, default=3)
+    ap.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()) / "cag-bench-models", help="built models are kept here")
+    ap.add_argument("--name", default="models", help="results file name under bench/results")
+    ap.add_argument("--child", nargs=3, help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    if a.child:
+        print("RESULT " + json.dumps(child(a.child[0], a.child[1], int(a.child[2]))))
+        return
+
+    from bench.bench_decode import read_bandwidth
+    from cag.model.weights import bf16_packs
+
+    shapes = [s for g in a.shapes.split(",") for s in GROUPS.get(g, [g])]
+    unknown = [s for s in shapes if s not in SHAPES]
+    if unknown:
+        sys.exit(f"unknown shapes {unknown}; use {', '.join([*GROUPS, *SHAPES])}")
+    formats = [f for f in a.formats.split(",") if f != "bf16" or bf16_packs()]
+    a.work.mkdir(parents=True, exist_ok=True)
+    from transformers import AutoTokenizer
+
+    from cag.model.loading import materialize_default
+
+    tok = AutoTokenizer.from_pretrained(materialize_default(a.work / "models"))
+    corpus = essay_corpus(a.work / f"corpus-{a.tokens}", a.tokens, lambda t: len(tok(t).input_ids))
+    bw = read_bandwidth()
+    rows = []
+    for shape in shapes:
+        folder = build(shape, a.work)
+        for fmt in formats:
+            env = {k: v for k, v in os.environ.items() if not k.startswith("CAG_")}
+            env |= {"CAG_MODEL": str(folder), "CAG_WEIGHTS": fmt, "CAG_MODELS_DIR": str(a.work / "models"),
+                    "CAG_HOME": tempfile.mkdtemp(prefix="home-", dir=a.work)}
+            p = subprocess.run([sys.executable, "-m", "bench.bench_models", "--child", str(folder), str(corpus), str(a.questions)],
+                               env=env, capture_output=True, text=True)
+            line = next((x for x in p.stdout.splitlines() if x.startswith("RESULT ")), None)
+            if line is None:
+                print(f"{shape} {fmt}: failed: {(p.stderr.strip().splitlines() or ['?'])[-1]}", flush=True)
+                rows.append({"shape": shape, "weights": fmt, "error": (p.stderr.strip().splitlines() or ["?"])[-1]})
+                continue
+            r = json.loads(line[7:]) | {"shape": shape, "weights": fmt}
+            r["bound_tok_s"] = bw / (r["weights_bytes"] + r["kv_bytes"])
+            rows.append(r)
+            print(f"{shape} {fmt}: {r['decode_tok_s']:.1f} tok/s (bound {r['bound_tok_s']:.0f}), TTFT {r['ttft_ms']:.0f} ms, "
+                  f"peak {r['peak_rss'] / 2**30:.2f} GiB, {r['step']} step, {r['kernels']}", flush=True)
+    table = ["# Models: decode, TTFT and memory per family, size and weights format\n",
+             f"Machine: {machine()}; read bandwidth {bw / 1e9:.1f} GB/s; corpus ~{a.tokens} tokens of essays; "
+             f"{a.questions} questions of 32 tokens each. `python -m bench.bench_models --shapes {a.shapes} --formats {a.formats}`\n",
+             "| shape | weights | path | decode tok/s | read bound tok/s | bound / decode | TTFT ms | peak RSS GiB | model GiB |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if "error" in r:
+            table.append(f"| {r['shape']} | {r['weights']} | failed: {r['error']} | | | | | | |")
+            continue
+        path = f"{r['step']}, {r['kernels']}"
+        table.append(f"| {r['shape']} | {r['weights']} | {path} | {r['decode_tok_s']:.1f} | {r['bound_tok_s']:.0f} | "
+                     f"{r['bound_tok_s'] / r['decode_tok_s']:.1f}x | {r['ttft_ms']:.0f} | {r['peak_rss'] / 2**30:.2f} | {r['model_bytes'] / 2**30:.2f} |")
+    write(a.name, {"machine": machine(), "read_bandwidth": bw, "args": {k: str(v) for k, v in vars(a).items()}, "rows": rows},
+          "\n".join(table) + "\n")
+
+
+if __name__ == "__main__":
+    main()
