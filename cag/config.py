@@ -24,7 +24,7 @@ class Settings(BaseSettings):
     home: Path = Path.home() / ".cag"  # holds index.db, snapshots/, models/
     model: str = Field(DEFAULT_MODEL, min_length=1)  # the embedded default, a model folder, or a hub id
     device: Literal["auto", "cpu", "cuda"] = "auto"  # auto: CUDA when torch sees one
-    # compute dtype of the model (auto: float32 on the CPU, bfloat16 on CUDA)
+    # compute dtype of the model (auto: cag.model.auto_weights.compute_dtype)
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     # format decode multiplies in (cag/model/weights.py); auto: measured at load, bf16 where it beats fp32
     weights: Literal["auto", "fp32", "bf16", "int8", "int4"] = "auto"

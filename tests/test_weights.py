@@ -183,3 +183,29 @@ def test_a_cpu_without_bf16_products_gets_a_clear_error_and_int8_heads(tiny_mode
     with torch.inference_mode():
         ref = torch.nn.functional.linear(x, head.weight)
         assert ((head.decode(x) - ref).abs().max() / ref.abs().max()) < 0.02
+
+
+def test_auto_compute_dtype_is_bf16_only_for_a_bf16_model_on_bf16_hardware(monkeypatch):
+    """CAG_DTYPE=auto: a model whose own weights are bf16 computes in bf16 on a CPU with bf16 dot
+    products (half the memory, nothing lost); a float32 model, or a CPU without them, in float32."""
+    import transformers
+
+    bf16_model, fp32_model = transformers.LlamaConfig(dtype="bfloat16"), transformers.LlamaConfig(dtype="float32")
+    monkeypatch.setattr(auto_weights, "cpu_flags", lambda: {"avx512f", "avx512_bf16"})
+    assert auto_weights.compute_dtype("auto", "cpu", bf16_model) == "bfloat16"
+    assert auto_weights.compute_dtype("auto", "cpu", fp32_model) == "float32"
+    assert auto_weights.compute_dtype("float32", "cpu", bf16_model) == "float32"
+    assert auto_weights.compute_dtype("auto", "cuda", fp32_model) == "bfloat16"
+    monkeypatch.setattr(auto_weights, "cpu_flags", lambda: {"avx2", "fma"})
+    assert auto_weights.compute_dtype("auto", "cpu", bf16_model) == "float32"
+
+
+def test_a_packed_copy_that_is_the_weight_itself_adds_no_bytes():
+    """In bf16 compute, the plain bf16 copy a format keeps (a question's rows under int4 with cag's
+    kernels, bf16's decode rows) is the model's own weight: counted once, not twice."""
+    w = torch.randn(64, 128).to(torch.bfloat16)
+    p = weights.Packed(w, None, "int4")
+    p.packed, p.questions = (torch.zeros(64, 64, dtype=torch.uint8),), w.detach().contiguous()
+    assert p.nbytes == 64 * 64
+    p.questions = w.clone()
+    assert p.nbytes == 64 * 64 + w.nbytes

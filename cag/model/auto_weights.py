@@ -57,6 +57,19 @@ def cpu_flags() -> set[str]:
 BF16_HARDWARE = ("amx_bf16", "avx512_bf16")  # bf16 dot products in hardware: oneDNN's bf16 kernels run natively
 
 
+def compute_dtype(requested: str, device: str, config) -> str:
+    """What CAG_DTYPE `auto` means: bfloat16 on CUDA; on a CPU, bfloat16 where the CPU has bf16 dot
+    products in hardware (BF16_HARDWARE) and the model's own weights are bf16 (its config's dtype:
+    nothing of the model is lost, and its weights take half the memory float32 would), else float32."""
+    if requested != "auto":
+        return requested
+    if device == "cuda":
+        return "bfloat16"
+    own = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    own = str(own).removeprefix("torch.") if own is not None else None
+    return "bfloat16" if own == "bfloat16" and cpu_flags() & set(BF16_HARDWARE) else "float32"
+
+
 def on_4bit_grid(model: torch.nn.Module) -> bool:
     """Every product int4 would pack (all but the LM head) already lies on a 4-bit affine grid per
     group of 32, min and max on its ends, as a GGUF's Q4_1 writes it: int4 then holds these weights

@@ -202,7 +202,7 @@ def resolve_device(device: str) -> str:
 
 def load_model(name: str, models_dir: Path, threads: int = 0, dtype: str = "auto", weights: str = "fp32",
                device: str = "auto", kernels: str = "auto") -> LoadedModel:
-    """dtype: compute dtype (auto: float32 on the CPU, bfloat16 on CUDA); weights: the format decode
+    """dtype: compute dtype (auto: auto_weights.compute_dtype); weights: the format decode
     multiplies in (cag.model.weights; auto measures); device: cpu, cuda or auto; kernels: auto, amx,
     avx512 or torch (cag.kernels.native)."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
@@ -216,15 +216,14 @@ def load_model(name: str, models_dir: Path, threads: int = 0, dtype: str = "auto
     if threads > 0:
         torch.set_num_threads(threads)
     device = resolve_device(device)
-    if dtype == "auto":
-        dtype = "bfloat16" if device == "cuda" else "float32"
-    if dtype not in COMPUTE_DTYPES:
+    if dtype != "auto" and dtype not in COMPUTE_DTYPES:
         raise ModelError(f"unknown compute dtype {dtype!r}; use one of auto, {', '.join(COMPUTE_DTYPES)}")
     path = resolve_model_path(name, models_dir)
     try:
         config = AutoConfig.from_pretrained(path)
     except Exception as e:  # hub unreachable, missing config.json, unknown architecture
         raise ModelError(f"cannot load model {name!r}: {str(e).splitlines()[0]}") from None
+    dtype = auto_weights.compute_dtype(dtype, device, config)
     check_supported(config)
     try:
         tok = AutoTokenizer.from_pretrained(path)

@@ -150,10 +150,16 @@ class Packed:
         self.fmt, self.bias = fmt, bias
         self.out_dtype = w.dtype  # the compute dtype, whatever the input's (the step may hand over bf16 rows)
         self.packed = self.questions = None
+        # a copy "made" in the weight's own dtype and layout is the weight itself (bf16 compute): no bytes of its own
+        self._source = w.untyped_storage().data_ptr()
 
     @property
     def nbytes(self) -> int:
-        return packed_bytes(self.packed) + packed_bytes(self.questions)
+        """Bytes the packed copies add to the model's own weights."""
+        return sum(packed_bytes(c) for c in (self.packed, self.questions) if not self._shares(c))
+
+    def _shares(self, copy) -> bool:
+        return isinstance(copy, torch.Tensor) and copy.untyped_storage().data_ptr() == self._source
 
     def __call__(self, x: torch.Tensor, roles: list[tuple[int, bool]] | None = None) -> torch.Tensor:
         """The packed product of a pass's rows (..., in) -> (..., out). `roles`: (rows, question?) runs
