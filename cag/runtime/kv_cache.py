@@ -87,7 +87,7 @@ def stored(kv: KV, dtype: torch.dtype) -> tuple[KV, list | None]:
     them, with the codes (store.snapshots.Snapshot.codes), which cag.kernels.native's AVX-512 attention reads."""
     if dtype.is_floating_point:
         return [(k.to(dtype), v.to(dtype)) for k, v in kv], None
-    from .store import kv_int8
+    from cag.store import kv_int8
 
     _, codes = kv_int8.quantize_layers(kv)
     return kv_int8.dequantize_layers(codes), codes
