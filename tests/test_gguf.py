@@ -1,12 +1,14 @@
 """GGUF files users bring (cag.model.gguf): tiny random-weight models written here with the `gguf`
 package, in every tensor type cag reads, each read into a model folder and answering (`cag` == `full`);
-a type it does not read, a missing or corrupt file and an architecture it does not serve refused in one
+Llama 3.1+'s rope scaling recovered from llama.cpp's rope_freqs.weight, one no Llama 3 parameters make
+refused; a type it does not read, a missing or corrupt file and an architecture it does not serve refused in one
 line; the folder written once and found again by the file's bytes."""
 
 from __future__ import annotations
 
 import importlib.util
 import json
+import math
 from pathlib import Path
 
 import gguf as gg
@@ -76,10 +78,12 @@ def to_llama_cpp(rows: np.ndarray, heads: int) -> np.ndarray:
     return rows.reshape(heads, 2, rows.shape[0] // heads // 2, *rows.shape[1:]).swapaxes(1, 2).reshape(rows.shape)
 
 
-def write(path: Path, qtype: T, fields: dict, family: str = "llama", seed: int = 0) -> dict[str, torch.Tensor]:
+def write(path: Path, qtype: T, fields: dict, family: str = "llama", seed: int = 0,
+          rope_freqs: np.ndarray | None = None) -> dict[str, torch.Tensor]:
     """A tiny random `family` model (hidden 256, 2 layers, heads of 64; Qwen3's of 128) as a GGUF file,
-    matrices in `qtype`, vectors in F32 (as llama.cpp writes norms and biases); returns the weights a
-    reader must find, dequantized, by transformers name."""
+    matrices in `qtype`, vectors in F32 (as llama.cpp writes norms and biases), and `rope_freqs` as its
+    rope_freqs.weight (Llama 3's rope scaling); returns the weights a reader must find, dequantized, by
+    transformers name."""
     ids = dict(vocab=VOCAB, pad_token_id=2, bos_token_id=1, eos_token_id=2, tie_word_embeddings=True)
     heads = dict(heads=2, kv_heads=1) if family == "qwen3" else {}  # transformers takes Qwen3's head_dim as 128
     model = build("llama" if family == "mistral" else family, hidden=256, init=WEIGHT_SCALE, **heads, **ids)
@@ -107,6 +111,8 @@ def write(path: Path, qtype: T, fields: dict, family: str = "llama", seed: int =
         else:
             w.add_key_value(key, value, types[0])
     rng, expect = np.random.default_rng(seed), {}
+    if rope_freqs is not None:
+        w.add_tensor("rope_freqs.weight", rope_freqs.astype(np.float32))  # (head_dim / 2,), no transformers weight
     for name, p in model.state_dict().items():
         if name == "lm_head.weight":
             continue  # tied: no output.weight in the file
@@ -167,6 +173,96 @@ def test_each_family_is_read_and_answers(tokenizer_fields, small_corpus, tmp_pat
     assert type(eng.lm.model).__name__.lower().startswith("llama" if family == "mistral" else family)
     same_weights(gguf.materialize(path, get_settings().models_dir), expect)
     answers_as_full(eng, small_corpus)
+
+
+# -- Llama 3.1+'s rope scaling ---------------------------------------------------------------------------
+# Tiny-model Llama 3 parameters (heads of 64, rope_theta 10000): wavelengths 2 pi 10000^(i / 32) put
+# frequencies 0-3 below original / high_freq_factor = 16 (factor 1), 4-8 in the blend up to 64, 9-31 scaled
+LLAMA3 = [dict(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=64),
+          dict(factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=64)]
+
+
+def rope_freqs(base: float, dim: int, factor: float, low_freq_factor: float, high_freq_factor: float,
+               original_max_position_embeddings: int) -> np.ndarray:
+    """llama.cpp's converter's rope_freqs.weight for Llama 3 rope scaling, its loop as it writes it:
+    per frequency, the factor dividing it -> (dim / 2,) float32."""
+    freqs = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+    old = original_max_position_embeddings
+    low_wave, high_wave = old / low_freq_factor, old / high_freq_factor
+    out = []
+    for f in freqs.tolist():
+        wave = 2 * math.pi / f
+        if wave < high_wave:
+            out.append(1.0)
+        elif wave > low_wave:
+            out.append(factor)
+        else:
+            smooth = (old / wave - low_freq_factor) / (high_freq_factor - low_freq_factor)
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(out, np.float32)
+
+
+@pytest.mark.parametrize("rope", LLAMA3, ids=["factor8", "factor32"])
+def test_llama3_rope_scaling_is_read_and_answers(tokenizer_fields, small_corpus, tmp_path, monkeypatch, rope):
+    import transformers
+
+    factors = rope_freqs(10000.0, 64, **rope)
+    assert (factors == 1).sum() >= 2 and (factors == rope["factor"]).sum() >= 2 and ((factors > 1) & (factors < rope["factor"])).sum() >= 2
+    path = tmp_path / "tiny-llama3.gguf"
+    expect = write(path, T.Q8_0, tokenizer_fields, rope_freqs=factors)
+    eng = engine(monkeypatch, path)
+    folder = gguf.materialize(path, get_settings().models_dir)
+    same_weights(folder, expect)  # rope_freqs.weight among none of them
+    got = json.loads((folder / "config.json").read_text())["rope_parameters"]
+    assert got == {"rope_type": "llama3", "rope_theta": 10000.0, **rope}
+    c = transformers.LlamaConfig(hidden_size=256, num_attention_heads=4, max_position_embeddings=4096,
+                                 rope_parameters={"rope_type": "llama3", "rope_theta": 10000.0, **rope})
+    direct = transformers.models.llama.modeling_llama.LlamaRotaryEmbedding(c).inv_freq  # (32,)
+    assert torch.equal(eng.lm.model.model.rotary_emb.inv_freq, direct)
+    assert not torch.equal(direct, transformers.models.llama.modeling_llama.LlamaRotaryEmbedding(
+        transformers.LlamaConfig(hidden_size=256, num_attention_heads=4)).inv_freq)  # scaled, not plain
+    answers_as_full(eng, small_corpus)
+
+
+@pytest.mark.parametrize(("base", "dim", "rope"), [
+    (500000.0, 128, dict(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8192)),
+    (500000.0, 64, dict(factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8192)),
+    (10000.0, 64, dict(factor=16.0, low_freq_factor=1.0, high_freq_factor=2.5, original_max_position_embeddings=100)),
+], ids=["llama3.1-8b", "llama3.2-1b", "other"])
+def test_llama3_rope_parameters_are_recovered_from_the_tensor(base, dim, rope):
+    """At Llama 3.1 8B's and 3.2 1B's own head widths and bases, and at parameters of no Llama."""
+    assert gguf.llama3_rope(rope_freqs(base, dim, **rope), base, dim, 131072) == {"rope_type": "llama3", **rope}
+
+
+@pytest.mark.parametrize(("dim", "original", "blended"), [(16, 3000, 1), (8, 1000, 0), (8, 20000, 0)])
+def test_llama3_rope_with_few_blended_frequencies_is_recovered(dim, original, blended):
+    """Heads so narrow (base 500000) that one blended factor, or none, leaves the boundaries open: Llama 3's
+    ratio high_freq_factor / low_freq_factor = 4 closes them, and the tensor is still made exactly."""
+    rope = dict(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=original)
+    factors = rope_freqs(500000.0, dim, **rope)
+    assert ((factors > 1) & (factors < 8)).sum() == blended
+    got = gguf.llama3_rope(factors, 500000.0, dim, 131072)
+    assert got and got["factor"] == 8 and got["low_freq_factor"] == 1 and got["high_freq_factor"] == 4
+    assert rope_freqs(500000.0, dim, **{k: v for k, v in got.items() if k != "rope_type"}).tolist() == factors.tolist()
+
+
+def test_llama3_original_context_from_metadata_is_kept():
+    """Boundaries 64 and 16 are low/high_freq_factor 1/4 of 64 or 2/8 of 128: metadata's context decides."""
+    rope = dict(factor=8.0, low_freq_factor=2.0, high_freq_factor=8.0, original_max_position_embeddings=128)
+    got = gguf.llama3_rope(rope_freqs(10000.0, 64, **rope), 10000.0, 64, 4096, original=128)
+    assert got == {"rope_type": "llama3", **rope}
+    assert gguf.llama3_rope(np.ones(32, np.float32), 10000.0, 64) is None  # all 1: no scaling at all
+
+
+def test_a_rope_freqs_tensor_no_llama3_parameters_make_is_refused(tokenizer_fields, small_corpus, tmp_path):
+    factors = rope_freqs(10000.0, 64, **LLAMA3[0])
+    factors[6] *= 1.01  # one blended factor off the line the others lie on
+    path = tmp_path / "odd-rope.gguf"
+    write(path, T.Q8_0, tokenizer_fields, rope_freqs=factors)
+    _fails(["ingest", str(small_corpus), "--model", str(path)],
+           "GGUF file odd-rope.gguf: its rope scaling (tensor rope_freqs.weight) is not Llama 3's")
+    for odd in (np.linspace(1, 3, 32), np.ones(31), np.full(32, 0.5)):  # no plateaus; a wrong length; below 1
+        assert gguf.llama3_rope(odd.astype(np.float32), 10000.0, 64) is False
 
 
 # -- refused in one line ---------------------------------------------------------------------------------
