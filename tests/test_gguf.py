@@ -303,6 +303,23 @@ def test_an_architecture_not_served_is_refused(tmp_path):
         gguf.check(path)
 
 
+def test_a_phi3_long_rope_file_is_refused_not_read_with_the_wrong_rope(tmp_path):
+    """Phi-3 128k keeps its long-context rope as rope_factors_long/short tensors, which transformers'
+    reader drops: refused in one line rather than answered with the wrong frequencies."""
+    path = tmp_path / "phi3-128k.gguf"
+    w = gg.GGUFWriter(path, "phi3")
+    w.add_tensor("token_embd.weight", np.zeros((4, 32), np.float32))
+    w.add_tensor("rope_factors_long.weight", np.ones(8, np.float32))
+    w.add_tensor("rope_factors_short.weight", np.ones(8, np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(ModelError, match="long-context rope scaling .rope_factors_long.weight, rope_factors_short.weight.") as e:
+        gguf.check(path)
+    assert "\n" not in str(e.value)
+
+
 # -- read once --------------------------------------------------------------------------------------------
 def test_the_folder_is_written_once_and_found_by_the_files_bytes(tokenizer_fields, tmp_path, monkeypatch):
     models = tmp_path / "models"

@@ -109,6 +109,12 @@ def check(path: Path) -> Header:
         if t.tensor_type.name not in TYPES:
             raise ModelError(f"GGUF file {path.name}: tensor {t.name} is {t.tensor_type.name}, "
                              f"a type cag does not read (it reads {', '.join(TYPES)})")
+    # Phi-3 128k / Phi-3.5 keep their long-context rope as these tensors, which transformers' reader
+    # drops without a word: read on, such a model would rotate keys with the wrong frequencies
+    long_rope = [t.name for t in reader.tensors if t.name.startswith(("rope_factors_long", "rope_factors_short"))]
+    if long_rope:
+        raise ModelError(f"GGUF file {path.name}: its long-context rope scaling ({', '.join(long_rope)}) is one cag does not "
+                         "read yet; use the model's Hugging Face folder")
     key_length = reader.fields.get(f"{arch}.attention.key_length")
     head_dim = int(key_length.contents()) if key_length is not None else None
     freqs = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
