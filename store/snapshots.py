@@ -35,19 +35,13 @@ from safetensors.torch import save_file
 from cag.errors import IndexUnusable, StorageFull
 
 from . import kv_int8
+from .stamps import Passed, stamp
 
 # "2": the checksum covers dtype and shape. A version-1 file is refused as an unknown format,
 # and since the version is part of every snapshot key, `cag ingest` rebuilds it.
 FORMAT_VERSION = "2"
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32, "int8": torch.int8}
-# Files whose checksum passed in this process: path -> stamp (device, inode, size, mtime_ns, ctime_ns).
-# Every write to a file moves its ctime, which no call can set back, so a later load (trust=True) of
-# a file with the same stamp reads the bytes that were checked and skips the blake3 pass, most of a
-# cold load (bench/bench_engine.py). File times are coarse (a clock tick), so a file
-# checked within SETTLE_S of its last change is not remembered: a write in the same tick could keep
-# its stamp (git's "racily clean" index entries, same cure).
-_checked: dict[str, tuple] = {}
-SETTLE_S = 0.1
+CHECKSUMS = Passed()  # files whose checksum passed (load's trust=True skips the blake3 pass, most of a cold load)
 
 
 def codec(kv_dtype: str) -> str:
@@ -219,14 +213,6 @@ def read_ids(path: Path) -> list[int]:
         raise SnapshotError(f"snapshot unreadable (truncated or corrupt): {path.name}: {e}") from None
 
 
-def _stamp(path: Path) -> tuple | None:
-    try:
-        st = os.stat(path)
-    except OSError:
-        return None
-    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns
-
-
 def load(path: Path, expect_key: str | None = None, verify: bool = True, dequant: torch.dtype | None = None,
          decode: bool = True, trust: bool = False) -> Snapshot:
     """Load and check a snapshot: format, key, dtypes and shapes against the header, and (by
@@ -235,8 +221,8 @@ def load(path: Path, expect_key: str | None = None, verify: bool = True, dequant
     values are quantized again (a refresh), since q x scale is exact in fp32 and re-quantizes to
     the same bytes. `decode=False` checks everything and leaves int8 tensors as stored (a cache fill).
     `trust=True` skips the checksum of a file this process already checked and that has not changed
-    since (_checked); every other check still runs."""
-    stamp, t0 = _stamp(path), time.time_ns()
+    since (CHECKSUMS); every other check still runs."""
+    seen, t0 = stamp(path), time.time_ns()
     try:
         with safe_open(str(path), framework="pt") as f:
             raw = f.metadata() or {}
@@ -286,12 +272,11 @@ def load(path: Path, expect_key: str | None = None, verify: bool = True, dequant
                 if t is None or t.dtype != torch.float16 or tuple(t.shape) != (*shape[:3], shape[3] // block):
                     raise SnapshotError(f"snapshot {path.name}: layer {i} int8 scales missing or misshapen")
             scales.append(pair)
-    if verify and not (trust and stamp is not None and _checked.get(str(path)) == stamp == _stamp(path)):
-        _checked.pop(str(path), None)
+    if verify and not (trust and CHECKSUMS.holds(path, seen)):
+        CHECKSUMS.forget(path)
         if _checksum(tensors) != meta.get("checksum"):
             raise SnapshotError(f"snapshot {path.name}: checksum mismatch (file was modified or damaged)")
-        if stamp is not None and t0 - max(stamp[3], stamp[4]) > SETTLE_S * 1e9 and _stamp(path) == stamp:
-            _checked[str(path)] = stamp  # unchanged from before the read to after the check
+        CHECKSUMS.remember(path, seen, t0)  # unchanged from before the read to after the check
     codes = None
     if block is not None and decode:  # dequantized once here; the request buffer copy casts to the model's dtype
         dequant = dequant or torch.float16
@@ -301,7 +286,7 @@ def load(path: Path, expect_key: str | None = None, verify: bool = True, dequant
 
 
 def delete(path: Path) -> None:
-    _checked.pop(str(path), None)
+    CHECKSUMS.forget(path)
     path.unlink(missing_ok=True)
 
 

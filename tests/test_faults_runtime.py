@@ -99,3 +99,26 @@ def test_nonfinite_names_the_layer():
     layers[2][0][0, 1, 4, 3] = 1e6
     assert kv_cache.nonfinite(layers) is None and "past what int8" in kv_cache.nonfinite(layers, torch.int8) if 1e6 > 65504 * 127 else True
     assert "past what float16" in kv_cache.nonfinite(layers, torch.float16)
+
+
+def test_the_finite_scan_runs_once_per_unchanged_snapshot_file(tiny_engine, small_corpus, monkeypatch):
+    """Opening a snapshot scans its values for NaN/inf once per unchanged file (as the checksum); a
+    file changed since, even to the same size and times, is scanned again."""
+    import os
+
+    from cag.knowledge import verify
+    from cag.store import stamps
+
+    monkeypatch.setattr(stamps, "SETTLE_S", 0.0)  # the file was written just now; the race is tested in test_snapshots
+    tiny_engine.ingest(str(small_corpus))
+    row = tiny_engine.index.snapshot(tiny_engine.index.corpus("corpus")["current_snapshot"])
+    scans = []
+    real = kv_cache.nonfinite
+    monkeypatch.setattr(kv_cache, "nonfinite", lambda *a, **k: scans.append(1) or real(*a, **k))
+    verify.open_snapshot(tiny_engine, row)
+    verify.open_snapshot(tiny_engine, row)
+    assert len(scans) == 1
+    st = os.stat(row["path"])
+    os.utime(row["path"], ns=(st.st_atime_ns, st.st_mtime_ns))  # times put back: only the ctime moved
+    verify.open_snapshot(tiny_engine, row)
+    assert len(scans) == 2

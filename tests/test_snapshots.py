@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from cag.errors import SnapshotCorrupt
-from cag.store import snapshots
+from cag.store import snapshots, stamps
 
 
 def _kv(n_layers=2, heads=2, n=5, dim=4):
@@ -100,12 +100,12 @@ def test_checksum_once_per_unchanged_file(tmp_path, monkeypatch):
     monkeypatch.setattr(snapshots, "_checksum", lambda t: calls.append(1) or real(t))
     racy, path = tmp_path / "racy.safetensors", tmp_path / "s.safetensors"
     snapshots.save(racy, _kv(), [1, 2, 3, 4, 5], {"key": "k"}, torch.float16)
-    monkeypatch.setattr(snapshots, "SETTLE_S", 60.0)  # everything just written counts as racy
+    monkeypatch.setattr(stamps, "SETTLE_S", 60.0)  # everything just written counts as racy
     calls.clear()  # save computed one
     snapshots.load(racy, trust=True)
     snapshots.load(racy, trust=True)
     assert len(calls) == 2
-    monkeypatch.setattr(snapshots, "SETTLE_S", 0.05)
+    monkeypatch.setattr(stamps, "SETTLE_S", 0.05)
     snapshots.save(path, _kv(), [1, 2, 3, 4, 5], {"key": "k"}, torch.float16)
     time.sleep(0.1)
     calls.clear()

@@ -3,18 +3,20 @@ loaded model before any of its tensors is used."""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 from cag.errors import IndexUnusable, SnapshotCorrupt, StaleRefused, StorageFull
 from cag.runtime import kv_cache
 from cag.store import snapshots as snapfiles
+from cag.store.stamps import Passed, stamp
 
-_finite: dict[str, tuple] = {}  # path -> the file's stamp when its values were found finite
+FINITE = Passed()  # snapshot files whose values were found finite
 
 
 def open_snapshot(engine, row: dict, dequant=None) -> snapfiles.Snapshot:
     """Load a snapshot file and verify it against its index row and the loaded model: header key,
-    checksum (once per unchanged file: snapfiles._checked), model fingerprint, a key recomputed from
+    checksum (once per unchanged file: snapfiles.CHECKSUMS), model fingerprint, a key recomputed from
     its token ids (with the dtype it is stored in: a snapshot of another CAG_KV_DTYPE is sound, only
     stale, see freshness.py), tensor shapes, finite values (ingest refuses to build any other).
     Any failure marks it corrupt (stale for every corpus on it, rebuilt by the next ingest); a
@@ -24,6 +26,7 @@ def open_snapshot(engine, row: dict, dequant=None) -> snapfiles.Snapshot:
         raise StaleRefused(f"snapshot {digest[:12]} was built for another model; run `cag ingest {row['corpus']}`")
     try:
         path = engine.remote.ensure_local(digest, Path(row["path"]))  # a shared store's blob is fetched, verified, when missing
+        seen, t0 = stamp(path), time.time_ns()
         snap = snapfiles.load(path, expect_key=row["key"], dequant=dequant, trust=True)
         if (snap.meta.get("model_fingerprint") != lm.fingerprint
                 or engine.snapshot_key(snap.ids, snap.meta.get("dtype")) != snap.meta["key"]):
@@ -32,11 +35,10 @@ def open_snapshot(engine, row: dict, dequant=None) -> snapfiles.Snapshot:
         if not kv_cache.kv_shape_ok(snap.kv, lm.n_layers, lm.n_kv_heads, lm.head_dim, snap.n_tokens):
             raise snapfiles.SnapshotError(f"snapshot {digest[:12]}: tensor shapes do not fit the model")
         snapfiles.spans_of(snap.meta, f"snapshot {digest[:12]}")  # what a refresh reuses by (a file older than the header checksum)
-        stamp = snapfiles._stamp(path)
-        if _finite.get(str(path)) != stamp or stamp is None:  # once per unchanged file, as the checksum
+        if not FINITE.holds(path, seen):  # once per unchanged file, as the checksum
             if why := kv_cache.nonfinite(snap.kv):  # NaN or inf would reach every answer on it (int8: its scales too)
                 raise snapfiles.SnapshotError(f"snapshot {digest[:12]}: {why}")
-            _finite[str(path)] = stamp
+            FINITE.remember(path, seen, t0)
     except snapfiles.SnapshotError as e:
         try:
             engine.index.set_snapshot_status(digest, "corrupt")
