@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[1]
 FOLDERS = {"cag": "cag", "store": "cag.store", "api": "cag.api", "cli": "cag.cli", "rag": "cag.rag", "compare": "cag.compare"}
 
@@ -147,3 +149,14 @@ def test_only_one_import_name_is_installed():
         assert top.split() == ["cag"]
     out = subprocess.run([sys.executable, "-c", "import api"], capture_output=True, text=True, cwd="/")
     assert out.returncode != 0 and "No module named 'api'" in out.stderr
+
+
+def test_every_room_of_cag_is_packaged():
+    """A non-editable install carries only the packages pyproject lists: every folder of cag/ with an
+    __init__.py is one of them, and the kernels' C++ sources travel as package data."""
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]
+    rooms = {"cag." + p.parent.name for p in (REPO / "cag").glob("*/__init__.py")}
+    assert rooms and rooms <= set(project["packages"])
+    assert {"*.cpp", "*.h"} <= set(project["package-data"]["cag.kernels"])
