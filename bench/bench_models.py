@@ -8,7 +8,8 @@ at a small size and at 0.5B / 1B / 3B scale) with the embedded model's tokenizer
   * asks --questions questions (32 tokens each, stop tokens ignored by the decode rate's definition:
     tokens after the first per second): TTFT and decode tok/s, medians;
   * reports the decode path (`cag info`'s: fast step or transformers forward, kernels), the bytes of
-    the weights a decode step reads in that format, and its peak RSS (VmHWM).
+    the weights a decode step reads in that format, and its peak RSS (VmHWM), against the model's
+    weights as a bf16 checkpoint holds them plus the snapshot's K/V (issue 31's memory target).
 The read bound of a step: those weight bytes plus the K/V bytes of the prefix, read once at the read
 bandwidth measured here (a float32 sum over 512 MB, best of 5, as bench/bench_decode.py measures it).
 Writes bench/results/models.json and models.md.
@@ -20,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import statistics
 import subprocess
 import sys
@@ -49,13 +49,14 @@ QUESTIONS = ["What did the author work on before college?", "What is the main ar
              "Which company is mentioned first?", "What advice does the author give to founders?"]
 
 
-def config(shape: str, vocab: int):
+def config(shape: str, tok):
     import transformers
 
     fam, hidden, layers, heads, kv, inter, tied = SHAPES[shape]
-    c = dict(vocab_size=vocab, hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
+    c = dict(vocab_size=len(tok), hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
              num_attention_heads=heads, num_key_value_heads=kv, max_position_embeddings=8192,
-             tie_word_embeddings=tied, initializer_range=0.02)
+             tie_word_embeddings=tied, initializer_range=0.02, bos_token_id=tok.bos_token_id,
+             eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
     d = hidden // heads
     return {
         "llama": lambda: transformers.LlamaConfig(**c),
@@ -70,8 +71,9 @@ def config(shape: str, vocab: int):
 
 
 def build(shape: str, work: Path) -> Path:
-    """The random model of `shape` as a model folder (built once), with the embedded tokenizer."""
-    out = work / shape
+    """The random model of `shape` as a model folder (built once), with the embedded tokenizer, its
+    weights saved in bf16 as most checkpoints are (CAG_DTYPE=auto computes in bf16 on bf16 hardware)."""
+    out = work / f"{shape}-bf16"
     if (out / "config.json").exists():
         return out
     import torch
@@ -82,9 +84,8 @@ def build(shape: str, work: Path) -> Path:
 
     tok = transformers.AutoTokenizer.from_pretrained(materialize_default(work / "models"))
     torch.manual_seed(0)
-    cfg = config(shape, len(tok))
-    cfg.bos_token_id, cfg.eos_token_id = tok.bos_token_id, tok.eos_token_id
-    model = transformers.AutoModelForCausalLM.from_config(cfg)
+    cfg = config(shape, tok)
+    model = transformers.AutoModelForCausalLM.from_config(cfg).to(torch.bfloat16)
     tmp = Path(tempfile.mkdtemp(prefix=f".{shape}-", dir=work))
     model.save_pretrained(tmp)
     tok.save_pretrained(tmp)
@@ -104,20 +105,29 @@ def child(folder: str, corpus: str, questions: int) -> dict:
     lm = engine.lm
     r = engine.ingest(corpus)
     cfg = DecodeConfig(max_tokens=32, min_tokens=32)  # every answer 32 tokens: rates over the same count
-    rows = [engine.ask(r.corpus, q, decoding=cfg) for q in (QUESTIONS * 4)[: questions + 1]][1:]  # the first warms
+    rows = [engine.ask(r.corpus, q, max_tokens=32, decoding=cfg) for q in (QUESTIONS * 4)[: questions + 1]][1:]  # the first warms
     params = sum(p.numel() * p.element_size() for p in lm.model.parameters())
+    bf16 = sum(p.numel() * 2 for p in lm.model.parameters())  # the model's weights as a bf16 checkpoint holds them
     step_bytes = lm.packed_bytes or params  # a packed format's decode rows read the packed copy alone
     kv_bytes = lm.kv_bytes(r.n_tokens, lm.attn_dtype)
     return {"n_tokens": r.n_tokens, "ingest_tok_s": r.n_tokens / (r.prefill_ms / 1e3), "ttft_ms": statistics.median(a.ttft_ms for a in rows),
             "decode_tok_s": statistics.median(a.decode_tok_s for a in rows if a.decode_tok_s),
-            "weights_bytes": step_bytes, "model_bytes": params, "kv_bytes": kv_bytes, **describe.decode_path(lm),
-            "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+            "weights_bytes": step_bytes, "model_bytes": params, "bf16_bytes": bf16, "dtype": str(lm.dtype).removeprefix("torch."), "kv_bytes": kv_bytes, **describe.decode_path(lm),
+            "peak_rss": peak_rss()}
+
+
+def peak_rss() -> int:
+    """This process's peak resident bytes (VmHWM). Not getrusage's ru_maxrss: Linux carries that over
+    an exec from the forking process, so every child would report at least its parent's peak."""
+    line = next(x for x in Path("/proc/self/status").read_text().splitlines() if x.startswith("VmHWM:"))
+    return int(line.split()[1]) * 1024
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--shapes", default="small,0.5b,1b", help="groups (small, 0.5b, 1b, 3b) or shape names, comma-separated")
     ap.add_argument("--formats", default="fp32,bf16,int4", help="CAG_WEIGHTS formats (bf16 skipped where the CPU has no bf16 products)")
+    ap.add_argument("--dtype", default="auto", help="CAG_DTYPE for every run (auto: bf16 on bf16 hardware, these models being bf16)")
     ap.add_argument("--tokens", type=int, default=1000, help="corpus size in tokens")
     ap.add_argument("--questions", type=int, default=3)
     ap.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()) / "cag-bench-models", help="built models are kept here")
@@ -149,7 +159,7 @@ def main() -> None:
         folder = build(shape, a.work)
         for fmt in formats:
             env = {k: v for k, v in os.environ.items() if not k.startswith("CAG_")}
-            env |= {"CAG_MODEL": str(folder), "CAG_WEIGHTS": fmt, "CAG_MODELS_DIR": str(a.work / "models"),
+            env |= {"CAG_MODEL": str(folder), "CAG_WEIGHTS": fmt, "CAG_DTYPE": a.dtype, "CAG_MODELS_DIR": str(a.work / "models"),
                     "CAG_HOME": tempfile.mkdtemp(prefix="home-", dir=a.work)}
             p = subprocess.run([sys.executable, "-m", "bench.bench_models", "--child", str(folder), str(corpus), str(a.questions)],
                                env=env, capture_output=True, text=True)
@@ -165,16 +175,17 @@ def main() -> None:
                   f"peak {r['peak_rss'] / 2**30:.2f} GiB, {r['step']} step, {r['kernels']}", flush=True)
     table = ["# Models: decode, TTFT and memory per family, size and weights format\n",
              f"Machine: {machine()}; read bandwidth {bw / 1e9:.1f} GB/s; corpus ~{a.tokens} tokens of essays; "
-             f"{a.questions} questions of 32 tokens each. `python -m bench.bench_models --shapes {a.shapes} --formats {a.formats}`\n",
-             "| shape | weights | path | decode tok/s | read bound tok/s | bound / decode | TTFT ms | peak RSS GiB | model GiB |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             f"{a.questions} questions of 32 tokens each. `python -m bench.bench_models --shapes {a.shapes} --formats {a.formats} --dtype {a.dtype}`\n",
+             "| shape | weights | path | decode tok/s | read bound tok/s | bound / decode | TTFT ms | peak RSS GiB | bf16 weights GiB | peak / (bf16 weights + K/V) |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if "error" in r:
-            table.append(f"| {r['shape']} | {r['weights']} | failed: {r['error']} | | | | | | |")
+            table.append(f"| {r['shape']} | {r['weights']} | failed: {r['error']} | | | | | | | |")
             continue
-        path = f"{r['step']}, {r['kernels']}"
+        path = f"{r['dtype']}, {r['step']} step, {r['kernels']}"
         table.append(f"| {r['shape']} | {r['weights']} | {path} | {r['decode_tok_s']:.1f} | {r['bound_tok_s']:.0f} | "
-                     f"{r['bound_tok_s'] / r['decode_tok_s']:.1f}x | {r['ttft_ms']:.0f} | {r['peak_rss'] / 2**30:.2f} | {r['model_bytes'] / 2**30:.2f} |")
+                     f"{r['bound_tok_s'] / r['decode_tok_s']:.1f}x | {r['ttft_ms']:.0f} | {r['peak_rss'] / 2**30:.2f} | {r['bf16_bytes'] / 2**30:.2f} | "
+                     f"{r['peak_rss'] / (r['bf16_bytes'] + r['kv_bytes']):.2f}x |")
     write(a.name, {"machine": machine(), "read_bandwidth": bw, "args": {k: str(v) for k, v in vars(a).items()}, "rows": rows},
           "\n".join(table) + "\n")
 
