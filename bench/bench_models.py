@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -163,6 +164,7 @@ def main() -> None:
                     "CAG_HOME": tempfile.mkdtemp(prefix="home-", dir=a.work)}
             p = subprocess.run([sys.executable, "-m", "bench.bench_models", "--child", str(folder), str(corpus), str(a.questions)],
                                env=env, capture_output=True, text=True)
+            shutil.rmtree(env["CAG_HOME"], ignore_errors=True)  # its index and snapshot
             line = next((x for x in p.stdout.splitlines() if x.startswith("RESULT ")), None)
             if line is None:
                 print(f"{shape} {fmt}: failed: {(p.stderr.strip().splitlines() or ['?'])[-1]}", flush=True)
