@@ -194,6 +194,7 @@ def test_health_names_the_kernels_that_run(tiny_model_dir, monkeypatch):
     from cag.engine import Engine
 
     monkeypatch.setenv("CAG_MODEL", str(tiny_model_dir))
+    monkeypatch.setattr(native, "cpu_why_not", lambda: None)  # a CPU that could run them, whatever this one is
     with TestClient(create_app(engine=Engine(get_settings()))) as c:
         while (r := c.get("/health")).status_code == 503:
             pass
@@ -201,6 +202,18 @@ def test_health_names_the_kernels_that_run(tiny_model_dir, monkeypatch):
         assert body["decode_kernels"] == "torch", body
         assert "bf16 K/V" in body["decode_kernels_reason"] and "heads of 16 in float32" in body["decode_kernels_reason"], body
         assert c.head("/health").status_code == 200
+
+
+def test_a_cpu_that_cannot_run_the_kernels_is_the_reason_given_first(tiny_model_dir, monkeypatch):
+    """On a CPU without AVX512-BF16 no setting brings cag's kernels: /health and `cag info` say that,
+    not which K/V dtype they would need."""
+    from cag.config import get_settings
+    from cag.engine import Engine
+
+    monkeypatch.setenv("CAG_MODEL", str(tiny_model_dir))
+    monkeypatch.setattr(native, "cpu_why_not", lambda: "this CPU lacks avx512f, avx512_bf16")
+    lm = Engine(get_settings()).lm
+    assert (lm.kernels, lm.kernels_why) == ("torch", "cag's kernels cannot run here: this CPU lacks avx512f, avx512_bf16")
 
 
 def test_bench_decode_table_without_fp32():

@@ -248,6 +248,8 @@ def decode_kernels(mode: str, lm: LoadedModel) -> tuple[str, str]:
     also refuses an unknown mode), and why (one line). The attention reads bf16 K/V with heads of 64 or
     128 on the CPU; `amx` or `avx512` where those do not hold is refused."""
     on_cpu = lm.device.type == "cpu"
+    if mode == "auto" and on_cpu and (cpu := native.cpu_why_not()):  # first what no setting changes
+        return "torch", f"cag's kernels cannot run here: {cpu}"
     if mode != "torch" and mode in native.MODES and on_cpu and (lm.attn_dtype != torch.bfloat16 or lm.head_dim not in native.HEAD_DIMS):
         why = " and ".join(need for bad, need in ((lm.head_dim not in native.HEAD_DIMS, "heads of 64 or 128"),
                                                   (lm.attn_dtype != torch.bfloat16, "bf16 K/V (CAG_WEIGHTS bf16, int8 or int4, or CAG_DTYPE=bfloat16)"))
