@@ -11,6 +11,15 @@ from dataclasses import asdict, dataclass, field
 from enum import Enum
 
 
+def human_bytes(n: float) -> str:
+    """A size for an error message or a report: 512 B, 1.5 KB, 2.0 GB."""
+    for unit in ("B", "KB", "MB", "GB"):
+        if n < 1024 or unit == "GB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
 class Mode(str, Enum):
     """How a question reads the knowledge: from the snapshot, the whole corpus re-prefilled, or
     the top-k retrieved passages re-prefilled (the RAG baseline, built above the engine)."""

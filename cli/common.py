@@ -13,7 +13,7 @@ import typer
 
 from cag.config import get_settings
 from cag.errors import CagError
-from cag.knowledge.documents import human_bytes
+from cag.results import human_bytes
 
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON object (for scripts).")]
 StoreOpt = Annotated[str | None, typer.Option("--store", help="Shared snapshot store, s3://bucket/prefix (default: CAG_HOME only). Env: CAG_STORE.")]

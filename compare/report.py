@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from cag.knowledge.documents import human_bytes
+from cag.results import human_bytes
 
 from .plot import render_png
 from .results import Row, label, prefix_range, read_run, ready_sets, set_snapshots, shard_cap, shards_text, sizes_run

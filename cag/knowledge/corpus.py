@@ -11,7 +11,7 @@ from pathlib import Path
 from cag.errors import BadInput, Busy, NotFound, TooLarge
 from cag.hashing import hash_obj
 from cag.knowledge import documents
-from cag.knowledge.documents import human_bytes
+from cag.results import human_bytes
 from cag.store.index import Index
 
 

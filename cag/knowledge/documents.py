@@ -18,6 +18,7 @@ from pathlib import Path
 
 from cag.errors import BadInput, TooLarge
 from cag.hashing import hash_bytes
+from cag.results import human_bytes
 
 TEXT = {".txt", ".md", ".markdown", ".rst"}
 HTML = {".html", ".htm"}
@@ -41,15 +42,6 @@ class Document:
     size: int
     mtime: float
 
-
-
-def human_bytes(n: float) -> str:
-    """A size for an error message or a report: 512 B, 1.5 KB, 2.0 GB."""
-    for unit in ("B", "KB", "MB", "GB"):
-        if n < 1024 or unit == "GB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return str(n)
 
 def scan(root: Path) -> tuple[list[FileEntry], list[str]]:
     """Supported files under root in a stable (sorted) order, and the names of skipped ones (with why,

@@ -19,9 +19,9 @@ from cag.errors import BadInput, ModelError, SnapshotCorrupt, StaleRefused, TooL
 from cag.hashing import short
 from cag.knowledge import documents
 from cag.knowledge.corpus import read_corpus
-from cag.knowledge.documents import human_bytes
 from cag.knowledge.shards import Unit, pack, units_of
 from cag.model.prompt import Prefix, document_text, encode_template, encode_text
+from cag.results import human_bytes
 from cag.runtime import kv_cache
 from cag.store import snapshots as snapfiles
 
