@@ -209,3 +209,43 @@ def test_a_packed_copy_that_is_the_weight_itself_adds_no_bytes():
     assert p.nbytes == 64 * 64
     p.questions = w.clone()
     assert p.nbytes == 64 * 64 + w.nbytes
+
+
+def test_a_bf16_checkpoint_keeps_its_layers_in_bf16_under_packed_formats(tiny_model_dir, small_corpus, tmp_path, monkeypatch):
+    """Computed in float32, a model whose weights are all bf16 values (a bf16 checkpoint) keeps its layers'
+    matrices in bf16 when decode multiplies a packed copy: the knowledge prefill widens them back exactly,
+    so its snapshot is fp32's bit for bit, `cag` == `full`, and the model's own weights take half the bytes."""
+    from pathlib import Path
+
+    import transformers
+
+    from cag.config import get_settings
+    from cag.engine import Engine
+    from cag.store import snapshots
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(p.to(torch.bfloat16).float())  # every value a bf16 value, stored in float32
+    folder = tmp_path / "bf16-exact"
+    model.save_pretrained(folder)
+    transformers.AutoTokenizer.from_pretrained(tiny_model_dir).save_pretrained(folder)
+    monkeypatch.setenv("CAG_MODEL", str(folder))
+    monkeypatch.setenv("CAG_KV_DTYPE", "float32")
+    monkeypatch.setenv("CAG_DECODE_KERNELS", "torch")
+    kv, answers, sizes = {}, {}, {}
+    for fmt in ("fp32", "int8", "int4"):
+        monkeypatch.setenv("CAG_WEIGHTS", fmt)
+        e = Engine(get_settings(home=tmp_path / fmt))
+        e.ingest(str(small_corpus))
+        kv[fmt] = snapshots.load(Path(e.index.snapshot(e.index.corpus("corpus")["current_snapshot"])["path"])).kv
+        answers[fmt] = [e.ask("corpus", q, mode=m, max_tokens=12).token_ids for q in ("Who keeps the lighthouse?",) for m in ("cag", "full")]
+        layer = e.lm.model.model.layers[0]
+        sizes[fmt] = sum(p.nbytes for p in e.lm.model.parameters())
+        if fmt != "fp32":
+            assert layer.self_attn.q_proj.weight.dtype == layer.mlp.down_proj.weight.dtype == torch.bfloat16
+            assert e.lm.model.get_output_embeddings().weight.dtype == torch.float32  # the (tied) head as it is
+    for fmt in ("int8", "int4"):
+        assert all(torch.equal(a, b) for pa, pb in zip(kv["fp32"], kv[fmt]) for a, b in zip(pa, pb)), fmt
+        assert answers[fmt][0] == answers[fmt][1], fmt  # cag == full
+        assert sizes[fmt] < 0.75 * sizes["fp32"], (fmt, sizes)

@@ -46,6 +46,16 @@ def stack(model: torch.nn.Module) -> None:
         object.__setattr__(lins[0], STACK, (w, b))  # a plain attribute: not a parameter, not in state_dict
 
 
+def restack(lins: list[torch.nn.Linear], w: torch.Tensor) -> None:
+    """The group `lins` (stacked by `stack`) made views of `w` (sum of outs, in) instead: the same values
+    held another way (cag.model.weights.narrowed)."""
+    lo = 0
+    for m in lins:
+        m.weight.data = w[lo : lo + m.out_features]
+        lo += m.out_features
+    object.__setattr__(lins[0], STACK, (w, getattr(lins[0], STACK)[1]))
+
+
 def stacked(*mods) -> tuple[torch.Tensor, torch.Tensor | None] | None:
     """(weight, bias) the plain Linears `mods` are views of, in this order, or None (not stacked, or
     their parameters were replaced since, e.g. by .to())."""

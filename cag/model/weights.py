@@ -145,10 +145,12 @@ class Packed:
     One subclass per kernel path; `pack` picks it. `packed` is the decode rows' copy (a tensor, or a
     tuple for the integer formats), `questions` the copy a question's rows use where it is another one."""
 
-    def __init__(self, w: torch.Tensor, bias: torch.Tensor | None, fmt: str):
+    def __init__(self, w: torch.Tensor, bias: torch.Tensor | None, fmt: str, out_dtype: torch.dtype | None = None):
         self.out_features, self.in_features = w.shape
         self.fmt, self.bias = fmt, bias
-        self.out_dtype = w.dtype  # the compute dtype, whatever the input's (the step may hand over bf16 rows)
+        # the compute dtype, whatever the input's (the step may hand over bf16 rows) or the weight's own
+        # storage (a bf16 checkpoint's weight kept in bf16 under float32 compute: `narrowed`)
+        self.out_dtype = out_dtype or w.dtype
         self.packed = self.questions = None
         # a copy "made" in the weight's own dtype and layout is the weight itself (bf16 compute): no bytes of its own
         self._source = w.untyped_storage().data_ptr()
@@ -183,8 +185,8 @@ class NativePacked(Packed):
     plain bf16 copy (int4) or the format's own product (bf16, q8). `plain`: the float32 result is the
     answer as it is (no bias, float32 compute), so cag.runtime.one_call can take the copy."""
 
-    def __init__(self, w: torch.Tensor, bias: torch.Tensor | None, fmt: str):
-        super().__init__(w, bias, fmt)
+    def __init__(self, w: torch.Tensor, bias: torch.Tensor | None, fmt: str, out_dtype: torch.dtype | None = None):
+        super().__init__(w, bias, fmt, out_dtype)
         w = w.detach()
         self.packed = {"int4": pack_int4, "q8": pack_q8, "bf16": lambda w: w.to(torch.bfloat16).contiguous()}[fmt](w)
         self.mm = getattr(torch.ops.cag, NATIVE_MM[fmt])
@@ -209,8 +211,8 @@ class TorchPacked(Packed):
     layout for calls of more than FEW rows); int8 / int4 multiply a question's rows by a bf16 copy in
     the few-rows layout (`questions`)."""
 
-    def __init__(self, w: torch.Tensor, bias: torch.Tensor | None, fmt: str):
-        super().__init__(w, bias, fmt)
+    def __init__(self, w: torch.Tensor, bias: torch.Tensor | None, fmt: str, out_dtype: torch.dtype | None = None):
+        super().__init__(w, bias, fmt, out_dtype)
         w = w.detach()
         self.packed = {"bf16": lambda w: _pack_bf16(w, FEW), "int8": _pack_int8, "int4": _pack_int4}[fmt](w)
         if fmt == "bf16":
@@ -254,15 +256,15 @@ class TorchPackedNativeQuestions(TorchPacked):
         return super()._rows(x2, question)
 
 
-def pack(w: torch.Tensor, bias: torch.Tensor | None, fmt: str, native: bool = False) -> Packed:
+def pack(w: torch.Tensor, bias: torch.Tensor | None, fmt: str, native: bool = False, out_dtype: torch.dtype | None = None) -> Packed:
     """The packed copy of an (out, in) weight for `fmt` on the kernel path this machine has: cag's own
     products where `native` and the shapes allow (the input a multiple of 32, of 64 for int4), else torch's."""
     native = native and w.shape[1] % 32 == 0 and cag_native.load() is not None
     if native and (fmt in ("bf16", "q8") or fmt == "int4" and w.shape[1] % 64 == 0):
-        return NativePacked(w, bias, fmt)
+        return NativePacked(w, bias, fmt, out_dtype)
     if native and fmt in ("int8", "int4"):
-        return TorchPackedNativeQuestions(w, bias, fmt)
-    return TorchPacked(w, bias, fmt)
+        return TorchPackedNativeQuestions(w, bias, fmt, out_dtype)
+    return TorchPacked(w, bias, fmt, out_dtype)
 
 
 def _torch_mm(x2: torch.Tensor, w, fmt: str) -> torch.Tensor:
@@ -282,17 +284,18 @@ class FastLinear(torch.nn.Module):
     output columns, never a column's sum: tests/test_batch.py)."""
 
     def __init__(self, linear: torch.nn.Linear, fmt: str, packs: Packed | None = None, cols: tuple[int, int] | None = None,
-                 native: bool = False):
+                 native: bool = False, out_dtype: torch.dtype | None = None):
         super().__init__()
         self.in_features, self.out_features, self.fmt = linear.in_features, linear.out_features, fmt
         self.weight, self.bias = linear.weight, linear.bias  # the model's own (shared if tied)
-        self.packs = packs or pack(linear.weight, linear.bias, fmt, native)
+        self.packs = packs or pack(linear.weight, linear.bias, fmt, native, out_dtype)
         self.cols = cols
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if getattr(_mode, "decoding", False) and x.numel() == self.in_features:  # one decode row
             return self.decode(x)
-        return F.linear(x, self.weight, self.bias)
+        w = self.weight if self.weight.dtype == x.dtype else self.weight.to(x.dtype)  # a narrowed weight: its exact values
+        return F.linear(x, w, self.bias)
 
     def decode(self, x: torch.Tensor, roles: list[tuple[int, bool]] | None = None) -> torch.Tensor:
         """This module's product for a pass's rows (R, in) -> (R, out) (roles: Packed.__call__). In a
@@ -326,11 +329,15 @@ def apply(model: torch.nn.Module, fmt: str, native: bool = False) -> int:
     stacked_products.stack(model)
     if fmt == "fp32":
         return 0
+    compute = next(model.parameters()).dtype
     packs: dict[int, Packed] = {}
     for parent, names, lins in stacked_products.groups(model):  # one packed copy of each stacked group
         if not all(packable(m, fmt) for m in lins) or (st := stacked_products.stacked(*lins)) is None:
             continue
-        group = pack(*st, fmt, native)  # the stack (sum of outs, in) and its bias
+        w, b = st
+        if (narrow := narrowed(w)) is not w:
+            stacked_products.restack(lins, narrow)
+        group = pack(narrow, b, fmt, native, compute)  # the stack (sum of outs, in) and its bias
         packs[id(group)], lo = group, 0
         for n, m in zip(names, lins):
             setattr(parent, n, FastLinear(m, fmt, group, (lo, lo + m.out_features)))
@@ -340,10 +347,22 @@ def apply(model: torch.nn.Module, fmt: str, native: bool = False) -> int:
     swaps = [(name, m) for name, m in model.named_modules() if isinstance(m, torch.nn.Linear) and packable(m, own(m))]
     for name, lin in swaps:
         parent = model.get_submodule(name.rsplit(".", 1)[0]) if "." in name else model
-        fast = FastLinear(lin, own(lin), native=native)
+        if lin is not head:  # the head is often the token embedding itself: it stays as it is
+            lin.weight.data = narrowed(lin.weight.data)
+        fast = FastLinear(lin, own(lin), native=native, out_dtype=compute)
         setattr(parent, name.rsplit(".", 1)[-1], fast)
         packs[id(fast.packs)] = fast.packs
     return sum(p.nbytes for p in packs.values())
+
+
+def narrowed(w: torch.Tensor) -> torch.Tensor:
+    """A float32 weight whose every value is a bf16 value (a bf16 checkpoint computed in float32) as
+    bf16: the same values in half the memory, which the packed copies are made from and the knowledge
+    prefill widens back, exactly, per product (FastLinear.forward); any other weight as it is."""
+    if w.dtype != torch.float32 or w.device.type != "cpu":
+        return w
+    b = w.to(torch.bfloat16)
+    return b if torch.equal(b.float(), w) else w
 
 
 def _head_format(fmt: str, native: bool = False) -> str:
