@@ -99,9 +99,12 @@ def child(folder: str, corpus: str, questions: int) -> dict:
     """One (model, format) in this process: the figures above, as JSON on stdout."""
     from cag.config import get_settings
     from cag.engine import Engine
+    from cag.model import weights
     from cag.runtime import describe
     from cag.runtime.generate import DecodeConfig
 
+    if os.environ.get("BENCH_WIDE"):  # "<format>+wide": the layers kept in float32 beside the packed copy, as before
+        weights.narrowed = lambda w: w
     engine = Engine(get_settings())
     lm = engine.lm
     r = engine.ingest(corpus)
@@ -114,7 +117,13 @@ def child(folder: str, corpus: str, questions: int) -> dict:
     return {"n_tokens": r.n_tokens, "ingest_tok_s": r.n_tokens / (r.prefill_ms / 1e3), "ttft_ms": statistics.median(a.ttft_ms for a in rows),
             "decode_tok_s": statistics.median(a.decode_tok_s for a in rows if a.decode_tok_s),
             "weights_bytes": step_bytes, "model_bytes": params, "bf16_bytes": bf16, "dtype": str(lm.dtype).removeprefix("torch."), "kv_bytes": kv_bytes, **describe.decode_path(lm),
-            "peak_rss": peak_rss()}
+            "peak_rss": peak_rss(), "rss": rss()}
+
+
+def rss() -> int:
+    """This process's resident bytes now (VmRSS): what serving holds once loading is over."""
+    line = next(x for x in Path("/proc/self/status").read_text().splitlines() if x.startswith("VmRSS:"))
+    return int(line.split()[1]) * 1024
 
 
 def peak_rss() -> int:
@@ -127,7 +136,8 @@ def peak_rss() -> int:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--shapes", default="small,0.5b,1b", help="groups (small, 0.5b, 1b, 3b) or shape names, comma-separated")
-    ap.add_argument("--formats", default="fp32,bf16,int4", help="CAG_WEIGHTS formats (bf16 skipped where the CPU has no bf16 products)")
+    ap.add_argument("--formats", default="fp32,bf16,int4", help="CAG_WEIGHTS formats (bf16 skipped where the CPU has no bf16 products); "
+                    "'int4+wide': int4 with a bf16 checkpoint's layers widened to float32 beside the packed copy (the memory before weights.narrowed)")
     ap.add_argument("--dtype", default="auto", help="CAG_DTYPE for every run (auto: bf16 on bf16 hardware, these models being bf16)")
     ap.add_argument("--tokens", type=int, default=1000, help="corpus size in tokens")
     ap.add_argument("--questions", type=int, default=3)
@@ -146,7 +156,7 @@ def main() -> None:
     unknown = [s for s in shapes if s not in SHAPES]
     if unknown:
         sys.exit(f"unknown shapes {unknown}; use {', '.join([*GROUPS, *SHAPES])}")
-    formats = [f for f in a.formats.split(",") if f != "bf16" or bf16_packs()]
+    formats = [f for f in a.formats.split(",") if f.removesuffix("+wide") != "bf16" or bf16_packs()]
     a.work.mkdir(parents=True, exist_ok=True)
     from transformers import AutoTokenizer
 
@@ -160,8 +170,8 @@ def main() -> None:
         folder = build(shape, a.work)
         for fmt in formats:
             env = {k: v for k, v in os.environ.items() if not k.startswith("CAG_")}
-            env |= {"CAG_MODEL": str(folder), "CAG_WEIGHTS": fmt, "CAG_DTYPE": a.dtype, "CAG_MODELS_DIR": str(a.work / "models"),
-                    "CAG_HOME": tempfile.mkdtemp(prefix="home-", dir=a.work)}
+            env |= {"CAG_MODEL": str(folder), "CAG_WEIGHTS": fmt.removesuffix("+wide"), "CAG_DTYPE": a.dtype, "CAG_MODELS_DIR": str(a.work / "models"),
+                    "CAG_HOME": tempfile.mkdtemp(prefix="home-", dir=a.work)} | ({"BENCH_WIDE": "1"} if fmt.endswith("+wide") else {})
             p = subprocess.run([sys.executable, "-m", "bench.bench_models", "--child", str(folder), str(corpus), str(a.questions)],
                                env=env, capture_output=True, text=True)
             shutil.rmtree(env["CAG_HOME"], ignore_errors=True)  # its index and snapshot
@@ -178,16 +188,16 @@ def main() -> None:
     table = ["# Models: decode, TTFT and memory per family, size and weights format\n",
              f"Machine: {machine()}; read bandwidth {bw / 1e9:.1f} GB/s; corpus ~{a.tokens} tokens of essays; "
              f"{a.questions} questions of 32 tokens each. `python -m bench.bench_models --shapes {a.shapes} --formats {a.formats} --dtype {a.dtype}`\n",
-             "| shape | weights | path | decode tok/s | read bound tok/s | bound / decode | TTFT ms | peak RSS GiB | bf16 weights GiB | peak / (bf16 weights + K/V) |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "| shape | weights | path | decode tok/s | read bound tok/s | bound / decode | TTFT ms | peak RSS GiB | serving RSS GiB | bf16 weights GiB | peak / (bf16 weights + K/V) | serving / (bf16 weights + K/V) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if "error" in r:
-            table.append(f"| {r['shape']} | {r['weights']} | failed: {r['error']} | | | | | | | |")
+            table.append(f"| {r['shape']} | {r['weights']} | failed: {r['error']} | | | | | | | | | |")
             continue
         path = f"{r['dtype']}, {r['step']} step, {r['kernels']}"
         table.append(f"| {r['shape']} | {r['weights']} | {path} | {r['decode_tok_s']:.1f} | {r['bound_tok_s']:.0f} | "
-                     f"{r['bound_tok_s'] / r['decode_tok_s']:.1f}x | {r['ttft_ms']:.0f} | {r['peak_rss'] / 2**30:.2f} | {r['bf16_bytes'] / 2**30:.2f} | "
-                     f"{r['peak_rss'] / (r['bf16_bytes'] + r['kv_bytes']):.2f}x |")
+                     f"{r['bound_tok_s'] / r['decode_tok_s']:.1f}x | {r['ttft_ms']:.0f} | {r['peak_rss'] / 2**30:.2f} | {r['rss'] / 2**30:.2f} | "
+                     f"{r['bf16_bytes'] / 2**30:.2f} | {r['peak_rss'] / (r['bf16_bytes'] + r['kv_bytes']):.2f}x | {r['rss'] / (r['bf16_bytes'] + r['kv_bytes']):.2f}x |")
     write(a.name, {"machine": machine(), "read_bandwidth": bw, "args": {k: str(v) for k, v in vars(a).items()}, "rows": rows},
           "\n".join(table) + "\n")
 
