@@ -28,7 +28,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from .common import essay_corpus, machine, write
+from .common import essay_corpus, family_config, machine, write
 
 # name: (family, hidden, layers, heads, kv heads, intermediate, tied embeddings)
 SHAPES = {
@@ -51,24 +51,12 @@ QUESTIONS = ["What did the author work on before college?", "What is the main ar
 
 
 def config(shape: str, tok):
-    import transformers
-
     fam, hidden, layers, heads, kv, inter, tied = SHAPES[shape]
-    c = dict(vocab_size=len(tok), hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
-             num_attention_heads=heads, num_key_value_heads=kv, max_position_embeddings=8192,
-             tie_word_embeddings=tied, initializer_range=0.02, bos_token_id=tok.bos_token_id,
-             eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
-    d = hidden // heads
-    return {
-        "llama": lambda: transformers.LlamaConfig(**c),
-        "mistral": lambda: transformers.MistralConfig(sliding_window=None, **c),
-        "qwen2": lambda: transformers.Qwen2Config(use_sliding_window=False, **c),
-        "qwen3": lambda: transformers.Qwen3Config(head_dim=d, use_sliding_window=False, **c),
-        "phi3": lambda: transformers.Phi3Config(**c),
-        "granite": lambda: transformers.GraniteConfig(embedding_multiplier=12.0, residual_multiplier=0.22,
-                                                      attention_multiplier=1 / d, logits_scaling=8.0, **c),
-        "olmo2": lambda: transformers.Olmo2Config(**c),
-    }[fam]()
+    granite = dict(embedding_multiplier=12.0, residual_multiplier=0.22, attention_multiplier=heads / hidden, logits_scaling=8.0)
+    return family_config(fam, granite, vocab_size=len(tok), hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
+                         num_attention_heads=heads, num_key_value_heads=kv, max_position_embeddings=8192,
+                         tie_word_embeddings=tied, initializer_range=0.02, bos_token_id=tok.bos_token_id,
+                         eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
 
 
 def build(shape: str, work: Path) -> Path:

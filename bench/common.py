@@ -23,6 +23,23 @@ def machine() -> str:
     return f"{os.cpu_count()} x {cpu}, torch {torch.__version__}, {torch.get_num_threads()} threads"
 
 
+def family_config(family: str, granite: dict, **fields):
+    """A transformers config of `family` (llama, mistral, qwen2, qwen3, phi3, granite, olmo2) with every
+    layer global (no sliding window), Qwen3's head width hidden / heads, `granite` its multipliers."""
+    import transformers
+
+    d = fields["hidden_size"] // fields["num_attention_heads"]
+    return {
+        "llama": lambda: transformers.LlamaConfig(**fields),
+        "mistral": lambda: transformers.MistralConfig(sliding_window=None, **fields),
+        "qwen2": lambda: transformers.Qwen2Config(use_sliding_window=False, **fields),
+        "qwen3": lambda: transformers.Qwen3Config(head_dim=d, use_sliding_window=False, **fields),
+        "phi3": lambda: transformers.Phi3Config(**fields),
+        "granite": lambda: transformers.GraniteConfig(**granite, **fields),
+        "olmo2": lambda: transformers.Olmo2Config(**fields),
+    }[family]()
+
+
 def timed(fn, repeat: int = 3) -> tuple[float, object]:
     """Median wall time (s) over `repeat` runs, and the last result."""
     times, out = [], None

@@ -19,6 +19,7 @@ import pytest
 import torch
 import transformers
 
+from bench.common import family_config
 from cag.config import get_settings
 from cag.engine import Engine
 from cag.kernels import native
@@ -43,18 +44,9 @@ def config(name: str, hidden: int = 64, heads: int = 4, kv_heads: int = 2, vocab
     c = dict(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=2,
              num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=4096,
              initializer_range=init, pad_token_id=0, bos_token_id=1, eos_token_id=2) | extra
-    d = hidden // heads
-    return {
-        "llama": lambda: transformers.LlamaConfig(**c),
-        "mistral": lambda: transformers.MistralConfig(sliding_window=None, **c),
-        "qwen2": lambda: transformers.Qwen2Config(use_sliding_window=False, **c),
-        "qwen3": lambda: transformers.Qwen3Config(head_dim=d, use_sliding_window=False, **c),
-        "phi3": lambda: transformers.Phi3Config(**c),
-        # multipliers far from 1 (Granite-3's are 12, 0.22, 1/128 and 8 at their sizes)
-        "granite": lambda: transformers.GraniteConfig(embedding_multiplier=2.5, residual_multiplier=0.6,
-                                                      attention_multiplier=0.7 / math.sqrt(d), logits_scaling=0.4, **c),
-        "olmo2": lambda: transformers.Olmo2Config(**c),
-    }[name]()
+    # multipliers far from 1 (Granite-3's are 12, 0.22, 1/128 and 8 at their sizes)
+    granite = dict(embedding_multiplier=2.5, residual_multiplier=0.6, attention_multiplier=0.7 / math.sqrt(hidden // heads), logits_scaling=0.4)
+    return family_config(name, granite, **c)
 
 
 def build(name: str, dtype=torch.float32, **kw) -> torch.nn.Module:
