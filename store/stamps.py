@@ -22,6 +22,11 @@ def stamp(path: Path) -> tuple | None:
     return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns
 
 
+def settled(seen: tuple, t0_ns: int) -> bool:
+    """A file at stamp `seen`, read from time `t0_ns` on, was last changed more than SETTLE_S before."""
+    return t0_ns - max(seen[3], seen[4]) > SETTLE_S * 1e9
+
+
 class Passed:
     """The files that passed one check (a checksum, a finite-values scan), by path."""
 
@@ -35,7 +40,7 @@ class Passed:
     def remember(self, path: Path, seen: tuple | None, t0_ns: int) -> None:
         """The check passed over what the file held at stamp `seen`, read from time `t0_ns` on: kept
         if the file is unchanged since and was last changed well before that read."""
-        if seen is not None and t0_ns - max(seen[3], seen[4]) > SETTLE_S * 1e9 and stamp(path) == seen:
+        if seen is not None and settled(seen, t0_ns) and stamp(path) == seen:
             self._ok[str(path)] = seen
         else:
             self.forget(path)

@@ -24,6 +24,7 @@ from cag.engine import Engine
 from cag.errors import ModelError
 from cag.model import gguf
 from cag.model.auto_weights import on_4bit_grid
+from cag.store import stamps
 from tests.test_exactness import QUESTIONS
 from tests.test_families import build
 
@@ -325,7 +326,7 @@ def test_the_folder_is_written_once_and_found_by_the_files_bytes(tokenizer_field
     models = tmp_path / "models"
     path = tmp_path / "a.gguf"
     write(path, T.Q4_0, tokenizer_fields)
-    monkeypatch.setattr(gguf, "SETTLE_S", 0.0)  # written just now, yet remembered (the race is not tested here)
+    monkeypatch.setattr(stamps, "SETTLE_S", 0.0)  # written just now, yet remembered (the race is not tested here)
     folder = gguf.materialize(path, models)
     assert json.loads((models / "gguf" / gguf.DIGESTS).read_text())[str(path)]["digest"].startswith("blake3:")
 

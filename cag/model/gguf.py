@@ -33,6 +33,7 @@ import numpy as np
 import torch
 
 from cag.errors import ModelError
+from cag.store import stamps
 
 log = logging.getLogger(__name__)
 
@@ -44,8 +45,6 @@ TYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "
 # reads as Mistral, which gguf-py's tensor map lacks: refused in one line, by transformers' message).
 ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3")
 DIGESTS = "digests.json"  # path -> {size, mtime_ns, ctime_ns, digest}: what was hashed already
-SETTLE_S = 0.1  # a file changed this recently is hashed but not remembered: a write in the same
-# clock tick could keep its (size, mtime) (git's "racily clean" entries, same cure)
 
 
 class Header(NamedTuple):
@@ -241,6 +240,7 @@ def digest(path: Path, root: Path) -> str:
         raise ModelError(f"model not found: {path} (no such file)") from None
     if not path.is_file():
         raise ModelError(f"model not found: {path} (not a file)")
+    t0 = time.time_ns()
     stamp = {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "ctime_ns": st.st_ctime_ns}
     book = root / DIGESTS
     try:
@@ -253,7 +253,8 @@ def digest(path: Path, root: Path) -> str:
     h = blake3.blake3(max_threads=blake3.blake3.AUTO)
     h.update_mmap(path)
     value = "blake3:" + h.hexdigest()
-    if time.time() - st.st_ctime > SETTLE_S:  # ctime: the last change of any kind
+    if stamps.settled((st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns), t0):  # a file changed
+        # in the same clock tick as this read could keep its stamp: hashed, not remembered (store.stamps)
         known[str(path)] = stamp | {"digest": value}
         root.mkdir(parents=True, exist_ok=True)
         tmp = book.with_name(f".{book.name}.{os.getpid()}.tmp")
