@@ -13,5 +13,8 @@ needs_bf16 = pytest.mark.skipif(not bf16_packs(), reason="CAG_WEIGHTS=bf16 needs
 def formats(*params):
     """parametrize values with every one that names the bf16 weights format marked `needs_bf16`
     (a value, or a tuple holding "bf16")."""
-    return [pytest.param(*(p if isinstance(p, tuple) else (p,)), marks=needs_bf16) if "bf16" in (p if isinstance(p, tuple) else (p,)) else p
-            for p in params]
+    out = []
+    for p in params:
+        values = p if isinstance(p, tuple) else (p,)
+        out.append(pytest.param(*values, marks=needs_bf16) if "bf16" in values else p)
+    return out
