@@ -64,8 +64,9 @@ STATUSES: dict[int, tuple[tuple[str, ...], str]] = {
     429: (("queue_full", "busy"), "Queue full (see Retry-After), or the corpus is being ingested elsewhere (busy)."),
     499: (("client_closed",), "The client disconnected before the answer (logs and metrics only: nobody reads it)."),
     500: (("internal_error",), "A bug: logged with its traceback; the body says no more."),
-    503: (("not_ready", "snapshot_corrupt", "index_unusable"),
-          "The model is still loading or failed to load (not_ready), the corpus's snapshot failed verification "
+    503: (("not_ready", "model_changed", "snapshot_corrupt", "index_unusable"),
+          "The model is still loading or failed to load (not_ready), its weights file was rewritten on disk after "
+          "the server loaded it: restart the server (model_changed), the corpus's snapshot failed verification "
           "or is missing from the shared store, or its ref there is corrupt, and must be rebuilt, e.g. by "
           "POST /v1/corpora/{name}/refresh (snapshot_corrupt), or the index database cannot be used or "
           "written, e.g. read-only (index_unusable)."),

@@ -3,13 +3,15 @@ each decode rate beside its read bound, measured in one run.
 
 Models are random-weight ones built from transformers configs (the shapes of the families users run,
 at a small size and at 0.5B / 1B / 3B scale) with the embedded model's tokenizer, built once into
---work. For each (shape, format) a child process of its own (so that its peak memory is its own):
-  * loads the model (CAG_WEIGHTS=format), ingests an essay corpus of about --tokens tokens;
-  * asks --questions questions (32 tokens each, stop tokens ignored by the decode rate's definition:
-    tokens after the first per second): TTFT and decode tok/s, medians;
-  * reports the decode path (`cag info`'s: fast step or transformers forward, kernels), the bytes of
-    the weights a decode step reads in that format, and its peak RSS (VmHWM), against the model's
-    weights as a bf16 checkpoint holds them plus the snapshot's K/V (issue 31's memory target).
+--work. For each (shape, format) two child processes of their own (so that each peak memory is its own):
+  * `ingest` loads the model (CAG_WEIGHTS=format) and ingests an essay corpus of about --tokens
+    tokens: the ingest rate and its peak RSS;
+  * `serve` loads it again and answers from that snapshot, as a server does: --questions questions
+    (32 tokens each, stop tokens ignored by the decode rate's definition: tokens after the first per
+    second), TTFT and decode tok/s, medians; the decode path (`cag info`'s: fast step or transformers
+    forward, kernels), the bytes of the weights a decode step reads in that format, and its peak RSS
+    (VmHWM), against the model's weights as a bf16 checkpoint holds them plus the snapshot's K/V
+    (issue 31's memory target).
 The read bound of a step: those weight bytes plus the K/V bytes of the prefix, read once at the read
 bandwidth measured here (a float32 sum over 512 MB, best of 5, as bench/bench_decode.py measures it).
 Writes bench/results/models.json and models.md.
@@ -43,9 +45,11 @@ SHAPES = {
     "qwen2.5-0.5b": ("qwen2", 896, 24, 14, 2, 4864, True),
     "llama-3.2-1b": ("llama", 2048, 16, 32, 8, 8192, True),
     "llama-3.2-3b": ("llama", 3072, 28, 24, 8, 8192, True),
+    "llama-3-8b": ("llama", 4096, 32, 32, 8, 14336, False),
 }
 GROUPS = {"small": ["llama", "mistral", "qwen2", "qwen3", "phi3", "granite", "olmo2", "llama-h96"],
-          "0.5b": ["qwen2.5-0.5b"], "1b": ["llama-3.2-1b"], "3b": ["llama-3.2-3b"]}
+          "0.5b": ["qwen2.5-0.5b"], "1b": ["llama-3.2-1b"], "3b": ["llama-3.2-3b"],
+          "8b": ["llama-3-8b"]}
 QUESTIONS = ["What did the author work on before college?", "What is the main argument of the essay?",
              "Which company is mentioned first?", "What advice does the author give to founders?"]
 
@@ -74,7 +78,7 @@ def build(shape: str, work: Path) -> Path:
     tok = transformers.AutoTokenizer.from_pretrained(materialize_default(work / "models"))
     torch.manual_seed(0)
     cfg = config(shape, tok)
-    model = transformers.AutoModelForCausalLM.from_config(cfg).to(torch.bfloat16)
+    model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)  # never float32: 8B of it would not fit
     tmp = Path(tempfile.mkdtemp(prefix=f".{shape}-", dir=work))
     model.save_pretrained(tmp)
     tok.save_pretrained(tmp)
@@ -83,26 +87,28 @@ def build(shape: str, work: Path) -> Path:
     return out
 
 
-def child(folder: str, corpus: str, questions: int) -> dict:
-    """One (model, format) in this process: the figures above, as JSON on stdout."""
+def child(phase: str, corpus: str, questions: int) -> dict:
+    """One (model, format) in this process, as JSON on stdout: `ingest` prefills the corpus (its rate and
+    peak memory); `serve`, a process of its own after it, answers from that snapshot (the figures above)."""
     from cag.config import get_settings
     from cag.engine import Engine
-    from cag.model import weights
     from cag.runtime import describe
     from cag.runtime.generate import DecodeConfig
 
-    if os.environ.get("BENCH_WIDE"):  # "<format>+wide": the layers kept in float32 beside the packed copy, as before
-        weights.narrowed = lambda w: w
     engine = Engine(get_settings())
     lm = engine.lm
-    r = engine.ingest(corpus)
+    if phase == "ingest":
+        r = engine.ingest(corpus)
+        return {"n_tokens": r.n_tokens, "ingest_tok_s": r.n_tokens / (r.prefill_ms / 1e3), "ingest_peak_rss": peak_rss()}
+    name = next(iter(engine.index.corpora()))["name"]
     cfg = DecodeConfig(max_tokens=32, min_tokens=32)  # every answer 32 tokens: rates over the same count
-    rows = [engine.ask(r.corpus, q, max_tokens=32, decoding=cfg) for q in (QUESTIONS * 4)[: questions + 1]][1:]  # the first warms
+    rows = [engine.ask(name, q, max_tokens=32, decoding=cfg) for q in (QUESTIONS * 4)[: questions + 1]][1:]  # the first warms
+    n_tokens = engine.index.snapshot(engine.index.corpus(name)["current_snapshot"])["n_tokens"]
     params = sum(p.numel() * p.element_size() for p in lm.model.parameters())
     bf16 = sum(p.numel() * 2 for p in lm.model.parameters())  # the model's weights as a bf16 checkpoint holds them
     step_bytes = lm.packed_bytes or params  # a packed format's decode rows read the packed copy alone
-    kv_bytes = lm.kv_bytes(r.n_tokens, lm.attn_dtype)
-    return {"n_tokens": r.n_tokens, "ingest_tok_s": r.n_tokens / (r.prefill_ms / 1e3), "ttft_ms": statistics.median(a.ttft_ms for a in rows),
+    kv_bytes = lm.kv_bytes(n_tokens, lm.attn_dtype)
+    return {"ttft_ms": statistics.median(a.ttft_ms for a in rows),
             "decode_tok_s": statistics.median(a.decode_tok_s for a in rows if a.decode_tok_s),
             "weights_bytes": step_bytes, "model_bytes": params, "bf16_bytes": bf16, "dtype": str(lm.dtype).removeprefix("torch."), "kv_bytes": kv_bytes, **describe.decode_path(lm),
             "peak_rss": peak_rss(), "rss": rss()}
@@ -123,9 +129,8 @@ def peak_rss() -> int:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--shapes", default="small,0.5b,1b", help="groups (small, 0.5b, 1b, 3b) or shape names, comma-separated")
-    ap.add_argument("--formats", default="fp32,bf16,int4", help="CAG_WEIGHTS formats (bf16 skipped where the CPU has no bf16 products); "
-                    "'int4+wide': int4 with a bf16 checkpoint's layers widened to float32 beside the packed copy (the memory before weights.narrowed)")
+    ap.add_argument("--shapes", default="small,0.5b,1b", help="groups (small, 0.5b, 1b, 3b, 8b) or shape names, comma-separated")
+    ap.add_argument("--formats", default="fp32,bf16,int4", help="CAG_WEIGHTS formats (bf16 skipped where the CPU has no bf16 products)")
     ap.add_argument("--dtype", default="auto", help="CAG_DTYPE for every run (auto: bf16 on bf16 hardware, these models being bf16)")
     ap.add_argument("--tokens", type=int, default=1000, help="corpus size in tokens")
     ap.add_argument("--questions", type=int, default=3)
@@ -144,7 +149,7 @@ def main() -> None:
     unknown = [s for s in shapes if s not in SHAPES]
     if unknown:
         sys.exit(f"unknown shapes {unknown}; use {', '.join([*GROUPS, *SHAPES])}")
-    formats = [f for f in a.formats.split(",") if f.removesuffix("+wide") != "bf16" or bf16_packs()]
+    formats = [f for f in a.formats.split(",") if f != "bf16" or bf16_packs()]
     a.work.mkdir(parents=True, exist_ok=True)
     from transformers import AutoTokenizer
 
@@ -158,25 +163,30 @@ def main() -> None:
         folder = build(shape, a.work)
         for fmt in formats:
             env = {k: v for k, v in os.environ.items() if not k.startswith("CAG_")}
-            env |= {"CAG_MODEL": str(folder), "CAG_WEIGHTS": fmt.removesuffix("+wide"), "CAG_DTYPE": a.dtype, "CAG_MODELS_DIR": str(a.work / "models"),
-                    "CAG_HOME": tempfile.mkdtemp(prefix="home-", dir=a.work)} | ({"BENCH_WIDE": "1"} if fmt.endswith("+wide") else {})
-            p = subprocess.run([sys.executable, "-m", "bench.bench_models", "--child", str(folder), str(corpus), str(a.questions)],
-                               env=env, capture_output=True, text=True)
+            env |= {"CAG_MODEL": str(folder), "CAG_WEIGHTS": fmt, "CAG_DTYPE": a.dtype, "CAG_MODELS_DIR": str(a.work / "models"),
+                    "CAG_HOME": tempfile.mkdtemp(prefix="home-", dir=a.work)}
+            r, error = {"shape": shape, "weights": fmt}, None
+            for phase in ("ingest", "serve"):
+                p = subprocess.run([sys.executable, "-m", "bench.bench_models", "--child", phase, str(corpus), str(a.questions)],
+                                   env=env, capture_output=True, text=True)
+                line = next((x for x in p.stdout.splitlines() if x.startswith("RESULT ")), None)
+                if line is None:
+                    error = (p.stderr.strip().splitlines() or ["?"])[-1]
+                    break
+                r |= json.loads(line[7:])
             shutil.rmtree(env["CAG_HOME"], ignore_errors=True)  # its index and snapshot
-            line = next((x for x in p.stdout.splitlines() if x.startswith("RESULT ")), None)
-            if line is None:
-                print(f"{shape} {fmt}: failed: {(p.stderr.strip().splitlines() or ['?'])[-1]}", flush=True)
-                rows.append({"shape": shape, "weights": fmt, "error": (p.stderr.strip().splitlines() or ["?"])[-1]})
+            if error:
+                print(f"{shape} {fmt}: failed: {error}", flush=True)
+                rows.append(r | {"error": error})
                 continue
-            r = json.loads(line[7:]) | {"shape": shape, "weights": fmt}
             r["bound_tok_s"] = bw / (r["weights_bytes"] + r["kv_bytes"])
             rows.append(r)
             print(f"{shape} {fmt}: {r['decode_tok_s']:.1f} tok/s (bound {r['bound_tok_s']:.0f}), TTFT {r['ttft_ms']:.0f} ms, "
-                  f"peak {r['peak_rss'] / 2**30:.2f} GiB, {r['step']} step, {r['kernels']}", flush=True)
+                  f"serving peak {r['peak_rss'] / 2**30:.2f} GiB, ingest peak {r['ingest_peak_rss'] / 2**30:.2f} GiB, {r['step']} step, {r['kernels']}", flush=True)
     table = ["# Models: decode, TTFT and memory per family, size and weights format\n",
              f"Machine: {machine()}; read bandwidth {bw / 1e9:.1f} GB/s; corpus ~{a.tokens} tokens of essays; "
              f"{a.questions} questions of 32 tokens each. `python -m bench.bench_models --shapes {a.shapes} --formats {a.formats} --dtype {a.dtype}`\n",
-             "| shape | weights | path | decode tok/s | read bound tok/s | bound / decode | TTFT ms | peak RSS GiB | serving RSS GiB | bf16 weights GiB | peak / (bf16 weights + K/V) | serving / (bf16 weights + K/V) |",
+             "| shape | weights | path | decode tok/s | read bound tok/s | bound / decode | TTFT ms | ingest tok/s | serving peak RSS GiB | ingest peak RSS GiB | bf16 weights GiB | serving peak / (bf16 weights + K/V) |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if "error" in r:
@@ -184,8 +194,8 @@ def main() -> None:
             continue
         path = f"{r['dtype']}, {r['step']} step, {r['kernels']}"
         table.append(f"| {r['shape']} | {r['weights']} | {path} | {r['decode_tok_s']:.1f} | {r['bound_tok_s']:.0f} | "
-                     f"{r['bound_tok_s'] / r['decode_tok_s']:.1f}x | {r['ttft_ms']:.0f} | {r['peak_rss'] / 2**30:.2f} | {r['rss'] / 2**30:.2f} | "
-                     f"{r['bf16_bytes'] / 2**30:.2f} | {r['peak_rss'] / (r['bf16_bytes'] + r['kv_bytes']):.2f}x | {r['rss'] / (r['bf16_bytes'] + r['kv_bytes']):.2f}x |")
+                     f"{r['bound_tok_s'] / r['decode_tok_s']:.1f}x | {r['ttft_ms']:.0f} | {r['ingest_tok_s']:.0f} | {r['peak_rss'] / 2**30:.2f} | "
+                     f"{r['ingest_peak_rss'] / 2**30:.2f} | {r['bf16_bytes'] / 2**30:.2f} | {r['peak_rss'] / (r['bf16_bytes'] + r['kv_bytes']):.2f}x |")
     write(a.name, {"machine": machine(), "read_bandwidth": bw, "args": {k: str(v) for k, v in vars(a).items()}, "rows": rows},
           "\n".join(table) + "\n")
 

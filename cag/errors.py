@@ -60,6 +60,14 @@ class ModelError(CagError):
     code = "model_error"
 
 
+class ModelChanged(ModelError):
+    """The loaded model's weights file changed on disk: weights read from it would no longer be the
+    ones its fingerprint names. 503: the server cannot answer until it is restarted."""
+
+    http_status = 503
+    code = "model_changed"
+
+
 class SnapshotCorrupt(CagError):
     """A snapshot file that fails verification: truncated, tampered with, or built for another key.
     503: the server cannot serve that corpus until it is rebuilt (a refresh job does that)."""

@@ -22,7 +22,7 @@ from cag.config import DEFAULT_MODEL
 from cag.errors import ModelError
 from cag.hashing import hash_obj
 from cag.kernels import native
-from cag.model import gguf, prefill_attention
+from cag.model import file_pages, gguf, prefill_attention
 from cag.store.snapshots import expected_bytes
 
 log = logging.getLogger(__name__)
@@ -142,17 +142,25 @@ def check_supported(config) -> None:
         raise ModelError(f"model not supported: its cache has non-full-attention layers ({what}); cag needs full attention in every layer")
 
 
-def weights_fingerprint(model: torch.nn.Module) -> str:
-    """blake3 over every parameter/buffer (name, shape, dtype, bytes) plus the config.
+def weights_fingerprint(model: torch.nn.Module, compute: torch.dtype | None = None) -> str:
+    """blake3 over every parameter/buffer (name, shape, dtype, bytes) plus the config; a floating
+    tensor narrower than `compute` as `compute` holds it (a bf16 checkpoint computed in float32 has
+    the fingerprint its float32 load has), in blocks of rows.
 
     Hashing tensors (not file names) means a renamed folder keeps its snapshots and a changed
     weight file never serves an old snapshot.
     """
-    h = blake3.blake3(max_threads=blake3.blake3.AUTO)
+    h, maps = blake3.blake3(max_threads=blake3.blake3.AUTO), file_pages.mappings()
     for name, t in sorted(model.state_dict().items()):
-        t = t.detach().contiguous().cpu()
-        h.update(f"{name}|{tuple(t.shape)}|{t.dtype}|".encode())
-        h.update(t.view(torch.uint8).numpy().data if t.numel() else b"")
+        t = t.detach()
+        wide = compute if compute is not None and t.is_floating_point() and t.element_size() < compute.itemsize else None
+        h.update(f"{name}|{tuple(t.shape)}|{wide or t.dtype}|".encode())
+        rows = t.reshape(-1, t.shape[-1]) if t.dim() > 1 and t.numel() else t.reshape(1, -1)
+        step = max(1, (1 << 24) // max(1, rows.shape[1]))  # ~16M values a block: a bounded widened copy
+        for a in range(0, rows.shape[0] if t.numel() else 0, step):
+            b = rows[a : a + step].contiguous().cpu()
+            h.update((b.to(wide) if wide is not None else b).view(torch.uint8).numpy().data)
+        file_pages.release([t], maps)  # hashing touched every page of a file view
     cfg = model.config.to_dict()
     for k in ("_name_or_path", "transformers_version", "dtype", "torch_dtype", "name_or_path"):
         cfg.pop(k, None)
@@ -225,22 +233,36 @@ def load_model(name: str, models_dir: Path, threads: int = 0, dtype: str = "auto
         raise ModelError(f"cannot load model {name!r}: {str(e).splitlines()[0]}") from None
     dtype = auto_weights.compute_dtype(dtype, device, config)
     check_supported(config)
+    compute = COMPUTE_DTYPES[dtype]
+    # On the CPU a narrower checkpoint loads as it is stored: views of its file, read as they are
+    # touched; weights.apply widens what the compute dtype needs, and nothing else
+    stored = checkpoint_dtype(config) if device == "cpu" and compute == torch.float32 else None
     try:
         tok = AutoTokenizer.from_pretrained(path)
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=COMPUTE_DTYPES[dtype])
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=stored or compute)
     except Exception as e:
         raise ModelError(f"cannot load model {name!r}: {str(e).splitlines()[0]}") from None
     model.eval().to(device)
     prefill_attention.install(model)  # GQA without copying K/V per forward; same results, less memory traffic
-    lm = describe(model, tok, name)  # fingerprints the model's own weights, before any packing
+    lm = describe(model, tok, name, compute)  # fingerprints the model's own weights, before any packing
     fmt = auto_weights.choose(model, weights, models_dir)
     if why := wformats.supported(fmt, model):
         raise ModelError(why)
     lm.weights = fmt
     lm.kernels, lm.kernels_why = decode_kernels(kernels, lm)  # before packing: cag's products take their own layout
-    lm.packed_bytes = wformats.apply(model, fmt, native=lm.kernels != "torch")
+    lm.packed_bytes = wformats.apply(model, fmt, native=lm.kernels != "torch", compute=compute)
+    model.config.dtype = compute
+    file_pages.watch(model)  # a prefill refuses to read weights whose file changed since
     setattr(model, native.ATTR, lm.kernels)  # read by cag.runtime.step
     return lm
+
+
+def checkpoint_dtype(config) -> torch.dtype | None:
+    """The dtype a checkpoint's config says its weights are stored in, where it is bf16 or float16
+    (narrower than float32, each value exactly a float32 value), else None."""
+    own = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    own = getattr(torch, str(own).removeprefix("torch."), None) if own is not None else None
+    return own if own in (torch.bfloat16, torch.float16) else None
 
 
 def decode_kernels(mode: str, lm: LoadedModel) -> tuple[str, str]:
@@ -267,8 +289,10 @@ def decode_kernels(mode: str, lm: LoadedModel) -> tuple[str, str]:
     return kernels, f"CAG_DECODE_KERNELS={mode}" + (": cag's kernels run on this CPU" if mode == "auto" else "")
 
 
-def describe(model: torch.nn.Module, tok, name: str) -> LoadedModel:
-    """Wrap a loaded model + tokenizer with the facts cag needs (shapes, context, fingerprints)."""
+def describe(model: torch.nn.Module, tok, name: str, compute: torch.dtype | None = None) -> LoadedModel:
+    """Wrap a loaded model + tokenizer with the facts cag needs (shapes, context, fingerprints);
+    `compute`: the dtype it computes in (None: its own), its weights widened to that where they are
+    narrower (load_model)."""
     check_supported(model.config)
     text = model.config.get_text_config(decoder=True)
     n_heads = text.num_attention_heads
@@ -277,12 +301,12 @@ def describe(model: torch.nn.Module, tok, name: str) -> LoadedModel:
         model=model,
         tokenizer=tok,
         name=name,
-        fingerprint=weights_fingerprint(model),
+        fingerprint=weights_fingerprint(model, compute),
         tokenizer_fingerprint=tokenizer_fingerprint(tok),
         n_layers=text.num_hidden_layers,
         n_kv_heads=getattr(text, "num_key_value_heads", None) or n_heads,
         head_dim=head_dim,
         max_context=getattr(text, "max_position_embeddings", 2048),
-        dtype=model.dtype,
+        dtype=compute or model.dtype,
         stops=frozenset(stop_ids(model, tok)),
     )

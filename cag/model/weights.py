@@ -40,7 +40,7 @@ import torch
 import torch.nn.functional as F
 
 from cag.kernels import native as cag_native
-from cag.model import stacked_products
+from cag.model import file_pages, stacked_products
 
 FORMATS = ("fp32", "bf16", "int8", "int4")
 NATIVE_MM = {"int4": "int4_mm", "q8": "q8_mm", "bf16": "bf16_mm"}  # cag.kernels.native's product per packed format
@@ -159,6 +159,10 @@ class Packed:
     def nbytes(self) -> int:
         """Bytes the packed copies add to the model's own weights."""
         return sum(packed_bytes(c) for c in (self.packed, self.questions) if not self._shares(c))
+
+    def holds_source(self) -> bool:
+        """Whether a copy is the weight it was made from, as it is (bf16 from bf16)."""
+        return any(self._shares(c) for c in (self.packed, self.questions))
 
     def _shares(self, copy) -> bool:
         return isinstance(copy, torch.Tensor) and copy.untyped_storage().data_ptr() == self._source
@@ -322,37 +326,72 @@ def packable(lin: torch.nn.Linear, fmt: str) -> bool:
     return fmt != "int4" or (lin.in_features % GROUP == 0 and lin.out_features % 16 == 0)
 
 
-def apply(model: torch.nn.Module, fmt: str, native: bool = False) -> int:
-    """Stack each group's weights (cag.model.stacked_products), then swap every nn.Linear of `model` for a FastLinear in
-    `fmt` (fp32: none); `native`: decode rows through cag.kernels.native's products where it has them. Returns
-    the bytes the packed copies take."""
-    stacked_products.stack(model)
+def apply(model: torch.nn.Module, fmt: str, native: bool = False, compute: torch.dtype | None = None) -> int:
+    """Widen the model to the `compute` dtype (None: its own) but for the layer matrices a packed copy is
+    made from, then swap every nn.Linear of `model` for a FastLinear in `fmt` (fp32: none) and stack
+    each group left as it is (cag.model.stacked_products); `native`: decode rows through
+    cag.kernels.native's products where it has them. Returns the bytes the packed copies take.
+
+    The model's own layer matrices then serve the knowledge prefill alone: they stay in their
+    checkpoint's dtype (a bf16 checkpoint loaded as bf16, or `narrowed`), which FastLinear.forward
+    widens exactly per product, and where they view the checkpoint file their pages leave the resident
+    set once packed (cag.model.file_pages): a packed format holds its packed copy, not the originals."""
+    compute = compute or next(model.parameters()).dtype
     if fmt == "fp32":
+        _widen(model, compute, set())
+        stacked_products.stack(model)
         return 0
-    compute = next(model.parameters()).dtype
-    packs: dict[int, Packed] = {}
-    for parent, names, lins in stacked_products.groups(model):  # one packed copy of each stacked group
-        if not all(packable(m, fmt) for m in lins) or (st := stacked_products.stacked(*lins)) is None:
-            continue
-        w, b = st
-        if (narrow := narrowed(w)) is not w:
-            stacked_products.restack(lins, narrow)
-        group = pack(narrow, b, fmt, native, compute)  # the stack (sum of outs, in) and its bias
-        packs[id(group)], lo = group, 0
-        for n, m in zip(names, lins):
-            setattr(parent, n, FastLinear(m, fmt, group, (lo, lo + m.out_features)))
-            lo += m.out_features
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     own = lambda m: _head_format(fmt, native and m.in_features % GROUP == 0) if m is head else fmt  # noqa: E731
-    swaps = [(name, m) for name, m in model.named_modules() if isinstance(m, torch.nn.Linear) and packable(m, own(m))]
-    for name, lin in swaps:
+    groups = [g for g in stacked_products.groups(model) if all(packable(m, fmt) for m in g[2])]
+    grouped = {id(m) for _, _, lins in groups for m in lins}
+    singles = [(n, m) for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and id(m) not in grouped and packable(m, own(m))]
+    emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    tied = {id(emb.weight)} if emb is not None else set()  # the token embedding (and a head tied to it): widened
+    keep = {id(m.weight) for _, _, lins in groups for m in lins} | {id(m.weight) for _, m in singles} - tied
+    _widen(model, compute, keep)
+    packs: dict[int, Packed] = {}
+    maps = file_pages.mappings()
+    for parent, names, lins in groups:  # one packed copy of each group, made from its members stacked
+        for m in lins:
+            m.weight.data = narrowed(m.weight.data)
+        w = torch.cat([m.weight.detach() for m in lins])  # (sum of outs, in)
+        b = None if lins[0].bias is None else torch.cat([m.bias.detach() for m in lins])
+        group = pack(w, b, fmt, native, compute)
+        packs[id(group)], lo = group, 0
+        file_pages.release((m.weight for m in lins), maps)
+        # Members the prefill multiplies as they are (in the compute dtype), or whose copy is the stack
+        # itself (bf16 in bf16), become views of the stack, as in the fp32 format: a product's last bits
+        # can depend on where its weight lies, and a snapshot must not depend on the format
+        views = w.dtype == compute or group.holds_source()
+        for n, m in zip(names, lins):
+            if views:
+                m.weight.data = w[lo : lo + m.out_features]
+            setattr(parent, n, FastLinear(m, fmt, group, (lo, lo + m.out_features)))
+            lo += m.out_features
+    for name, lin in singles:
         parent = model.get_submodule(name.rsplit(".", 1)[0]) if "." in name else model
-        if lin is not head:  # the head is often the token embedding itself: it stays as it is
+        if id(lin.weight) not in tied:
             lin.weight.data = narrowed(lin.weight.data)
         fast = FastLinear(lin, own(lin), native=native, out_dtype=compute)
         setattr(parent, name.rsplit(".", 1)[-1], fast)
         packs[id(fast.packs)] = fast.packs
+        if not fast.packs.holds_source():
+            file_pages.release([lin.weight], maps)
+    stacked_products.stack(model)  # groups not packed (int4's odd shapes): one product each, in the compute dtype
     return sum(p.nbytes for p in packs.values())
+
+
+def _widen(model: torch.nn.Module, compute: torch.dtype, keep: set[int]) -> None:
+    """Every floating parameter and buffer narrower than the `compute` dtype and not in `keep` (ids)
+    widened to it (the same values; a wider one, e.g. rope's float32 frequencies under bf16 compute,
+    stays), the pages of a checkpoint-file view it was released as it goes."""
+    maps = file_pages.mappings()
+    for t in [*model.parameters(), *model.buffers()]:
+        if t.is_floating_point() and t.element_size() < compute.itemsize and id(t) not in keep:
+            old = t.data
+            t.data = old.to(compute)
+            file_pages.release([old], maps)
 
 
 def narrowed(w: torch.Tensor) -> torch.Tensor:

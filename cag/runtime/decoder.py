@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from cag.model import file_pages
 from cag.runtime import kv_cache
 from cag.runtime import step as lean
 from cag.runtime.cuda_graphs import Graphs
@@ -108,6 +109,7 @@ class Decoder:
     def run(self, req: Request) -> Request:
         """Answer `req`; blocks until it is done. Raises its error (kv_cache.Cancelled when it was stopped
         before its question was prefilled)."""
+        file_pages.check(self.lm.model)  # weights read from their file must still be the file's
         if self.step is None:
             self._alone(req)
         else:

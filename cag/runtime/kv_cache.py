@@ -17,6 +17,8 @@ from collections.abc import Callable, Sequence
 import torch
 from transformers import StaticCache
 
+from cag.model import file_pages
+
 
 class Cancelled(Exception):
     """The caller asked to stop (client gone, timeout)."""
@@ -43,6 +45,7 @@ def prefill(
     `should_stop` is checked between chunks (a client that went away stops a long prefill)."""
     if start + len(ids) > max_len(cache):
         raise ValueError(f"prefill past the cache: {start}+{len(ids)} > {max_len(cache)}")
+    file_pages.check(model)  # its own weights may be views of their file: refuse them changed
     set_length(cache, start)
     device = next(model.parameters()).device
     logits = None
@@ -145,6 +148,7 @@ def answer_logprobs(model, cache: StaticCache, suffix: Sequence[int], answer: Se
         return []
     ids = list(suffix) + list(answer[:-1])
     device = next(model.parameters()).device
+    file_pages.check(model)
     set_length(cache, start)
     pos = torch.arange(start, start + len(ids), device=device)  # (T,)
     logits = model(input_ids=torch.tensor([ids], device=device), past_key_values=cache, cache_position=pos,
