@@ -72,9 +72,9 @@ def compute_dtype(requested: str, device: str, config) -> str:
 
 def on_4bit_grid(model: torch.nn.Module) -> bool:
     """Every product int4 would pack (all but the LM head) already lies on a 4-bit affine grid per
-    group of 32, min and max on its ends, as a GGUF's Q4_1 writes it: int4 then holds these weights
-    as they are (up to bf16 rounding of each group's scale and zero), and loses nothing the model
-    had not lost already. Any other model fails at its first matrix; SmolLM2 takes well under 0.1 s."""
+    group of 32 (weights.grid4: min and max on its ends, as a GGUF's Q4_1 writes it, or Q4_0's
+    d * (q - 8)): int4 then holds these weights as they are (cag's kernels exactly; torch's up to
+    bf16 rounding of each group's scale and zero), and loses nothing the model had not lost already. Any other model fails at its first matrix; SmolLM2 takes well under 0.1 s."""
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     lins = [m for m in model.modules() if isinstance(m, torch.nn.Linear) and m is not head]
     with torch.no_grad():
@@ -84,7 +84,7 @@ def on_4bit_grid(model: torch.nn.Module) -> bool:
             # a matrix is stored in one quantization type: its first rows tell (all of them: seconds)
             g = m.weight.detach()[:16].float().reshape(-1, m.in_features // GROUP, GROUP)  # (16, in/32, 32)
             lo, step = grid4(g)
-            if ((torch.round((g - lo) / step) * step + lo - g).abs() > 1e-3 * step).any():
+            if ((torch.round((g - lo) / step) * step + lo - g).abs() > 1e-3 * step.abs()).any():
                 return False
     return bool(lins)
 

@@ -99,10 +99,17 @@ def _pack_int8(w: torch.Tensor):
 
 
 def grid4(g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each group's 4-bit affine grid, its min and max on the ends (as GGUF Q4_1 writes it):
-    groups (..., 32) -> lo, step (..., 1); the points are lo + q * step, q = 0..15."""
+    """Each group's 4-bit affine grid: groups (..., 32) -> lo, step (..., 1), the points lo + q * step,
+    q = 0..15. Where a group lies exactly on GGUF Q4_0's grid (d * (q - 8), its value of largest
+    magnitude at q = 0: lo = that value = -8 d, step = d, negative where that value is positive), that
+    grid, which holds it exactly (lo and step are the file's d times a power of two); else the grid
+    from the group's min to its max (as GGUF Q4_1 writes it)."""
     lo, hi = g.amin(-1, keepdim=True), g.amax(-1, keepdim=True)
-    return lo, ((hi - lo) / 15).clamp(min=1e-12)
+    big = torch.where(hi.abs() > lo.abs(), hi, lo)  # (..., 1)
+    d = -big / 8
+    q = torch.round((g - big) / torch.where(d == 0, 1.0, d))
+    q4_0 = (d != 0) & ((q >= 0) & (q <= 15) & (big + q * d == g)).all(-1, keepdim=True)
+    return torch.where(q4_0, big, lo), torch.where(q4_0, d, ((hi - lo) / 15).clamp(min=1e-12))
 
 
 def pack_int4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -112,7 +119,8 @@ def pack_int4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     out_f, in_f = w.shape
     g = w.detach().float().reshape(out_f, in_f // GROUP, GROUP)  # (out, in/32, 32)
     lo, step = grid4(g)
-    d, m = step.clamp(min=2 ** -24).half(), lo.half()  # (out, in/32, 1) each; 2^-24: float16's least step
+    d = torch.where(step.abs() < 2 ** -24, 2 ** -24, step).half()  # (out, in/32, 1); 2^-24: float16's least step
+    m = lo.half()  # (out, in/32, 1)
     q = torch.round((g - m.float()) / d.float()).clamp(0, 15).to(torch.uint8)  # (out, in/32, 32)
     qw = (q[..., :16] | (q[..., 16:] << 4)).reshape(out_f, in_f // 2).contiguous()
     return qw, torch.stack([d[..., 0], m[..., 0]], 1).contiguous()
