@@ -131,6 +131,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--shapes", default="small,0.5b,1b", help="groups (small, 0.5b, 1b, 3b, 8b) or shape names, comma-separated")
     ap.add_argument("--formats", default="fp32,bf16,int4", help="CAG_WEIGHTS formats (bf16 skipped where the CPU has no bf16 products)")
+    ap.add_argument("--kernels", default="auto", help="CAG_DECODE_KERNELS values, comma-separated: each format runs under each (side by side)")
     ap.add_argument("--dtype", default="auto", help="CAG_DTYPE for every run (auto: bf16 on bf16 hardware, these models being bf16)")
     ap.add_argument("--tokens", type=int, default=1000, help="corpus size in tokens")
     ap.add_argument("--questions", type=int, default=3)
@@ -161,10 +162,10 @@ def main() -> None:
     rows = []
     for shape in shapes:
         folder = build(shape, a.work)
-        for fmt in formats:
+        for fmt, kernels in [(f, k) for f in formats for k in a.kernels.split(",")]:
             env = {k: v for k, v in os.environ.items() if not k.startswith("CAG_")}
             env |= {"CAG_MODEL": str(folder), "CAG_WEIGHTS": fmt, "CAG_DTYPE": a.dtype, "CAG_MODELS_DIR": str(a.work / "models"),
-                    "CAG_HOME": tempfile.mkdtemp(prefix="home-", dir=a.work)}
+                    "CAG_DECODE_KERNELS": kernels, "CAG_HOME": tempfile.mkdtemp(prefix="home-", dir=a.work)}
             r, error = {"shape": shape, "weights": fmt}, None
             for phase in ("ingest", "serve"):
                 p = subprocess.run([sys.executable, "-m", "bench.bench_models", "--child", phase, str(corpus), str(a.questions)],
@@ -185,7 +186,7 @@ def main() -> None:
                   f"serving peak {r['peak_rss'] / 2**30:.2f} GiB, ingest peak {r['ingest_peak_rss'] / 2**30:.2f} GiB, {r['step']} step, {r['kernels']}", flush=True)
     table = ["# Models: decode, TTFT and memory per family, size and weights format\n",
              f"Machine: {machine()}; read bandwidth {bw / 1e9:.1f} GB/s; corpus ~{a.tokens} tokens of essays; "
-             f"{a.questions} questions of 32 tokens each. `python -m bench.bench_models --shapes {a.shapes} --formats {a.formats} --dtype {a.dtype}`\n",
+             f"{a.questions} questions of 32 tokens each. `python -m bench.bench_models --shapes {a.shapes} --formats {a.formats} --kernels {a.kernels} --dtype {a.dtype}`\n",
              "| shape | weights | path | decode tok/s | read bound tok/s | bound / decode | TTFT ms | ingest tok/s | serving peak RSS GiB | ingest peak RSS GiB | bf16 weights GiB | serving peak / (bf16 weights + K/V) |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:

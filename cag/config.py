@@ -31,7 +31,7 @@ class Settings(BaseSettings):
     # the kernels decode rows run on (cag/kernels/native.py, built once per machine): amx / avx512 = cag's own
     # (attention on AMX tiles / by AVX512-BF16 dot products; int4 and bf16 products; fused norm and
     # rope), torch = torch's; auto: avx512 where it can run over bf16 K/V (faster than amx on AMX CPUs), else torch
-    decode_kernels: Literal["auto", "amx", "avx512", "torch"] = "auto"
+    decode_kernels: Literal["auto", "amx", "avx512", "avx2", "torch"] = "auto"
     # storage dtype of snapshot tensors; auto: bfloat16 where decode attends in bf16 (no conversion at
     # load), else float16; int8: quantized blocks with one fp16 scale each (store/kv_int8.py)
     kv_dtype: Literal["auto", "float16", "bfloat16", "float32", "int8"] = "auto"

@@ -211,9 +211,33 @@ def test_a_cpu_that_cannot_run_the_kernels_is_the_reason_given_first(tiny_model_
     from cag.engine import Engine
 
     monkeypatch.setenv("CAG_MODEL", str(tiny_model_dir))
+    monkeypatch.setenv("CAG_WEIGHTS", "fp32")  # the AVX2 products are int4's
     monkeypatch.setattr(native, "cpu_why_not", lambda: "this CPU lacks avx512f, avx512_bf16")
     lm = Engine(get_settings()).lm
     assert (lm.kernels, lm.kernels_why) == ("torch", "cag's kernels cannot run here: this CPU lacks avx512f, avx512_bf16")
+    monkeypatch.setenv("CAG_WEIGHTS", "int4")
+    monkeypatch.setattr(native, "_avx2", {"why": "this CPU lacks avx2"})  # nor the AVX2 products
+    lm = Engine(get_settings()).lm
+    assert (lm.kernels, lm.kernels_why) == ("torch", "cag's kernels cannot run here: this CPU lacks avx512f, avx512_bf16")
+
+
+def test_a_cpu_below_the_avx512_floor_with_avx2_gets_the_avx2_products_for_int4(tiny_model_dir, monkeypatch):
+    from cag.config import get_settings
+    from cag.engine import Engine
+    from cag.errors import ModelError
+
+    if why := native.avx2_why_not():
+        pytest.skip(f"cag's AVX2 products cannot run here: {why}")
+    monkeypatch.setenv("CAG_MODEL", str(tiny_model_dir))
+    monkeypatch.setenv("CAG_WEIGHTS", "int4")
+    monkeypatch.setattr(native, "cpu_why_not", lambda: "this CPU lacks avx512f, avx512_bf16")
+    lm = Engine(get_settings()).lm
+    assert (lm.kernels, lm.kernels_why) == (
+        "avx2", "cag's AVX2 products run on this CPU (its attention and layer kernels need AVX512-BF16: this CPU lacks avx512f, avx512_bf16)")
+    monkeypatch.setenv("CAG_WEIGHTS", "fp32")
+    monkeypatch.setenv("CAG_DECODE_KERNELS", "avx2")
+    with pytest.raises(ModelError, match="CAG_DECODE_KERNELS=avx2 multiplies int4 weights; with CAG_WEIGHTS=fp32 use auto or torch"):
+        _ = Engine(get_settings()).lm
 
 
 def test_bench_decode_table_without_fp32():

@@ -20,11 +20,15 @@ owns is refused (torch's kernels, with a warning). The floor is a Linux x86-64 C
 (Intel Cooper Lake / Sapphire Rapids and later, AMD Zen 4 and later); the AMX attention is compiled
 in where the CPU has AMX.
 
+A CPU below that floor with AVX2, FMA and F16C gets cag's int4 and q8 products alone, from a library
+of their own (avx2_products.cpp, built and trusted the same way: `load_avx2`, torch.ops.cag_avx2.*).
+
 CAG_DECODE_KERNELS picks them: `auto` = avx512 where the library builds (on AMX CPUs too: its
-attention decodes faster than the AMX one there, bench/bench_decode.py), else torch's kernels (with one warning, naming why,
+attention decodes faster than the AMX one there, bench/bench_decode.py), avx2 below its floor where
+the AVX2 products build, else torch's kernels (with one warning, naming why,
 on a CPU that could run them: no compiler, a failed build, an unsafe cache folder; `/health` says
-which kernels run and why: `summary`); `amx` and
-`avx512` refuse to start where they cannot run, with the reason; `torch` never uses them. Kernels
+which kernels run and why: `summary`); `amx`,
+`avx512` and `avx2` refuse to start where they cannot run, with the reason; `torch` never uses them. Kernels
 give different last bits, so `cag` == `full` holds within one setting (both use the same), as across
 CAG_WEIGHTS formats; snapshots (prefill) never depend on it.
 """
@@ -51,13 +55,16 @@ log = logging.getLogger(__name__)
 SOURCES = tuple(Path(__file__).parent / f for f in ("decode_attention.cpp", "int8_attention.cpp", "products.cpp",
                                                                  "layer.cpp"))
 HEADERS = (Path(__file__).parent / "kernels.h",)
-MODES = ("auto", "amx", "avx512", "torch")
-ATTR = "cag_decode_kernels"  # on a loaded model: what CAG_DECODE_KERNELS resolved to ("amx", "avx512" or "torch")
+MODES = ("auto", "amx", "avx512", "avx2", "torch")
+ATTR = "cag_decode_kernels"  # on a loaded model: what CAG_DECODE_KERNELS resolved to ("amx", "avx512", "avx2" or "torch")
+AVX2_SOURCES = (Path(__file__).parent / "avx2_products.cpp",)  # a library of its own: int4 and q8 products alone
+AVX2_FLAGS = ("avx2", "fma", "f16c")
 HEAD_DIMS = (64, 128)  # the head widths the attention kernel takes
 FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512_vnni")  # the library's floor (every CPU with bf16 has VNNI)
 TILES = ("amx_tile", "amx_bf16")  # and the AMX attention's
 _lock = threading.Lock()
 _state: dict = {}  # "fn": the loaded op, or "why": why it cannot run here (once per process)
+_avx2: dict = {}  # "ok": the AVX2 products are loaded, or "why" not
 
 
 def _cpu_flags() -> set[str]:
@@ -95,8 +102,18 @@ def cpu_why_not() -> str | None:
 
 def why_not() -> str | None:
     """None where the library can be built here, else why not (one line)."""
-    if why := cpu_why_not():
-        return why
+    return cpu_why_not() or _compiler_why_not()
+
+
+def avx2_why_not() -> str | None:
+    """None where the AVX2 products can be built here, else why not (one line)."""
+    if platform.system() != "Linux" or platform.machine() not in ("x86_64", "AMD64"):
+        return f"it needs Linux on x86-64 (this is {platform.system()} on {platform.machine()})"
+    missing = [f for f in AVX2_FLAGS if f not in _cpu_flags()]
+    return ("this CPU lacks " + ", ".join(missing)) if missing else _compiler_why_not()
+
+
+def _compiler_why_not() -> str | None:
     cxx = _compiler()
     if cxx is None:
         return "no C++ compiler found (install g++, or set CXX)"
@@ -105,20 +122,20 @@ def why_not() -> str | None:
     return None
 
 
-def _build() -> tuple[Path, int]:
-    """The library for this machine and a descriptor on it, verified (`verify`); built first when it
-    is missing or not trusted."""
+def _build(sources: tuple[Path, ...] = SOURCES + HEADERS, stem: str = "cag_kernels") -> tuple[Path, int]:
+    """The library of `sources` (.cpp compiled, .h only keyed) for this machine and a descriptor on it,
+    verified (`verify`); built first when it is missing or not trusted."""
     from torch.utils.cpp_extension import include_paths
 
     cxx, lib = _compiler(), Path(torch.__file__).parent / "lib"
     flags = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c++17", "-ffp-contract=off",
              f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"]
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=30).stdout
-    key = hashlib.sha256("\n".join([*(f.read_text() for f in SOURCES + HEADERS), torch.__version__, cxx, version, " ".join(flags),
+    key = hashlib.sha256("\n".join([*(f.read_text() for f in sources), torch.__version__, cxx, version, " ".join(flags),
                                     " ".join(sorted(_cpu_flags()))]).encode()).hexdigest()[:16]
     folder = cache_dir()
     exposed = private_folder(folder)
-    out = folder / f"cag_kernels-{key}.so"
+    out = folder / f"{stem}-{key}.so"
     lock = os.open(folder / f".{out.stem}.lock", os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     try:
         fcntl.flock(lock, fcntl.LOCK_EX)  # one build at a time: the others wait, then verify what it made
@@ -131,7 +148,7 @@ def _build() -> tuple[Path, int]:
             stale.unlink(missing_ok=True)
         tmp = out.with_name(f".{out.name}.{os.getpid()}.{threading.get_ident()}")
         log.warning("cag: building cag's decode kernels for this machine (once, a few seconds)")
-        cmd = [cxx, *flags, *(f"-I{p}" for p in include_paths()), *map(str, SOURCES), "-o", str(tmp),
+        cmd = [cxx, *flags, *(f"-I{p}" for p in include_paths()), *(str(f) for f in sources if f.suffix == ".cpp"), "-o", str(tmp),
                f"-L{lib}", "-lc10", "-ltorch_cpu", f"-Wl,-rpath,{lib}"]
         try:
             done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
@@ -181,14 +198,41 @@ def reason() -> str | None:
     return _state.get("why")
 
 
+def load_avx2() -> bool:
+    """cag's AVX2 products (torch.ops.cag_avx2: int4_mm, q8_mm), built and loaded once per process;
+    False where they cannot run (the reason: `avx2_reason()`)."""
+    with _lock:
+        if not _avx2:
+            why = avx2_why_not()
+            if why is None:
+                try:
+                    _, fd = _build(AVX2_SOURCES, "cag_avx2")
+                    try:
+                        torch.ops.load_library(f"/proc/self/fd/{fd}")
+                    finally:
+                        os.close(fd)
+                    _avx2["ok"] = True
+                except Exception as e:
+                    why = f"it did not build or load: {str(e).splitlines()[0] if str(e) else type(e).__name__}"
+            _avx2.setdefault("why", why)
+        return bool(_avx2.get("ok"))
+
+
+def avx2_reason() -> str | None:
+    load_avx2()
+    return _avx2.get("why")
+
+
 def attention(mode: str) -> Callable:
     """The decode attention op of a resolved mode ("amx" or "avx512")."""
     return torch.ops.cag.decode_attention if mode == "amx" else torch.ops.cag.decode_attention_avx512
 
 
 def resolve(mode: str, device: torch.device | str = "cpu") -> str:
-    """What CAG_DECODE_KERNELS `mode` means here: "amx", "avx512" or "torch". `amx` or `avx512` where
-    they cannot run raise ModelError (one line); `auto` falls back to "torch" with one warning."""
+    """What CAG_DECODE_KERNELS `mode` means here: "amx", "avx512", "avx2" or "torch". `amx`, `avx512` or
+    `avx2` where they cannot run raise ModelError (one line); `auto` is avx512 where the library runs,
+    avx2 (the products alone) on a CPU below its floor that has AVX2, else "torch", with one warning
+    where a CPU that could run them cannot (no compiler, a failed build)."""
     if mode not in MODES:
         raise ModelError(f"unknown decode kernels {mode!r}; use one of {', '.join(MODES)}")
     if mode == "torch":
@@ -197,12 +241,18 @@ def resolve(mode: str, device: torch.device | str = "cpu") -> str:
         if mode != "auto":
             raise ModelError(f"CAG_DECODE_KERNELS={mode} is for the CPU; on {torch.device(device).type} use auto or torch")
         return "torch"
+    if mode == "avx2":
+        if load_avx2():
+            return "avx2"
+        raise ModelError(f"CAG_DECODE_KERNELS=avx2 cannot run here: {avx2_reason()}; use auto or torch")
     if load() is not None:
         if mode == "amx" and not tiles():
             raise ModelError(f"CAG_DECODE_KERNELS=amx cannot run here: this CPU lacks {', '.join(f for f in TILES if f not in _cpu_flags())}; use avx512 or auto")
         return "avx512" if mode == "auto" else mode  # auto: avx512 decodes faster than amx on AMX CPUs too (README)
     if mode != "auto":
         raise ModelError(f"CAG_DECODE_KERNELS={mode} cannot run here: {reason()}; use auto or torch")
+    if cpu_why_not() is not None and load_avx2():  # below the library's floor: its AVX2 products
+        return "avx2"
     if not _state.get("warned"):
         _state["warned"] = True
         if cpu_why_not() is None:  # a CPU that could run them (no compiler, a failed build): say so, once;

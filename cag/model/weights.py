@@ -15,6 +15,8 @@ With cag's own kernels (CAG_DECODE_KERNELS amx or avx512: `native`), decode rows
 weights through cag.kernels.native instead, at the speed of reading them: int4 as GGUF Q4_1 holds it (a
 float16 step and min per group of 32: w = m + q * d), int4's LM head as GGUF Q8_0 does ("q8"), bf16
 as a plain matrix, and a question's rows (int8, int4) through the bf16 product; all return float32.
+With its AVX2 products (CAG_DECODE_KERNELS=avx2, CPUs below the AVX512-BF16 floor) int4 and its q8
+head take the same layouts, a question's rows the same copy as decode rows (Avx2Packed).
 
 A question's rows (a question part: cag.runtime.rows.Part.asks) are multiplied in bf16 in
 int8 and int4 too, from a second, bf16 copy (FEW layout, calls of <= FEW rows): the integer kernels
@@ -268,9 +270,29 @@ class TorchPackedNativeQuestions(TorchPacked):
         return super()._rows(x2, question)
 
 
-def pack(w: torch.Tensor, bias: torch.Tensor | None, fmt: str, native: bool = False, out_dtype: torch.dtype | None = None) -> Packed:
+class Avx2Packed(Packed):
+    """cag.kernels.native's AVX2 products (CAG_DECODE_KERNELS=avx2): int4 in GGUF Q4_1's layout, q8 in
+    Q8_0's (int4's LM head), float32 out. Any number of rows in one call, a row's bits its own, so a
+    question's rows take the same copy as decode rows: no second copy."""
+
+    def __init__(self, w: torch.Tensor, bias: torch.Tensor | None, fmt: str, out_dtype: torch.dtype | None = None):
+        super().__init__(w, bias, fmt, out_dtype)
+        self.packed = {"int4": pack_int4, "q8": pack_q8}[fmt](w.detach())
+        self.mm = getattr(torch.ops.cag_avx2, NATIVE_MM[fmt])
+
+    def __call__(self, x: torch.Tensor, roles: list[tuple[int, bool]] | None = None) -> torch.Tensor:
+        y = self.mm(x.reshape(-1, self.in_features).to(torch.bfloat16).contiguous(), *self.packed)  # (rows, out) float32
+        y = y.to(self.out_dtype).reshape(*x.shape[:-1], self.out_features)
+        return y if self.bias is None else y + self.bias
+
+
+def pack(w: torch.Tensor, bias: torch.Tensor | None, fmt: str, native: bool = False, out_dtype: torch.dtype | None = None,
+         avx2: bool = False) -> Packed:
     """The packed copy of an (out, in) weight for `fmt` on the kernel path this machine has: cag's own
-    products where `native` and the shapes allow (the input a multiple of 32, of 64 for int4), else torch's."""
+    products where `native` (or `avx2`: its AVX2 products, int4 and q8) and the shapes allow (the input a
+    multiple of 32, of 64 for int4), else torch's."""
+    if avx2 and (fmt == "q8" and w.shape[1] % 32 == 0 or fmt == "int4" and w.shape[1] % 64 == 0) and cag_native.load_avx2():
+        return Avx2Packed(w, bias, fmt, out_dtype)
     native = native and w.shape[1] % 32 == 0 and cag_native.load() is not None
     if native and (fmt in ("bf16", "q8") or fmt == "int4" and w.shape[1] % 64 == 0):
         return NativePacked(w, bias, fmt, out_dtype)
@@ -296,11 +318,11 @@ class FastLinear(torch.nn.Module):
     output columns, never a column's sum: tests/test_batch.py)."""
 
     def __init__(self, linear: torch.nn.Linear, fmt: str, packs: Packed | None = None, cols: tuple[int, int] | None = None,
-                 native: bool = False, out_dtype: torch.dtype | None = None):
+                 native: bool = False, out_dtype: torch.dtype | None = None, avx2: bool = False):
         super().__init__()
         self.in_features, self.out_features, self.fmt = linear.in_features, linear.out_features, fmt
         self.weight, self.bias = linear.weight, linear.bias  # the model's own (shared if tied)
-        self.packs = packs or pack(linear.weight, linear.bias, fmt, native, out_dtype)
+        self.packs = packs or pack(linear.weight, linear.bias, fmt, native, out_dtype, avx2)
         self.cols = cols
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -334,11 +356,12 @@ def packable(lin: torch.nn.Linear, fmt: str) -> bool:
     return fmt != "int4" or (lin.in_features % GROUP == 0 and lin.out_features % 16 == 0)
 
 
-def apply(model: torch.nn.Module, fmt: str, native: bool = False, compute: torch.dtype | None = None) -> int:
+def apply(model: torch.nn.Module, fmt: str, native: bool = False, compute: torch.dtype | None = None, avx2: bool = False) -> int:
     """Widen the model to the `compute` dtype (None: its own) but for the layer matrices a packed copy is
     made from, then swap every nn.Linear of `model` for a FastLinear in `fmt` (fp32: none) and stack
     each group left as it is (cag.model.stacked_products); `native`: decode rows through
-    cag.kernels.native's products where it has them. Returns the bytes the packed copies take.
+    cag.kernels.native's products where it has them (`avx2`: its AVX2 products). Returns the bytes the
+    packed copies take.
 
     The model's own layer matrices then serve the knowledge prefill alone: they stay in their
     checkpoint's dtype (a bf16 checkpoint loaded as bf16, or `narrowed`), which FastLinear.forward
@@ -350,7 +373,7 @@ def apply(model: torch.nn.Module, fmt: str, native: bool = False, compute: torch
         stacked_products.stack(model)
         return 0
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    own = lambda m: _head_format(fmt, native and m.in_features % GROUP == 0) if m is head else fmt  # noqa: E731
+    own = lambda m: _head_format(fmt, (native or avx2) and m.in_features % GROUP == 0) if m is head else fmt  # noqa: E731
     groups = [g for g in stacked_products.groups(model) if all(packable(m, fmt) for m in g[2])]
     grouped = {id(m) for _, _, lins in groups for m in lins}
     singles = [(n, m) for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and id(m) not in grouped and packable(m, own(m))]
@@ -365,7 +388,7 @@ def apply(model: torch.nn.Module, fmt: str, native: bool = False, compute: torch
             m.weight.data = narrowed(m.weight.data)
         w = torch.cat([m.weight.detach() for m in lins])  # (sum of outs, in)
         b = None if lins[0].bias is None else torch.cat([m.bias.detach() for m in lins])
-        group = pack(w, b, fmt, native, compute)
+        group = pack(w, b, fmt, native, compute, avx2)
         packs[id(group)], lo = group, 0
         file_pages.release((m.weight for m in lins), maps)
         # Members the prefill multiplies as they are (in the compute dtype), or whose copy is the stack
@@ -381,7 +404,7 @@ def apply(model: torch.nn.Module, fmt: str, native: bool = False, compute: torch
         parent = model.get_submodule(name.rsplit(".", 1)[0]) if "." in name else model
         if id(lin.weight) not in tied:
             lin.weight.data = narrowed(lin.weight.data)
-        fast = FastLinear(lin, own(lin), native=native, out_dtype=compute)
+        fast = FastLinear(lin, own(lin), native=native, out_dtype=compute, avx2=avx2)
         setattr(parent, name.rsplit(".", 1)[-1], fast)
         packs[id(fast.packs)] = fast.packs
         if not fast.packs.holds_source():

@@ -105,7 +105,7 @@ class LeanStep:
         half = self.head_dim // 2
         # decode rows over bf16 K/V through cag.kernels.native's kernel (CAG_DECODE_KERNELS resolved to amx or avx512 at load)
         mode = getattr(model, native.ATTR, "torch")
-        self.kernel = native.attention(mode) if mode != "torch" and native.load() and self.head_dim in native.HEAD_DIMS else None
+        self.kernel = native.attention(mode) if mode in ("amx", "avx512") and native.load() and self.head_dim in native.HEAD_DIMS else None
         # and with it, for float32 compute over packed products, the glue around them in one call each: RMSNorm
         # straight to the products' bf16 input, rope of q and k with the K/V write (same bits as the formulas
         # below), silu(gate) x up rounded to bf16 (its own bits); with int4/bf16 weights, all layers in one call (cag.runtime.one_call)
