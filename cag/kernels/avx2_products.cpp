@@ -19,6 +19,8 @@
 #include <cstring>
 #include <vector>
 
+#include "product_args.h"
+
 namespace {
 
 constexpr int MB = 4;  // rows held in registers at a time (16 ymm: 4 weight vectors, a sum and a total per row)
@@ -126,19 +128,9 @@ inline void blocks(int64_t M, F f) {
   for (; r < M; r++) f(std::integral_constant<int, 1>{}, r);
 }
 
-void check_x(const at::Tensor& x, int64_t K) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.is_contiguous() && x.size(1) == K,
-              "x: (M, K) bfloat16, contiguous, K the weight's input width");
-}
-
 // x (M, K) bf16, qw (N, K/2) uint8, dm (N, 2, K/32) float16 -> (M, N) float32.
 at::Tensor int4_mm(const at::Tensor& x, const at::Tensor& qw, const at::Tensor& dm) {
-  TORCH_CHECK(qw.dim() == 2 && qw.scalar_type() == at::kByte && qw.is_contiguous(), "qw: (N, K/2) uint8");
-  const int64_t N = qw.size(0), K = qw.size(1) * 2, M = x.size(0), G = K / 32;
-  TORCH_CHECK(K % 64 == 0, "K: a multiple of 64");
-  TORCH_CHECK(dm.dim() == 3 && dm.scalar_type() == at::kHalf && dm.is_contiguous() && dm.size(0) == N && dm.size(1) == 2 &&
-              dm.size(2) == G, "dm: (N, 2, K/32) float16");
-  check_x(x, K);
+  const int64_t K = cagk::check_int4(x, qw, dm), N = qw.size(0), M = x.size(0), G = K / 32;
   std::vector<float> xf(M * K), xs(M * G);
   prepare(reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()), M, K, xf.data(), xs.data());
   at::Tensor y = at::empty({M, N}, x.options().dtype(at::kFloat));
@@ -154,12 +146,7 @@ at::Tensor int4_mm(const at::Tensor& x, const at::Tensor& qw, const at::Tensor& 
 
 // x (M, K) bf16, qw (N, K) int8, d (N, K/32) float16 -> (M, N) float32.
 at::Tensor q8_mm(const at::Tensor& x, const at::Tensor& qw, const at::Tensor& d) {
-  TORCH_CHECK(qw.dim() == 2 && qw.scalar_type() == at::kChar && qw.is_contiguous() && qw.size(1) % 32 == 0,
-              "qw: (N, K) int8, K a multiple of 32");
-  const int64_t N = qw.size(0), K = qw.size(1), M = x.size(0);
-  TORCH_CHECK(d.dim() == 2 && d.scalar_type() == at::kHalf && d.is_contiguous() && d.size(0) == N && d.size(1) == K / 32,
-              "d: (N, K/32) float16");
-  check_x(x, K);
+  const int64_t K = cagk::check_q8(x, qw, d), N = qw.size(0), M = x.size(0);
   std::vector<float> xf(M * K), unused(M * (K / 32));
   prepare(reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()), M, K, xf.data(), unused.data());
   at::Tensor y = at::empty({M, N}, x.options().dtype(at::kFloat));

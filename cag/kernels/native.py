@@ -54,10 +54,10 @@ from cag.kernels.build_cache import UnsafeCache, _open_trusted, _sha256_fd, _wri
 log = logging.getLogger(__name__)
 SOURCES = tuple(Path(__file__).parent / f for f in ("decode_attention.cpp", "int8_attention.cpp", "products.cpp",
                                                                  "layer.cpp"))
-HEADERS = (Path(__file__).parent / "kernels.h",)
+HEADERS = (Path(__file__).parent / "kernels.h", Path(__file__).parent / "product_args.h")
 MODES = ("auto", "amx", "avx512", "avx2", "torch")
 ATTR = "cag_decode_kernels"  # on a loaded model: what CAG_DECODE_KERNELS resolved to ("amx", "avx512", "avx2" or "torch")
-AVX2_SOURCES = (Path(__file__).parent / "avx2_products.cpp",)  # a library of its own: int4 and q8 products alone
+AVX2_SOURCES = (Path(__file__).parent / "avx2_products.cpp", Path(__file__).parent / "product_args.h")  # a library of its own: int4 and q8 products alone
 AVX2_FLAGS = ("avx2", "fma", "f16c")
 HEAD_DIMS = (64, 128)  # the head widths the attention kernel takes
 FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512_vnni")  # the library's floor (every CPU with bf16 has VNNI)

@@ -29,6 +29,7 @@
 #include <vector>
 
 #include "kernels.h"
+#include "product_args.h"
 
 namespace {
 
@@ -212,19 +213,9 @@ void bf16_outputs(const uint16_t* w, int64_t K, int64_t M, const uint16_t* x, fl
 
 namespace {
 
-void check_x(const at::Tensor& x, int64_t K) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.is_contiguous() && x.size(1) == K,
-              "x: (M, K) bfloat16, contiguous, K the weight's input width");
-}
-
 // x (M, K) bf16, qw (N, K/2) uint8, dm (N, 2, K/32) float16 -> (M, N) float32.
 at::Tensor int4_mm(const at::Tensor& x, const at::Tensor& qw, const at::Tensor& dm) {
-  TORCH_CHECK(qw.dim() == 2 && qw.scalar_type() == at::kByte && qw.is_contiguous(), "qw: (N, K/2) uint8");
-  const int64_t N = qw.size(0), K = qw.size(1) * 2, M = x.size(0), G = K / 32;
-  TORCH_CHECK(K % 64 == 0, "K: a multiple of 64");
-  TORCH_CHECK(dm.dim() == 3 && dm.scalar_type() == at::kHalf && dm.is_contiguous() && dm.size(0) == N && dm.size(1) == 2 &&
-              dm.size(2) == G, "dm: (N, 2, K/32) float16");
-  check_x(x, K);
+  const int64_t K = cagk::check_int4(x, qw, dm), N = qw.size(0), M = x.size(0), G = K / 32;
   std::vector<uint16_t> xp(M * K);
   std::vector<float> xs(M * G);
   cagk::int4_prepare(reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()), M, K, xp.data(), xs.data());
@@ -238,12 +229,7 @@ at::Tensor int4_mm(const at::Tensor& x, const at::Tensor& qw, const at::Tensor& 
 
 // x (M, K) bf16, qw (N, K) int8, d (N, K/32) float16 -> (M, N) float32.
 at::Tensor q8_mm(const at::Tensor& x, const at::Tensor& qw, const at::Tensor& d) {
-  TORCH_CHECK(qw.dim() == 2 && qw.scalar_type() == at::kChar && qw.is_contiguous() && qw.size(1) % 32 == 0,
-              "qw: (N, K) int8, K a multiple of 32");
-  const int64_t N = qw.size(0), K = qw.size(1), M = x.size(0);
-  TORCH_CHECK(d.dim() == 2 && d.scalar_type() == at::kHalf && d.is_contiguous() && d.size(0) == N && d.size(1) == K / 32,
-              "d: (N, K/32) float16");
-  check_x(x, K);
+  const int64_t K = cagk::check_q8(x, qw, d), N = qw.size(0), M = x.size(0);
   std::vector<float> xf(M * K);  // the rows in float32 (exact)
   const uint16_t* xd = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
   for (int64_t i = 0; i < M * K; i++) { const uint32_t b = (uint32_t)xd[i] << 16; std::memcpy(&xf[i], &b, 4); }
@@ -262,7 +248,7 @@ at::Tensor q8_mm(const at::Tensor& x, const at::Tensor& qw, const at::Tensor& d)
 at::Tensor bf16_mm(const at::Tensor& x, const at::Tensor& w) {
   TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kBFloat16 && w.is_contiguous() && w.size(1) % 32 == 0, "w: (N, K) bfloat16, K a multiple of 32");
   const int64_t N = w.size(0), K = w.size(1), M = x.size(0);
-  check_x(x, K);
+  cagk::check_x(x, K);
   at::Tensor y = at::empty({M, N}, x.options().dtype(at::kFloat));
   const uint16_t* wd = reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>());
   const uint16_t* xd = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());

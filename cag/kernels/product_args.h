@@ -1,0 +1,38 @@
+// The arguments of the weight products (products.cpp, avx2_products.cpp: the same layouts), checked
+// once for both libraries.
+#pragma once
+#include <ATen/core/Tensor.h>
+#include <c10/util/Exception.h>
+#include <cstdint>
+
+namespace cagk {
+
+// x (M, K) bfloat16, contiguous, K the weight's input width.
+inline void check_x(const at::Tensor& x, int64_t K) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.is_contiguous() && x.size(1) == K,
+              "x: (M, K) bfloat16, contiguous, K the weight's input width");
+}
+
+// int4: qw (N, K/2) uint8, dm (N, 2, K/32) float16, K a multiple of 64; returns K.
+inline int64_t check_int4(const at::Tensor& x, const at::Tensor& qw, const at::Tensor& dm) {
+  TORCH_CHECK(qw.dim() == 2 && qw.scalar_type() == at::kByte && qw.is_contiguous(), "qw: (N, K/2) uint8");
+  const int64_t N = qw.size(0), K = qw.size(1) * 2;
+  TORCH_CHECK(K % 64 == 0, "K: a multiple of 64");
+  TORCH_CHECK(dm.dim() == 3 && dm.scalar_type() == at::kHalf && dm.is_contiguous() && dm.size(0) == N && dm.size(1) == 2 &&
+              dm.size(2) == K / 32, "dm: (N, 2, K/32) float16");
+  check_x(x, K);
+  return K;
+}
+
+// q8: qw (N, K) int8, d (N, K/32) float16, K a multiple of 32; returns K.
+inline int64_t check_q8(const at::Tensor& x, const at::Tensor& qw, const at::Tensor& d) {
+  TORCH_CHECK(qw.dim() == 2 && qw.scalar_type() == at::kChar && qw.is_contiguous() && qw.size(1) % 32 == 0,
+              "qw: (N, K) int8, K a multiple of 32");
+  const int64_t N = qw.size(0), K = qw.size(1);
+  TORCH_CHECK(d.dim() == 2 && d.scalar_type() == at::kHalf && d.is_contiguous() && d.size(0) == N && d.size(1) == K / 32,
+              "d: (N, K/32) float16");
+  check_x(x, K);
+  return K;
+}
+
+}  // namespace cagk
