@@ -32,9 +32,8 @@ inline float hsum(__m256 v) {
   return _mm_cvtss_f32(_mm_add_ss(b, _mm_movehdup_ps(b)));
 }
 
-// x (M, K) bf16 -> xf (M, K) float32 (exact) and xs (M, K/32): each group's sum, in one fixed order.
-void prepare(const uint16_t* x, int64_t M, int64_t K, float* xf, float* xs) {
-  for (int64_t i = 0; i < M * K; i++) { const uint32_t b = (uint32_t)x[i] << 16; std::memcpy(xf + i, &b, 4); }
+// xf (M, K) float32 -> xs (M, K/32): each group's sum, in one fixed order.
+void group_sums(const float* xf, int64_t M, int64_t K, float* xs) {
   for (int64_t r = 0; r < M; r++)
     for (int64_t g = 0; g < K / 32; g++) {
       const float* p = xf + r * K + 32 * g;
@@ -132,7 +131,8 @@ inline void blocks(int64_t M, F f) {
 at::Tensor int4_mm(const at::Tensor& x, const at::Tensor& qw, const at::Tensor& dm) {
   const int64_t K = cagk::check_int4(x, qw, dm), N = qw.size(0), M = x.size(0), G = K / 32;
   std::vector<float> xf(M * K), xs(M * G);
-  prepare(reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()), M, K, xf.data(), xs.data());
+  cagk::bf16_to_float(reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()), M * K, xf.data());
+  group_sums(xf.data(), M, K, xs.data());
   at::Tensor y = at::empty({M, N}, x.options().dtype(at::kFloat));
   const uint8_t* q = qw.data_ptr<uint8_t>();
   const uint16_t* d = reinterpret_cast<const uint16_t*>(dm.data_ptr<at::Half>());
@@ -147,8 +147,8 @@ at::Tensor int4_mm(const at::Tensor& x, const at::Tensor& qw, const at::Tensor& 
 // x (M, K) bf16, qw (N, K) int8, d (N, K/32) float16 -> (M, N) float32.
 at::Tensor q8_mm(const at::Tensor& x, const at::Tensor& qw, const at::Tensor& d) {
   const int64_t K = cagk::check_q8(x, qw, d), N = qw.size(0), M = x.size(0);
-  std::vector<float> xf(M * K), unused(M * (K / 32));
-  prepare(reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()), M, K, xf.data(), unused.data());
+  std::vector<float> xf(M * K);
+  cagk::bf16_to_float(reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()), M * K, xf.data());
   at::Tensor y = at::empty({M, N}, x.options().dtype(at::kFloat));
   const int8_t* q = qw.data_ptr<int8_t>();
   const uint16_t* dd = reinterpret_cast<const uint16_t*>(d.data_ptr<at::Half>());

@@ -90,11 +90,11 @@ def tiles() -> bool:
     return all(f in _cpu_flags() for f in TILES)
 
 
-def cpu_why_not() -> str | None:
-    """None where this machine (OS, architecture, CPU flags) can run the library, else why not."""
+def cpu_why_not(flags: tuple[str, ...] = FLAGS) -> str | None:
+    """None where this machine (OS, architecture, CPU `flags`) can run the library, else why not."""
     if platform.system() != "Linux" or platform.machine() not in ("x86_64", "AMD64"):
         return f"it needs Linux on x86-64 (this is {platform.system()} on {platform.machine()})"
-    missing = [f for f in FLAGS if f not in _cpu_flags()]
+    missing = [f for f in flags if f not in _cpu_flags()]
     if missing:
         return "this CPU lacks " + ", ".join(missing)
     return None
@@ -107,10 +107,7 @@ def why_not() -> str | None:
 
 def avx2_why_not() -> str | None:
     """None where the AVX2 products can be built here, else why not (one line)."""
-    if platform.system() != "Linux" or platform.machine() not in ("x86_64", "AMD64"):
-        return f"it needs Linux on x86-64 (this is {platform.system()} on {platform.machine()})"
-    missing = [f for f in AVX2_FLAGS if f not in _cpu_flags()]
-    return ("this CPU lacks " + ", ".join(missing)) if missing else _compiler_why_not()
+    return cpu_why_not(AVX2_FLAGS) or _compiler_why_not()
 
 
 def _compiler_why_not() -> str | None:
@@ -122,7 +119,7 @@ def _compiler_why_not() -> str | None:
     return None
 
 
-def _build(sources: tuple[Path, ...] = SOURCES + HEADERS, stem: str = "cag_kernels") -> tuple[Path, int]:
+def _build(sources: tuple[Path, ...], stem: str) -> tuple[Path, int]:
     """The library of `sources` (.cpp compiled, .h only keyed) for this machine and a descriptor on it,
     verified (`verify`); built first when it is missing or not trusted."""
     from torch.utils.cpp_extension import include_paths
@@ -178,19 +175,27 @@ def load() -> Callable | None:
     it cannot run (the reason: `reason()`)."""
     with _lock:
         if not _state:
-            why = why_not()
-            if why is None:
-                try:
-                    path, fd = _build()
-                    try:  # the very file verified, whatever happens to its path meanwhile
-                        torch.ops.load_library(f"/proc/self/fd/{fd}")
-                    finally:
-                        os.close(fd)
-                    _state["fn"], _state["path"] = torch.ops.cag.decode_attention, path
-                except Exception as e:  # a failed build or load: torch's kernels serve instead
-                    why = f"it did not build or load: {str(e).splitlines()[0] if str(e) else type(e).__name__}"
-            _state.setdefault("why", why)
+            path, why = _open(why_not(), SOURCES + HEADERS, "cag_kernels")
+            if path is not None:
+                _state["fn"], _state["path"] = torch.ops.cag.decode_attention, path
+            _state["why"] = why
         return _state.get("fn")
+
+
+def _open(why: str | None, sources: tuple[Path, ...], stem: str) -> tuple[Path | None, str | None]:
+    """The library of `sources` built (`_build`) and loaded into torch.ops, or (None, why not): `why`
+    already known, or the build or load failing (torch's kernels serve instead)."""
+    if why is not None:
+        return None, why
+    try:
+        path, fd = _build(sources, stem)
+        try:  # the very file verified, whatever happens to its path meanwhile
+            torch.ops.load_library(f"/proc/self/fd/{fd}")
+        finally:
+            os.close(fd)
+        return path, None
+    except Exception as e:
+        return None, f"it did not build or load: {str(e).splitlines()[0] if str(e) else type(e).__name__}"
 
 
 def reason() -> str | None:
@@ -203,18 +208,8 @@ def load_avx2() -> bool:
     False where they cannot run (the reason: `avx2_reason()`)."""
     with _lock:
         if not _avx2:
-            why = avx2_why_not()
-            if why is None:
-                try:
-                    _, fd = _build(AVX2_SOURCES, "cag_avx2")
-                    try:
-                        torch.ops.load_library(f"/proc/self/fd/{fd}")
-                    finally:
-                        os.close(fd)
-                    _avx2["ok"] = True
-                except Exception as e:
-                    why = f"it did not build or load: {str(e).splitlines()[0] if str(e) else type(e).__name__}"
-            _avx2.setdefault("why", why)
+            path, _avx2["why"] = _open(avx2_why_not(), AVX2_SOURCES, "cag_avx2")
+            _avx2["ok"] = path is not None
         return bool(_avx2.get("ok"))
 
 

@@ -1,9 +1,10 @@
-// The arguments of the weight products (products.cpp, avx2_products.cpp: the same layouts), checked
-// once for both libraries.
+// What the weight products of both libraries share (products.cpp, avx2_products.cpp: the same
+// layouts): their arguments' checks, and their rows in float32.
 #pragma once
 #include <ATen/core/Tensor.h>
 #include <c10/util/Exception.h>
 #include <cstdint>
+#include <cstring>
 
 namespace cagk {
 
@@ -33,6 +34,11 @@ inline int64_t check_q8(const at::Tensor& x, const at::Tensor& qw, const at::Ten
               "d: (N, K/32) float16");
   check_x(x, K);
   return K;
+}
+
+// n bf16 values (as their bits) -> float32, exactly.
+inline void bf16_to_float(const uint16_t* x, int64_t n, float* y) {
+  for (int64_t i = 0; i < n; i++) { const uint32_t b = (uint32_t)x[i] << 16; std::memcpy(y + i, &b, 4); }
 }
 
 }  // namespace cagk

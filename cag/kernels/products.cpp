@@ -231,8 +231,7 @@ at::Tensor int4_mm(const at::Tensor& x, const at::Tensor& qw, const at::Tensor& 
 at::Tensor q8_mm(const at::Tensor& x, const at::Tensor& qw, const at::Tensor& d) {
   const int64_t K = cagk::check_q8(x, qw, d), N = qw.size(0), M = x.size(0);
   std::vector<float> xf(M * K);  // the rows in float32 (exact)
-  const uint16_t* xd = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
-  for (int64_t i = 0; i < M * K; i++) { const uint32_t b = (uint32_t)xd[i] << 16; std::memcpy(&xf[i], &b, 4); }
+  cagk::bf16_to_float(reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()), M * K, xf.data());
   at::Tensor y = at::empty({M, N}, x.options().dtype(at::kFloat));
   const int8_t* q = qw.data_ptr<int8_t>();
   const uint16_t* dd = reinterpret_cast<const uint16_t*>(d.data_ptr<at::Half>());

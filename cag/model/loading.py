@@ -155,10 +155,9 @@ def weights_fingerprint(model: torch.nn.Module, compute: torch.dtype | None = No
         t = t.detach()
         wide = compute if compute is not None and t.is_floating_point() and t.element_size() < compute.itemsize else None
         h.update(f"{name}|{tuple(t.shape)}|{wide or t.dtype}|".encode())
-        rows = t.reshape(-1, t.shape[-1]) if t.dim() > 1 and t.numel() else t.reshape(1, -1)
-        step = max(1, (1 << 24) // max(1, rows.shape[1]))  # ~16M values a block: a bounded widened copy
-        for a in range(0, rows.shape[0] if t.numel() else 0, step):
-            b = rows[a : a + step].contiguous().cpu()
+        flat = t.reshape(-1)  # its bytes in order, in blocks of 16M values: a bounded widened copy
+        for a in range(0, flat.numel(), 1 << 24):
+            b = flat[a : a + (1 << 24)].contiguous().cpu()
             h.update((b.to(wide) if wide is not None else b).view(torch.uint8).numpy().data)
         file_pages.release([t], maps)  # hashing touched every page of a file view
     cfg = model.config.to_dict()

@@ -181,7 +181,7 @@ class Packed:
         """The packed product of a pass's rows (..., in) -> (..., out). `roles`: (rows, question?) runs
         in row order; None: all decode rows (one per request of a batch)."""
         x2 = x.reshape(-1, self.in_features).to(torch.bfloat16)  # (rows, in)
-        if roles is None or len(roles) == 1 or self.fmt == "bf16":  # one kernel for every row
+        if roles is None or len(roles) == 1 or self.questions is None:  # one copy, one kernel for every row
             y = self._rows(x2, roles is not None and roles[0][1])
         else:
             y = torch.cat([self._rows(c, q) for c, (_, q) in zip(x2.split([n for n, _ in roles]), roles)])
@@ -280,10 +280,8 @@ class Avx2Packed(Packed):
         self.packed = {"int4": pack_int4, "q8": pack_q8}[fmt](w.detach())
         self.mm = getattr(torch.ops.cag_avx2, NATIVE_MM[fmt])
 
-    def __call__(self, x: torch.Tensor, roles: list[tuple[int, bool]] | None = None) -> torch.Tensor:
-        y = self.mm(x.reshape(-1, self.in_features).to(torch.bfloat16).contiguous(), *self.packed)  # (rows, out) float32
-        y = y.to(self.out_dtype).reshape(*x.shape[:-1], self.out_features)
-        return y if self.bias is None else y + self.bias
+    def _rows(self, x2: torch.Tensor, question: bool) -> torch.Tensor:
+        return self.mm(x2.contiguous(), *self.packed)
 
 
 def pack(w: torch.Tensor, bias: torch.Tensor | None, fmt: str, native: bool = False, out_dtype: torch.dtype | None = None,
@@ -369,7 +367,7 @@ def apply(model: torch.nn.Module, fmt: str, native: bool = False, compute: torch
     set once packed (cag.model.file_pages): a packed format holds its packed copy, not the originals."""
     compute = compute or next(model.parameters()).dtype
     if fmt == "fp32":
-        _widen(model, compute, set())
+        _widen(model, compute, set(), file_pages.mappings())
         stacked_products.stack(model)
         return 0
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
@@ -380,9 +378,9 @@ def apply(model: torch.nn.Module, fmt: str, native: bool = False, compute: torch
     emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
     tied = {id(emb.weight)} if emb is not None else set()  # the token embedding (and a head tied to it): widened
     keep = {id(m.weight) for _, _, lins in groups for m in lins} | {id(m.weight) for _, m in singles} - tied
-    _widen(model, compute, keep)
-    packs: dict[int, Packed] = {}
     maps = file_pages.mappings()
+    _widen(model, compute, keep, maps)
+    packs: dict[int, Packed] = {}
     for parent, names, lins in groups:  # one packed copy of each group, made from its members stacked
         for m in lins:
             m.weight.data = narrowed(m.weight.data)
@@ -413,11 +411,10 @@ def apply(model: torch.nn.Module, fmt: str, native: bool = False, compute: torch
     return sum(p.nbytes for p in packs.values())
 
 
-def _widen(model: torch.nn.Module, compute: torch.dtype, keep: set[int]) -> None:
+def _widen(model: torch.nn.Module, compute: torch.dtype, keep: set[int], maps: list[file_pages.Mapping]) -> None:
     """Every floating parameter and buffer narrower than the `compute` dtype and not in `keep` (ids)
     widened to it (the same values; a wider one, e.g. rope's float32 frequencies under bf16 compute,
-    stays), the pages of a checkpoint-file view it was released as it goes."""
-    maps = file_pages.mappings()
+    stays), the pages of a checkpoint-file view (`maps`) it was released as it goes."""
     for t in [*model.parameters(), *model.buffers()]:
         if t.is_floating_point() and t.element_size() < compute.itemsize and id(t) not in keep:
             old = t.data
