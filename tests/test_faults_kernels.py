@@ -23,7 +23,7 @@ import pytest
 from cag.kernels import native
 from tests.conftest import REPO
 
-START = "from cag import native; print(native.resolve('auto')); print(native.reason())"
+START = "from cag.kernels import native; print(native.resolve('auto')); print(native.reason())"
 
 
 @pytest.fixture(scope="module")

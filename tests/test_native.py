@@ -214,7 +214,7 @@ def test_cag_equals_full_through_the_kernels(library, tiny64_model_dir, small_co
     assert engine.lm.kernels == mode and step.kernel is not None and step.glue is not None
     assert (step.fused is not None) == (mode == "avx512")  # all layers in one call
     packs = [m.packs for m in engine.lm.model.modules() if isinstance(m, weights_mod.FastLinear)]
-    assert packs and all(p.native for p in packs)  # every product through cag's own kernel
+    assert packs and all(isinstance(p, weights_mod.NativePacked) for p in packs)  # every product through cag's own kernel
     engine.ingest(str(small_corpus))
     alone = []
     for q in QUESTIONS[:3]:

@@ -175,7 +175,8 @@ class Packed:
         return any(self._shares(c) for c in (self.packed, self.questions))
 
     def _shares(self, copy) -> bool:
-        return isinstance(copy, torch.Tensor) and copy.untyped_storage().data_ptr() == self._source
+        # an oneDNN-packed copy (layout torch._mkldnn, bf16 on AVX-512 CPUs without AMX) has no storage to share
+        return isinstance(copy, torch.Tensor) and copy.layout == torch.strided and copy.untyped_storage().data_ptr() == self._source
 
     def __call__(self, x: torch.Tensor, roles: list[tuple[int, bool]] | None = None) -> torch.Tensor:
         """The packed product of a pass's rows (..., in) -> (..., out). `roles`: (rows, question?) runs
