@@ -16,6 +16,7 @@ from cag.engine import Engine
 from cag.errors import ModelError
 from cag.kernels import native
 from cag.model import weights as weights_mod
+from cag.runtime import one_call
 from cag.runtime import step as lean
 from tests.test_batch import together
 from tests.test_exactness import QUESTIONS
@@ -313,6 +314,7 @@ def test_a_fused_layer_is_the_separate_ops_bit_for_bit(library, tiny64_model_dir
 
 
 def test_decode_layers_refuses_bad_inputs(library, tiny64_model_dir, monkeypatch):
+    """Each layer's weights are checked by name once, when added; each call's buffers and rows on the call."""
     from cag.runtime import cascade
     from cag.runtime.slots import Prefix, Slots
 
@@ -323,20 +325,37 @@ def test_decode_layers_refuses_bad_inputs(library, tiny64_model_dir, monkeypatch
     slots = Slots(L, cfg.num_key_value_heads, 64, 8, 1, torch.bfloat16)
     flat = [t for i in range(L) for t in cascade.paired(prefix, i)]
     h, cs, one = torch.zeros(1, cfg.hidden_size), torch.zeros(1, 64), torch.tensor([0])
-    w = step.fused.tensors
+    assert len(step.fused) == L
 
-    def call(w=w, h=h, pos=one, k=slots.k, rows=one):
-        torch.ops.cag.decode_layers(h, w, step.fused.eps, cs, cs, k, slots.v, one, pos, cfg.num_attention_heads, flat,
-                                    [rows], [one], [torch.tensor([1])], step.fns[0].scale)
+    def call(h=h, pos=one, k=slots.k, rows=one):
+        torch.ops.cag.decode_layers(h, step.fused, cs, cs, k, slots.v, one, pos, flat, [rows], [one], [torch.tensor([1])])
 
     call()
     with pytest.raises(RuntimeError, match="float32"):
         call(h=h.double())
-    with pytest.raises(RuntimeError, match="int4 weights"):
-        call(w=[w[0], w[3], *w[2:]])  # o's weights where q/k/v's belong
     with pytest.raises(RuntimeError, match="per layer"):
         call(k=slots.k[:-1])
     with pytest.raises(RuntimeError, match="outside the buffers"):
         call(pos=torch.tensor([8]))
     with pytest.raises(RuntimeError, match="each row once"):
         call(rows=torch.tensor([1]))
+
+    built = torch.classes.cag.DecodeWeights(heads=cfg.num_attention_heads, kv_heads=cfg.num_key_value_heads, head_dim=64,
+                                            hidden=cfg.hidden_size, scale=0.125)
+    layer = engine.lm.model.model.layers[0]
+    f = step.fns[0]
+    qkv = one_call._packed(f.qkv_packed)
+    o = one_call._packed(one_call.own(layer.self_attn.o_proj))
+    gu, dn = one_call._packed(f.gu_packed), one_call._packed(one_call.own(layer.mlp.down_proj))
+    named = dict(input_norm=f.norm1, input_eps=f.eps1, qkv=qkv[0], qkv_scales=qkv[1], o=o[0], o_scales=o[1],
+                 post_norm=f.norm2, post_eps=f.eps2, gate_up=gu[0], gate_up_scales=gu[1], down=dn[0], down_scales=dn[1])
+    built.add_layer(**named)
+    with pytest.raises(RuntimeError, match="q/k/v: int4 weights"):
+        built.add_layer(**{**named, "qkv_scales": qkv[0]})  # its weights where its scales belong
+    with pytest.raises(RuntimeError, match="widths disagree"):
+        built.add_layer(**{**named, "qkv": o[0], "qkv_scales": o[1]})  # o where q/k/v belongs
+    with pytest.raises(RuntimeError, match="norm weights"):
+        built.add_layer(**{**named, "post_norm": f.norm2.double()})
+    with pytest.raises(RuntimeError, match="head width"):
+        torch.classes.cag.DecodeWeights(heads=4, kv_heads=2, head_dim=48, hidden=64, scale=0.1)
+    assert len(built) == 1  # nothing refused was added

@@ -12,6 +12,7 @@
 // tests/test_native.py checks the two ways give equal tensors.
 #include <ATen/core/Tensor.h>
 #include <ATen/Parallel.h>
+#include <torch/custom_class.h>
 #include <torch/library.h>
 #include <omp.h>
 #include <algorithm>
@@ -54,49 +55,72 @@ struct Layer {  // one layer's weights, as decode_layers reads them
   Product qkv, o, gu, down;
 };
 
-// h (R, hidden) float32, updated in place: one row per request. Per layer l of L: w[10 l .. 10 l + 9] =
-// [input norm (hidden,), q/k/v (stacked: qw, dm for int4, or w and any tensor for bf16), o, post-attention
-// norm, gate/up (stacked), down],
-// eps[2 l], eps[2 l + 1] its norms' epsilons, K[l], V[l] (S, Hk, room, D) bf16 its slots (row r's k/v
-// written at [slot[r], :, pos[r]]). cos, sin (R, D) as rope_write takes them; H query heads; scale: 1/sqrt(D).
-// The rows' requests in G groups, each on one prefix: group g's rows[g] (its row numbers, int64), and
-// slots[g], lens[g] as decode_attention_avx512 takes them; prefix[4 (l G + g) .. + 3] = [kp, vp, kt, vt]
-// its prefix in layer l as that kernel takes it (pair_kv's kt, vt).
-void decode_layers(at::Tensor h, at::TensorList w, at::ArrayRef<double> eps, const at::Tensor& cos, const at::Tensor& sin,
-                   at::TensorList K, at::TensorList V, const at::Tensor& rows_slot, const at::Tensor& rows_pos, int64_t H,
-                   at::TensorList prefix, at::TensorList rows, at::TensorList slots, at::TensorList lens, double scale) {
-  const int64_t L = (int64_t)K.size(), G = (int64_t)rows.size();
-  TORCH_CHECK(h.dim() == 2 && h.scalar_type() == at::kFloat && h.is_contiguous(), "h: (R, hidden) float32, contiguous");
-  TORCH_CHECK(L >= 1 && (int64_t)V.size() == L && (int64_t)w.size() == 10 * L && (int64_t)eps.size() == 2 * L &&
-              G >= 1 && (int64_t)slots.size() == G && (int64_t)lens.size() == G && (int64_t)prefix.size() == 4 * L * G,
-              "per layer: 10 weights, 2 epsilons, K, V and 4 prefix tensors a group; per group: rows, slots, lens");
-  const int64_t R = h.size(0), hid = h.size(1), Hk = K[0].size(1), D = K[0].size(3), room = K[0].size(2);
-  TORCH_CHECK(Hk >= 1 && H % Hk == 0 && D % 32 == 0, "query heads a multiple of K/V heads, head dim a multiple of 32");
+// All decoder layers' weights of one model, named and checked once when each layer is added (not on
+// every step): torch.classes.cag.DecodeWeights(heads, kv_heads, head_dim, hidden, scale), then
+// add_layer(...) per layer in order (cag/runtime/one_call.py builds it). It keeps the tensors alive.
+struct DecodeWeights : torch::CustomClassHolder {
+  int64_t H, Hk, D, hid, I = 0;
+  double scale;
+  std::vector<Layer> layers;
+  std::vector<at::Tensor> kept;
+
+  DecodeWeights(int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t hidden, double scale_)
+      : H(heads), Hk(kv_heads), D(head_dim), hid(hidden), scale(scale_) {
+    TORCH_CHECK(Hk >= 1 && H % Hk == 0 && D % 32 == 0 && D <= cagk::MAXD,
+                "query heads a multiple of K/V heads, a head width the kernels take");
+  }
+
+  // One layer: its norms' weights (hidden,) float32 and epsilons, and its products as product_of takes
+  // them (int4: weights and scales; bf16: weights and any tensor): q/k/v stacked, o, gate/up stacked, down.
+  void add_layer(const at::Tensor& input_norm, double input_eps, const at::Tensor& qkv, const at::Tensor& qkv_scales,
+                 const at::Tensor& o, const at::Tensor& o_scales, const at::Tensor& post_norm, double post_eps,
+                 const at::Tensor& gate_up, const at::Tensor& gate_up_scales, const at::Tensor& down,
+                 const at::Tensor& down_scales) {
+    for (const at::Tensor* t : {&input_norm, &post_norm})
+      TORCH_CHECK(t->dim() == 1 && t->scalar_type() == at::kFloat && t->is_contiguous() && t->size(0) == hid,
+                  "norm weights: (hidden,) float32");
+    Layer y{input_norm.data_ptr<float>(), post_norm.data_ptr<float>(), (float)input_eps, (float)post_eps,
+            product_of(qkv, qkv_scales, hid, "q/k/v"), product_of(o, o_scales, H * D, "o"),
+            product_of(gate_up, gate_up_scales, hid, "gate/up"), {}};
+    TORCH_CHECK(y.qkv.N == (H + 2 * Hk) * D && y.o.N == hid && y.gu.N % 2 == 0 && (layers.empty() || y.gu.N == 2 * I),
+                "q/k/v, o or gate/up widths disagree with the heads or the other layers");
+    I = y.gu.N / 2;
+    y.down = product_of(down, down_scales, I, "down");
+    TORCH_CHECK(y.down.N == hid, "down's width is not the hidden size");
+    layers.push_back(y);
+    kept.insert(kept.end(), {input_norm, qkv, qkv_scales, o, o_scales, post_norm, gate_up, gate_up_scales, down, down_scales});
+  }
+
+  int64_t size() const { return (int64_t)layers.size(); }
+};
+
+// h (R, hidden) float32, updated in place: one row per request, through every layer of `w`. K[l], V[l]
+// (S, Hk, room, D) bf16: layer l's slots (row r's k/v written at [slot[r], :, pos[r]]); cos, sin (R, D) as
+// rope_write takes them. The rows' requests in G groups, each on one prefix: group g's rows[g] (its row
+// numbers, int64), and slots[g], lens[g] as decode_attention_avx512 takes them; prefix[4 (l G + g) .. + 3] =
+// [kp, vp, kt, vt] its prefix in layer l as that kernel takes it (pair_kv's kt, vt).
+void decode_layers(at::Tensor h, const c10::intrusive_ptr<DecodeWeights>& w, const at::Tensor& cos, const at::Tensor& sin,
+                   at::TensorList K, at::TensorList V, const at::Tensor& rows_slot, const at::Tensor& rows_pos,
+                   at::TensorList prefix, at::TensorList rows, at::TensorList slots, at::TensorList lens) {
+  const int64_t L = w->size(), G = (int64_t)rows.size(), H = w->H, Hk = w->Hk, D = w->D, I = w->I;
+  TORCH_CHECK(h.dim() == 2 && h.scalar_type() == at::kFloat && h.is_contiguous() && h.size(1) == w->hid,
+              "h: (R, hidden) float32, contiguous");
+  TORCH_CHECK(L >= 1 && (int64_t)K.size() == L && (int64_t)V.size() == L && G >= 1 && (int64_t)slots.size() == G &&
+              (int64_t)lens.size() == G && (int64_t)prefix.size() == 4 * L * G,
+              "per layer: K, V and 4 prefix tensors a group; per group: rows, slots, lens");
+  const int64_t R = h.size(0), hid = h.size(1), room = K[0].size(2);
   for (const at::Tensor* t : {&cos, &sin})
     TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->numel() == R * D, "cos, sin: (R, D) float32");
   for (const at::Tensor* t : {&rows_slot, &rows_pos})
     TORCH_CHECK(t->scalar_type() == at::kLong && t->is_contiguous() && t->numel() == R, "rows_slot, rows_pos: (R,) int64");
   const int64_t* sl = rows_slot.data_ptr<int64_t>();
   const int64_t* ps = rows_pos.data_ptr<int64_t>();
-  std::vector<Layer> layers;
-  int64_t I = 0;
-  for (int64_t l = 0; l < L; l++) {
+  for (int64_t l = 0; l < L; l++)
     TORCH_CHECK(K[l].dim() == 4 && K[l].scalar_type() == at::kBFloat16 && K[l].is_contiguous() && V[l].sizes() == K[l].sizes() &&
-                V[l].scalar_type() == at::kBFloat16 && V[l].is_contiguous() && K[l].sizes() == K[0].sizes(),
+                V[l].scalar_type() == at::kBFloat16 && V[l].is_contiguous() && K[l].sizes() == K[0].sizes() &&
+                K[l].size(1) == Hk && K[l].size(3) == D,
                 "K, V: (S, Hk, room, D) bfloat16, contiguous, alike in every layer");
-    const at::Tensor* lw = w.data() + 10 * l;
-    for (int j : {0, 5})
-      TORCH_CHECK(lw[j].dim() == 1 && lw[j].scalar_type() == at::kFloat && lw[j].is_contiguous() && lw[j].size(0) == hid,
-                  "norm weights: (hidden,) float32");
-    Layer y{lw[0].data_ptr<float>(), lw[5].data_ptr<float>(), (float)eps[2 * l], (float)eps[2 * l + 1],
-            product_of(lw[1], lw[2], hid, "q/k/v"), product_of(lw[3], lw[4], H * D, "o"), product_of(lw[6], lw[7], hid, "gate/up"), {}};
-    TORCH_CHECK(y.qkv.N == (H + 2 * Hk) * D && y.o.N == hid && y.gu.N % 2 == 0 && (l == 0 || y.gu.N == 2 * I),
-                "q/k/v, o or gate/up widths disagree with the heads or the other layers");
-    I = y.gu.N / 2;
-    y.down = product_of(lw[8], lw[9], I, "down");
-    TORCH_CHECK(y.down.N == hid, "down's width is not the hidden size");
-    layers.push_back(y);
-  }
+  const std::vector<Layer>& layers = w->layers;
   for (int64_t r = 0; r < R; r++)
     TORCH_CHECK(sl[r] >= 0 && sl[r] < K[0].size(0) && ps[r] >= 0 && ps[r] < room, "slot or position outside the buffers");
   const int64_t wide = std::max({hid, H * D, I});  // the widest product input
@@ -123,7 +147,7 @@ void decode_layers(at::Tensor h, at::TensorList w, at::ArrayRef<double> eps, con
   for (int64_t l = 0; l < L; l++)
     for (int64_t g = 0; g < G; g++) {
       const at::Tensor* pre = prefix.data() + 4 * (l * G + g);
-      att.emplace_back(qg[g].data(), rows[g].numel(), Hk, H / Hk, D, pre[0], pre[1], K[l], V[l], slots[g], lens[g], scale,
+      att.emplace_back(qg[g].data(), rows[g].numel(), Hk, H / Hk, D, pre[0], pre[1], K[l], V[l], slots[g], lens[g], w->scale,
                        pre[2], pre[3], false);
     }
   const int64_t hd_ = H * D;
@@ -187,9 +211,17 @@ void decode_layers(at::Tensor h, at::TensorList w, at::ArrayRef<double> eps, con
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(cag, m) {
-  m.def("decode_layers(Tensor(a!) h, Tensor[] w, float[] eps, Tensor cos, Tensor sin, Tensor(b!)[] K, Tensor(c!)[] V, "
-        "Tensor rows_slot, Tensor rows_pos, int H, Tensor[] prefix, Tensor[] rows, Tensor[] slots, Tensor[] lens, "
-        "float scale) -> ()");
+  m.class_<DecodeWeights>("DecodeWeights")
+      .def(torch::init<int64_t, int64_t, int64_t, int64_t, double>(), "",
+           {torch::arg("heads"), torch::arg("kv_heads"), torch::arg("head_dim"), torch::arg("hidden"), torch::arg("scale")})
+      .def("add_layer", &DecodeWeights::add_layer, "",
+           {torch::arg("input_norm"), torch::arg("input_eps"), torch::arg("qkv"), torch::arg("qkv_scales"), torch::arg("o"),
+            torch::arg("o_scales"), torch::arg("post_norm"), torch::arg("post_eps"), torch::arg("gate_up"),
+            torch::arg("gate_up_scales"), torch::arg("down"), torch::arg("down_scales")})
+      .def("__len__", &DecodeWeights::size);
+  m.def("decode_layers(Tensor(a!) h, __torch__.torch.classes.cag.DecodeWeights w, Tensor cos, Tensor sin, Tensor(b!)[] K, "
+        "Tensor(c!)[] V, Tensor rows_slot, Tensor rows_pos, Tensor[] prefix, Tensor[] rows, Tensor[] slots, "
+        "Tensor[] lens) -> ()");
 }
 TORCH_LIBRARY_IMPL(cag, CPU, m) {
   m.impl("decode_layers", decode_layers);

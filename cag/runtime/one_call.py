@@ -9,13 +9,12 @@ attention over the pre-paired prefix and the slots, silu x up, the residual adds
 one parallel region, in the same order: the same bits as the separate ops (tests/test_native.py), so
 `cag` == `full` and batched == alone hold as before.
 
-`weights(model)` gives what the call takes, once; None where any layer lacks it (int8 or fp32,
-biases, another activation): the step then runs the separate ops.
+`weights(step, model)` gives what the call takes, once: a torch.classes.cag.DecodeWeights holding each
+layer's named tensors, checked when added; None where any layer lacks them (int8 or fp32, biases,
+another activation): the step then runs the separate ops.
 """
 
 from __future__ import annotations
-
-from typing import NamedTuple
 
 import torch
 
@@ -44,22 +43,21 @@ def own(lin):
     return lin.packs if getattr(lin, "cols", 0) is None else None
 
 
-class Weights(NamedTuple):
-    tensors: list[torch.Tensor]  # per layer: input norm, q/k/v (2 tensors), o, post-attention norm, gate/up, down
-    eps: list[float]  # per layer: its two norms' epsilons
-
-
-def weights(step, model) -> Weights | None:
-    """All layers' weights as decode_layers takes them, or None where some layer lacks them. `step`:
-    the lean step with its glue (so its layers have stacked q/k/v and gate/up, and silu)."""
-    out = Weights([], [])
+def weights(step, model):
+    """All layers' weights as decode_layers takes them (a torch.classes.cag.DecodeWeights, each layer's tensors
+    named and checked once here), or None where some layer lacks them. `step`: the lean step with its glue (so
+    its layers have stacked q/k/v and gate/up, and silu)."""
+    first = step.fns[0]
+    out = torch.classes.cag.DecodeWeights(heads=step.n_kv * step.rep, kv_heads=step.n_kv, head_dim=step.head_dim,
+                                          hidden=model.config.hidden_size, scale=first.scale)
     for f, layer in zip(step.fns, model.model.layers):
         qkv, o, gu, dn = (_packed(p) for p in (f.qkv_packed, own(layer.self_attn.o_proj), f.gu_packed,
                                              own(layer.mlp.down_proj)))
         if None in (qkv, o, gu, dn) or any(n.dtype != torch.float32 for n in (f.norm1, f.norm2)):
             return None
-        out.tensors.extend([f.norm1.contiguous(), *qkv, *o, f.norm2.contiguous(), *gu, *dn])
-        out.eps.extend([f.eps1, f.eps2])
+        out.add_layer(input_norm=f.norm1.contiguous(), input_eps=f.eps1, qkv=qkv[0], qkv_scales=qkv[1], o=o[0],
+                      o_scales=o[1], post_norm=f.norm2.contiguous(), post_eps=f.eps2, gate_up=gu[0], gate_up_scales=gu[1],
+                      down=dn[0], down_scales=dn[1])
     return out
 
 
@@ -92,7 +90,5 @@ def layers(step, r, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, buffe
         slots.append(r.slots_cpu if idx is None else r.slots_cpu[j])
         lens.append(r.lens if idx is None else r.lens[j])
     flat = flats[0] if len(flats) == 1 else [t for i in range(L) for f in flats for t in f[4 * i : 4 * i + 4]]
-    w = step.fused
-    torch.ops.cag.decode_layers(h, w.tensors, w.eps, cos, sin, buffers.k, buffers.v, rows_slot, rows_pos,
-                                step.n_kv * step.rep, flat, rows, slots, lens, step.fns[0].scale)
+    torch.ops.cag.decode_layers(h, step.fused, cos, sin, buffers.k, buffers.v, rows_slot, rows_pos, flat, rows, slots, lens)
     return h
