@@ -205,3 +205,23 @@ def test_phi3_layers_in_one_native_call_are_the_separate_ops(family_dirs, monkey
     if why := native.why_not():
         pytest.skip(f"cag's kernels cannot run here: {why}")
     same_bits(None, family_dirs["phi3"], monkeypatch, 300, [0, 3, 6], [0, 1, 0], weights)
+
+
+@pytest.mark.parametrize(("family", "hidden", "heads", "kv_heads"), [("phi3", 384, 4, 2), ("llama", 512, 2, 1)])
+def test_heads_of_96_and_256_decode_through_the_native_layers(tmp_path, small_corpus, monkeypatch, family, hidden, heads, kv_heads):
+    """Heads of 96 (Phi-3-mini's) and 256 go through cag's attention and all layers in one call: cag ==
+    full, alone and together, int4 weights."""
+    tok = _train_tokenizer([p.read_text() for p in sorted(HANDBOOK.glob("*.md"))] + ["What is the answer? The answer is 42."])
+    ids = dict(vocab=len(tok), pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
+    build(family, hidden=hidden, heads=heads, kv_heads=kv_heads, init=0.15, tie_word_embeddings=True, **ids).save_pretrained(tmp_path)
+    tok.save_pretrained(tmp_path)
+    engine = _engine(monkeypatch, tmp_path, "int4", "avx512")
+    assert engine.lm.head_dim == hidden // heads and describe.decode_path(engine.lm)["native"] == "layers"
+    engine.ingest(str(small_corpus))
+    alone = []
+    for q in QUESTIONS[:3]:
+        cached = engine.ask("corpus", q, max_tokens=12).token_ids
+        assert len(cached) == 12 and cached == engine.ask("corpus", q, max_tokens=12, mode="full").token_ids
+        alone.append(cached)
+    assert len({tuple(a) for a in alone}) > 1
+    assert together(engine, [lambda q=q: engine.ask("corpus", q, max_tokens=12).token_ids for q in QUESTIONS[:3]]) == alone

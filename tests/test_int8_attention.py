@@ -56,6 +56,8 @@ def reference(q, kd, vd, ks, vs, slots, lens, scale):
     (1, 3, 9, [2], 64),               # fewer keys than a block of 16
     (6, 3, 300, [7] * 6, 64),         # 18 rows on one prefix: more than one block of 16 rows
     (2, 2, 0, [3, 40], 64),           # no prefix
+    (2, 4, 300, [3, 20], 96),         # heads of 96 (Phi-3)
+    (1, 2, 270, [9], 256),            # heads of 256
 ])
 def test_int8_prefix_computes_attention(B, R, n, lens, D):
     args, kd, vd = int8_case(B, R, n, lens, D)

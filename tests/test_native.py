@@ -64,9 +64,15 @@ def reference(q, kp, vp, ks, vs, slots, lens, scale):
     (2, 2, 0, [3, 40], 64),         # no prefix
     (2, 5, 257, [1, 2], 128),        # heads of 128; a prefix one key past a chunk
     (6, 3, 300, [7] * 6, 64),        # 18 rows on one prefix: more than one block of 16 rows
+    (2, 4, 300, [3, 260], 96),       # heads of 96 (Phi-3): three 32-dim groups a key
+    (2, 2, 270, [1, 9], 256),        # heads of 256, the widest
 ])
 def test_kernel_computes_attention(kernel, B, R, n, lens, D):
     args = case(B, R, n, lens, D)
+    if kernel is torch.ops.cag.decode_attention and D % 64:  # AMX sums values 64 dims at a time: the step takes avx512's
+        with pytest.raises(RuntimeError, match="AMX attention takes heads of 64, 128 or 256"):
+            kernel(*args, D ** -0.5)
+        return
     got = kernel(*args, D ** -0.5)
     assert got.shape == args[0].shape and got.dtype == torch.float32
     want = reference(*args, D ** -0.5)
@@ -98,6 +104,7 @@ def test_bad_inputs_are_refused(kernel):
 @pytest.mark.parametrize(("B", "R", "n", "lens", "D"), [
     (1, 3, 4096, [1], 64), (3, 3, 1000, [5, 300, 17], 64), (2, 2, 0, [3, 40], 64), (2, 5, 257, [1, 2], 128),
     (1, 3, 9, [2], 64),  # fewer keys than a block of 16, an odd count: pairs padded with zeros
+    (2, 4, 301, [3, 7], 96), (1, 2, 259, [5], 256),  # heads of 96 and 256
 ])
 def test_a_pre_paired_prefix_gives_the_same_bits(library, B, R, n, lens, D):
     """pair_kv lays a resident prefix out once as the AVX-512 kernel reads it (K's dim pairs per 16

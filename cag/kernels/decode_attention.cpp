@@ -356,8 +356,12 @@ void item_avx512(const float* const* q, int64_t rows, const at::BFloat16* k, con
                  int64_t w, int64_t D, float scale, Partial* part, float* const* acc,
                  const uint32_t* kpre = nullptr, const uint32_t* vpre = nullptr,
                  const char* nk = nullptr, int64_t nkb = 0, const char* nv = nullptr, int64_t nvb = 0) {
-  if (D == 64) item_avx512_d<64>(q, rows, k, v, stride, w, scale, part, acc, kpre, vpre, nk, nkb, nv, nvb);
-  else item_avx512_d<128>(q, rows, k, v, stride, w, scale, part, acc, kpre, vpre, nk, nkb, nv, nvb);
+  switch (D) {
+    case 64: item_avx512_d<64>(q, rows, k, v, stride, w, scale, part, acc, kpre, vpre, nk, nkb, nv, nvb); break;
+    case 96: item_avx512_d<96>(q, rows, k, v, stride, w, scale, part, acc, kpre, vpre, nk, nkb, nv, nvb); break;
+    case 128: item_avx512_d<128>(q, rows, k, v, stride, w, scale, part, acc, kpre, vpre, nk, nkb, nv, nvb); break;
+    default: item_avx512_d<256>(q, rows, k, v, stride, w, scale, part, acc, kpre, vpre, nk, nkb, nv, nvb);
+  }
 }
 
 // k, v (H, n, D) bf16, rows contiguous -> kt (H, nc, D/2, C) int32, kt[h][c][i][t] = (K[cC + t][2i],
@@ -367,7 +371,7 @@ std::tuple<at::Tensor, at::Tensor> pair_kv(const at::Tensor& k, const at::Tensor
   TORCH_CHECK(k.dim() == 3 && v.sizes() == k.sizes() && k.scalar_type() == at::kBFloat16 && v.scalar_type() == at::kBFloat16 &&
               k.stride(2) == 1 && v.stride(2) == 1, "k, v: (H, n, D) bfloat16, rows contiguous");
   const int64_t H = k.size(0), n = k.size(1), D = k.size(2), nc = (n + C - 1) / C, nu = (n + 1) / 2;
-  TORCH_CHECK(D == 64 || D == 128, "head dim 64 or 128");
+  TORCH_CHECK(cagk::head_dim_ok(D), "head dim 64, 96, 128 or 256");
   at::Tensor kt = at::zeros({H, nc, D / 2, C}, k.options().dtype(at::kInt));
   at::Tensor vt = at::empty({H, nu, D}, k.options().dtype(at::kInt));
   const at::BFloat16* kd = k.data_ptr<at::BFloat16>();
@@ -419,8 +423,9 @@ Attention::Attention(const float* q, int64_t B, int64_t H, int64_t R, int64_t D,
   TORCH_CHECK(!amx, "this library was built for a CPU without AMX: use decode_attention_avx512");
 #endif
   TORCH_CHECK(!amx || amx_permitted(), "the kernel refused to start: Linux did not grant AMX tile state to this process");
+  TORCH_CHECK(!amx || D % 64 == 0, "the AMX attention takes heads of 64, 128 or 256 (it sums values 64 dims a tile group)");
   TORCH_CHECK(kp.dim() == 3 && vp.dim() == 3 && ks.dim() == 4 && vs.dim() == 4, "K/V: (H, n, D) prefix and (S, H, room, D) slots");
-  TORCH_CHECK(D == 64 || D == 128, "head dim 64 or 128");
+  TORCH_CHECK(cagk::head_dim_ok(D), "head dim 64, 96, 128 or 256");
   n = kp.size(1);
   for (const at::Tensor* t : {&kp, &vp, &ks, &vs})
     TORCH_CHECK(t->scalar_type() == at::kBFloat16 && t->stride(-1) == 1 && t->stride(-2) % 2 == 0 && t->size(-1) == D &&

@@ -137,7 +137,7 @@ std::tuple<at::Tensor, at::Tensor> pair_kv8(const at::Tensor& k, const at::Tenso
   TORCH_CHECK(k.dim() == 3 && v.sizes() == k.sizes() && k.scalar_type() == at::kChar && v.scalar_type() == at::kChar &&
               k.is_contiguous() && v.is_contiguous(), "k, v: (H, n, D) int8, contiguous");
   const int64_t H = k.size(0), n = k.size(1), D = k.size(2), NB = D / B32, nc = (n + C - 1) / C;
-  TORCH_CHECK(D == 64 || D == 128, "head dim 64 or 128");
+  TORCH_CHECK(cagk::head_dim_ok(D), "head dim 64, 96, 128 or 256");
   for (const at::Tensor* s : {&ks, &vs})
     TORCH_CHECK(s->scalar_type() == at::kHalf && s->is_contiguous() && s->sizes() == at::IntArrayRef({H, n, NB}),
                 "ks, vs: (H, n, D/32) float16, contiguous (blocks of 32)");
@@ -175,8 +175,12 @@ namespace cagk {
 
 void item_int8(const float* const* q, int64_t rows, const uint8_t* kc, const uint8_t* vc, int64_t w, int64_t D, float scale,
                Partial* part, float* const* acc, const char* nk, const char* nv) {
-  if (D == 64) item_int8_d<64>(q, rows, kc, vc, w, scale, part, acc, nk, nv);
-  else item_int8_d<128>(q, rows, kc, vc, w, scale, part, acc, nk, nv);
+  switch (D) {
+    case 64: item_int8_d<64>(q, rows, kc, vc, w, scale, part, acc, nk, nv); break;
+    case 96: item_int8_d<96>(q, rows, kc, vc, w, scale, part, acc, nk, nv); break;
+    case 128: item_int8_d<128>(q, rows, kc, vc, w, scale, part, acc, nk, nv); break;
+    default: item_int8_d<256>(q, rows, kc, vc, w, scale, part, acc, nk, nv);
+  }
 }
 
 }  // namespace cagk

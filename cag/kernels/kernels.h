@@ -9,7 +9,9 @@
 namespace cagk {
 
 constexpr int64_t CHUNK = 256;  // keys per attention item: its K and V stay in L2
-constexpr int64_t MAXD = 128;   // the widest head
+constexpr int64_t MAXD = 256;   // the widest head
+// The head widths the attention kernels are compiled for (each a template instance: accumulators in registers).
+constexpr bool head_dim_ok(int64_t D) { return D == 64 || D == 96 || D == 128 || D == 256; }
 
 // products.cpp. int4: x (M, K) bf16 -> xp (M, K) bf16 in the order the nibbles unpack, xs (M, K/32)
 // float32 group sums; then outputs [n0, n1) of y (M, N) float32 from qw (N, K/2), dm (N, 2, K/32).

@@ -105,6 +105,8 @@ class LeanStep:
         half = self.head_dim // 2
         # decode rows over bf16 K/V through cag.kernels.native's kernel (CAG_DECODE_KERNELS resolved to amx or avx512 at load)
         mode = getattr(model, native.ATTR, "torch")
+        if mode == "amx" and self.head_dim % 64:  # the AMX attention sums values 64 dims at a time: avx512's takes 96
+            mode = "avx512"
         self.kernel = native.attention(mode) if mode in ("amx", "avx512") and native.load() and self.head_dim in native.HEAD_DIMS else None
         # and with it, for float32 compute over packed products, the glue around them in one call each: RMSNorm
         # straight to the products' bf16 input, rope of q and k with the K/V write (same bits as the formulas
