@@ -38,6 +38,19 @@ def together(engine, calls: list) -> list:
         return list(pool.map(run, calls))
 
 
+def cached_is_full_alone_and_together(engine, questions: list[str], n: int, distinct: bool = True) -> list[list[int]]:
+    """Each question's `n` cached tokens == its `full` tokens; asked together, the same tokens again; and
+    (`distinct`) not every question answered alike. Returns the answers."""
+    alone = []
+    for q in questions:
+        cached = engine.ask("corpus", q, max_tokens=n).token_ids
+        assert len(cached) == n and cached == engine.ask("corpus", q, max_tokens=n, mode="full").token_ids
+        alone.append(cached)
+    assert not distinct or len({tuple(a) for a in alone}) > 1  # different questions, different answers
+    assert together(engine, [lambda q=q: engine.ask("corpus", q, max_tokens=n).token_ids for q in questions]) == alone
+    return alone
+
+
 @pytest.fixture(params=formats("bf16", "int8"))
 def tiny_engine(request, tiny_model_dir, monkeypatch):
     """The tiny model decoding in a packed format: those kernels give each row the same bits whatever

@@ -30,7 +30,7 @@ from cag.runtime.slots import Prefix, Slots
 from tests import test_step as ts
 from tests.conftest import HANDBOOK, _train_tokenizer
 from tests.cpu import formats
-from tests.test_batch import together
+from tests.test_batch import cached_is_full_alone_and_together
 from tests.test_exactness import QUESTIONS
 
 NEW = ["qwen3", "phi3", "granite", "olmo2"]
@@ -144,13 +144,7 @@ def test_cag_equals_full_alone_and_together(family_dirs, small_corpus, monkeypat
                                        "step": "fast", "step_reason": None, "native": native_path}
     assert (step.glue is not None) == (kernels != "torch") and (step.fused is not None) == (native_path == "layers")
     engine.ingest(str(small_corpus))
-    alone = []
-    for q in QUESTIONS[:3]:
-        cached = engine.ask("corpus", q, max_tokens=16).token_ids
-        assert len(cached) == 16 and cached == engine.ask("corpus", q, max_tokens=16, mode="full").token_ids
-        alone.append(cached)
-    assert len({tuple(a) for a in alone}) > 1  # different questions, different answers
-    assert together(engine, [lambda q=q: engine.ask("corpus", q, max_tokens=16).token_ids for q in QUESTIONS[:3]]) == alone
+    cached_is_full_alone_and_together(engine, QUESTIONS[:3], 16)
 
 
 @pytest.mark.parametrize("name", NEW)
@@ -218,10 +212,4 @@ def test_heads_of_96_and_256_decode_through_the_native_layers(tmp_path, small_co
     engine = _engine(monkeypatch, tmp_path, "int4", "avx512")
     assert engine.lm.head_dim == hidden // heads and describe.decode_path(engine.lm)["native"] == "layers"
     engine.ingest(str(small_corpus))
-    alone = []
-    for q in QUESTIONS[:3]:
-        cached = engine.ask("corpus", q, max_tokens=12).token_ids
-        assert len(cached) == 12 and cached == engine.ask("corpus", q, max_tokens=12, mode="full").token_ids
-        alone.append(cached)
-    assert len({tuple(a) for a in alone}) > 1
-    assert together(engine, [lambda q=q: engine.ask("corpus", q, max_tokens=12).token_ids for q in QUESTIONS[:3]]) == alone
+    cached_is_full_alone_and_together(engine, QUESTIONS[:3], 12)

@@ -18,7 +18,7 @@ from cag.kernels import native
 from cag.model import weights as weights_mod
 from cag.runtime import one_call
 from cag.runtime import step as lean
-from tests.test_batch import together
+from tests.test_batch import cached_is_full_alone_and_together
 from tests.test_exactness import QUESTIONS
 from tests.test_step import one_part
 
@@ -224,12 +224,7 @@ def test_cag_equals_full_through_the_kernels(library, tiny64_model_dir, small_co
     packs = [m.packs for m in engine.lm.model.modules() if isinstance(m, weights_mod.FastLinear)]
     assert packs and all(isinstance(p, weights_mod.NativePacked) for p in packs)  # every product through cag's own kernel
     engine.ingest(str(small_corpus))
-    alone = []
-    for q in QUESTIONS[:3]:
-        cached = engine.ask("corpus", q, max_tokens=16).token_ids
-        assert len(cached) == 16 and cached == engine.ask("corpus", q, max_tokens=16, mode="full").token_ids
-        alone.append(cached)
-    assert together(engine, [lambda q=q: engine.ask("corpus", q, max_tokens=16).token_ids for q in QUESTIONS[:3]]) == alone
+    cached_is_full_alone_and_together(engine, QUESTIONS[:3], 16, distinct=False)
     (res,) = engine.resident._items.values()
     pairs = res.prefix.made.get("pairs", {})  # the AMX attention reads the K/V as stored: no pairs
     int8 = kv_dtype == "int8" and mode == "avx512"  # the AVX-512 kernel reads the codes; AMX the dequantized K/V
