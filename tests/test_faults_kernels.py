@@ -212,7 +212,8 @@ def test_a_cpu_that_cannot_run_the_kernels_is_the_reason_given_first(tiny_model_
 
     monkeypatch.setenv("CAG_MODEL", str(tiny_model_dir))
     monkeypatch.setenv("CAG_WEIGHTS", "fp32")  # the AVX2 products are int4's
-    monkeypatch.setattr(native, "cpu_why_not", lambda: "this CPU lacks avx512f, avx512_bf16")
+    below = {native.FLAGS: "this CPU lacks avx512f, avx512_bf16", native.AVX2_FLAGS: None}  # an AVX2-only CPU
+    monkeypatch.setattr(native, "cpu_why_not", lambda flags=native.FLAGS: below[flags])
     lm = Engine(get_settings()).lm
     assert (lm.kernels, lm.kernels_why) == ("torch", "cag's kernels cannot run here: this CPU lacks avx512f, avx512_bf16")
     monkeypatch.setenv("CAG_WEIGHTS", "int4")
@@ -230,7 +231,8 @@ def test_a_cpu_below_the_avx512_floor_with_avx2_gets_the_avx2_products_for_int4(
         pytest.skip(f"cag's AVX2 products cannot run here: {why}")
     monkeypatch.setenv("CAG_MODEL", str(tiny_model_dir))
     monkeypatch.setenv("CAG_WEIGHTS", "int4")
-    monkeypatch.setattr(native, "cpu_why_not", lambda: "this CPU lacks avx512f, avx512_bf16")
+    below = {native.FLAGS: "this CPU lacks avx512f, avx512_bf16", native.AVX2_FLAGS: None}  # an AVX2-only CPU
+    monkeypatch.setattr(native, "cpu_why_not", lambda flags=native.FLAGS: below[flags])
     lm = Engine(get_settings()).lm
     assert (lm.kernels, lm.kernels_why) == (
         "avx2", "cag's AVX2 products run on this CPU (its attention and layer kernels need AVX512-BF16: this CPU lacks avx512f, avx512_bf16)")
