@@ -40,14 +40,18 @@ def together(engine, calls: list) -> list:
 
 def cached_is_full_alone_and_together(engine, questions: list[str], n: int, distinct: bool = True) -> list[list[int]]:
     """Each question's `n` cached tokens == its `full` tokens; asked together, the same tokens again; and
-    (`distinct`) not every question answered alike. Returns the answers."""
+    (`distinct`) not every question answered alike. Returns the answers. No stop token before the `n`th
+    (min_tokens): a random model's answer is as long as asked, whatever it picks."""
+    from cag.runtime.generate import DecodeConfig
+
+    d = DecodeConfig(max_tokens=n, min_tokens=n)
     alone = []
     for q in questions:
-        cached = engine.ask("corpus", q, max_tokens=n).token_ids
-        assert len(cached) == n and cached == engine.ask("corpus", q, max_tokens=n, mode="full").token_ids
+        cached = engine.ask("corpus", q, max_tokens=n, decoding=d).token_ids
+        assert len(cached) == n and cached == engine.ask("corpus", q, max_tokens=n, mode="full", decoding=d).token_ids
         alone.append(cached)
     assert not distinct or len({tuple(a) for a in alone}) > 1  # different questions, different answers
-    assert together(engine, [lambda q=q: engine.ask("corpus", q, max_tokens=n).token_ids for q in questions]) == alone
+    assert together(engine, [lambda q=q: engine.ask("corpus", q, max_tokens=n, decoding=d).token_ids for q in questions]) == alone
     return alone
 
 

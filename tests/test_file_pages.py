@@ -115,3 +115,39 @@ def test_a_weights_file_rewritten_under_a_loaded_model_is_refused_before_a_prefi
         with pytest.raises(ModelChanged, match="changed on disk after it was loaded; restart"):
             refused()
     assert e.index.corpus("corpus")["current_snapshot"]  # what was stored stays
+
+
+@pytest.mark.parametrize("kernels", ["avx512", "torch"])
+def test_computed_in_bf16_a_bf16_checkpoint_stays_in_its_file_under_every_format(tiny64_model_dir, small_corpus, tmp_path, monkeypatch, kernels):
+    """Computed in bf16, the layer matrices of a bf16 checkpoint stay views of its file under the packed
+    formats (no stack of them, no bf16 question copy beside int4's: a question's rows take the packed
+    copy), and the snapshots are bit for bit the same in every format; cag == full in each."""
+    from cag.config import get_settings
+    from cag.engine import Engine
+    from cag.kernels import native
+    from cag.model import weights
+    from cag.store import snapshots
+
+    if kernels == "avx512" and (why := native.why_not()):
+        pytest.skip(f"cag's kernels cannot run here: {why}")
+    folder = _bf16_checkpoint(tiny64_model_dir, tmp_path / "bf16")
+    monkeypatch.setenv("CAG_MODEL", str(folder))
+    monkeypatch.setenv("CAG_DTYPE", "bfloat16")
+    monkeypatch.setenv("CAG_DECODE_KERNELS", kernels)
+    kv = {}
+    for fmt in ("fp32", "bf16", "int4") if weights.bf16_packs() else ("fp32", "int4"):
+        monkeypatch.setenv("CAG_WEIGHTS", fmt)
+        e = Engine(get_settings(home=tmp_path / fmt))
+        layer = e.lm.model.model.layers[0]
+        matrices = [layer.self_attn.q_proj, layer.self_attn.o_proj, layer.mlp.gate_proj, layer.mlp.down_proj]
+        assert all(m.weight.dtype == torch.bfloat16 for m in matrices), fmt
+        if fmt != "fp32":
+            assert all(file_pages.file_backed(m.weight) for m in matrices), fmt
+        if fmt == "int4":
+            assert all(m.packs.questions is None and m.packs.nbytes < m.weight.nbytes for m in matrices)
+        e.ingest(str(small_corpus))
+        kv[fmt] = snapshots.load(Path(e.index.snapshot(e.index.corpus("corpus")["current_snapshot"])["path"])).kv
+        a = [e.ask("corpus", "Who keeps the lighthouse?", mode=m, max_tokens=8).token_ids for m in ("cag", "full")]
+        assert a[0] == a[1] and len(a[0]) > 1, fmt  # cag == full
+    for fmt in set(kv) - {"fp32"}:
+        assert all(torch.equal(a, b) for pa, pb in zip(kv["fp32"], kv[fmt]) for a, b in zip(pa, pb)), fmt

@@ -244,22 +244,31 @@ def test_a_question_rides_along_a_decode_step(tiny_model_dir, models_dir):
 
 @needs_bf16
 @torch.inference_mode()
-def test_a_questions_rows_multiply_in_bf16_under_the_integer_formats(tiny_model_dir, models_dir):
-    """int4 decode rows read the 4-bit copy; a question's rows (a part of more than one token per
-    request) read a bf16 copy, so a question's pass under int4 gives bf16's bits exactly (the two bf16
-    layouts agree up to 32 rows), alone or riding along a decode step. A decode row does not."""
+@pytest.mark.parametrize("in_file", [False, True])
+def test_a_questions_rows_multiply_in_bf16_under_the_integer_formats_unless_the_weights_are_in_their_file(
+        tiny_model_dir, models_dir, monkeypatch, in_file):
+    """int4 decode rows read the 4-bit copy. A model held in memory of its own multiplies a question's
+    rows (a part of more than one token per request) by a bf16 copy, so a question's pass under int4
+    gives bf16's bits exactly (the two bf16 layouts agree up to 32 rows), alone or riding along a decode
+    step; a decode row does not. A model whose weights view their file keeps no bf16 copy: a question's
+    rows read the 4-bit one, and still get the same bits alone or riding along."""
+    from cag.model import file_pages
     from cag.runtime.rows import Part
 
+    if not in_file:  # as if the weights were the process's own memory (a model built or converted in it)
+        monkeypatch.setattr(file_pages, "file_backed", lambda t, maps=None: False)
     int4, bf16 = (tiny(tiny_model_dir, models_dir, fmt=f) for f in ("int4", "bf16"))
+    copies = [m.packs.questions for m in int4.modules() if hasattr(m, "packs") and m.fmt == "int4"]
+    assert copies and all((c is None) == in_file for c in copies)
     prefix = prefix_of(int4)
     assert all(torch.equal(a, b) for pa, pb in zip(prefix.kv, prefix_of(bf16).kv) for a, b in zip(pa, pb))
     q4, qb = lean.for_model(int4), lean.for_model(bf16)
     question = Part(torch.tensor([QUESTION[:9]]), [prefix], torch.tensor([1]), torch.tensor([0]))
     decode = Part(torch.tensor([[5]]), [prefix], torch.tensor([0]), torch.tensor([0]))
     s4, s4_mixed, sb = new_slots(int4), new_slots(int4), new_slots(bf16)
-    want = qb.run([question], sb)[0]
-    assert torch.equal(q4.run([question], s4)[0], want)
+    want, alone = qb.run([question], sb)[0], q4.run([question], s4)[0]
+    assert torch.equal(alone, want) != in_file
     mixed = q4.run([decode, question], s4_mixed)
-    assert torch.equal(mixed[1], want)
+    assert torch.equal(mixed[1], alone)
     assert torch.equal(mixed[0], q4.run([decode], new_slots(int4))[0])  # the decode row: int4, alone or not
     assert not torch.equal(mixed[0], qb.run([decode], new_slots(bf16))[0])

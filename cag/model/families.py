@@ -152,12 +152,15 @@ def why_not(model) -> str | None:
 
 
 
-def qk_norms(attn, fam: Family, rms: Callable, d: int) -> Callable | None:
+def qk_norms(attn, fam: Family, rms: Callable, d: int, dtype: torch.dtype | None = None) -> Callable | None:
     """(q (R, H*D), k (R, H_kv*D)) -> q, k normed as the family's attention norms them before rope:
-    over each head's D (Qwen3: (R, H, D) out) or over the whole projection (OLMo-2); None: not at all."""
+    over each head's D (Qwen3: (R, H, D) out) or over the whole projection (OLMo-2); None: not at all.
+    `dtype`: the step's, which the norm weights are widened to (None: as they are)."""
     if fam.qk_norm is None:
         return None
     wq, eq, wk, ek = attn.q_norm.weight, attn.q_norm.variance_epsilon, attn.k_norm.weight, attn.k_norm.variance_epsilon
+    if dtype is not None:
+        wq, wk = wq.to(dtype), wk.to(dtype)
     if fam.qk_norm == "all":
         return lambda q, k: (rms(q, wq, eq), rms(k, wk, ek))
     return lambda q, k: (rms(q.view(q.shape[0], -1, d), wq, eq), rms(k.view(k.shape[0], -1, d), wk, ek))

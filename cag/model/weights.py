@@ -18,15 +18,17 @@ as a plain matrix, and a question's rows (int8, int4) through the bf16 product; 
 With its AVX2 products (CAG_DECODE_KERNELS=avx2, CPUs below the AVX512-BF16 floor) int4 and its q8
 head take the same layouts, a question's rows the same copy as decode rows (Avx2Packed).
 
-A question's rows (a question part: cag.runtime.rows.Part.asks) are multiplied in bf16 in
-int8 and int4 too, from a second, bf16 copy (FEW layout, calls of <= FEW rows): the integer kernels
-dequantize per row (their cost grows with the rows, bf16's hardly: bench/bench_decode.py), so a
-question's pass costs what bf16's does while every decode row still reads
-the small copy. The role, not the row count, picks the copy, so a row's bits never depend on what
-else shares its pass.
+A question's rows (a question part: cag.runtime.rows.Part.asks) take the decode rows' copy where
+the model's weights view their checkpoint file: those stay in the file (pages released once packed)
+and a bf16 copy would be the biggest thing in memory. A model held in memory of its own keeps a
+bf16 copy for them in int8 and int4 (FEW layout with torch's kernels, calls of <= FEW rows; under
+bf16 compute cag's kernels take the model's own weights, stacked): the integer kernels dequantize per
+row (their cost grows with the rows, bf16's hardly: bench/bench_decode.py). The role, not the row
+count, picks the copy, so a row's bits never depend on what else shares its pass.
 
-Activations enter the packed kernels as bf16 (the kernels' input dtype) and leave in the model's
-dtype; the residual stream and norms stay in the compute dtype; decode attention reads resident
+Activations enter the packed kernels as bf16 (the kernels' input dtype) and leave as float32, the
+lean step's dtype on the CPU whatever the compute dtype (cag.runtime.step; a transformers forward
+decoding through them casts back to its own); decode attention reads resident
 prefixes and request buffers held in bf16 (LoadedModel.attn_dtype: half the cache bytes a step reads). Prefill
 (and so every snapshot) never touches the packed copy: snapshots do not depend on this setting.
 Both `cag` and `full` decode through the same modules, so cag == full holds in every format.
@@ -58,6 +60,7 @@ ROWS = 128
 # result never depends on which one ran (tests/test_batch.py). A vocabulary-sized output (the LM head:
 # one row per request) keeps the FEW layout alone, in calls of at most FEW rows.
 FEW, WIDE = 32, 16384
+ALIGN = 16  # bytes: the alignment from which a float32 product's bits no longer depend on it (FastLinear.forward)
 _mode = threading.local()
 
 
@@ -200,14 +203,15 @@ class NativePacked(Packed):
     plain bf16 copy (int4) or the format's own product (bf16, q8). `plain`: the float32 result is the
     answer as it is (no bias, float32 compute), so cag.runtime.one_call can take the copy."""
 
-    def __init__(self, w: torch.Tensor, bias: torch.Tensor | None, fmt: str, out_dtype: torch.dtype | None = None):
+    def __init__(self, w: torch.Tensor, bias: torch.Tensor | None, fmt: str, out_dtype: torch.dtype | None = None,
+                 questions: bool = True):
         super().__init__(w, bias, fmt, out_dtype)
         w = w.detach()
         self.packed = {"int4": pack_int4, "q8": pack_q8, "bf16": lambda w: w.to(torch.bfloat16).contiguous()}[fmt](w)
         self.mm = getattr(torch.ops.cag, NATIVE_MM[fmt])
         self.plain = bias is None and self.out_dtype == torch.float32
         self._direct = self.plain and fmt in ("int4", "q8")  # called as the step hands rows over: nothing to convert
-        self.questions = w.to(torch.bfloat16).contiguous() if fmt == "int4" else None
+        self.questions = w.to(torch.bfloat16).contiguous() if fmt == "int4" and questions else None
 
     def __call__(self, x: torch.Tensor, roles: list[tuple[int, bool]] | None = None) -> torch.Tensor:
         if roles is None and self._direct and x.dim() == 2 and x.dtype == torch.bfloat16 and x.is_contiguous():
@@ -226,7 +230,8 @@ class TorchPacked(Packed):
     layout for calls of more than FEW rows); int8 / int4 multiply a question's rows by a bf16 copy in
     the few-rows layout (`questions`)."""
 
-    def __init__(self, w: torch.Tensor, bias: torch.Tensor | None, fmt: str, out_dtype: torch.dtype | None = None):
+    def __init__(self, w: torch.Tensor, bias: torch.Tensor | None, fmt: str, out_dtype: torch.dtype | None = None,
+                 questions: bool = True):
         super().__init__(w, bias, fmt, out_dtype)
         w = w.detach()
         self.packed = {"bf16": lambda w: _pack_bf16(w, FEW), "int8": _pack_int8, "int4": _pack_int4}[fmt](w)
@@ -234,7 +239,7 @@ class TorchPacked(Packed):
             self.many = _pack_bf16(w, 1) if self.out_features < WIDE else None
         else:
             self.many = None
-            self.questions = self._question_copy(w)
+            self.questions = self._question_copy(w) if questions else None
 
     @property
     def nbytes(self) -> int:
@@ -266,7 +271,7 @@ class TorchPackedNativeQuestions(TorchPacked):
         return w.to(torch.bfloat16).contiguous()
 
     def _rows(self, x2: torch.Tensor, question: bool) -> torch.Tensor:
-        if question:
+        if question and self.questions is not None:
             return torch.ops.cag.bf16_mm(x2.contiguous(), self.questions)
         return super()._rows(x2, question)
 
@@ -286,18 +291,19 @@ class Avx2Packed(Packed):
 
 
 def pack(w: torch.Tensor, bias: torch.Tensor | None, fmt: str, native: bool = False, out_dtype: torch.dtype | None = None,
-         avx2: bool = False) -> Packed:
+         avx2: bool = False, questions: bool = True) -> Packed:
     """The packed copy of an (out, in) weight for `fmt` on the kernel path this machine has: cag's own
     products where `native` (or `avx2`: its AVX2 products, int4 and q8) and the shapes allow (the input a
-    multiple of 32, of 64 for int4), else torch's."""
+    multiple of 32, of 64 for int4), else torch's. `questions`: int8 / int4 may keep a bf16 copy for a
+    question's rows (else they take the decode rows' copy)."""
     if avx2 and (fmt == "q8" and w.shape[1] % 32 == 0 or fmt == "int4" and w.shape[1] % 64 == 0) and cag_native.load_avx2():
         return Avx2Packed(w, bias, fmt, out_dtype)
     native = native and w.shape[1] % 32 == 0 and cag_native.load() is not None
     if native and (fmt in ("bf16", "q8") or fmt == "int4" and w.shape[1] % 64 == 0):
-        return NativePacked(w, bias, fmt, out_dtype)
+        return NativePacked(w, bias, fmt, out_dtype, questions)
     if native and fmt in ("int8", "int4"):
-        return TorchPackedNativeQuestions(w, bias, fmt, out_dtype)
-    return TorchPacked(w, bias, fmt, out_dtype)
+        return TorchPackedNativeQuestions(w, bias, fmt, out_dtype, questions)
+    return TorchPacked(w, bias, fmt, out_dtype, questions)
 
 
 def _torch_mm(x2: torch.Tensor, w, fmt: str) -> torch.Tensor:
@@ -317,17 +323,23 @@ class FastLinear(torch.nn.Module):
     output columns, never a column's sum: tests/test_batch.py)."""
 
     def __init__(self, linear: torch.nn.Linear, fmt: str, packs: Packed | None = None, cols: tuple[int, int] | None = None,
-                 native: bool = False, out_dtype: torch.dtype | None = None, avx2: bool = False):
+                 native: bool = False, out_dtype: torch.dtype | None = None, avx2: bool = False, questions: bool = True):
         super().__init__()
         self.in_features, self.out_features, self.fmt = linear.in_features, linear.out_features, fmt
         self.weight, self.bias = linear.weight, linear.bias  # the model's own (shared if tied)
-        self.packs = packs or pack(linear.weight, linear.bias, fmt, native, out_dtype, avx2)
+        self.packs = packs or pack(linear.weight, linear.bias, fmt, native, out_dtype, avx2, questions)
         self.cols = cols
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if getattr(_mode, "decoding", False) and x.numel() == self.in_features:  # one decode row
-            return self.decode(x)
+            return self.decode(x).to(x.dtype)  # the packed products give float32 (apply)
         w = self.weight if self.weight.dtype == x.dtype else self.weight.to(x.dtype)  # a narrowed weight: its exact values
+        if self.cols is not None and w.dtype == torch.float32 and w.data_ptr() % ALIGN:
+            # A group member left in its checkpoint file lies where the file put it (safetensors: 8-byte
+            # aligned), where the fp32 format makes it a view of its stack (16-byte aligned or more). A
+            # float32 product of one row sums differently over a weight aligned to less than 16 bytes, so
+            # it multiplies a fresh copy: the same snapshot in every format
+            w = w.clone()
         return F.linear(x, w, self.bias)
 
     def decode(self, x: torch.Tensor, roles: list[tuple[int, bool]] | None = None) -> torch.Tensor:
@@ -387,13 +399,17 @@ def apply(model: torch.nn.Module, fmt: str, native: bool = False, compute: torch
             m.weight.data = narrowed(m.weight.data)
         w = torch.cat([m.weight.detach() for m in lins])  # (sum of outs, in)
         b = None if lins[0].bias is None else torch.cat([m.bias.detach() for m in lins])
-        group = pack(w, b, fmt, native, compute, avx2)
+        # Members that view their checkpoint file stay there, their pages released: the stack is a passing
+        # copy, and a question's rows take the packed copy, not a bf16 one beside it (FastLinear.forward
+        # multiplies a float32 view at an odd address as a fresh copy). Members in memory of their own that
+        # the prefill multiplies as they are (the compute dtype), or whose question copy is the stack itself
+        # (bf16), become views of the stack, their old bytes freed, as in the fp32 format: a product's last
+        # bits can depend on where its weight lies, and a snapshot must not depend on the format
+        mapped = any(file_pages.file_backed(m.weight, maps) for m in lins)
+        group = pack(w, b, fmt, native, torch.float32, avx2, questions=not mapped)
         packs[id(group)], lo = group, 0
         file_pages.release((m.weight for m in lins), maps)
-        # Members the prefill multiplies as they are (in the compute dtype), or whose copy is the stack
-        # itself (bf16 in bf16), become views of the stack, as in the fp32 format: a product's last bits
-        # can depend on where its weight lies, and a snapshot must not depend on the format
-        views = w.dtype == compute or group.holds_source()
+        views = not mapped and (w.dtype == compute or group.holds_source())
         for n, m in zip(names, lins):
             if views:
                 m.weight.data = w[lo : lo + m.out_features]
@@ -403,7 +419,8 @@ def apply(model: torch.nn.Module, fmt: str, native: bool = False, compute: torch
         parent = model.get_submodule(name.rsplit(".", 1)[0]) if "." in name else model
         if id(lin.weight) not in tied:
             lin.weight.data = narrowed(lin.weight.data)
-        fast = FastLinear(lin, own(lin), native=native, out_dtype=compute, avx2=avx2)
+        mapped = file_pages.file_backed(lin.weight, maps)
+        fast = FastLinear(lin, own(lin), native=native, out_dtype=torch.float32, avx2=avx2, questions=not mapped)
         setattr(parent, name.rsplit(".", 1)[-1], fast)
         packs[id(fast.packs)] = fast.packs
         if not fast.packs.holds_source():

@@ -72,8 +72,16 @@ class LeanStep:
     def __init__(self, model):
         config, inner, fam = model.config, model.model, family(model)
         self.refs = refs(model)
-        self.dtype = inner.embed_tokens.weight.dtype
+        self.model_dtype = inner.embed_tokens.weight.dtype
         self.device = inner.embed_tokens.weight.device
+        # The residual stream's dtype. Where every product is packed (CAG_WEIGHTS other than fp32, on the CPU)
+        # the products take bf16 input and give float32 whatever the compute dtype, so the step runs in
+        # float32 under bf16 compute too: the knowledge prefill (the transformers forward) keeps bf16's memory
+        # and speed, decode rows take cag's float32 glue and one-call layers, and the step's logits come
+        # closer to the model's float32 ones, not farther (norm weights and embedding rows widen exactly)
+        every = all(not isinstance(m, torch.nn.Linear) for m in inner.layers.modules()) and hasattr(model.lm_head, "decode")
+        self.dtype = torch.float32 if self.device.type == "cpu" and every else self.model_dtype
+        wide = lambda t: t.to(self.dtype)  # noqa: E731 (a float32 weight as it is: no copy)
         self.n_kv = config.num_key_value_heads
         self.rms = _rms_fp32 if self.dtype == torch.float32 else _rms_w32 if fam.norm_weight_fp32 else _rms
         self.post = fam.post_norms  # OLMo-2: norms on the attention's and the MLP's outputs
@@ -83,7 +91,7 @@ class LeanStep:
         self.embed = inner.embed_tokens.weight  # (V, hidden)
         self.rope = inner.rotary_emb
         self.table: tuple | None = None  # cos, sin (positions, D) for static rope types (cos_sin)
-        self.final = (inner.norm.weight, inner.norm.variance_epsilon)
+        self.final = (wide(inner.norm.weight), inner.norm.variance_epsilon)
         self.head = getattr(model.lm_head, "decode", model.lm_head.forward)  # one row per request: the packed copy
         first = inner.layers[0].self_attn
         self.head_dim, self.rep = first.head_dim, first.num_key_value_groups
@@ -97,9 +105,9 @@ class LeanStep:
             (n1, n2), (qkv, gu, act) = norms(layer, fam), projections(layer, fam)
             inter = m.down_proj.in_features
             self.fns.append(Layer(
-                n1.weight, n1.variance_epsilon, _together(qkv, self.widths), f(a.o_proj), a.scaling,
-                n2.weight, n2.variance_epsilon, _together(gu, (inter, inter)), f(m.down_proj), act.forward,
-                _shared(qkv), _shared(gu), qk_norms(a, fam, self.rms, d),
+                wide(n1.weight), n1.variance_epsilon, _together(qkv, self.widths), f(a.o_proj), a.scaling,
+                wide(n2.weight), n2.variance_epsilon, _together(gu, (inter, inter)), f(m.down_proj), act.forward,
+                _shared(qkv), _shared(gu), qk_norms(a, fam, self.rms, d, self.dtype),
             ))
             packed = packed and self.fns[-1].qkv_packed is not None and self.fns[-1].gu_packed is not None and one_call.is_silu(act)
         half = self.head_dim // 2
@@ -143,7 +151,7 @@ class LeanStep:
 
     def current(self, model) -> bool:
         """Still the model's modules (identity: modules define no __eq__), dtype and device."""
-        return self.embed.dtype == self.dtype and self.embed.device == self.device and refs(model) == self.refs
+        return self.embed.dtype == self.model_dtype and self.embed.device == self.device and refs(model) == self.refs
 
     def forward(self, toks: torch.Tensor, prefixes: list, slots: torch.Tensor, starts: torch.Tensor,
                 buffers, all_logits: bool = False) -> torch.Tensor:
@@ -168,7 +176,7 @@ class LeanStep:
         rows = [Rows(p, s, r0, buffers.room) for p, r0 in zip(parts, offsets(parts))]
         fns = s.fns
         R = rows[-1].r1
-        h = s.embed.index_select(0, torch.cat([p.toks.reshape(-1) for p in parts]).to(s.device))  # (R, hidden)
+        h = s.embed.index_select(0, torch.cat([p.toks.reshape(-1) for p in parts]).to(s.device)).to(s.dtype)  # (R, hidden)
         if s.embed_mult is not None:
             h = h * s.embed_mult
         post, mult, widths = s.post, s.residual, s.widths
