@@ -193,7 +193,8 @@ def main() -> None:
         if "error" in r:
             table.append(f"| {r['shape']} | {r['weights']} | failed: {r['error']} | | | | | | | | | |")
             continue
-        path = f"{r['dtype']}, {r['step']} step, {r['kernels']}"
+        native = f" ({r['native']})" if r.get("native") not in (None, "none") else ""
+        path = f"{r['dtype']}, {r['step']} step, {r['kernels']}{native}"
         table.append(f"| {r['shape']} | {r['weights']} | {path} | {r['decode_tok_s']:.1f} | {r['bound_tok_s']:.0f} | "
                      f"{r['bound_tok_s'] / r['decode_tok_s']:.1f}x | {r['ttft_ms']:.0f} | {r['ingest_tok_s']:.0f} | {r['peak_rss'] / 2**30:.2f} | "
                      f"{r['ingest_peak_rss'] / 2**30:.2f} | {r['bf16_bytes'] / 2**30:.2f} | {r['peak_rss'] / (r['bf16_bytes'] + r['kv_bytes']):.2f}x |")

@@ -198,7 +198,7 @@ def test_phi3_layers_in_one_native_call_are_the_separate_ops(family_dirs, monkey
 
     if why := native.why_not():
         pytest.skip(f"cag's kernels cannot run here: {why}")
-    same_bits(None, family_dirs["phi3"], monkeypatch, 300, [0, 3, 6], [0, 1, 0], weights)
+    same_bits(None, family_dirs["phi3"], None, monkeypatch, 300, [0, 3, 6], [0, 1, 0], weights, "phi3")
 
 
 @pytest.mark.parametrize(("family", "hidden", "heads", "kv_heads"), [("phi3", 384, 4, 2), ("llama", 512, 2, 1)])

@@ -7,6 +7,7 @@ model with heads of 64. Where the library cannot be built here
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
 import pytest
 import torch
@@ -267,6 +268,29 @@ def test_silu_mul_bf16_is_silu_times_up(library):
         torch.ops.cag.silu_mul_bf16(gu.double())
 
 
+@pytest.fixture(scope="module")
+def qwen2_64_dir(tiny64_model_dir, tmp_path_factory) -> Path:
+    """A Qwen2 model of the tiny64 model's shape and tokenizer: q/k/v with biases (random, not zero)."""
+    import transformers
+
+    c = transformers.AutoConfig.from_pretrained(tiny64_model_dir)
+    config = transformers.Qwen2Config(vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
+                                      num_hidden_layers=c.num_hidden_layers, num_attention_heads=c.num_attention_heads,
+                                      num_key_value_heads=c.num_key_value_heads, max_position_embeddings=4096, initializer_range=0.15,
+                                      tie_word_embeddings=True, bos_token_id=c.bos_token_id, eos_token_id=c.eos_token_id,
+                                      pad_token_id=c.pad_token_id)
+    torch.manual_seed(2)
+    model = transformers.Qwen2ForCausalLM(config)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if n.endswith("bias"):
+                p.normal_(0.0, 0.5)
+    out = tmp_path_factory.mktemp("qwen2-64")
+    model.save_pretrained(out)
+    transformers.AutoTokenizer.from_pretrained(tiny64_model_dir).save_pretrained(out)
+    return out
+
+
 def _fused_engine(tiny64_model_dir, monkeypatch, weights="int4"):
     monkeypatch.setenv("CAG_MODEL", str(tiny64_model_dir))
     monkeypatch.setenv("CAG_WEIGHTS", weights)
@@ -281,15 +305,17 @@ def _fused_engine(tiny64_model_dir, monkeypatch, weights="int4"):
     (300, [0, 262], [0, 0]),                        # a suffix that fills more than one chunk of keys
     (300, [0, 3, 6], [0, 1, 0]),                    # requests on two prefixes (of 300 and 155 tokens)
 ])
-@pytest.mark.parametrize("weights", ["int4", "bf16"])
+@pytest.mark.parametrize(("weights", "family"), [("int4", "llama"), ("bf16", "llama"), ("int4", "qwen2")])
 @torch.inference_mode()
-def test_a_fused_layer_is_the_separate_ops_bit_for_bit(library, tiny64_model_dir, monkeypatch, n, starts, which, weights):
+def test_a_fused_layer_is_the_separate_ops_bit_for_bit(library, tiny64_model_dir, request, monkeypatch, n, starts, which, weights, family):
     """decode_layers (all layers in one parallel region) gives the logits and the K/V the separate ops
-    give, bit for bit, over several steps."""
+    give, bit for bit, over several steps (Qwen2: with its q/k/v biases)."""
     from cag.runtime.slots import Prefix, Slots
 
-    engine, step = _fused_engine(tiny64_model_dir, monkeypatch, weights)
+    folder = request.getfixturevalue("qwen2_64_dir") if family == "qwen2" else tiny64_model_dir
+    engine, step = _fused_engine(folder, monkeypatch, weights)
     assert step.fused is not None
+    assert (step.fns[0].qkv_packed.bias is not None) == (family == "qwen2")
     cfg = engine.lm.model.config
     g = torch.Generator().manual_seed(1)
     prefixes = [Prefix([tuple(torch.randn(1, cfg.num_key_value_heads, m, 64, generator=g).bfloat16() for _ in "kv")
@@ -346,11 +372,12 @@ def test_decode_layers_refuses_bad_inputs(library, tiny64_model_dir, monkeypatch
                                             hidden=cfg.hidden_size, scale=0.125)
     layer = engine.lm.model.model.layers[0]
     f = step.fns[0]
-    qkv = one_call._packed(f.qkv_packed)
+    qkv = one_call._packed(f.qkv_packed, bias=True)
     o = one_call._packed(one_call.own(layer.self_attn.o_proj))
     gu, dn = one_call._packed(f.gu_packed), one_call._packed(one_call.own(layer.mlp.down_proj))
     named = dict(input_norm=f.norm1, input_eps=f.eps1, qkv=qkv[0], qkv_scales=qkv[1], o=o[0], o_scales=o[1],
-                 post_norm=f.norm2, post_eps=f.eps2, gate_up=gu[0], gate_up_scales=gu[1], down=dn[0], down_scales=dn[1])
+                 post_norm=f.norm2, post_eps=f.eps2, gate_up=gu[0], gate_up_scales=gu[1], down=dn[0], down_scales=dn[1],
+                 qkv_bias=torch.empty(0))
     built.add_layer(**named)
     with pytest.raises(RuntimeError, match="q/k/v: int4 weights"):
         built.add_layer(**{**named, "qkv_scales": qkv[0]})  # its weights where its scales belong
@@ -358,6 +385,8 @@ def test_decode_layers_refuses_bad_inputs(library, tiny64_model_dir, monkeypatch
         built.add_layer(**{**named, "qkv": o[0], "qkv_scales": o[1]})  # o where q/k/v belongs
     with pytest.raises(RuntimeError, match="norm weights"):
         built.add_layer(**{**named, "post_norm": f.norm2.double()})
+    with pytest.raises(RuntimeError, match="qkv_bias"):
+        built.add_layer(**{**named, "qkv_bias": torch.zeros(3)})  # not the q/k/v product's width
     with pytest.raises(RuntimeError, match="head width"):
         torch.classes.cag.DecodeWeights(heads=4, kv_heads=2, head_dim=48, hidden=64, scale=0.1)
     assert len(built) == 1  # nothing refused was added

@@ -53,6 +53,7 @@ struct Layer {  // one layer's weights, as decode_layers reads them
   const float *norm1, *norm2;
   float eps1, eps2;
   Product qkv, o, gu, down;
+  const float* qkv_bias;  // (N of qkv,) float32 added to the q/k/v product (Qwen2), or nullptr
 };
 
 // All decoder layers' weights of one model, named and checked once when each layer is added (not on
@@ -71,24 +72,30 @@ struct DecodeWeights : torch::CustomClassHolder {
   }
 
   // One layer: its norms' weights (hidden,) float32 and epsilons, and its products as product_of takes
-  // them (int4: weights and scales; bf16: weights and any tensor): q/k/v stacked, o, gate/up stacked, down.
+  // them (int4: weights and scales; bf16: weights and any tensor): q/k/v stacked, o, gate/up stacked, down;
+  // qkv_bias: the q/k/v product's bias as float32 (N,), or an empty tensor for none.
   void add_layer(const at::Tensor& input_norm, double input_eps, const at::Tensor& qkv, const at::Tensor& qkv_scales,
                  const at::Tensor& o, const at::Tensor& o_scales, const at::Tensor& post_norm, double post_eps,
                  const at::Tensor& gate_up, const at::Tensor& gate_up_scales, const at::Tensor& down,
-                 const at::Tensor& down_scales) {
+                 const at::Tensor& down_scales, const at::Tensor& qkv_bias) {
     for (const at::Tensor* t : {&input_norm, &post_norm})
       TORCH_CHECK(t->dim() == 1 && t->scalar_type() == at::kFloat && t->is_contiguous() && t->size(0) == hid,
                   "norm weights: (hidden,) float32");
     Layer y{input_norm.data_ptr<float>(), post_norm.data_ptr<float>(), (float)input_eps, (float)post_eps,
             product_of(qkv, qkv_scales, hid, "q/k/v"), product_of(o, o_scales, H * D, "o"),
-            product_of(gate_up, gate_up_scales, hid, "gate/up"), {}};
+            product_of(gate_up, gate_up_scales, hid, "gate/up"), {}, nullptr};
     TORCH_CHECK(y.qkv.N == (H + 2 * Hk) * D && y.o.N == hid && y.gu.N % 2 == 0 && (layers.empty() || y.gu.N == 2 * I),
                 "q/k/v, o or gate/up widths disagree with the heads or the other layers");
+    if (qkv_bias.numel()) {
+      TORCH_CHECK(qkv_bias.dim() == 1 && qkv_bias.scalar_type() == at::kFloat && qkv_bias.is_contiguous() &&
+                  qkv_bias.size(0) == y.qkv.N, "qkv_bias: (N of q/k/v,) float32, or empty for none");
+      y.qkv_bias = qkv_bias.data_ptr<float>();
+    }
     I = y.gu.N / 2;
     y.down = product_of(down, down_scales, I, "down");
     TORCH_CHECK(y.down.N == hid, "down's width is not the hidden size");
     layers.push_back(y);
-    kept.insert(kept.end(), {input_norm, qkv, qkv_scales, o, o_scales, post_norm, gate_up, gate_up_scales, down, down_scales});
+    kept.insert(kept.end(), {input_norm, qkv, qkv_scales, o, o_scales, post_norm, gate_up, gate_up_scales, down, down_scales, qkv_bias});
   }
 
   int64_t size() const { return (int64_t)layers.size(); }
@@ -168,6 +175,9 @@ void decode_layers(at::Tensor h, const c10::intrusive_ptr<DecodeWeights>& w, con
       share(y.qkv, R, xb.data(), xp.data(), xs.data(), yqkv.data(), p, nt);
 #pragma omp barrier
       if (p == 0) {
+        if (y.qkv_bias)  // float32 adds, as the separate ops' product + bias
+          for (int64_t r = 0; r < R; r++)
+            for (int64_t j = 0; j < y.qkv.N; j++) yqkv[r * y.qkv.N + j] += y.qkv_bias[j];
         cagk::rope_rows(yqkv.data(), y.qkv.N, cd, sd, R, H, Hk, D, room, sl, ps, q.data(),
                         reinterpret_cast<uint16_t*>(K[l].data_ptr<at::BFloat16>()), reinterpret_cast<uint16_t*>(V[l].data_ptr<at::BFloat16>()));
         for (int64_t g = 0; g < G; g++)  // each group's rows of q together, as its attention reads them
@@ -217,7 +227,7 @@ TORCH_LIBRARY_FRAGMENT(cag, m) {
       .def("add_layer", &DecodeWeights::add_layer, "",
            {torch::arg("input_norm"), torch::arg("input_eps"), torch::arg("qkv"), torch::arg("qkv_scales"), torch::arg("o"),
             torch::arg("o_scales"), torch::arg("post_norm"), torch::arg("post_eps"), torch::arg("gate_up"),
-            torch::arg("gate_up_scales"), torch::arg("down"), torch::arg("down_scales")})
+            torch::arg("gate_up_scales"), torch::arg("down"), torch::arg("down_scales"), torch::arg("qkv_bias")})
       .def("__len__", &DecodeWeights::size);
   m.def("decode_layers(Tensor(a!) h, __torch__.torch.classes.cag.DecodeWeights w, Tensor cos, Tensor sin, Tensor(b!)[] K, "
         "Tensor(c!)[] V, Tensor rows_slot, Tensor rows_pos, Tensor[] prefix, Tensor[] rows, Tensor[] slots, "

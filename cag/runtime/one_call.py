@@ -10,8 +10,8 @@ one parallel region, in the same order: the same bits as the separate ops (tests
 `cag` == `full` and batched == alone hold as before.
 
 `weights(step, model)` gives what the call takes, once: a torch.classes.cag.DecodeWeights holding each
-layer's named tensors, checked when added; None where any layer lacks them (int8 or fp32, biases,
-another activation): the step then runs the separate ops.
+layer's named tensors, checked when added; None where any layer lacks them (int8 or fp32, a bias
+other than q/k/v's, another activation): the step then runs the separate ops.
 """
 
 from __future__ import annotations
@@ -24,10 +24,10 @@ from cag.runtime import cascade
 _NONE = torch.empty(0)  # the second tensor of a bf16 product (int4 has two: weights and scales)
 
 
-def _packed(packs) -> tuple | None:
+def _packed(packs, bias: bool = False) -> tuple | None:
     """A packed copy as decode_layers takes it, where decode rows go straight to cag.kernels.native's product with
-    float32 out and no bias: int4 (qw, dm) or bf16 (w, nothing)."""
-    if not isinstance(packs, NativePacked) or not packs.plain:
+    float32 out and no bias (`bias`: or one, which the call adds): int4 (qw, dm) or bf16 (w, nothing)."""
+    if not isinstance(packs, NativePacked) or packs.out_dtype != torch.float32 or (packs.bias is not None and not bias):
         return None
     if packs.fmt == "int4":
         return packs.packed
@@ -51,13 +51,15 @@ def weights(step, model):
     out = torch.classes.cag.DecodeWeights(heads=step.n_kv * step.rep, kv_heads=step.n_kv, head_dim=step.head_dim,
                                           hidden=model.config.hidden_size, scale=first.scale)
     for f, layer in zip(step.fns, model.model.layers):
-        qkv, o, gu, dn = (_packed(p) for p in (f.qkv_packed, own(layer.self_attn.o_proj), f.gu_packed,
-                                             own(layer.mlp.down_proj)))
+        qkv = _packed(f.qkv_packed, bias=True)
+        o, gu, dn = (_packed(p) for p in (own(layer.self_attn.o_proj), f.gu_packed, own(layer.mlp.down_proj)))
         if None in (qkv, o, gu, dn) or any(n.dtype != torch.float32 for n in (f.norm1, f.norm2)):
             return None
+        b = f.qkv_packed.bias  # Qwen2's q/k/v bias, widened as the separate ops' float32 add widens it
+        bias = _NONE if b is None else b.detach().float().contiguous()
         out.add_layer(input_norm=f.norm1.contiguous(), input_eps=f.eps1, qkv=qkv[0], qkv_scales=qkv[1], o=o[0],
                       o_scales=o[1], post_norm=f.norm2.contiguous(), post_eps=f.eps2, gate_up=gu[0], gate_up_scales=gu[1],
-                      down=dn[0], down_scales=dn[1])
+                      down=dn[0], down_scales=dn[1], qkv_bias=bias)
     return out
 
 
