@@ -117,6 +117,25 @@ def grid4(g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.where(q4_0, big, lo), torch.where(q4_0, d, ((hi - lo) / 15).clamp(min=1e-12))
 
 
+def _by_rows(pack):
+    """`pack` over blocks of CHUNK rows, its outputs concatenated: every value depends on its own row
+    alone, so the result is the same, and the float32 working copies of a vocabulary-sized matrix
+    (several times its bytes) never all exist at once: they were most of a large model's peak memory."""
+
+    @functools.wraps(pack)
+    def by_rows(w: torch.Tensor):
+        if w.shape[0] <= CHUNK:
+            return pack(w)
+        parts = [pack(c) for c in w.split(CHUNK)]
+        return tuple(torch.cat(t) for t in zip(*parts))
+
+    return by_rows
+
+
+CHUNK = 2048  # rows a packing converts to float32 at a time (_by_rows)
+
+
+@_by_rows
 def pack_int4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """cag.kernels.native's int4 layout of an (out, in) weight, in % 64 == 0: qw (out, in/2) uint8, byte j of a
     group's 16 holding its input j (low nibble) and j + 16 (high); dm (out, 2, in/32) float16, each
@@ -131,6 +150,7 @@ def pack_int4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return qw, torch.stack([d[..., 0], m[..., 0]], 1).contiguous()
 
 
+@_by_rows
 def pack_q8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """cag.kernels.native's int8 layout (GGUF Q8_0's) of an (out, in) weight, in % 32 == 0: qw (out, in) int8,
     d (out, in/32) float16, w = d * q per group of 32, q in -127..127."""
