@@ -117,6 +117,9 @@ def grid4(g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.where(q4_0, big, lo), torch.where(q4_0, d, ((hi - lo) / 15).clamp(min=1e-12))
 
 
+CHUNK = 2048  # rows a packing converts to float32 at a time (_by_rows)
+
+
 def _by_rows(pack):
     """`pack` over blocks of CHUNK rows, its outputs concatenated: every value depends on its own row
     alone, so the result is the same, and the float32 working copies of a vocabulary-sized matrix
@@ -130,9 +133,6 @@ def _by_rows(pack):
         return tuple(torch.cat(t) for t in zip(*parts))
 
     return by_rows
-
-
-CHUNK = 2048  # rows a packing converts to float32 at a time (_by_rows)
 
 
 @_by_rows
@@ -221,7 +221,7 @@ class NativePacked(Packed):
     """cag.kernels.native's products: decode rows in int4 (GGUF Q4_1's layout), q8 (Q8_0's) or bf16,
     any number of rows in one call, float32 out; a question's rows through its bf16 product, over a
     plain bf16 copy (int4) or the format's own product (bf16, q8). `plain`: the float32 result is the
-    answer as it is (no bias, float32 compute), so cag.runtime.one_call can take the copy."""
+    answer as it is (no bias, float32 out), so cag.runtime.one_call can take the copy."""
 
     def __init__(self, w: torch.Tensor, bias: torch.Tensor | None, fmt: str, out_dtype: torch.dtype | None = None,
                  questions: bool = True):
@@ -354,11 +354,12 @@ class FastLinear(torch.nn.Module):
         if getattr(_mode, "decoding", False) and x.numel() == self.in_features:  # one decode row
             return self.decode(x).to(x.dtype)  # the packed products give float32 (apply)
         w = self.weight if self.weight.dtype == x.dtype else self.weight.to(x.dtype)  # a narrowed weight: its exact values
-        if self.cols is not None and w.dtype == torch.float32 and w.data_ptr() % ALIGN:
+        if self.cols is not None and w.dtype == torch.float32 and x.numel() == self.in_features and w.data_ptr() % ALIGN:
             # A group member left in its checkpoint file lies where the file put it (safetensors: 8-byte
             # aligned), where the fp32 format makes it a view of its stack (16-byte aligned or more). A
-            # float32 product of one row sums differently over a weight aligned to less than 16 bytes, so
-            # it multiplies a fresh copy: the same snapshot in every format
+            # float32 product of one row (a last prefill chunk of one token) sums differently over a weight
+            # aligned to less than 16 bytes, so it multiplies a fresh copy: the same snapshot in every
+            # format. Products of more rows never depend on it: they multiply the weight in place
             w = w.clone()
         return F.linear(x, w, self.bias)
 

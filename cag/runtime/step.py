@@ -116,7 +116,7 @@ class LeanStep:
         if mode == "amx" and self.head_dim % 64:  # the AMX attention sums values 64 dims at a time: avx512's takes 96
             mode = "avx512"
         self.kernel = native.attention(mode) if mode in ("amx", "avx512") and native.load() and self.head_dim in native.HEAD_DIMS else None
-        # and with it, for float32 compute over packed products, the glue around them in one call each: RMSNorm
+        # and with it, for a float32 step over packed products, the glue around them in one call each: RMSNorm
         # straight to the products' bf16 input, rope of q and k with the K/V write (same bits as the formulas
         # below), silu(gate) x up rounded to bf16 (its own bits); with int4/bf16 weights, all layers in one call (cag.runtime.one_call)
         glue = self.kernel and packed and self.dtype == torch.float32
