@@ -6,8 +6,8 @@ the projection), on tiny random-weight models built from their transformers conf
   attention is the forward's own call over the same keys (the step reads a shared prefix and a request's own
   suffix apart, merged by log-sum-exp: through that, within float tolerance, as for every family);
 * `cag` == `full` token for token, alone and asked together, through torch's kernels (fp32) and cag's
-  (bf16 and int4 weights: attention, products and glue natively, a family's own pieces in torch between
-  them; all layers in one native call for Llama's layer only);
+  (bf16 and int4 weights: all layers in one native call, each family's pieces in it, the same bits as the
+  separate native calls);
 * what the step does not compute is refused with the reason (partial rotary, longrope)."""
 
 from __future__ import annotations
@@ -139,7 +139,7 @@ def _engine(monkeypatch, folder: Path, weights: str, kernels: str) -> Engine:
 def test_cag_equals_full_alone_and_together(family_dirs, small_corpus, monkeypatch, name, weights, kernels):
     engine = _engine(monkeypatch, family_dirs[name], weights, kernels)
     step = lean.for_model(engine.lm.model)
-    native_path = "none" if kernels == "torch" else "layers" if name == "phi3" else "glue"  # one call: Llama's layer only
+    native_path = "none" if kernels == "torch" else "layers"
     assert describe.decode_path(engine.lm) == {"weights": weights, "kernels": kernels, "kernels_reason": engine.lm.kernels_why,
                                        "step": "fast", "step_reason": None, "native": native_path}
     assert (step.glue is not None) == (kernels != "torch") and (step.fused is not None) == (native_path == "layers")
@@ -150,15 +150,16 @@ def test_cag_equals_full_alone_and_together(family_dirs, small_corpus, monkeypat
 @pytest.mark.parametrize("name", NEW)
 @torch.inference_mode()
 def test_the_native_glue_computes_the_family(family_dirs, monkeypatch, name):
-    """cag's kernels around a family's own pieces (bf16 weights): the step's logits stay within bf16's
-    rounding of the same step through torch's kernels, while leaving out a q/k norm or the residual
-    multiplier moves them far more (measured: 14-160x; so each piece is computed on the native path too)."""
+    """cag's kernels around a family's own pieces (bf16 weights, the separate native calls): the step's logits
+    stay within bf16's rounding of the same step through torch's kernels, while leaving out a q/k norm or the
+    residual multiplier moves them far more (measured: 14-160x; so each piece is computed on the native path
+    too). The one-call layers give these separate calls' bits (test_layers_in_one_native_call_are_the_separate_ops)."""
     model = _engine(monkeypatch, family_dirs[name], "bf16", "avx512").lm.model
     step = lean.for_model(model)
     assert step.glue is not None
     prefix = Prefix.of(ts.prefix_of(model).kv, torch.bfloat16, "cpu")  # what decode reads: bf16 K/V
 
-    def logits(glue, kernel=step.kernel, fused=step.fused):
+    def logits(glue, kernel=step.kernel, fused=None):
         saved = step.glue, step.kernel, step.fused
         step.glue, step.kernel, step.fused = glue, kernel, fused
         try:
@@ -191,14 +192,16 @@ def test_the_native_glue_computes_the_family(family_dirs, monkeypatch, name):
 
 
 @pytest.mark.parametrize("weights", formats("int4", "bf16"))
-def test_phi3_layers_in_one_native_call_are_the_separate_ops(family_dirs, monkeypatch, weights):
-    """Phi-3's fused q/k/v and gate/up products are Llama's layer: decode_layers takes them (its own packed
-    copies) and gives the separate ops' logits and K/V bit for bit (test_native's check, on Phi-3)."""
+@pytest.mark.parametrize("name", NEW)
+def test_layers_in_one_native_call_are_the_separate_ops(family_dirs, monkeypatch, name, weights):
+    """decode_layers computes each family's layer (Phi-3's fused q/k/v and gate/up as its own packed copies,
+    Qwen3's and OLMo-2's q/k norms, OLMo-2's post-norms, Granite's residual multiplier) and gives the
+    separate native calls' logits and K/V bit for bit (test_native's check, on each family)."""
     from tests.test_native import test_a_fused_layer_is_the_separate_ops_bit_for_bit as same_bits
 
     if why := native.why_not():
         pytest.skip(f"cag's kernels cannot run here: {why}")
-    same_bits(None, family_dirs["phi3"], None, monkeypatch, 300, [0, 3, 6], [0, 1, 0], weights, "phi3")
+    same_bits(None, family_dirs[name], None, monkeypatch, 300, [0, 3, 6], [0, 1, 0], weights, name)
 
 
 @pytest.mark.parametrize(("family", "hidden", "heads", "kv_heads"), [("phi3", 384, 4, 2), ("llama", 512, 2, 1)])

@@ -162,6 +162,22 @@ def test_rms_bf16_is_the_norm_rounded_once(library):
         torch.ops.cag.rms_bf16(x.double(), w, 1e-5)
 
 
+def test_rms_f32_is_the_same_norm_unrounded(library):
+    """The q/k norms' and post-norms' RMSNorm: rms_bf16's values before their rounding, within float32
+    rounding of torch's formula, over any leading shape (Qwen3's (R, H, D) heads) and a view's rows."""
+    g = torch.Generator().manual_seed(3)
+    x, w = torch.randn(3, 4, 80, generator=g) * 3, torch.rand(80, generator=g) + 0.5
+    got = torch.ops.cag.rms_f32(x, w, 1e-6)
+    want = w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6))
+    assert got.dtype == torch.float32 and got.shape == x.shape
+    assert ((got - want).abs() <= want.abs() * 2**-20 + 1e-6).all()
+    assert torch.equal(got.bfloat16().view(12, 80), torch.ops.cag.rms_bf16(x.view(12, 80), w, 1e-6))
+    wide = torch.randn(12, 200, generator=g)
+    assert torch.equal(torch.ops.cag.rms_f32(wide[:, 40:120], w, 1e-6), torch.ops.cag.rms_f32(wide[:, 40:120].contiguous(), w, 1e-6))
+    with pytest.raises(RuntimeError, match=r"w: \(N,\) float32"):
+        torch.ops.cag.rms_f32(x, w[:64], 1e-6)
+
+
 def test_the_amx_op_refuses_on_a_library_built_without_it(library):
     if native.tiles():
         pytest.skip("this CPU has AMX: the library holds the AMX attention")
@@ -377,7 +393,8 @@ def test_decode_layers_refuses_bad_inputs(library, tiny64_model_dir, monkeypatch
     gu, dn = one_call._packed(f.gu_packed), one_call._packed(one_call.own(layer.mlp.down_proj))
     named = dict(input_norm=f.norm1, input_eps=f.eps1, qkv=qkv[0], qkv_scales=qkv[1], o=o[0], o_scales=o[1],
                  post_norm=f.norm2, post_eps=f.eps2, gate_up=gu[0], gate_up_scales=gu[1], down=dn[0], down_scales=dn[1],
-                 qkv_bias=torch.empty(0))
+                 qkv_bias=torch.empty(0), q_norm=torch.empty(0), q_eps=0.0, k_norm=torch.empty(0), k_eps=0.0,
+                 post_norms=False, residual_multiplier=1.0)
     built.add_layer(**named)
     with pytest.raises(RuntimeError, match="q/k/v: int4 weights"):
         built.add_layer(**{**named, "qkv_scales": qkv[0]})  # its weights where its scales belong
@@ -387,6 +404,12 @@ def test_decode_layers_refuses_bad_inputs(library, tiny64_model_dir, monkeypatch
         built.add_layer(**{**named, "post_norm": f.norm2.double()})
     with pytest.raises(RuntimeError, match="qkv_bias"):
         built.add_layer(**{**named, "qkv_bias": torch.zeros(3)})  # not the q/k/v product's width
+    with pytest.raises(RuntimeError, match="both or neither"):
+        built.add_layer(**{**named, "q_norm": torch.ones(64)})
+    with pytest.raises(RuntimeError, match="for each head, or"):  # neither a head's width nor all of k's
+        built.add_layer(**{**named, "q_norm": torch.ones(64), "k_norm": torch.ones(40)})
+    with pytest.raises(RuntimeError, match="float32 vectors"):
+        built.add_layer(**{**named, "q_norm": torch.ones(64).double(), "k_norm": torch.ones(64)})
     with pytest.raises(RuntimeError, match="head width"):
         torch.classes.cag.DecodeWeights(heads=4, kv_heads=2, head_dim=48, hidden=64, scale=0.1)
     assert len(built) == 1  # nothing refused was added

@@ -588,20 +588,37 @@ at::Tensor decode_attention_avx512(const at::Tensor& q, const at::Tensor& kp, co
 namespace cagk {
 
 // Each row's sum of squares runs in 16 lanes, then across them in a fixed order: a row's bits are its own.
+// 1 / sqrt(mean(x^2) + eps) of one row x (N,) float32: the sum in 16 lanes, then reduced.
+static float rms_inv(const float* xr, int64_t N, float eps) {
+  __m512 acc = _mm512_setzero_ps();
+  for (int64_t j = 0; j < N; j += 16) {
+    const __mmask16 m = (__mmask16)(N - j >= 16 ? 0xFFFF : (1u << (N - j)) - 1);
+    const __m512 v = _mm512_maskz_loadu_ps(m, xr + j);
+    acc = _mm512_fmadd_ps(v, v, acc);
+  }
+  return 1.0f / std::sqrt(_mm512_reduce_add_ps(acc) / (float)N + eps);
+}
+
 void rms_rows(const float* xd, const float* wd, int64_t R, int64_t N, float eps, uint16_t* od) {
   for (int64_t r = 0; r < R; r++) {
     const float* xr = xd + r * N;
-    __m512 acc = _mm512_setzero_ps();
-    for (int64_t j = 0; j < N; j += 16) {
-      const __mmask16 m = (__mmask16)(N - j >= 16 ? 0xFFFF : (1u << (N - j)) - 1);
-      const __m512 v = _mm512_maskz_loadu_ps(m, xr + j);
-      acc = _mm512_fmadd_ps(v, v, acc);
-    }
-    const float inv = 1.0f / std::sqrt(_mm512_reduce_add_ps(acc) / (float)N + eps);
+    const float inv = rms_inv(xr, N, eps);
     for (int64_t j = 0; j < N; j += 16) {
       const __mmask16 m = (__mmask16)(N - j >= 16 ? 0xFFFF : (1u << (N - j)) - 1);
       const __m512 y = _mm512_mul_ps(_mm512_maskz_loadu_ps(m, wd + j), _mm512_mul_ps(_mm512_maskz_loadu_ps(m, xr + j), _mm512_set1_ps(inv)));
       _mm256_mask_storeu_epi16(od + r * N + j, m, (__m256i)_mm512_cvtneps_pbh(y));
+    }
+  }
+}
+
+void rms_rows_f32(float* x, int64_t ld, const float* wd, int64_t R, int64_t N, float eps) {
+  for (int64_t r = 0; r < R; r++) {
+    float* xr = x + r * ld;
+    const float inv = rms_inv(xr, N, eps);
+    for (int64_t j = 0; j < N; j += 16) {
+      const __mmask16 m = (__mmask16)(N - j >= 16 ? 0xFFFF : (1u << (N - j)) - 1);
+      _mm512_mask_storeu_ps(xr + j, m, _mm512_mul_ps(_mm512_maskz_loadu_ps(m, wd + j),
+                                                     _mm512_mul_ps(_mm512_maskz_loadu_ps(m, xr + j), _mm512_set1_ps(inv))));
     }
   }
 }
@@ -675,6 +692,17 @@ at::Tensor rms_bf16(const at::Tensor& x, const at::Tensor& w, double eps) {
   return out;
 }
 
+// x (..., N) float32, w (N,) float32 -> x's shape float32: the same norm as rms_bf16 (LlamaRMSNorm's order),
+// not rounded: the step's q/k norms (per head or over the projection) and post-norms.
+at::Tensor rms_f32(const at::Tensor& x, const at::Tensor& w, double eps) {
+  TORCH_CHECK(x.dim() >= 1 && x.scalar_type() == at::kFloat, "x: (..., N) float32");
+  const int64_t N = x.size(-1);
+  TORCH_CHECK(w.dim() == 1 && w.scalar_type() == at::kFloat && w.is_contiguous() && w.size(0) == N, "w: (N,) float32");
+  at::Tensor out = x.clone(at::MemoryFormat::Contiguous);
+  cagk::rms_rows_f32(out.data_ptr<float>(), N, w.data_ptr<float>(), N ? out.numel() / N : 0, N, (float)eps);
+  return out;
+}
+
 // gu (R, 2 I) float32, each row gate ++ up -> (R, I) bfloat16: silu(gate) * up, rounded once (torch's rounding).
 at::Tensor silu_mul_bf16(const at::Tensor& gu) {
   TORCH_CHECK(gu.dim() == 2 && gu.scalar_type() == at::kFloat && gu.is_contiguous() && gu.size(1) % 2 == 0,
@@ -718,6 +746,7 @@ TORCH_LIBRARY(cag, m) {
   m.def("decode_attention_avx512(Tensor q, Tensor kp, Tensor vp, Tensor ks, Tensor vs, Tensor slots, Tensor lens, float scale, Tensor? kt=None, Tensor? vt=None) -> Tensor");
   m.def("pair_kv(Tensor k, Tensor v) -> (Tensor, Tensor)");
   m.def("silu_mul_bf16(Tensor gu) -> Tensor");
+  m.def("rms_f32(Tensor x, Tensor w, float eps) -> Tensor");
 }
 TORCH_LIBRARY_IMPL(cag, CPU, m) {
   m.impl("decode_attention", decode_attention);
@@ -726,4 +755,5 @@ TORCH_LIBRARY_IMPL(cag, CPU, m) {
   m.impl("pair_kv", pair_kv);
   m.impl("rope_write", rope_write);
   m.impl("silu_mul_bf16", silu_mul_bf16);
+  m.impl("rms_f32", rms_f32);
 }

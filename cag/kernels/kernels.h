@@ -24,6 +24,8 @@ void bf16_outputs(const uint16_t* w, int64_t K, int64_t M, const uint16_t* x, fl
 // decode_attention.cpp: the step's glue, row by row.
 // LlamaRMSNorm of x (R, N) float32 with weight w, rounded once to bf16 (rms_bf16).
 void rms_rows(const float* x, const float* w, int64_t R, int64_t N, float eps, uint16_t* out);
+// The same norm in place over R rows of N floats, ld apart, not rounded (rms_f32): q/k norms, post-norms.
+void rms_rows_f32(float* x, int64_t ld, const float* w, int64_t R, int64_t N, float eps);
 // rope on q and k of qkv (R, (H + 2 Hk) D), q to q (R, H, D) float32, k and v as bf16 into K, V (S, Hk,
 // room, D) at [slot[r], :, pos[r]] (rope_write).
 void rope_rows(const float* qkv, int64_t ld, const float* cos, const float* sin, int64_t R, int64_t H, int64_t Hk,

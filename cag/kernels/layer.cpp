@@ -8,7 +8,8 @@
 // work between (norm, rope, residual, silu) runs on thread 0.
 //
 // Same pieces, same order, same bits as the ops cag/runtime/step.py calls otherwise (rms_bf16, int4_mm or bf16_mm,
-// rope_write, decode_attention_avx512 over a pre-paired prefix, silu_mul_bf16, the float32 adds):
+// rms_f32 for q/k norms and post-norms, rope_write, decode_attention_avx512 over a pre-paired prefix, silu_mul_bf16,
+// the float32 multiplies and adds): Llama's layer and the differences of Qwen3, Granite and OLMo-2 (cag.model.families);
 // tests/test_native.py checks the two ways give equal tensors.
 #include <ATen/core/Tensor.h>
 #include <ATen/Parallel.h>
@@ -49,11 +50,25 @@ inline void share(const Product& w, int64_t R, const uint16_t* x, const uint16_t
   else cagk::int4_outputs(w.q, w.d, w.K, R, xp, xs, y, w.N, n0, n1);
 }
 
+// h += y (R, hidden) float32, y first normed by `norm` (post-norms) where there is one, then x `mult`
+// where it is not 1: the separate ops' rms_f32, y * mult and h + y, each rounded (no contraction).
+inline void add_branch(float* h, float* y, int64_t R, int64_t hid, const float* norm, float eps, float mult) {
+  if (norm) cagk::rms_rows_f32(y, hid, norm, R, hid, eps);
+  if (mult != 1.0f)
+    for (int64_t j = 0; j < R * hid; j++) y[j] = y[j] * mult;
+  for (int64_t j = 0; j < R * hid; j++) h[j] = h[j] + y[j];
+}
+
 struct Layer {  // one layer's weights, as decode_layers reads them
-  const float *norm1, *norm2;
+  const float *norm1, *norm2;  // before attention and the MLP; with `post`, on their outputs
   float eps1, eps2;
   Product qkv, o, gu, down;
-  const float* qkv_bias;  // (N of qkv,) float32 added to the q/k/v product (Qwen2), or nullptr
+  const float* qkv_bias = nullptr;  // (N of qkv,) float32 added to the q/k/v product (Qwen2), or nullptr
+  const float *q_norm = nullptr, *k_norm = nullptr;  // RMSNorm of q and k before rope (Qwen3, OLMo-2), or nullptr
+  float q_eps = 0, k_eps = 0;
+  int64_t q_width = 0, k_width = 0;  // what each norms: D (each head) or all of q's H D / k's Hk D
+  bool post = false;  // no norms on the inputs, norm1 / norm2 on the attention's / the MLP's outputs (OLMo-2)
+  float residual = 1;  // each branch x this before its residual add (Granite); 1: no multiply (the same bits)
 };
 
 // All decoder layers' weights of one model, named and checked once when each layer is added (not on
@@ -73,17 +88,21 @@ struct DecodeWeights : torch::CustomClassHolder {
 
   // One layer: its norms' weights (hidden,) float32 and epsilons, and its products as product_of takes
   // them (int4: weights and scales; bf16: weights and any tensor): q/k/v stacked, o, gate/up stacked, down;
-  // qkv_bias: the q/k/v product's bias as float32 (N,), or an empty tensor for none.
+  // qkv_bias: the q/k/v product's bias as float32 (N,), or an empty tensor for none; q_norm, k_norm: float32
+  // weights of RMSNorms of q and k before rope, (D,) for each head's or (H D,) and (Hk D,) for all of q's
+  // and k's, or empty for none; post_norms: input_norm and post_norm apply to the attention's and the MLP's
+  // outputs instead of their inputs; residual_multiplier: each branch's factor before its residual add.
   void add_layer(const at::Tensor& input_norm, double input_eps, const at::Tensor& qkv, const at::Tensor& qkv_scales,
                  const at::Tensor& o, const at::Tensor& o_scales, const at::Tensor& post_norm, double post_eps,
                  const at::Tensor& gate_up, const at::Tensor& gate_up_scales, const at::Tensor& down,
-                 const at::Tensor& down_scales, const at::Tensor& qkv_bias) {
+                 const at::Tensor& down_scales, const at::Tensor& qkv_bias, const at::Tensor& q_norm, double q_eps,
+                 const at::Tensor& k_norm, double k_eps, bool post_norms, double residual_multiplier) {
     for (const at::Tensor* t : {&input_norm, &post_norm})
       TORCH_CHECK(t->dim() == 1 && t->scalar_type() == at::kFloat && t->is_contiguous() && t->size(0) == hid,
                   "norm weights: (hidden,) float32");
     Layer y{input_norm.data_ptr<float>(), post_norm.data_ptr<float>(), (float)input_eps, (float)post_eps,
             product_of(qkv, qkv_scales, hid, "q/k/v"), product_of(o, o_scales, H * D, "o"),
-            product_of(gate_up, gate_up_scales, hid, "gate/up"), {}, nullptr};
+            product_of(gate_up, gate_up_scales, hid, "gate/up"), {}};
     TORCH_CHECK(y.qkv.N == (H + 2 * Hk) * D && y.o.N == hid && y.gu.N % 2 == 0 && (layers.empty() || y.gu.N == 2 * I),
                 "q/k/v, o or gate/up widths disagree with the heads or the other layers");
     if (qkv_bias.numel()) {
@@ -91,11 +110,27 @@ struct DecodeWeights : torch::CustomClassHolder {
                   qkv_bias.size(0) == y.qkv.N, "qkv_bias: (N of q/k/v,) float32, or empty for none");
       y.qkv_bias = qkv_bias.data_ptr<float>();
     }
+    TORCH_CHECK((q_norm.numel() == 0) == (k_norm.numel() == 0), "q_norm and k_norm: both or neither");
+    if (q_norm.numel()) {
+      for (const at::Tensor* t : {&q_norm, &k_norm})
+        TORCH_CHECK(t->dim() == 1 && t->scalar_type() == at::kFloat && t->is_contiguous(), "q_norm, k_norm: float32 vectors");
+      y.q_width = q_norm.size(0) == H * D ? H * D : D;
+      y.k_width = k_norm.size(0) == Hk * D ? Hk * D : D;
+      TORCH_CHECK(q_norm.size(0) == y.q_width && k_norm.size(0) == y.k_width,
+                  "q_norm, k_norm: (D,) for each head, or (H D,) and (Hk D,) for all of q and k");
+      y.q_norm = q_norm.data_ptr<float>();
+      y.k_norm = k_norm.data_ptr<float>();
+      y.q_eps = (float)q_eps;
+      y.k_eps = (float)k_eps;
+    }
+    y.post = post_norms;
+    y.residual = (float)residual_multiplier;
     I = y.gu.N / 2;
     y.down = product_of(down, down_scales, I, "down");
     TORCH_CHECK(y.down.N == hid, "down's width is not the hidden size");
     layers.push_back(y);
-    kept.insert(kept.end(), {input_norm, qkv, qkv_scales, o, o_scales, post_norm, gate_up, gate_up_scales, down, down_scales, qkv_bias});
+    kept.insert(kept.end(), {input_norm, qkv, qkv_scales, o, o_scales, post_norm, gate_up, gate_up_scales, down, down_scales,
+                             qkv_bias, q_norm, k_norm});
   }
 
   int64_t size() const { return (int64_t)layers.size(); }
@@ -168,7 +203,8 @@ void decode_layers(at::Tensor h, const c10::intrusive_ptr<DecodeWeights>& w, con
     for (int64_t l = 0; l < L; l++) {
       const Layer& y = layers[l];
       if (p == 0) {
-        cagk::rms_rows(hd, y.norm1, R, hid, y.eps1, xb.data());
+        if (y.post) cagk::to_bf16(hd, R * hid, xb.data());
+        else cagk::rms_rows(hd, y.norm1, R, hid, y.eps1, xb.data());
         if (!y.qkv.w) cagk::int4_prepare(xb.data(), R, hid, xp.data(), xs.data());
       }
 #pragma omp barrier
@@ -178,6 +214,12 @@ void decode_layers(at::Tensor h, const c10::intrusive_ptr<DecodeWeights>& w, con
         if (y.qkv_bias)  // float32 adds, as the separate ops' product + bias
           for (int64_t r = 0; r < R; r++)
             for (int64_t j = 0; j < y.qkv.N; j++) yqkv[r * y.qkv.N + j] += y.qkv_bias[j];
+        if (y.q_norm)  // q's rows (R, H D) and k's (R, Hk D) of yqkv, normed per head (width D) or whole
+          for (int64_t r = 0; r < R; r++) {
+            float* row = yqkv.data() + r * y.qkv.N;
+            cagk::rms_rows_f32(row, y.q_width, y.q_norm, H * D / y.q_width, y.q_width, y.q_eps);
+            cagk::rms_rows_f32(row + H * D, y.k_width, y.k_norm, Hk * D / y.k_width, y.k_width, y.k_eps);
+          }
         cagk::rope_rows(yqkv.data(), y.qkv.N, cd, sd, R, H, Hk, D, room, sl, ps, q.data(),
                         reinterpret_cast<uint16_t*>(K[l].data_ptr<at::BFloat16>()), reinterpret_cast<uint16_t*>(V[l].data_ptr<at::BFloat16>()));
         for (int64_t g = 0; g < G; g++)  // each group's rows of q together, as its attention reads them
@@ -198,8 +240,9 @@ void decode_layers(at::Tensor h, const c10::intrusive_ptr<DecodeWeights>& w, con
       share(y.o, R, xb.data(), xp.data(), xs.data(), yo.data(), p, nt);
 #pragma omp barrier
       if (p == 0) {
-        for (int64_t j = 0; j < R * hid; j++) hd[j] = hd[j] + yo[j];
-        cagk::rms_rows(hd, y.norm2, R, hid, y.eps2, xb.data());
+        add_branch(hd, yo.data(), R, hid, y.post ? y.norm1 : nullptr, y.eps1, y.residual);
+        if (y.post) cagk::to_bf16(hd, R * hid, xb.data());
+        else cagk::rms_rows(hd, y.norm2, R, hid, y.eps2, xb.data());
         if (!y.gu.w) cagk::int4_prepare(xb.data(), R, hid, xp.data(), xs.data());
       }
 #pragma omp barrier
@@ -212,8 +255,7 @@ void decode_layers(at::Tensor h, const c10::intrusive_ptr<DecodeWeights>& w, con
 #pragma omp barrier
       share(y.down, R, xb.data(), xp.data(), xs.data(), ydn.data(), p, nt);
 #pragma omp barrier
-      if (p == 0)
-        for (int64_t j = 0; j < R * hid; j++) hd[j] = hd[j] + ydn[j];
+      if (p == 0) add_branch(hd, ydn.data(), R, hid, y.post ? y.norm2 : nullptr, y.eps2, y.residual);
     }
   }
 }
@@ -227,7 +269,9 @@ TORCH_LIBRARY_FRAGMENT(cag, m) {
       .def("add_layer", &DecodeWeights::add_layer, "",
            {torch::arg("input_norm"), torch::arg("input_eps"), torch::arg("qkv"), torch::arg("qkv_scales"), torch::arg("o"),
             torch::arg("o_scales"), torch::arg("post_norm"), torch::arg("post_eps"), torch::arg("gate_up"),
-            torch::arg("gate_up_scales"), torch::arg("down"), torch::arg("down_scales"), torch::arg("qkv_bias")})
+            torch::arg("gate_up_scales"), torch::arg("down"), torch::arg("down_scales"), torch::arg("qkv_bias"),
+            torch::arg("q_norm"), torch::arg("q_eps"), torch::arg("k_norm"), torch::arg("k_eps"), torch::arg("post_norms"),
+            torch::arg("residual_multiplier")})
       .def("__len__", &DecodeWeights::size);
   m.def("decode_layers(Tensor(a!) h, __torch__.torch.classes.cag.DecodeWeights w, Tensor cos, Tensor sin, Tensor(b!)[] K, "
         "Tensor(c!)[] V, Tensor rows_slot, Tensor rows_pos, Tensor[] prefix, Tensor[] rows, Tensor[] slots, "

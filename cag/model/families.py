@@ -15,10 +15,11 @@ Families (FAMILIES) and the transformers classes that take the step:
     (post_attention_layernorm, post_feedforward_layernorm) before each residual add; q_norm and k_norm
     over the whole q and k projections; its RMSNorm applies the weight in float32 before the cast.
 Partial rotary embeddings (rope on part of a head) and longrope (its frequencies switch with a call's
-longest position) are refused. With cag's kernels every family decodes its attention, products and glue
-(RMSNorm to bf16, rope with the K/V write, silu x up) natively, the q/k norms, post-norms and multipliers
-in torch between them; all layers in one native call (cag.runtime.one_call) only for Llama's layer (Family.plain:
-Llama, Mistral, Qwen2, Phi-3), which is all that call computes.
+longest position) are refused. With cag's kernels every family decodes its attention, products, glue
+(RMSNorm to bf16, rope with the K/V write, silu x up), q/k norms and post-norms natively; with int4 or bf16
+weights on the AVX-512 kernels all layers run in one native call (cag.runtime.one_call), which computes
+every difference above (q/k norms, post-norms, the residual multiplier; Granite's embedding and logits
+multipliers stay outside the layers).
 """
 
 from __future__ import annotations
@@ -43,10 +44,6 @@ class Family(NamedTuple):
     fused_proj: bool = False  # q/k/v in one qkv_proj, gate/up in one gate_up_proj (Phi-3)
     norm_weight_fp32: bool = False  # RMSNorm multiplies by its weight in float32, then casts (OLMo-2; other bits in bf16)
 
-    @property
-    def plain(self) -> bool:
-        """Llama's layer math (the projections may be fused): what cag.runtime.one_call's one native call computes."""
-        return not (self.qk_norm or self.post_norms or self.multipliers)
 
 
 # model_type -> how its layer differs from Llama's

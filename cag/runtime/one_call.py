@@ -4,8 +4,9 @@ decode rows only (one new token per request, on any number of prefixes), with in
 Why: as separate ops a layer is ~13 torch calls and 5 OpenMP regions, whose fixed costs were a
 large share of a step on a short prefix on 2 cores, one call per layer still a measurable one
 (bench/bench_decode.py). The
-native call runs the same pieces (RMSNorm to bf16, the products, rope with the K/V write, the
-attention over the pre-paired prefix and the slots, silu x up, the residual adds) for every layer in
+native call runs the same pieces (RMSNorm to bf16, the products, a family's q/k norms (Qwen3, OLMo-2),
+rope with the K/V write, the attention over the pre-paired prefix and the slots, post-norms (OLMo-2),
+silu x up, the residual multiplier (Granite) and adds) for every layer in
 one parallel region, in the same order: the same bits as the separate ops (tests/test_native.py), so
 `cag` == `full` and batched == alone hold as before.
 
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import torch
 
+from cag.model.families import family
 from cag.model.weights import NativePacked
 from cag.runtime import cascade
 
@@ -47,7 +49,8 @@ def weights(step, model):
     """All layers' weights as decode_layers takes them (a torch.classes.cag.DecodeWeights, each layer's tensors
     named and checked once here), or None where some layer lacks them. `step`: the lean step with its glue (so
     its layers have stacked q/k/v and gate/up, and silu)."""
-    first = step.fns[0]
+    first, fam = step.fns[0], family(model)
+    residual = float(model.config.residual_multiplier) if fam.multipliers else 1.0  # Granite's; 1: none (the same bits)
     out = torch.classes.cag.DecodeWeights(heads=step.n_kv * step.rep, kv_heads=step.n_kv, head_dim=step.head_dim,
                                           hidden=model.config.hidden_size, scale=first.scale)
     for f, layer in zip(step.fns, model.model.layers):
@@ -57,9 +60,14 @@ def weights(step, model):
             return None
         b = f.qkv_packed.bias  # Qwen2's q/k/v bias, widened as the separate ops' float32 add widens it
         bias = _NONE if b is None else b.detach().float().contiguous()
+        a = layer.self_attn  # q/k norms (Qwen3 per head, OLMo-2 over the projection) widened as the step widens them
+        qn, kn = ((a.q_norm.weight.detach().float().contiguous(), a.k_norm.weight.detach().float().contiguous())
+                  if fam.qk_norm else (_NONE, _NONE))
+        qe, ke = (a.q_norm.variance_epsilon, a.k_norm.variance_epsilon) if fam.qk_norm else (0.0, 0.0)
         out.add_layer(input_norm=f.norm1.contiguous(), input_eps=f.eps1, qkv=qkv[0], qkv_scales=qkv[1], o=o[0],
                       o_scales=o[1], post_norm=f.norm2.contiguous(), post_eps=f.eps2, gate_up=gu[0], gate_up_scales=gu[1],
-                      down=dn[0], down_scales=dn[1], qkv_bias=bias)
+                      down=dn[0], down_scales=dn[1], qkv_bias=bias, q_norm=qn, q_eps=qe, k_norm=kn, k_eps=ke,
+                      post_norms=fam.post_norms, residual_multiplier=residual)
     return out
 
 

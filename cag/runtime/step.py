@@ -24,8 +24,9 @@ continues from a consistent cache.
 
 Families: cag.model.families (FAMILIES): Llama, Mistral, Qwen2, Qwen3 (q/k norms per head), Phi-3 (fused
 q/k/v and gate/up), Granite (multipliers), OLMo-2 (post-norms, q/k norms over the projection). With
-cag's kernels every family's attention, products and glue run natively, its own pieces in torch
-between them; all layers in one native call (cag.runtime.one_call) only for Llama's layer (Family.plain).
+cag's kernels every family's attention, products, glue, q/k norms and post-norms run natively (Granite's
+multipliers in torch between them); with int4 or bf16 weights on the AVX-512 kernels all layers run in one
+native call (cag.runtime.one_call) for every family.
 
 `for_model(model)` returns None for anything else (other families or layer structures, hooks, training
 mode), and `why_not(model)` says why; the caller then runs the transformers forward.
@@ -121,15 +122,20 @@ class LeanStep:
         # below), silu(gate) x up rounded to bf16 (its own bits); with int4/bf16 weights, all layers in one call (cag.runtime.one_call)
         glue = self.kernel and packed and self.dtype == torch.float32
         self.glue = (torch.ops.cag.rms_bf16, torch.ops.cag.rope_write) if glue else None
-        self.fused = one_call.weights(self, model) if glue and mode == "avx512" and fam.plain else None  # Llama's layer only
+        # a family's q/k norms and post-norms then run natively too (rms_f32: what the one-call layers compute)
+        self.branch_rms = _rms_native if glue else self.rms
+        if glue and fam.qk_norm:
+            self.fns = [L._replace(qk=qk_norms(layer.self_attn, fam, _rms_native, d, self.dtype))
+                        for L, layer in zip(self.fns, inner.layers)]
+        self.fused = one_call.weights(self, model) if glue and mode == "avx512" else None
         # rotate_half(x) = cat(-x2, x1) = roll(x, D/2) * sign, sign = (-1)*D/2 ++ (+1)*D/2
         self.sign = torch.cat([-torch.ones(half), torch.ones(half)]).to(self.device, self.dtype)  # (D,)
 
     @property
     def native(self) -> str:
         """Which of cag's native kernels decode rows run on: "layers" (all layers in one call, cag.runtime.one_call),
-        "glue" (attention, products, norm / rope / silu glue; a family's q/k norms, post-norms and
-        multipliers in torch between them), "attention" (the attention alone) or "none"."""
+        "glue" (attention, products, norm / rope / silu glue and a family's q/k norms and post-norms, each its
+        own call; multipliers in torch between them), "attention" (the attention alone) or "none"."""
         return "layers" if self.fused else "glue" if self.glue else "attention" if self.kernel else "none"
 
     def cos_sin(self, pos: torch.Tensor, h: torch.Tensor, top: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -179,7 +185,7 @@ class LeanStep:
         h = s.embed.index_select(0, torch.cat([p.toks.reshape(-1) for p in parts]).to(s.device)).to(s.dtype)  # (R, hidden)
         if s.embed_mult is not None:
             h = h * s.embed_mult
-        post, mult, widths = s.post, s.residual, s.widths
+        post, mult, widths, branch_rms = s.post, s.residual, s.widths, s.branch_rms
         cos, sin = s.cos_sin(torch.cat([r.pos for r in rows]), h, max(r.top for r in rows))
         cos, sin = cos.view(R, 1, d), sin.view(R, 1, d)
         rows_slot = torch.cat([r.rows_slot for r in rows])  # (R,) where each token's K/V is written
@@ -214,7 +220,7 @@ class LeanStep:
             o = o[0] if len(o) == 1 else torch.cat(o)
             y = L.o(o.to(torch.bfloat16) if glue else o, roles)  # with the glue: the products' bf16 input, as they round it
             if post:
-                y = rms(y, L.norm1, L.eps1)
+                y = branch_rms(y, L.norm1, L.eps1)
             h = h + y if mult is None else h + y * mult
             x = h if post else norm(h, L.norm2, L.eps2)
             if glue:  # silu(gate) x up straight to the down product's bf16 input
@@ -223,7 +229,7 @@ class LeanStep:
                 g, u = L.gate_up(x, roles)
                 y = L.down(L.act(g) * u, roles)
             if post:
-                y = rms(y, L.norm2, L.eps2)
+                y = branch_rms(y, L.norm2, L.eps2)
             h = h + y if mult is None else h + y * mult
         w, e = s.final
         if all_logits:
@@ -247,6 +253,12 @@ def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
 def _rms_fp32(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     """_rms for float32 compute, without its two no-op casts (two calls x 61 norms a token)."""
     return w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+
+
+def _rms_native(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """The same norm as cag's rms_bf16, float32 out (cag.kernels.native's rms_f32): the glue's q/k norms and
+    post-norms, as the one-call layers compute them."""
+    return torch.ops.cag.rms_f32(x, w, eps)
 
 
 def _rms_w32(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
