@@ -42,6 +42,7 @@ SHAPES = {
     "granite": ("granite", 256, 4, 4, 2, 768, True),
     "olmo2": ("olmo2", 256, 4, 4, 2, 768, True),
     "llama-h96": ("llama", 384, 4, 4, 2, 1024, True),
+    "llama-h80": ("llama", 320, 4, 4, 2, 896, True),
     "qwen2.5-0.5b": ("qwen2", 896, 24, 14, 2, 4864, True),
     "llama-3.2-1b": ("llama", 2048, 16, 32, 8, 8192, True),
     "llama-3.2-3b": ("llama", 3072, 28, 24, 8, 8192, True),

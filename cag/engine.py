@@ -19,6 +19,7 @@ from cag.answering.resident import Resident, ResidentPool
 from cag.config import Settings
 from cag.errors import BadInput, NotFound, TooLarge
 from cag.hashing import hash_obj
+from cag.kernels import native
 from cag.knowledge import corpus as corpora
 from cag.knowledge import freshness, verify
 from cag.knowledge import ingest as steps
@@ -239,8 +240,9 @@ class Engine:
         return Resident(snap, prefix)
 
     def _read(self, codes: list | None) -> list | None:
-        """An int8 snapshot's codes where decode rows read them (cag.kernels.native's AVX-512 attention), else None."""
-        return codes if self.lm.kernels == "avx512" else None
+        """An int8 snapshot's codes where decode rows read them (cag.kernels.native's AVX-512 attention, heads in
+        blocks of 32: native.INT8_HEAD_DIMS), else None: the prefix is then its dequantized K/V."""
+        return codes if self.lm.kernels == "avx512" and self.lm.head_dim in native.INT8_HEAD_DIMS else None
 
     def _finish(self, q: Question, gen: Generated, n_prefix: int, cached: int, load_ms: float,
                 snapshot: str | None, **extra) -> Answer:

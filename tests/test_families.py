@@ -204,10 +204,30 @@ def test_layers_in_one_native_call_are_the_separate_ops(family_dirs, monkeypatch
     same_bits(None, family_dirs[name], None, monkeypatch, 300, [0, 3, 6], [0, 1, 0], weights, name)
 
 
-@pytest.mark.parametrize(("family", "hidden", "heads", "kv_heads"), [("phi3", 384, 4, 2), ("llama", 512, 2, 1)])
-def test_heads_of_96_and_256_decode_through_the_native_layers(tmp_path, small_corpus, monkeypatch, family, hidden, heads, kv_heads):
-    """Heads of 96 (Phi-3-mini's) and 256 go through cag's attention and all layers in one call: cag ==
-    full, alone and together, int4 weights."""
+def test_heads_of_80_in_one_native_call_are_the_separate_ops(tmp_path, monkeypatch):
+    """Heads of 80 (a half group of 16 dims after two of 32): decode_layers gives the separate ops' logits and
+    K/V bit for bit (test_native's check, on a Llama with heads of 80)."""
+    from tests.test_native import test_a_fused_layer_is_the_separate_ops_bit_for_bit as same_bits
+
+    if why := native.why_not():
+        pytest.skip(f"cag's kernels cannot run here: {why}")
+    tok = _train_tokenizer([p.read_text() for p in sorted(HANDBOOK.glob("*.md"))])
+    ids = dict(vocab=len(tok), pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
+    build("llama", hidden=320, heads=4, kv_heads=2, init=0.15, tie_word_embeddings=True, **ids).save_pretrained(tmp_path)
+    tok.save_pretrained(tmp_path)
+    same_bits(None, tmp_path, None, monkeypatch, 300, [0, 3, 6], [0, 1, 0], "int4", "llama")
+
+
+@pytest.mark.parametrize(("family", "hidden", "heads", "kv_heads", "kv_dtype"), [
+    ("phi3", 384, 4, 2, "auto"), ("llama", 512, 2, 1, "auto"),
+    ("llama", 320, 4, 2, "auto"), ("llama", 320, 4, 2, "int8"),  # heads of 80 (Phi-2's), over bf16 and int8 snapshots
+])
+def test_heads_of_80_96_and_256_decode_through_the_native_layers(tmp_path, small_corpus, monkeypatch, family, hidden, heads,
+                                                                 kv_heads, kv_dtype):
+    """Heads of 80 (Phi-2's), 96 (Phi-3-mini's) and 256 go through cag's attention and all layers in one call:
+    cag == full, alone and together, int4 weights. An int8 snapshot of heads of 80 (one block a head, which
+    the int8 kernel does not read) is served as its dequantized K/V, paired for the bf16 kernel."""
+    monkeypatch.setenv("CAG_KV_DTYPE", kv_dtype)
     tok = _train_tokenizer([p.read_text() for p in sorted(HANDBOOK.glob("*.md"))] + ["What is the answer? The answer is 42."])
     ids = dict(vocab=len(tok), pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
     build(family, hidden=hidden, heads=heads, kv_heads=kv_heads, init=0.15, tie_word_embeddings=True, **ids).save_pretrained(tmp_path)
@@ -216,3 +236,6 @@ def test_heads_of_96_and_256_decode_through_the_native_layers(tmp_path, small_co
     assert engine.lm.head_dim == hidden // heads and describe.decode_path(engine.lm)["native"] == "layers"
     engine.ingest(str(small_corpus))
     cached_is_full_alone_and_together(engine, QUESTIONS[:3], 12)
+    (res,) = engine.resident._items.values()
+    pairs = res.prefix.made["pairs"]  # pair_kv's (int32), not pair_kv8's (uint8), over an int8 snapshot too
+    assert pairs and all(p[0].dtype == torch.int32 for p in pairs.values()) and res.prefix.codes is None

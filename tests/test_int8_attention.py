@@ -108,3 +108,16 @@ def test_int8_bad_inputs_are_refused():
         torch.ops.cag.pair_kv8(kq[0], kscale[0][..., :1].contiguous(), kq[0], kscale[0])
     with pytest.raises(RuntimeError, match="pair_kv8"):
         op(q, kp[:, :200], vp[:, :200], ks, vs, slots, lens, 0.125, kt, vt)  # codes of another length
+
+
+def test_heads_of_80_are_refused_in_int8():
+    """An int8 snapshot keeps a head of 80 as one block (kv_int8.block_for), which the kernel's blocks of 32
+    do not read: refused by name (the engine then serves the dequantized K/V through the bf16 kernel)."""
+    q, kp, vp, ks, vs, slots, lens = case(1, 3, 300, [4], 80)
+    (kq, kscale), (vq, vscale) = (kv_int8.quantize(t.float()[None], kv_int8.block_for(80)) for t in (kp, vp))
+    with pytest.raises(RuntimeError, match="int8 K/V: head dim 64, 96, 128 or 256"):
+        torch.ops.cag.pair_kv8(kq[0], kscale[0], vq[0], vscale[0])
+    fake = torch.zeros(2, 2, 80 * 256 + 2 * 256 * 2, dtype=torch.uint8)  # codes laid out as for blocks of 32
+    with pytest.raises(RuntimeError, match="int8 prefix takes heads of 64, 96, 128 or 256"):
+        op(q, kp, vp, ks, vs, slots, lens, 0.125, fake, fake)
+    assert 80 in native.HEAD_DIMS and 80 not in native.INT8_HEAD_DIMS

@@ -66,6 +66,8 @@ def reference(q, kp, vp, ks, vs, slots, lens, scale):
     (2, 5, 257, [1, 2], 128),        # heads of 128; a prefix one key past a chunk
     (6, 3, 300, [7] * 6, 64),        # 18 rows on one prefix: more than one block of 16 rows
     (2, 4, 300, [3, 260], 96),       # heads of 96 (Phi-3): three 32-dim groups a key
+    (2, 4, 300, [3, 260], 80),       # heads of 80 (Phi-2): two 32-dim groups and a half group of 16
+    (6, 3, 9, [1, 2, 17, 3, 40, 5], 80),  # and 18 rows, fewer prefix keys than a block, suffixes over blocks
     (2, 2, 270, [1, 9], 256),        # heads of 256, the widest
 ])
 def test_kernel_computes_attention(kernel, B, R, n, lens, D):
@@ -106,6 +108,7 @@ def test_bad_inputs_are_refused(kernel):
     (1, 3, 4096, [1], 64), (3, 3, 1000, [5, 300, 17], 64), (2, 2, 0, [3, 40], 64), (2, 5, 257, [1, 2], 128),
     (1, 3, 9, [2], 64),  # fewer keys than a block of 16, an odd count: pairs padded with zeros
     (2, 4, 301, [3, 7], 96), (1, 2, 259, [5], 256),  # heads of 96 and 256
+    (2, 4, 301, [3, 7], 80), (1, 3, 9, [2], 80),  # heads of 80: the last 16 dims a half group
 ])
 def test_a_pre_paired_prefix_gives_the_same_bits(library, B, R, n, lens, D):
     """pair_kv lays a resident prefix out once as the AVX-512 kernel reads it (K's dim pairs per 16
@@ -129,10 +132,11 @@ def test_a_pre_paired_prefix_gives_the_same_bits(library, B, R, n, lens, D):
         op(q, kp, vp, ks, vs, slots, lens, D ** -0.5, kt, None)
 
 
-def test_rope_write_is_the_formula_bit_for_bit(library):
+@pytest.mark.parametrize("D", [64, 80])  # 80: half a head (40) is not a whole number of 16-lane steps
+def test_rope_write_is_the_formula_bit_for_bit(library, D):
     """The step's rope and K/V write in one call: q, and the bf16 K and V it writes, equal torch's
     `x * cos + roll(x, D/2) * sin` (then `.to(bf16)`) bit for bit; other slots and positions untouched."""
-    R, H, Hk, D = 5, 6, 2, 64
+    R, H, Hk = 5, 6, 2
     g = torch.Generator().manual_seed(1)
     qkv = torch.randn(R, (H + 2 * Hk) * D, generator=g)
     cos, sin = torch.randn(R, D, generator=g), torch.randn(R, D, generator=g)
@@ -332,15 +336,15 @@ def test_a_fused_layer_is_the_separate_ops_bit_for_bit(library, tiny64_model_dir
     engine, step = _fused_engine(folder, monkeypatch, weights)
     assert step.fused is not None
     assert (step.fns[0].qkv_packed.bias is not None) == (family == "qwen2")
-    cfg = engine.lm.model.config
+    cfg, D = engine.lm.model.config, engine.lm.head_dim
     g = torch.Generator().manual_seed(1)
-    prefixes = [Prefix([tuple(torch.randn(1, cfg.num_key_value_heads, m, 64, generator=g).bfloat16() for _ in "kv")
+    prefixes = [Prefix([tuple(torch.randn(1, cfg.num_key_value_heads, m, D, generator=g).bfloat16() for _ in "kv")
                         for _ in range(cfg.num_hidden_layers)], m) for m in (n, n // 2 + 5)]
     fused, B = step.fused, len(starts)
 
     def run(on: bool):
         step.fused = fused if on else None
-        slots = Slots(cfg.num_hidden_layers, cfg.num_key_value_heads, 64, 300, 4, torch.bfloat16)
+        slots = Slots(cfg.num_hidden_layers, cfg.num_key_value_heads, D, 300, 4, torch.bfloat16)
         taken = torch.tensor([slots.take() for _ in range(B)])
         toks, at, out = torch.tensor([[7 + b] for b in range(B)]), torch.tensor(starts), []
         for _ in range(6):

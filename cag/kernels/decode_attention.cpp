@@ -129,13 +129,20 @@ inline void prefetch_keys(const at::BFloat16* k, int64_t b, int64_t w, int64_t s
 }
 
 // q rows (fp32, D floats each) rounded to bf16 into qb (rows D apart); rows past nr (up to `to`) zero.
+// 32 dims a step; a width of 32 g + 16 ends with 16 (the same rounding per element).
 void round_q(const float* const* q, int64_t nr, int64_t to, int64_t D, uint16_t* qb) {
-  for (int64_t r = 0; r < to; r++)
-    for (int64_t j = 0; j < D; j += 32) {
+  for (int64_t r = 0; r < to; r++) {
+    int64_t j = 0;
+    for (; j + 32 <= D; j += 32) {
       __m512 lo = _mm512_setzero_ps(), hi = _mm512_setzero_ps();
       if (r < nr) { lo = _mm512_loadu_ps(q[r] + j); hi = _mm512_loadu_ps(q[r] + j + 16); }
       _mm512_storeu_si512(qb + r * D + j, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
     }
+    if (j < D) {
+      const __m512 lo = r < nr ? _mm512_loadu_ps(q[r] + j) : _mm512_setzero_ps();
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(qb + r * D + j), (__m256i)_mm512_cvtneps_pbh(lo));
+    }
+  }
 }
 
 // Dims [d, d + 16) of keys t and t + 1 (rows `stride` apart; a key at or past w reads as zeros) as 16
@@ -224,14 +231,18 @@ inline void transpose16(__m512 r[16]) {
 // Keys [16 b, 16 b + 16) of k (rows `stride` apart; a key at or past w reads as zeros), their dword
 // pairs 16 h .. 16 h + 15 transposed in registers into pair rows of kt, `ld` dwords apart:
 // kt[(16 h + i) ld + 16 b + u] = pair 16 h + i of key 16 b + u (the paired K layout: sc.kt, pair_kv's kt).
-inline void pair_keys(const at::BFloat16* k, int64_t stride, int64_t w, int64_t b, int64_t h, uint32_t* kt, int64_t ld) {
+// Pairs at or past D/2 (the last group of a width 32 g + 16: 8 pairs) are neither read nor written.
+inline void pair_keys(const at::BFloat16* k, int64_t stride, int64_t w, int64_t b, int64_t h, uint32_t* kt, int64_t ld,
+                      int64_t D) {
+  const int64_t np = std::min<int64_t>(16, D / 2 - 16 * h);
+  const __mmask16 m = (__mmask16)((1u << np) - 1);
   __m512 r[16];
   for (int64_t u = 0; u < 16; u++) {
     const int64_t t = b * 16 + u;
-    r[u] = t < w ? _mm512_loadu_ps(reinterpret_cast<const float*>(k + t * stride) + 16 * h) : _mm512_setzero_ps();
+    r[u] = t < w ? _mm512_maskz_loadu_ps(m, reinterpret_cast<const float*>(k + t * stride) + 16 * h) : _mm512_setzero_ps();
   }
   transpose16(r);
-  for (int64_t i = 0; i < 16; i++) _mm512_storeu_ps(reinterpret_cast<float*>(kt + (16 * h + i) * ld + b * 16), r[i]);
+  for (int64_t i = 0; i < np; i++) _mm512_storeu_ps(reinterpret_cast<float*>(kt + (16 * h + i) * ld + b * 16), r[i]);
 }
 
 // The same item by AVX512-BF16 dot products (CPUs without AMX: AMD Zen 4 and later, Intel before
@@ -254,11 +265,12 @@ void item_avx512_d(const float* const* q, int64_t rows, const at::BFloat16* k, c
   const int64_t ld = kpre ? C : wp;
   float* s = sc.s;
   uint16_t* pb = sc.pb;
-  const int64_t nd = D / 32;  // zmm per K/V row
+  constexpr int64_t nd = D / 32;  // whole zmm per K/V row (32 dims); a width 32 nd + 16 has a half group after them
+  constexpr bool tail = D % 32 != 0;
   for (int64_t b = 0; !kpre && b < wp / 16; b++) {
-    for (int64_t h = 0; h < nd; h++) {  // dword pairs 16h .. 16h + 15 of 16 keys
+    for (int64_t h = 0; h < nd + tail; h++) {  // dword pairs 16h .. 16h + 15 of 16 keys
       if (h == 0) prefetch_keys(k, b + 1, w, stride, D);  // the next block's keys into L1 while this one is paired
-      pair_keys(k, stride, w, b, h, sc.kt, wp);
+      pair_keys(k, stride, w, b, h, sc.kt, wp, D);
     }
   }
   for (int64_t r0 = 0; r0 < rows; r0 += 16) {  // blocks of 16 rows: the scratch holds 16 rows of scores
@@ -320,7 +332,7 @@ void item_avx512_d(const float* const* q, int64_t rows, const at::BFloat16* k, c
     }
     for (int64_t g0 = 0; !vpre && g0 < nr; g0 += 4) {  // values, 4 rows at a time
       const int64_t ng = std::min<int64_t>(4, nr - g0);
-      __m512 a[4][2 * MAXD / 32];  // [row][lo/hi half of each zmm of V]
+      __m512 a[4][2 * MAXD / 32];  // [row][lo/hi half of each zmm of V; then a width 32 nd + 16's last 16 dims]
       for (auto& row : a) for (auto& x : row) x = _mm512_setzero_ps();
       for (int64_t t = 0; t < w; t += 2) {
         const at::BFloat16* v0 = v + t * stride;
@@ -338,15 +350,24 @@ void item_avx512_d(const float* const* q, int64_t rows, const at::BFloat16* k, c
             a[g][2 * h + 1] = _mm512_dpbf16_ps(a[g][2 * h + 1], hi, pp);
           }
         }
+        if (tail) {  // the last 16 dims, paired as pair_dims pairs them (lanes in dim order)
+          const __m512bh vv = (__m512bh)pair_dims(v, stride, t, w, 32 * nd);
+          for (int64_t g = 0; g < ng; g++) {
+            const __m512bh pp = (__m512bh)_mm512_set1_epi32(*reinterpret_cast<const int32_t*>(pb + (g0 + g) * C + t));
+            a[g][2 * nd] = _mm512_dpbf16_ps(a[g][2 * nd], vv, pp);
+          }
+        }
       }
       // lane 4L + j of lo holds dim 8L + j of its 32 (j < 4), of hi dim 8L + 4 + j: back in order
       const __m512i i0 = _mm512_set_epi32(23, 22, 21, 20, 7, 6, 5, 4, 19, 18, 17, 16, 3, 2, 1, 0);
       const __m512i i1 = _mm512_set_epi32(31, 30, 29, 28, 15, 14, 13, 12, 27, 26, 25, 24, 11, 10, 9, 8);
-      for (int64_t g = 0; g < ng; g++)
+      for (int64_t g = 0; g < ng; g++) {
         for (int64_t h = 0; h < nd; h++) {
           _mm512_storeu_ps(acc[r0 + g0 + g] + 32 * h, _mm512_permutex2var_ps(a[g][2 * h], i0, a[g][2 * h + 1]));
           _mm512_storeu_ps(acc[r0 + g0 + g] + 32 * h + 16, _mm512_permutex2var_ps(a[g][2 * h], i1, a[g][2 * h + 1]));
         }
+        if (tail) _mm512_storeu_ps(acc[r0 + g0 + g] + 32 * nd, a[g][2 * nd]);
+      }
     }
   }
 }
@@ -358,6 +379,7 @@ void item_avx512(const float* const* q, int64_t rows, const at::BFloat16* k, con
                  const char* nk = nullptr, int64_t nkb = 0, const char* nv = nullptr, int64_t nvb = 0) {
   switch (D) {
     case 64: item_avx512_d<64>(q, rows, k, v, stride, w, scale, part, acc, kpre, vpre, nk, nkb, nv, nvb); break;
+    case 80: item_avx512_d<80>(q, rows, k, v, stride, w, scale, part, acc, kpre, vpre, nk, nkb, nv, nvb); break;
     case 96: item_avx512_d<96>(q, rows, k, v, stride, w, scale, part, acc, kpre, vpre, nk, nkb, nv, nvb); break;
     case 128: item_avx512_d<128>(q, rows, k, v, stride, w, scale, part, acc, kpre, vpre, nk, nkb, nv, nvb); break;
     default: item_avx512_d<256>(q, rows, k, v, stride, w, scale, part, acc, kpre, vpre, nk, nkb, nv, nvb);
@@ -371,7 +393,7 @@ std::tuple<at::Tensor, at::Tensor> pair_kv(const at::Tensor& k, const at::Tensor
   TORCH_CHECK(k.dim() == 3 && v.sizes() == k.sizes() && k.scalar_type() == at::kBFloat16 && v.scalar_type() == at::kBFloat16 &&
               k.stride(2) == 1 && v.stride(2) == 1, "k, v: (H, n, D) bfloat16, rows contiguous");
   const int64_t H = k.size(0), n = k.size(1), D = k.size(2), nc = (n + C - 1) / C, nu = (n + 1) / 2;
-  TORCH_CHECK(cagk::head_dim_ok(D), "head dim 64, 96, 128 or 256");
+  TORCH_CHECK(cagk::head_dim_ok(D), "head dim 64, 80, 96, 128 or 256");
   at::Tensor kt = at::zeros({H, nc, D / 2, C}, k.options().dtype(at::kInt));
   at::Tensor vt = at::empty({H, nu, D}, k.options().dtype(at::kInt));
   const at::BFloat16* kd = k.data_ptr<at::BFloat16>();
@@ -382,8 +404,8 @@ std::tuple<at::Tensor, at::Tensor> pair_kv(const at::Tensor& k, const at::Tensor
     for (int64_t i = i0; i < i1; i++) {
       const int64_t h = i / nc, c = i % nc, w = std::min(C, n - c * C);
       for (int64_t b = 0; b * 16 < w; b++)
-        for (int64_t hh = 0; hh < D / 32; hh++)
-          pair_keys(kd + h * k.stride(0) + c * C * k.stride(1), k.stride(1), w, b, hh, ktd + i * (D / 2) * C, C);
+        for (int64_t hh = 0; hh < (D + 31) / 32; hh++)  // groups of 16 pairs, the last of a width 32 g + 16 a half
+          pair_keys(kd + h * k.stride(0) + c * C * k.stride(1), k.stride(1), w, b, hh, ktd + i * (D / 2) * C, C, D);
     }
   });
   at::parallel_for(0, H * nu, 64, [&](int64_t i0, int64_t i1) {
@@ -425,7 +447,7 @@ Attention::Attention(const float* q, int64_t B, int64_t H, int64_t R, int64_t D,
   TORCH_CHECK(!amx || amx_permitted(), "the kernel refused to start: Linux did not grant AMX tile state to this process");
   TORCH_CHECK(!amx || D % 64 == 0, "the AMX attention takes heads of 64, 128 or 256 (it sums values 64 dims a tile group)");
   TORCH_CHECK(kp.dim() == 3 && vp.dim() == 3 && ks.dim() == 4 && vs.dim() == 4, "K/V: (H, n, D) prefix and (S, H, room, D) slots");
-  TORCH_CHECK(cagk::head_dim_ok(D), "head dim 64, 96, 128 or 256");
+  TORCH_CHECK(cagk::head_dim_ok(D), "head dim 64, 80, 96, 128 or 256");
   n = kp.size(1);
   for (const at::Tensor* t : {&kp, &vp, &ks, &vs})
     TORCH_CHECK(t->scalar_type() == at::kBFloat16 && t->stride(-1) == 1 && t->stride(-2) % 2 == 0 && t->size(-1) == D &&
@@ -443,6 +465,7 @@ Attention::Attention(const float* q, int64_t B, int64_t H, int64_t R, int64_t D,
   np = (n + C - 1) / C, chunks = np + most;  // per row: prefix chunks, then suffix chunks
   TORCH_CHECK(kt.has_value() == vt.has_value() && (!kt || !amx), "kt and vt: both or neither, and for the avx512 kernel");
   if (kt && kt->scalar_type() == at::kByte) {
+    TORCH_CHECK(cagk::int8_head_dim_ok(D), "an int8 prefix takes heads of 64, 96, 128 or 256 (its blocks of 32 along D)");
     TORCH_CHECK(vt->scalar_type() == at::kByte && kt->is_contiguous() && vt->is_contiguous() &&
                 kt->sizes() == at::IntArrayRef({H, np, cagk::int8_item_bytes(D)}) && vt->sizes() == kt->sizes(),
                 "kt, vt: the prefix as pair_kv8 gives it");
@@ -624,6 +647,9 @@ void rms_rows_f32(float* x, int64_t ld, const float* wd, int64_t R, int64_t N, f
 }
 
 // rope is x * cos + roll(x, D/2) * sin with a rounding after each product and the sum, as torch computes it.
+// Each half of a head runs in steps of 16 (the last one masked where D/2 is not a multiple of 16: 40 of
+// a head of 80), so a step's rolled operand is one run of x: roll(x, D/2)[j] = x[j + D/2] in the first
+// half, x[j - D/2] in the second.
 void rope_rows(const float* qkv, int64_t ld, const float* cd, const float* sd, int64_t R, int64_t H, int64_t Hk,
                int64_t D, int64_t room, const int64_t* sl, const int64_t* ps, float* qd, uint16_t* kd, uint16_t* vd) {
   const int64_t half = D / 2;
@@ -633,13 +659,15 @@ void rope_rows(const float* qkv, int64_t ld, const float* cd, const float* sd, i
     const float* sn = sd + r * D;
     for (int64_t h = 0; h < H + Hk; h++) {  // q heads, then k heads
       const float* x = row + h * D;
-      for (int64_t j = 0; j < D; j += 16) {
-        const int64_t o = j < half ? j + half : j - half;  // roll(x, D/2)[j] = x[j - D/2 mod D]
-        const __m512 y = _mm512_add_ps(_mm512_mul_ps(_mm512_loadu_ps(x + j), _mm512_loadu_ps(c + j)),
-                                       _mm512_mul_ps(_mm512_loadu_ps(x + o), _mm512_loadu_ps(sn + j)));
-        if (h < H) _mm512_storeu_ps(qd + (r * H + h) * D + j, y);
-        else _mm256_storeu_si256(reinterpret_cast<__m256i*>(kd + ((sl[r] * Hk + (h - H)) * room + ps[r]) * D + j), (__m256i)_mm512_cvtneps_pbh(y));
-      }
+      for (int64_t j0 : {(int64_t)0, half})
+        for (int64_t j = j0; j < j0 + half; j += 16) {
+          const int64_t o = j0 ? j - half : j + half;
+          const __mmask16 m = (__mmask16)(j0 + half - j >= 16 ? 0xFFFF : (1u << (j0 + half - j)) - 1);
+          const __m512 y = _mm512_add_ps(_mm512_mul_ps(_mm512_maskz_loadu_ps(m, x + j), _mm512_maskz_loadu_ps(m, c + j)),
+                                         _mm512_mul_ps(_mm512_maskz_loadu_ps(m, x + o), _mm512_maskz_loadu_ps(m, sn + j)));
+          if (h < H) _mm512_mask_storeu_ps(qd + (r * H + h) * D + j, m, y);
+          else _mm256_mask_storeu_epi16(kd + ((sl[r] * Hk + (h - H)) * room + ps[r]) * D + j, m, (__m256i)_mm512_cvtneps_pbh(y));
+        }
     }
     for (int64_t h = 0; h < Hk; h++)
       for (int64_t j = 0; j < D; j += 16)
@@ -721,7 +749,7 @@ at::Tensor rope_write(const at::Tensor& qkv, const at::Tensor& cos, const at::Te
   TORCH_CHECK(K.dim() == 4 && K.scalar_type() == at::kBFloat16 && K.is_contiguous() && V.sizes() == K.sizes() &&
               V.scalar_type() == at::kBFloat16 && V.is_contiguous(), "K, V: (S, Hk, room, D) bfloat16, contiguous");
   const int64_t R = qkv.size(0), Hk = K.size(1), D = K.size(3);
-  TORCH_CHECK(D % 32 == 0 && qkv.size(1) == (H + 2 * Hk) * D, "qkv width and heads disagree");
+  TORCH_CHECK(D % 16 == 0 && qkv.size(1) == (H + 2 * Hk) * D, "qkv width and heads disagree (heads a multiple of 16 wide)");
   TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat &&
               cos.numel() == R * D && sin.numel() == R * D, "cos, sin: (R, D) float32");
   TORCH_CHECK(slots.scalar_type() == at::kLong && pos.scalar_type() == at::kLong && slots.numel() == R && pos.numel() == R &&

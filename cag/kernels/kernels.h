@@ -11,7 +11,11 @@ namespace cagk {
 constexpr int64_t CHUNK = 256;  // keys per attention item: its K and V stay in L2
 constexpr int64_t MAXD = 256;   // the widest head
 // The head widths the attention kernels are compiled for (each a template instance: accumulators in registers).
-constexpr bool head_dim_ok(int64_t D) { return D == 64 || D == 96 || D == 128 || D == 256; }
+// A width of 32 g + 16 (80) takes its last 16 dims as a half group (masked loads, no lane past the row).
+constexpr bool head_dim_ok(int64_t D) { return D == 64 || D == 80 || D == 96 || D == 128 || D == 256; }
+// The int8 prefix (int8_attention.cpp) reads the snapshot's blocks of 32 along D: store/kv_int8.py makes a
+// head of another width one block, which it does not read (the step pairs the dequantized K/V instead).
+constexpr bool int8_head_dim_ok(int64_t D) { return head_dim_ok(D) && D % 32 == 0; }
 
 // products.cpp. int4: x (M, K) bf16 -> xp (M, K) bf16 in the order the nibbles unpack, xs (M, K/32)
 // float32 group sums; then outputs [n0, n1) of y (M, N) float32 from qw (N, K/2), dm (N, 2, K/32).

@@ -83,7 +83,7 @@ struct DecodeWeights : torch::CustomClassHolder {
   DecodeWeights(int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t hidden, double scale_)
       : H(heads), Hk(kv_heads), D(head_dim), hid(hidden), scale(scale_) {
     TORCH_CHECK(Hk >= 1 && H % Hk == 0 && cagk::head_dim_ok(D),
-                "query heads a multiple of K/V heads, a head width the kernels take (64, 96, 128 or 256)");
+                "query heads a multiple of K/V heads, a head width the kernels take (64, 80, 96, 128 or 256)");
   }
 
   // One layer: its norms' weights (hidden,) float32 and epsilons, and its products as product_of takes

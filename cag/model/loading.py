@@ -267,7 +267,7 @@ def checkpoint_dtype(config) -> torch.dtype | None:
 def decode_kernels(mode: str, lm: LoadedModel) -> tuple[str, str]:
     """What CAG_DECODE_KERNELS means for this model here: "amx", "avx512", "avx2" or "torch"
     (cag.kernels.native, which also refuses an unknown mode), and why (one line). The attention reads
-    bf16 K/V with heads of 64, 96, 128 or 256 on the CPU; `amx` or `avx512` where those do not hold is refused.
+    bf16 K/V with heads of 64, 80, 96, 128 or 256 (native.HEAD_DIMS) on the CPU; `amx` or `avx512` where those do not hold is refused.
     `avx2` is the int4 products alone (int4's head in int8 groups), whatever the heads: `auto` takes it
     below the AVX-512 floor for int4 weights; asked for with another format, it is refused."""
     on_cpu = lm.device.type == "cpu"
@@ -278,7 +278,7 @@ def decode_kernels(mode: str, lm: LoadedModel) -> tuple[str, str]:
             return "avx2", f"cag's AVX2 products run on this CPU (its attention and layer kernels need AVX512-BF16: {cpu})"
         return "torch", f"cag's kernels cannot run here: {cpu}"
     if mode not in ("torch", "avx2") and mode in native.MODES and on_cpu and (lm.attn_dtype != torch.bfloat16 or lm.head_dim not in native.HEAD_DIMS):
-        why = " and ".join(need for bad, need in ((lm.head_dim not in native.HEAD_DIMS, "heads of 64, 96, 128 or 256"),
+        why = " and ".join(need for bad, need in ((lm.head_dim not in native.HEAD_DIMS, "heads of 64, 80, 96, 128 or 256"),
                                                   (lm.attn_dtype != torch.bfloat16, "bf16 K/V (CAG_WEIGHTS bf16, int8 or int4, or CAG_DTYPE=bfloat16)"))
                            if bad)
         if mode != "auto":

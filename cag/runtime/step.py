@@ -114,7 +114,7 @@ class LeanStep:
         half = self.head_dim // 2
         # decode rows over bf16 K/V through cag.kernels.native's kernel (CAG_DECODE_KERNELS resolved to amx or avx512 at load)
         mode = getattr(model, native.ATTR, "torch")
-        if mode == "amx" and self.head_dim % 64:  # the AMX attention sums values 64 dims at a time: avx512's takes 96
+        if mode == "amx" and self.head_dim % 64:  # the AMX attention sums values 64 dims at a time: avx512's takes 80 and 96
             mode = "avx512"
         self.kernel = native.attention(mode) if mode in ("amx", "avx512") and native.load() and self.head_dim in native.HEAD_DIMS else None
         # and with it, for a float32 step over packed products, the glue around them in one call each: RMSNorm
