@@ -12,9 +12,15 @@ very GGUF file cag's weights come from, and is fed cag's own prompt token ids):
   * how many of the 32 greedy tokens the two engines share (their arithmetic differs: llama.cpp
     multiplies the 4-bit weights with 8-bit activations; cag the dequantized weights).
 
+`--model SHAPE` (a bench/bench_models.py shape, e.g. llama-3.2-1b, llama-3.2-3b) runs the same on that
+random-weight model instead: its bf16 folder (built once under --work) written as a GGUF file with the
+`gguf` package (bench/gguf_file.py: llama.cpp's converter's layout, matrices in --qtype, Q4_0 or Q8_0),
+which both engines read (cag: `--model file.gguf`, CAG_WEIGHTS=auto, so Q4_0 on int4's grid as it is).
+
 llama.cpp comes from the optional `anchor` extra (`pip install -e '.[anchor]'`: llama-cpp-python
 builds llama.cpp from source, ~15 minutes on 2 cores); without it this prints why and exits 2.
-Writes bench/results/anchor.json and anchor.md.  Run: `python -m bench.bench_anchor`.
+Writes bench/results/anchor.json and anchor.md (anchor-SHAPE.* with --model).  Run: `python -m bench.bench_anchor`,
+`python -m bench.bench_anchor --model llama-3.2-1b --sizes 1000,4000`.
 """
 
 from __future__ import annotations
@@ -27,7 +33,28 @@ import tempfile
 import time
 from pathlib import Path
 
+from .bench_models import SHAPES
 from .common import essay_corpus, machine, timed, write
+
+
+def shape_gguf(shape: str, qtype: str, work: Path) -> Path:
+    """The random model of `shape` as a GGUF file (written once under `work`)."""
+    import gguf as gg
+    import torch
+    import transformers
+
+    from .bench_models import build
+    from .gguf_file import tokenizer_fields, write_gguf
+
+    work.mkdir(parents=True, exist_ok=True)
+    path = work / f"{shape}.{qtype}.gguf"
+    if not path.exists():
+        model = transformers.AutoModelForCausalLM.from_pretrained(build(shape, work), dtype=torch.bfloat16)
+        tmp = path.with_suffix(".part")
+        write_gguf(model, tmp, gg.GGMLQuantizationType[qtype], tokenizer_fields())
+        tmp.replace(path)
+        print(f"wrote {path} ({path.stat().st_size / 1e9:.2f} GB)", flush=True)
+    return path
 
 QUESTION = "What does the author say about how to start a startup?"
 
@@ -87,7 +114,15 @@ def main() -> None:
     ap.add_argument("--decode-tokens", type=int, default=32)
     ap.add_argument("--repeat", type=int, default=3, help="TTFT: median of this many runs")
     ap.add_argument("--rounds", type=int, default=3, help="decode: best of this many alternating runs per engine")
+    ap.add_argument("--model", help="a bench_models shape (e.g. llama-3.2-1b) written to a GGUF file both engines read; "
+                    "default: the embedded model's own GGUF")
+    ap.add_argument("--qtype", default="Q4_0", choices=["Q4_0", "Q8_0"], help="the GGUF's matrix type with --model")
+    ap.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()) / "cag-bench-models",
+                    help="built models and their GGUF files are kept here")
     args = ap.parse_args()
+    if args.model and args.model not in SHAPES:
+        print(f"unknown shape {args.model!r}: one of {', '.join(SHAPES)}", file=sys.stderr)
+        sys.exit(2)
     try:
         import llama_cpp
     except ImportError:
@@ -107,11 +142,16 @@ def main() -> None:
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         home = Path(tmp)
+        gguf = shape_gguf(args.model, args.qtype, args.work) if args.model else _gguf_dir() / GGUF_FILE
+        if args.model:
+            os.environ["CAG_MODEL"] = str(gguf)
         engine = Engine(get_settings(home=home / "home", models_dir_override=get_settings().models_dir))
         lm = engine.lm
-        anchor = Anchor(_gguf_dir() / GGUF_FILE, lm.model.config.max_position_embeddings, threads)
+        sizes = [int(s) for s in args.sizes.split(",")]
+        n_ctx = min(lm.model.config.max_position_embeddings, max(sizes) + 512)  # the prefix, the question, the answer
+        anchor = Anchor(gguf, n_ctx, threads)
         count = lambda t: len(lm.tokenizer(t, add_special_tokens=False)["input_ids"])  # noqa: E731
-        for size in (int(s) for s in args.sizes.split(",")):
+        for size in sizes:
             folder = essay_corpus(home / f"essays-{size}", size, count)
             ing = engine.ingest(str(folder), name=f"essays{size}")
             docs, _ = engine.read_corpus(folder, f"essays{size}")
@@ -168,8 +208,9 @@ def main() -> None:
             })
             print(rows[-1], flush=True)
 
+    model, qtype = (f"{args.model}, random weights", args.qtype) if args.model else (lm.name, "Q4_1")
     head = (f"Machine: {machine()}; llama.cpp via llama-cpp-python {llama_cpp.__version__}, {threads} threads, "
-            f"built from source here. Model: {lm.name} (llama.cpp: the GGUF file itself, Q4_1; cag: weights "
+            f"built from source here. Model: {model} (llama.cpp: the GGUF file itself, {qtype}; cag: weights "
             f"{lm.weights}, decode kernels {lm.kernels}, {engine.kv_name} snapshots). Same prompt token ids on both sides; TTFT median of "
             f"{args.repeat}; decode: {n} greedy tokens, stop tokens ignored, best of {args.rounds} runs alternating "
             f"the two engines. Load average before / after: "
@@ -184,8 +225,9 @@ def main() -> None:
         f"{r['cag_decode_tok_s']:.1f} / {r['llama_decode_tok_s']:.1f} | "
         f"{r['cag_snapshot_bytes'] / 1e6:.0f} / {r['llama_state_bytes'] / 1e6:.0f} MB | {r['same_leading_tokens']} of {n} |\n"
         for r in rows)
-    write("anchor", {"machine": machine(), "llama_cpp": llama_cpp.__version__, "threads": threads,
-                     "load_before": load_before, "load_after": os.getloadavg(), "rows": rows}, head + body)
+    payload = {"machine": machine(), "llama_cpp": llama_cpp.__version__, "threads": threads, "model": model, "qtype": qtype,
+               "cag_weights": lm.weights, "cag_kernels": lm.kernels, "load_before": load_before}
+    write(f"anchor-{args.model}" if args.model else "anchor", payload | {"load_after": os.getloadavg(), "rows": rows}, head + body)
 
 
 if __name__ == "__main__":

