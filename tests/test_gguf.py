@@ -22,6 +22,7 @@ from cag.cli.main import app
 from cag.config import get_settings
 from cag.engine import Engine
 from cag.errors import ModelError
+from cag.kernels import native
 from cag.model import gguf
 from cag.model.auto_weights import on_4bit_grid
 from cag.store import stamps
@@ -114,6 +115,26 @@ def test_each_type_is_read_and_answers(tokenizer_fields, small_corpus, tmp_path,
     expect = write(path, T[qtype], tokenizer_fields)
     eng = engine(monkeypatch, path)
     same_weights(gguf.materialize(path, get_settings().models_dir), expect)
+    answers_as_full(eng, small_corpus)
+
+
+@pytest.mark.parametrize(("qtype", "head"), [("Q4_0", "int4"), ("Q8_0", "q8")])
+def test_a_head_on_int4s_grid_stays_int4(tokenizer_fields, small_corpus, tmp_path, monkeypatch, qtype, head):
+    """A tied token embedding stored in 4 bits (Q4_0) is held as it is in int4 with cag's kernels, no
+    bigger q8 copy read each step; one in 8 bits keeps q8, and the int4 head's bytes are int4's."""
+    if why := native.why_not():
+        pytest.skip(f"cag's kernels cannot run here: {why}")
+    path = tmp_path / f"tiny.{qtype}.gguf"
+    expect = write(path, T[qtype], tokenizer_fields)
+    monkeypatch.setenv("CAG_WEIGHTS", "int4")
+    monkeypatch.setenv("CAG_DECODE_KERNELS", "avx512")
+    eng = engine(monkeypatch, path)
+    lm_head = eng.lm.model.lm_head
+    assert lm_head.fmt == head and (lm_head.packs.questions is None)
+    if head == "int4":  # the head's logits: the file's weights exactly (within float32 sums)
+        x = torch.randn(3, lm_head.in_features)
+        want = x.bfloat16().float() @ expect["lm_head.weight"].t()
+        assert torch.allclose(lm_head.decode(x), want, rtol=1e-4, atol=1e-3)
     answers_as_full(eng, small_corpus)
 
 

@@ -160,6 +160,7 @@ def test_packed_takes_the_native_layout_only_where_it_fits():
     assert type(weights.pack(weight(64, 576), None, "int8", native=True)) is weights.TorchPackedNativeQuestions
     # int4's LM head is int8 in groups of 32 with cag's kernels, bf16 with torch's
     assert weights._head_format("int4", native=True) == "q8"
+    assert weights._head_format("int4", native=True, four_bit=True) == "int4"  # a head on int4's grid already
     assert weights._head_format("int4") == ("bf16" if weights.bf16_packs() else "int8")
 
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from cag.model.weights import FORMATS, GROUP, grid4, pack, packable, supported
+from cag.model.weights import FORMATS, on_grid4, pack, packable, supported
 
 
 @functools.lru_cache(maxsize=8)
@@ -77,16 +77,8 @@ def on_4bit_grid(model: torch.nn.Module) -> bool:
     bf16 rounding of each group's scale and zero), and loses nothing the model had not lost already. Any other model fails at its first matrix; SmolLM2 takes well under 0.1 s."""
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     lins = [m for m in model.modules() if isinstance(m, torch.nn.Linear) and m is not head]
-    with torch.no_grad():
-        for m in lins:
-            if not packable(m, "int4"):
-                return False
-            # a matrix is stored in one quantization type: its first rows tell (all of them: seconds)
-            g = m.weight.detach()[:16].float().reshape(-1, m.in_features // GROUP, GROUP)  # (16, in/32, 32)
-            lo, step = grid4(g)
-            if ((torch.round((g - lo) / step) * step + lo - g).abs() > 1e-3 * step.abs()).any():
-                return False
-    return bool(lins)
+    # a matrix is stored in one quantization type: its first rows tell (all of them: seconds)
+    return bool(lins) and all(packable(m, "int4") and on_grid4(m.weight) for m in lins)
 
 
 def choose(model: torch.nn.Module, requested: str, cache_dir: Path | None = None) -> str:

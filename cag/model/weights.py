@@ -117,6 +117,17 @@ def grid4(g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.where(q4_0, big, lo), torch.where(q4_0, d, ((hi - lo) / 15).clamp(min=1e-12))
 
 
+def on_grid4(w: torch.Tensor, rows: int = 16) -> bool:
+    """Whether a matrix (out, in) lies on a 4-bit affine grid per group of 32 (grid4: a GGUF's Q4_1 or
+    Q4_0 values), as its first `rows` rows tell: a matrix is stored in one quantization type."""
+    if w.dim() != 2 or w.shape[1] % GROUP:
+        return False
+    with torch.no_grad():
+        g = w.detach()[:rows].float().reshape(-1, w.shape[1] // GROUP, GROUP)  # (rows, in/32, 32)
+        lo, step = grid4(g)
+        return not ((torch.round((g - lo) / step) * step + lo - g).abs() > 1e-3 * step.abs()).any()
+
+
 CHUNK = 2048  # rows a packing converts to float32 at a time (_by_rows)
 
 
@@ -405,7 +416,9 @@ def apply(model: torch.nn.Module, fmt: str, native: bool = False, compute: torch
         stacked_products.stack(model)
         return 0
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    own = lambda m: _head_format(fmt, (native or avx2) and m.in_features % GROUP == 0) if m is head else fmt  # noqa: E731
+    head_fmt = None if head is None else _head_format(fmt, (native or avx2) and head.in_features % GROUP == 0,
+                                                          packable(head, "int4") and on_grid4(head.weight))
+    own = lambda m: head_fmt if m is head else fmt  # noqa: E731
     groups = [g for g in stacked_products.groups(model) if all(packable(m, fmt) for m in g[2])]
     grouped = {id(m) for _, _, lins in groups for m in lins}
     singles = [(n, m) for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and id(m) not in grouped and packable(m, own(m))]
@@ -441,7 +454,10 @@ def apply(model: torch.nn.Module, fmt: str, native: bool = False, compute: torch
         if id(lin.weight) not in tied:
             lin.weight.data = narrowed(lin.weight.data)
         mapped = file_pages.file_backed(lin.weight, maps)
-        fast = FastLinear(lin, own(lin), native=native, out_dtype=torch.float32, avx2=avx2, questions=not mapped)
+        # an int4 head (on its grid) multiplies a question's rows as its decode rows: a bf16 copy of a
+        # vocabulary-sized matrix would cost more memory than the product saves time (one row a question)
+        copy = not mapped and not (lin is head and own(lin) == "int4")
+        fast = FastLinear(lin, own(lin), native=native, out_dtype=torch.float32, avx2=avx2, questions=copy)
         setattr(parent, name.rsplit(".", 1)[-1], fast)
         packs[id(fast.packs)] = fast.packs
         if not fast.packs.holds_source():
@@ -471,15 +487,17 @@ def narrowed(w: torch.Tensor) -> torch.Tensor:
     return b if torch.equal(b.float(), w) else w
 
 
-def _head_format(fmt: str, native: bool = False) -> str:
+def _head_format(fmt: str, native: bool = False, four_bit: bool = False) -> str:
     """The LM head keeps 8 bits or more in the integer formats. It is often the token embedding (tied),
     which a GGUF stores at 6-8 bits while its layers are 4-bit: int4 groups of 32 off that grid move
     most of the embedded model's answers (bench/bench_weights_quality.py measures each format). With
     cag.kernels.native, int4's head is int8 in groups of 32 with a float16 scale ("q8", GGUF Q8_0's
     layout, in which the embedded model ships it: held exactly, half bf16's bytes); elsewhere bf16,
-    or int8 per output channel on a CPU without oneDNN's bf16 products."""
+    or int8 per output channel on a CPU without oneDNN's bf16 products. A head that lies on int4's grid
+    already (`four_bit`: a GGUF's Q4_0 or Q4_1 token embedding, tied) stays int4 there: held exactly, in
+    the bytes the file gave it, where q8 would read 1.7x as many each step."""
     if fmt == "int4" and native:
-        return "q8"
+        return "int4" if four_bit else "q8"
     if fmt in ("int8", "int4"):
         return "bf16" if bf16_packs() else "int8"
     return fmt
