@@ -131,6 +131,8 @@ def test_a_head_on_int4s_grid_stays_int4(tokenizer_fields, small_corpus, tmp_pat
     eng = engine(monkeypatch, path)
     lm_head = eng.lm.model.lm_head
     assert lm_head.fmt == head and (lm_head.packs.questions is None)
+    if qtype == "Q4_0":  # every int4 copy in Q4_0's layout, its steps alone: 18 bytes a group of 32
+        assert all(m.packs.packed[1].shape[1] == 1 for m in eng.lm.model.modules() if getattr(m, "fmt", None) == "int4")
     if head == "int4":  # the head's logits: the file's weights exactly (within float32 sums)
         x = torch.randn(3, lm_head.in_features)
         want = x.bfloat16().float() @ expect["lm_head.weight"].t()
@@ -342,3 +344,14 @@ def test_which_types_lie_on_int4s_grid(tokenizer_fields, tmp_path, qtype, on_gri
             d, m = dm[:, 0, :, None].float(), dm[:, 1, :, None].float()
             assert torch.equal((m + q * d).reshape(w.shape), w), qtype
     assert on_4bit_grid(model) == on_grid
+
+
+def test_q4_0_layers_in_one_call_are_the_separate_ops(tokenizer_fields, tmp_path, monkeypatch):
+    """decode_layers over Q4_0's layout (steps alone) gives the separate products' logits and K/V bit for bit."""
+    from tests.test_native import test_a_fused_layer_is_the_separate_ops_bit_for_bit as same_bits
+
+    if why := native.why_not():
+        pytest.skip(f"cag's kernels cannot run here: {why}")
+    path = tmp_path / "tiny.Q4_0.gguf"
+    write(path, T.Q4_0, tokenizer_fields)
+    same_bits(None, path, None, monkeypatch, 300, [0, 3, 6], [0, 1, 0], "int4", "llama")

@@ -131,6 +131,29 @@ def test_stacked_columns_equal_separate_matrices():
     assert torch.equal(stacked, torch.cat([torch.ops.cag.int4_mm(x, *weights.pack_int4(m)) for m in (a, b)], 1))
 
 
+def q4_0_weight(out_f=320, in_f=576, seed=0) -> torch.Tensor:
+    """A matrix on GGUF Q4_0's grid: d (q - 8) per group of 32, d a float16, some group's q = 0."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randint(0, 16, (out_f, in_f // 32, 32), generator=g)
+    q[..., 0] = 0  # the value of largest magnitude, -8 d, as a Q4_0 quantizer makes it
+    d = (torch.rand(out_f, in_f // 32, 1, generator=g) * 0.02 + 1e-3).half().float()
+    return (d * (q - 8)).reshape(out_f, in_f)
+
+
+def test_the_q4_0_layout_gives_the_two_row_layouts_bits():
+    """A matrix on Q4_0's grid packs its steps alone (18 bytes a group), and the product gives the
+    bits the steps-and-mins layout gives, for any row count; other matrices keep both rows."""
+    w, x = q4_0_weight(), torch.randn(9, 576).bfloat16()
+    qw, dm = weights.pack_int4_native(w)
+    assert dm.shape == (320, 1, 18) and torch.equal(qw, weights.pack_int4(w)[0])
+    full = torch.ops.cag.int4_mm(x, *weights.pack_int4(w))
+    assert torch.equal(torch.ops.cag.int4_mm(x, qw, dm), full)
+    assert torch.equal(torch.ops.cag.int4_mm(x[:1].contiguous(), qw, dm), full[:1])
+    assert weights.pack_int4_native(weight())[1].shape == (320, 2, 18)  # off Q4_0's grid: mins kept
+    with pytest.raises(RuntimeError, match="K/32"):
+        torch.ops.cag.int4_mm(x, qw, dm[:, :, :9].contiguous())
+
+
 def test_bad_inputs_are_refused():
     qw, dm = weights.pack_int4(weight())
     x = torch.randn(2, 576).bfloat16()

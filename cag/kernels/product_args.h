@@ -14,13 +14,15 @@ inline void check_x(const at::Tensor& x, int64_t K) {
               "x: (M, K) bfloat16, contiguous, K the weight's input width");
 }
 
-// int4: qw (N, K/2) uint8, dm (N, 2, K/32) float16, K a multiple of 64; returns K.
-inline int64_t check_int4(const at::Tensor& x, const at::Tensor& qw, const at::Tensor& dm) {
+// int4: qw (N, K/2) uint8, dm (N, 2, K/32) float16 (or, where `q4_0` is taken, (N, 1, K/32): the steps
+// alone, each min -8 d), K a multiple of 64; returns K.
+inline int64_t check_int4(const at::Tensor& x, const at::Tensor& qw, const at::Tensor& dm, bool q4_0 = false) {
   TORCH_CHECK(qw.dim() == 2 && qw.scalar_type() == at::kByte && qw.is_contiguous(), "qw: (N, K/2) uint8");
   const int64_t N = qw.size(0), K = qw.size(1) * 2;
   TORCH_CHECK(K % 64 == 0, "K: a multiple of 64");
-  TORCH_CHECK(dm.dim() == 3 && dm.scalar_type() == at::kHalf && dm.is_contiguous() && dm.size(0) == N && dm.size(1) == 2 &&
-              dm.size(2) == K / 32, "dm: (N, 2, K/32) float16");
+  TORCH_CHECK(dm.dim() == 3 && dm.scalar_type() == at::kHalf && dm.is_contiguous() && dm.size(0) == N &&
+              (dm.size(1) == 2 || q4_0 && dm.size(1) == 1) && dm.size(2) == K / 32,
+              q4_0 ? "dm: (N, 2, K/32) or (N, 1, K/32) float16" : "dm: (N, 2, K/32) float16");
   check_x(x, K);
   return K;
 }

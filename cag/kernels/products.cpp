@@ -9,7 +9,9 @@
 //
 // int4 layout (cag.model.weights.pack_int4): qw (N, K/2) uint8, each group of 32 inputs in 16 bytes, byte j
 // holding input j (low nibble) and input j + 16 (high nibble); dm (N, 2, K/32) float16: per group its
-// step d and its min m, so w = m + q d, q in 0..15 (GGUF Q4_1's shape and precision).
+// step d and its min m, so w = m + q d, q in 0..15 (GGUF Q4_1's shape and precision); or dm (N, 1, K/32),
+// the steps alone, where every min is -8 d (GGUF Q4_0's grid: pack_int4_native), 18 bytes a group, not
+// 20: the min is then computed as -8 d, exactly the value the two-row layout would hold, so the same bits.
 // bf16 (OR 0x4300) is 128 + q exactly, so a group's dot product of (128 + q) with x, times d, plus
 // (m - 128 d) times the group's sum of x, is sum_i w_i x_i.
 //
@@ -76,17 +78,18 @@ inline __m512 hsum16(const __m512* v) {
 
 // Rows [r0, r0 + NR) (NR <= MB) times output n's int4 weights: per row a vector whose lanes sum to the product.
 template <int NR>
-inline void int4_acc(const uint8_t* qw, const uint16_t* dm, int64_t K, const uint16_t* xp, const float* xs, int64_t n, __m512* acc) {
+inline void int4_acc(const uint8_t* qw, const uint16_t* dm, int64_t S, int64_t K, const uint16_t* xp, const float* xs, int64_t n,
+                     __m512* acc) {
   const int64_t G = K / 32;
   const uint8_t* qn = qw + n * (K / 2);
-  const uint16_t* dn = dm + n * 2 * G;
+  const uint16_t* dn = dm + n * S * G;  // S: 2 (steps, then mins) or 1 (steps alone, mins -8 d)
   for (int r = 0; r < NR; r++) acc[r] = _mm512_setzero_ps();
   const __m512i low = _mm512_set1_epi16(0x000F), one28 = _mm512_set1_epi16(0x4300);
   for (int64_t g0 = 0; g0 < G; g0 += 16) {  // 16 groups' steps and mins at a time
     const int64_t ng = std::min<int64_t>(16, G - g0);
     const __mmask16 gm = (__mmask16)((1u << ng) - 1);
     const __m512 d16 = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(gm, dn + g0));
-    const __m512 m16 = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(gm, dn + G + g0));
+    const __m512 m16 = S == 2 ? _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(gm, dn + G + g0)) : _mm512_mul_ps(d16, _mm512_set1_ps(-8.0f));
     const __m512 c16 = _mm512_fnmadd_ps(_mm512_set1_ps(128.0f), d16, m16);  // m - 128 d
     for (int r = 0; r < NR; r++) acc[r] = _mm512_fmadd_ps(c16, _mm512_maskz_loadu_ps(gm, xs + r * G + g0), acc[r]);
     __m512i idx = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
@@ -108,12 +111,12 @@ inline void int4_acc(const uint8_t* qw, const uint16_t* dm, int64_t K, const uin
 // Rows [r0, r0 + NR) times outputs [n, n + no), no <= 16: a row's sums of a whole block of 16 in one
 // reduction, of a shorter block one by one (the same bits).
 template <int NR>
-void int4_rows(const uint8_t* qw, const uint16_t* dm, int64_t K, const uint16_t* xp, const float* xs, float* y, int64_t N,
+void int4_rows(const uint8_t* qw, const uint16_t* dm, int64_t S, int64_t K, const uint16_t* xp, const float* xs, float* y, int64_t N,
                int64_t n, int64_t no) {
   __m512 acc[NR][16];
   for (int64_t o = 0; o < no; o++) {
     __m512 a[NR];
-    int4_acc<NR>(qw, dm, K, xp, xs, n + o, a);
+    int4_acc<NR>(qw, dm, S, K, xp, xs, n + o, a);
     for (int r = 0; r < NR; r++) acc[r][o] = a[r];
   }
   for (int r = 0; r < NR; r++) {
@@ -193,11 +196,11 @@ namespace cagk {
 void int4_prepare(const uint16_t* x, int64_t M, int64_t K, uint16_t* xp, float* xs) { prepare(x, M, K, xp, xs); }
 
 void int4_outputs(const uint8_t* q, const uint16_t* d, int64_t K, int64_t M, const uint16_t* xp, const float* xs,
-                  float* y, int64_t N, int64_t n0, int64_t n1) {
+                  float* y, int64_t N, int64_t n0, int64_t n1, int64_t S) {
   const int64_t G = K / 32;
   for (int64_t n = n0; n < n1; n += 16)  // 16 outputs' weights stay in L1 for every block of rows
     blocks(M, [&](auto nr, int64_t r) {
-      int4_rows<decltype(nr)::value>(q, d, K, xp + r * K, xs + r * G, y + r * N, N, n, std::min<int64_t>(16, n1 - n));
+      int4_rows<decltype(nr)::value>(q, d, S, K, xp + r * K, xs + r * G, y + r * N, N, n, std::min<int64_t>(16, n1 - n));
     });
 }
 
@@ -213,9 +216,9 @@ void bf16_outputs(const uint16_t* w, int64_t K, int64_t M, const uint16_t* x, fl
 
 namespace {
 
-// x (M, K) bf16, qw (N, K/2) uint8, dm (N, 2, K/32) float16 -> (M, N) float32.
+// x (M, K) bf16, qw (N, K/2) uint8, dm (N, 2, K/32) or (N, 1, K/32) float16 -> (M, N) float32.
 at::Tensor int4_mm(const at::Tensor& x, const at::Tensor& qw, const at::Tensor& dm) {
-  const int64_t K = cagk::check_int4(x, qw, dm), N = qw.size(0), M = x.size(0), G = K / 32;
+  const int64_t K = cagk::check_int4(x, qw, dm, true), N = qw.size(0), M = x.size(0), G = K / 32, S = dm.size(1);
   std::vector<uint16_t> xp(M * K);
   std::vector<float> xs(M * G);
   cagk::int4_prepare(reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()), M, K, xp.data(), xs.data());
@@ -223,7 +226,7 @@ at::Tensor int4_mm(const at::Tensor& x, const at::Tensor& qw, const at::Tensor& 
   const uint8_t* q = qw.data_ptr<uint8_t>();
   const uint16_t* d = reinterpret_cast<const uint16_t*>(dm.data_ptr<at::Half>());
   float* yd = y.data_ptr<float>();
-  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) { cagk::int4_outputs(q, d, K, M, xp.data(), xs.data(), yd, N, n0, n1); });
+  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) { cagk::int4_outputs(q, d, K, M, xp.data(), xs.data(), yd, N, n0, n1, S); });
   return y;
 }
 

@@ -161,6 +161,19 @@ def pack_int4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return qw, torch.stack([d[..., 0], m[..., 0]], 1).contiguous()
 
 
+def pack_int4_native(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """pack_int4's copy for cag.kernels.native's AVX-512 products: where every group's min is -8 times its
+    step (a matrix on GGUF Q4_0's grid), dm (out, 1, in/32), the steps alone (18 bytes a group, not 20:
+    the kernel takes each min as -8 d, the very value it would have read, so the same bits). A group of
+    zeros (a padding token's embedding) is step 0, min 0 there: zeros exactly."""
+    qw, dm = pack_int4(w)
+    zero = (w.detach().reshape(w.shape[0], -1, GROUP) == 0).all(-1)  # (out, in/32)
+    d = torch.where(zero, 0.0, dm[:, 0].float()).half()
+    if torch.equal(dm[:, 1], d * -8):
+        return qw, d[:, None].contiguous()
+    return qw, dm
+
+
 @_by_rows
 def pack_q8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """cag.kernels.native's int8 layout (GGUF Q8_0's) of an (out, in) weight, in % 32 == 0: qw (out, in) int8,
@@ -238,7 +251,7 @@ class NativePacked(Packed):
                  questions: bool = True):
         super().__init__(w, bias, fmt, out_dtype)
         w = w.detach()
-        self.packed = {"int4": pack_int4, "q8": pack_q8, "bf16": lambda w: w.to(torch.bfloat16).contiguous()}[fmt](w)
+        self.packed = {"int4": pack_int4_native, "q8": pack_q8, "bf16": lambda w: w.to(torch.bfloat16).contiguous()}[fmt](w)
         self.mm = getattr(torch.ops.cag, NATIVE_MM[fmt])
         self.plain = bias is None and self.out_dtype == torch.float32
         self._direct = self.plain and fmt in ("int4", "q8")  # called as the step hands rows over: nothing to convert
