@@ -226,8 +226,9 @@ def main() -> None:
         f"{r['cag_snapshot_bytes'] / 1e6:.0f} / {r['llama_state_bytes'] / 1e6:.0f} MB | {r['same_leading_tokens']} of {n} |\n"
         for r in rows)
     payload = {"machine": machine(), "llama_cpp": llama_cpp.__version__, "threads": threads, "model": model, "qtype": qtype,
-               "cag_weights": lm.weights, "cag_kernels": lm.kernels, "load_before": load_before}
-    write(f"anchor-{args.model}" if args.model else "anchor", payload | {"load_after": os.getloadavg(), "rows": rows}, head + body)
+               "cag_weights": lm.weights, "cag_kernels": lm.kernels, "load_before": load_before,
+               "load_after": os.getloadavg(), "rows": rows}
+    write(f"anchor-{args.model}" if args.model else "anchor", payload, head + body)
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ the projection), on tiny random-weight models built from their transformers conf
 
 from __future__ import annotations
 
+import functools
 import math
 from pathlib import Path
 
@@ -114,15 +115,22 @@ def test_what_the_step_does_not_compute_is_refused():
 @pytest.fixture(scope="module")
 def family_dirs(tmp_path_factory) -> dict[str, Path]:
     """Each new family as a Hugging Face folder (hidden 256, 4 heads of 64, 2 K/V heads), built once."""
-    tok = _train_tokenizer([p.read_text() for p in sorted(HANDBOOK.glob("*.md"))] + ["What is the answer? The answer is 42."])
+    return {name: model_dir(tmp_path_factory.mktemp(f"tiny-{name}"), name, hidden=256) for name in NEW}
+
+
+@functools.cache
+def _tokenizer():
+    return _train_tokenizer([p.read_text() for p in sorted(HANDBOOK.glob("*.md"))] + ["What is the answer? The answer is 42."])
+
+
+def model_dir(folder: Path, name: str, **shape) -> Path:
+    """A tiny random model of family `name` (`shape`: build's hidden, heads, kv_heads) saved with the handbook's
+    tokenizer in `folder`."""
+    tok = _tokenizer()
     ids = dict(vocab=len(tok), pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
-    out = {}
-    for name in NEW:
-        model = build(name, hidden=256, init=0.15, tie_word_embeddings=True, **ids)
-        out[name] = tmp_path_factory.mktemp(f"tiny-{name}")
-        model.save_pretrained(out[name])
-        tok.save_pretrained(out[name])
-    return out
+    build(name, init=0.15, tie_word_embeddings=True, **shape, **ids).save_pretrained(folder)
+    tok.save_pretrained(folder)
+    return folder
 
 
 def _engine(monkeypatch, folder: Path, weights: str, kernels: str) -> Engine:
@@ -211,11 +219,8 @@ def test_heads_of_80_in_one_native_call_are_the_separate_ops(tmp_path, monkeypat
 
     if why := native.why_not():
         pytest.skip(f"cag's kernels cannot run here: {why}")
-    tok = _train_tokenizer([p.read_text() for p in sorted(HANDBOOK.glob("*.md"))])
-    ids = dict(vocab=len(tok), pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
-    build("llama", hidden=320, heads=4, kv_heads=2, init=0.15, tie_word_embeddings=True, **ids).save_pretrained(tmp_path)
-    tok.save_pretrained(tmp_path)
-    same_bits(None, tmp_path, None, monkeypatch, 300, [0, 3, 6], [0, 1, 0], "int4", "llama")
+    same_bits(None, model_dir(tmp_path, "llama", hidden=320, heads=4, kv_heads=2), None, monkeypatch, 300, [0, 3, 6], [0, 1, 0],
+              "int4", "llama")
 
 
 @pytest.mark.parametrize(("family", "hidden", "heads", "kv_heads", "kv_dtype"), [
@@ -228,11 +233,7 @@ def test_heads_of_80_96_and_256_decode_through_the_native_layers(tmp_path, small
     cag == full, alone and together, int4 weights. An int8 snapshot of heads of 80 (one block a head, which
     the int8 kernel does not read) is served as its dequantized K/V, paired for the bf16 kernel."""
     monkeypatch.setenv("CAG_KV_DTYPE", kv_dtype)
-    tok = _train_tokenizer([p.read_text() for p in sorted(HANDBOOK.glob("*.md"))] + ["What is the answer? The answer is 42."])
-    ids = dict(vocab=len(tok), pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
-    build(family, hidden=hidden, heads=heads, kv_heads=kv_heads, init=0.15, tie_word_embeddings=True, **ids).save_pretrained(tmp_path)
-    tok.save_pretrained(tmp_path)
-    engine = _engine(monkeypatch, tmp_path, "int4", "avx512")
+    engine = _engine(monkeypatch, model_dir(tmp_path, family, hidden=hidden, heads=heads, kv_heads=kv_heads), "int4", "avx512")
     assert engine.lm.head_dim == hidden // heads and describe.decode_path(engine.lm)["native"] == "layers"
     engine.ingest(str(small_corpus))
     cached_is_full_alone_and_together(engine, QUESTIONS[:3], 12)

@@ -610,8 +610,8 @@ at::Tensor decode_attention_avx512(const at::Tensor& q, const at::Tensor& kp, co
 
 namespace cagk {
 
-// Each row's sum of squares runs in 16 lanes, then across them in a fixed order: a row's bits are its own.
-// 1 / sqrt(mean(x^2) + eps) of one row x (N,) float32: the sum in 16 lanes, then reduced.
+// 1 / sqrt(mean(x^2) + eps) of one row x (N,) float32: the sum of squares in 16 lanes, then across them in a
+// fixed order, so a row's bits are its own (rms_rows and rms_rows_f32 share it).
 static float rms_inv(const float* xr, int64_t N, float eps) {
   __m512 acc = _mm512_setzero_ps();
   for (int64_t j = 0; j < N; j += 16) {

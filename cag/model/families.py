@@ -45,7 +45,6 @@ class Family(NamedTuple):
     norm_weight_fp32: bool = False  # RMSNorm multiplies by its weight in float32, then casts (OLMo-2; other bits in bf16)
 
 
-
 # model_type -> how its layer differs from Llama's
 FAMILIES = {
     "llama": Family("Llama"),

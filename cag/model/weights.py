@@ -429,8 +429,10 @@ def apply(model: torch.nn.Module, fmt: str, native: bool = False, compute: torch
         stacked_products.stack(model)
         return 0
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    head_fmt = None if head is None else _head_format(fmt, (native or avx2) and head.in_features % GROUP == 0,
-                                                          packable(head, "int4") and on_grid4(head.weight))
+    kernels = native or avx2
+    # the head's format; whether it lies on int4's grid is read only where it decides (int4 on cag's products)
+    head_fmt = None if head is None else _head_format(fmt, kernels and head.in_features % GROUP == 0,
+                                                      fmt == "int4" and kernels and packable(head, "int4") and on_grid4(head.weight))
     own = lambda m: head_fmt if m is head else fmt  # noqa: E731
     groups = [g for g in stacked_products.groups(model) if all(packable(m, fmt) for m in g[2])]
     grouped = {id(m) for _, _, lins in groups for m in lins}
