@@ -240,3 +240,18 @@ def test_heads_of_80_96_and_256_decode_through_the_native_layers(tmp_path, small
     (res,) = engine.resident._items.values()
     pairs = res.prefix.made["pairs"]  # pair_kv's (int32), not pair_kv8's (uint8), over an int8 snapshot too
     assert pairs and all(p[0].dtype == torch.int32 for p in pairs.values()) and res.prefix.codes is None
+
+
+def test_a_product_in_panels_decodes_as_the_separate_ops_and_cag_equals_full(tmp_path, small_corpus, monkeypatch):
+    """A down projection of more than WHOLE inputs (6,400: two panels of 3,200, weights.panels) is read panel
+    by panel by the one call and by the separate native calls alike: the same logits and K/V bit for bit,
+    and cag == full, alone and together."""
+    from tests.test_native import test_a_fused_layer_is_the_separate_ops_bit_for_bit as same_bits
+
+    folder = model_dir(tmp_path, "llama", hidden=128, heads=2, kv_heads=1, intermediate_size=6400)
+    engine = _engine(monkeypatch, folder, "int4", "avx512")
+    down = engine.lm.model.model.layers[0].mlp.down_proj.packs.packed
+    assert down[0].shape == (2, 128, 1600) and describe.decode_path(engine.lm)["native"] == "layers"
+    engine.ingest(str(small_corpus))
+    cached_is_full_alone_and_together(engine, QUESTIONS[:3], 12)
+    same_bits(None, folder, None, monkeypatch, 300, [0, 3, 6], [0, 1, 0], "int4", "llama")

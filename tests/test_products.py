@@ -154,6 +154,34 @@ def test_the_q4_0_layout_gives_the_two_row_layouts_bits():
         torch.ops.cag.int4_mm(x, qw, dm[:, :, :9].contiguous())
 
 
+def test_panels_give_the_whole_rows_bits():
+    """A matrix of more than WHOLE inputs is stored in panels (x's share of a panel stays in L1): where a
+    panel is a multiple of 16 groups the product gives the whole rows' bits, for any row count (blocks
+    of 8 rows and the rest, outputs carried from panel to panel in chunks) and both layouts; elsewhere
+    (11,008 inputs: panels of 2,752) as near the float64 product as the whole rows are."""
+    assert [weights.panels(k) for k in (576, 6144, 8192, 11008, 14336)] == [1, 1, 2, 4, 4]
+    g = torch.Generator().manual_seed(5)
+    for w in (weight(300, 8192, 4), q4_0_weight(300, 8192, 4)):
+        qw, dm = weights.pack_int4_native(w)
+        whole = weights.to_panels(qw.permute(1, 0, 2).reshape(300, -1), dm.permute(1, 2, 0, 3).reshape(300, dm.shape[2], -1), 1)
+        assert qw.shape == (2, 300, 2048) and dm.shape[:2] == (2, 300) and dm.shape[3] == 128
+        assert torch.equal(whole[0], weights.pack_int4(w)[0])
+        for m in (1, 3, 8, 11, 70):
+            x = torch.randn(m, 8192, generator=g).bfloat16()
+            assert torch.equal(torch.ops.cag.int4_mm(x, qw, dm), torch.ops.cag.int4_mm(x, *whole)), m
+    w = q4_0_weight(40, 11008, 6)
+    qw, dm = weights.pack_int4_native(w)
+    assert qw.shape == (4, 40, 1376)
+    x = torch.randn(5, 11008, generator=g).bfloat16()
+    ref = x.double() @ w.double().t()
+    whole = torch.ops.cag.int4_mm(x, weights.pack_int4(w)[0], dm.permute(1, 2, 0, 3).reshape(40, 1, -1).contiguous())
+    assert (torch.ops.cag.int4_mm(x, qw, dm).double() - ref).abs().max() <= 2 * (whole.double() - ref).abs().max()
+    with pytest.raises(RuntimeError, match="in panels"):
+        torch.ops.cag.int4_mm(x, qw, dm[:3].contiguous())
+    with pytest.raises(RuntimeError, match="a panel's inputs"):
+        torch.ops.cag.int4_mm(x[:, :64 * 43].contiguous(), qw[:, :, :1368].contiguous(), dm[..., :86].contiguous())
+
+
 def test_bad_inputs_are_refused():
     qw, dm = weights.pack_int4(weight())
     x = torch.randn(2, 576).bfloat16()

@@ -19,10 +19,10 @@ constexpr bool int8_head_dim_ok(int64_t D) { return head_dim_ok(D) && D % 32 == 
 
 // products.cpp. int4: x (M, K) bf16 -> xp (M, K) bf16 in the order the nibbles unpack, xs (M, K/32)
 // float32 group sums; then outputs [n0, n1) of y (M, N) float32 from qw (N, K/2), dm (N, S, K/32) (S = 1:
-// steps alone, Q4_0's grid).
+// steps alone, Q4_0's grid), or from P panels of K/P inputs each (qw (P, N, K/2P), dm (P, N, S, K/32P)).
 void int4_prepare(const uint16_t* x, int64_t M, int64_t K, uint16_t* xp, float* xs);
 void int4_outputs(const uint8_t* qw, const uint16_t* dm, int64_t K, int64_t M, const uint16_t* xp, const float* xs,
-                  float* y, int64_t N, int64_t n0, int64_t n1, int64_t S);
+                  float* y, int64_t N, int64_t n0, int64_t n1, int64_t S, int64_t P);
 // bf16: outputs [n0, n1) of y (M, N) float32 from w (N, K) bf16 and x (M, K) bf16.
 void bf16_outputs(const uint16_t* w, int64_t K, int64_t M, const uint16_t* x, float* y, int64_t N, int64_t n0, int64_t n1);
 

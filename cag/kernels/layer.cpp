@@ -20,27 +20,26 @@
 #include <vector>
 
 #include "kernels.h"
+#include "product_args.h"
 
 namespace {
 
-struct Product {  // a packed product: int4 (q: (N, K/2) uint8, d: (N, S, K/32) float16; cag.model.weights.pack_int4_native)
-  const uint8_t* q;   // or bf16 (w: (N, K))
+struct Product {  // a packed product: int4 (q: (N, K/2) uint8, d: (N, S, K/32) float16, or P panels of them;
+  const uint8_t* q;   // cag.model.weights.pack_int4_native) or bf16 (w: (N, K))
   const uint16_t* d;
   const uint16_t* w;
-  int64_t N, K, S;
+  int64_t N, K, S, P;
 };
 
 // [qw, dm] for int4, or [w, anything] for bf16.
 Product product_of(const at::Tensor& a, const at::Tensor& b, int64_t K, const char* name) {
   if (a.scalar_type() == at::kBFloat16) {
     TORCH_CHECK(a.dim() == 2 && a.is_contiguous() && a.size(1) == K && K % 32 == 0, name, ": bf16 weights (N, K) for K inputs");
-    return {nullptr, nullptr, reinterpret_cast<const uint16_t*>(a.data_ptr<at::BFloat16>()), a.size(0), K, 0};
+    return {nullptr, nullptr, reinterpret_cast<const uint16_t*>(a.data_ptr<at::BFloat16>()), a.size(0), K, 0, 1};
   }
-  TORCH_CHECK(a.dim() == 2 && a.scalar_type() == at::kByte && a.is_contiguous() && a.size(1) * 2 == K && K % 64 == 0 &&
-              b.dim() == 3 && b.scalar_type() == at::kHalf && b.is_contiguous() && b.size(0) == a.size(0) &&
-              (b.size(1) == 2 || b.size(1) == 1) && b.size(2) == K / 32, name,
-              ": int4 weights (N, K/2) uint8 and (N, 2, K/32) or (N, 1, K/32) float16 for K inputs");
-  return {a.data_ptr<uint8_t>(), reinterpret_cast<const uint16_t*>(b.data_ptr<at::Half>()), nullptr, a.size(0), K, b.size(1)};
+  const cagk::Int4Shape sh = cagk::int4_shape(a, b, true, name);
+  TORCH_CHECK(sh.K == K, name, ": int4 weights for ", K, " inputs");
+  return {a.data_ptr<uint8_t>(), reinterpret_cast<const uint16_t*>(b.data_ptr<at::Half>()), nullptr, sh.N, K, sh.S, sh.P};
 }
 
 // Thread p of nt: its outputs of w, in whole blocks of 16, for the R rows x (bf16; int4 reads them as prepared in xp, xs).
@@ -48,7 +47,7 @@ inline void share(const Product& w, int64_t R, const uint16_t* x, const uint16_t
   const int64_t blocks = (w.N + 15) / 16;
   const int64_t n0 = std::min(w.N, blocks * p / nt * 16), n1 = std::min(w.N, blocks * (p + 1) / nt * 16);
   if (w.w) cagk::bf16_outputs(w.w, w.K, R, x, y, w.N, n0, n1);
-  else cagk::int4_outputs(w.q, w.d, w.K, R, xp, xs, y, w.N, n0, n1, w.S);
+  else cagk::int4_outputs(w.q, w.d, w.K, R, xp, xs, y, w.N, n0, n1, w.S, w.P);
 }
 
 // h += y (R, hidden) float32, y first normed by `norm` (post-norms) where there is one, then x `mult`

@@ -14,15 +14,29 @@ inline void check_x(const at::Tensor& x, int64_t K) {
               "x: (M, K) bfloat16, contiguous, K the weight's input width");
 }
 
-// int4: qw (N, K/2) uint8, dm (N, 2, K/32) float16 (or, where `q4_0` is taken, (N, 1, K/32): the steps
-// alone, each min -8 d), K a multiple of 64; returns K.
-inline int64_t check_int4(const at::Tensor& x, const at::Tensor& qw, const at::Tensor& dm, bool q4_0 = false) {
-  TORCH_CHECK(qw.dim() == 2 && qw.scalar_type() == at::kByte && qw.is_contiguous(), "qw: (N, K/2) uint8");
-  const int64_t N = qw.size(0), K = qw.size(1) * 2;
-  TORCH_CHECK(K % 64 == 0, "K: a multiple of 64");
-  TORCH_CHECK(dm.dim() == 3 && dm.scalar_type() == at::kHalf && dm.is_contiguous() && dm.size(0) == N &&
-              (dm.size(1) == 2 || q4_0 && dm.size(1) == 1) && dm.size(2) == K / 32,
-              q4_0 ? "dm: (N, 2, K/32) or (N, 1, K/32) float16" : "dm: (N, 2, K/32) float16");
+// The shape of an int4 product's weights: N outputs, K inputs, S rows of steps and mins, P panels.
+struct Int4Shape {
+  int64_t N, K, S, P;
+};
+
+// int4: qw (N, K/2) uint8, dm (N, 2, K/32) float16; and where `native` (the AVX-512 products' layouts,
+// cag.model.weights.pack_int4_native): dm (N, 1, K/32), the steps alone, each min -8 d, and P panels of
+// K/P inputs each, K/P a multiple of 64: qw (P, N, K/2P), dm (P, N, S, K/32P).
+inline Int4Shape int4_shape(const at::Tensor& qw, const at::Tensor& dm, bool native, const char* name) {
+  const bool panels = native && qw.dim() == 3;
+  TORCH_CHECK((qw.dim() == 2 || panels) && qw.scalar_type() == at::kByte && qw.is_contiguous(), name,
+              native ? ": int4 weights: qw (N, K/2) or (P, N, K/2P) uint8" : ": int4 weights: qw (N, K/2) uint8");
+  const int64_t P = panels ? qw.size(0) : 1, N = qw.size(-2), KP = qw.size(-1) * 2;
+  TORCH_CHECK(P >= 1 && KP % 64 == 0, name, ": int4 weights: K (a panel's inputs) a multiple of 64");
+  TORCH_CHECK(dm.dim() == qw.dim() + 1 && dm.scalar_type() == at::kHalf && dm.is_contiguous() && (!panels || dm.size(0) == P) &&
+              dm.size(-3) == N && (dm.size(-2) == 2 || native && dm.size(-2) == 1) && dm.size(-1) == KP / 32,
+              name, native ? ": int4 weights: dm (N, 2, K/32) or (N, 1, K/32) float16, (P, N, S, K/32P) in panels" : ": int4 weights: dm (N, 2, K/32) float16");
+  return {N, P * KP, dm.size(-2), P};
+}
+
+// The same for a product of x (M, K) bfloat16; returns K.
+inline int64_t check_int4(const at::Tensor& x, const at::Tensor& qw, const at::Tensor& dm, bool native = false) {
+  const int64_t K = int4_shape(qw, dm, native, "int4_mm").K;
   check_x(x, K);
   return K;
 }

@@ -76,20 +76,19 @@ inline __m512 hsum16(const __m512* v) {
   return _mm512_add_ps(_mm512_shuffle_f32x4(w[0], w[1], 0x88), _mm512_shuffle_f32x4(w[0], w[1], 0xDD));
 }
 
-// Rows [r0, r0 + NR) (NR <= MB) times output n's int4 weights: per row a vector whose lanes sum to the product.
+// Rows [r0, r0 + NR) (NR <= MB) times one output's int4 weights over the GP groups of a panel (qn: its
+// GP * 16 bytes, dn: its S rows of GP steps / mins; xp, xs: the rows' inputs from the panel's first, rows
+// K inputs and G group sums apart): per row a vector whose lanes sum to the product, added to acc.
 template <int NR>
-inline void int4_acc(const uint8_t* qw, const uint16_t* dm, int64_t S, int64_t K, const uint16_t* xp, const float* xs, int64_t n,
-                     __m512* acc) {
-  const int64_t G = K / 32;
-  const uint8_t* qn = qw + n * (K / 2);
-  const uint16_t* dn = dm + n * S * G;  // S: 2 (steps, then mins) or 1 (steps alone, mins -8 d)
-  for (int r = 0; r < NR; r++) acc[r] = _mm512_setzero_ps();
+inline void int4_acc(const uint8_t* qn, const uint16_t* dn, int64_t S, int64_t GP, const uint16_t* xp, int64_t K, const float* xs,
+                     int64_t G, __m512* acc) {
   const __m512i low = _mm512_set1_epi16(0x000F), one28 = _mm512_set1_epi16(0x4300);
-  for (int64_t g0 = 0; g0 < G; g0 += 16) {  // 16 groups' steps and mins at a time
-    const int64_t ng = std::min<int64_t>(16, G - g0);
+  for (int64_t g0 = 0; g0 < GP; g0 += 16) {  // 16 groups' steps and mins at a time
+    const int64_t ng = std::min<int64_t>(16, GP - g0);
     const __mmask16 gm = (__mmask16)((1u << ng) - 1);
     const __m512 d16 = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(gm, dn + g0));
-    const __m512 m16 = S == 2 ? _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(gm, dn + G + g0)) : _mm512_mul_ps(d16, _mm512_set1_ps(-8.0f));
+    // S: 2 (steps, then mins) or 1 (steps alone, mins -8 d)
+    const __m512 m16 = S == 2 ? _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(gm, dn + GP + g0)) : _mm512_mul_ps(d16, _mm512_set1_ps(-8.0f));
     const __m512 c16 = _mm512_fnmadd_ps(_mm512_set1_ps(128.0f), d16, m16);  // m - 128 d
     for (int r = 0; r < NR; r++) acc[r] = _mm512_fmadd_ps(c16, _mm512_maskz_loadu_ps(gm, xs + r * G + g0), acc[r]);
     __m512i idx = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
@@ -108,19 +107,24 @@ inline void int4_acc(const uint8_t* qw, const uint16_t* dm, int64_t S, int64_t K
   }
 }
 
-// Rows [r0, r0 + NR) times outputs [n, n + no), no <= 16: a row's sums of a whole block of 16 in one
-// reduction, of a shorter block one by one (the same bits).
+// Rows [r0, r0 + NR) times outputs [n, n + no), no <= 16, over one panel of GP groups (q, d: the panel's,
+// N outputs; xp, xs from the panel's first input). The sums start at zero on the first panel (else from
+// carry), go on to carry, or on the last panel are reduced into y: a row's sums of a whole block of 16 in
+// one reduction, of a shorter block one by one (the same bits).
 template <int NR>
-void int4_rows(const uint8_t* qw, const uint16_t* dm, int64_t S, int64_t K, const uint16_t* xp, const float* xs, float* y, int64_t N,
-               int64_t n, int64_t no) {
+void int4_rows(const uint8_t* q, const uint16_t* d, int64_t S, int64_t GP, const uint16_t* xp, int64_t K, const float* xs, float* y,
+               int64_t N, int64_t n, int64_t no, __m512* carry, bool first, bool last) {
+  const int64_t G = K / 32;
   __m512 acc[NR][16];
   for (int64_t o = 0; o < no; o++) {
     __m512 a[NR];
-    int4_acc<NR>(qw, dm, S, K, xp, xs, n + o, a);
+    for (int r = 0; r < NR; r++) a[r] = first ? _mm512_setzero_ps() : carry[r * 16 + o];
+    int4_acc<NR>(q + (n + o) * GP * 16, d + (n + o) * S * GP, S, GP, xp, K, xs, G, a);
     for (int r = 0; r < NR; r++) acc[r][o] = a[r];
   }
   for (int r = 0; r < NR; r++) {
-    if (no == 16) _mm512_storeu_ps(y + r * N + n, hsum16(acc[r]));
+    if (!last) for (int64_t o = 0; o < no; o++) carry[r * 16 + o] = acc[r][o];
+    else if (no == 16) _mm512_storeu_ps(y + r * N + n, hsum16(acc[r]));
     else for (int64_t o = 0; o < no; o++) y[r * N + n + o] = hsum(acc[r][o]);
   }
 }
@@ -196,12 +200,32 @@ namespace cagk {
 void int4_prepare(const uint16_t* x, int64_t M, int64_t K, uint16_t* xp, float* xs) { prepare(x, M, K, xp, xs); }
 
 void int4_outputs(const uint8_t* q, const uint16_t* d, int64_t K, int64_t M, const uint16_t* xp, const float* xs,
-                  float* y, int64_t N, int64_t n0, int64_t n1, int64_t S) {
-  const int64_t G = K / 32;
-  for (int64_t n = n0; n < n1; n += 16)  // 16 outputs' weights stay in L1 for every block of rows
-    blocks(M, [&](auto nr, int64_t r) {
-      int4_rows<decltype(nr)::value>(q, d, S, K, xp + r * K, xs + r * G, y + r * N, N, n, std::min<int64_t>(16, n1 - n));
-    });
+                  float* y, int64_t N, int64_t n0, int64_t n1, int64_t S, int64_t P) {
+  const int64_t G = K / 32, GP = G / P;
+  if (P == 1) {
+    for (int64_t n = n0; n < n1; n += 16)  // 16 outputs' weights stay in L1 for every block of rows
+      blocks(M, [&](auto nr, int64_t r) {
+        int4_rows<decltype(nr)::value>(q, d, S, G, xp + r * K, K, xs + r * G, y + r * N, N, n, std::min<int64_t>(16, n1 - n), nullptr,
+                                       true, true);
+      });
+    return;
+  }
+  // Panels (pack_int4_native): per chunk of outputs, one panel after another, each read as one stream of
+  // bytes while its rows' x stays in L1; a (row, output)'s sums are carried from panel to panel in order.
+  const int64_t chunk = M <= MB ? 256 : 64;
+  std::vector<__m512> carry(M * chunk);  // rows [r, r + NR)'s block at n: r * chunk + (n - c0) * NR on
+  for (int64_t c0 = n0; c0 < n1; c0 += chunk) {
+    const int64_t c1 = std::min(n1, c0 + chunk);
+    for (int64_t p = 0; p < P; p++) {
+      const uint8_t* qp = q + p * N * GP * 16;
+      const uint16_t* dp = d + p * N * S * GP;
+      for (int64_t n = c0; n < c1; n += 16)
+        blocks(M, [&](auto nr, int64_t r) {
+          int4_rows<decltype(nr)::value>(qp, dp, S, GP, xp + r * K + p * GP * 32, K, xs + r * G + p * GP, y + r * N, N, n,
+                                         std::min<int64_t>(16, c1 - n), carry.data() + r * chunk + (n - c0) * decltype(nr)::value, p == 0, p == P - 1);
+        });
+    }
+  }
 }
 
 void bf16_outputs(const uint16_t* w, int64_t K, int64_t M, const uint16_t* x, float* y, int64_t N, int64_t n0, int64_t n1) {
@@ -216,9 +240,11 @@ void bf16_outputs(const uint16_t* w, int64_t K, int64_t M, const uint16_t* x, fl
 
 namespace {
 
-// x (M, K) bf16, qw (N, K/2) uint8, dm (N, 2, K/32) or (N, 1, K/32) float16 -> (M, N) float32.
+// x (M, K) bf16, qw (N, K/2) uint8, dm (N, 2, K/32) or (N, 1, K/32) float16 (or their P panels) -> (M, N) float32.
 at::Tensor int4_mm(const at::Tensor& x, const at::Tensor& qw, const at::Tensor& dm) {
-  const int64_t K = cagk::check_int4(x, qw, dm, true), N = qw.size(0), M = x.size(0), G = K / 32, S = dm.size(1);
+  const cagk::Int4Shape sh = cagk::int4_shape(qw, dm, true, "int4_mm");
+  cagk::check_x(x, sh.K);
+  const int64_t K = sh.K, N = sh.N, M = x.size(0), G = K / 32;
   std::vector<uint16_t> xp(M * K);
   std::vector<float> xs(M * G);
   cagk::int4_prepare(reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()), M, K, xp.data(), xs.data());
@@ -226,7 +252,7 @@ at::Tensor int4_mm(const at::Tensor& x, const at::Tensor& qw, const at::Tensor& 
   const uint8_t* q = qw.data_ptr<uint8_t>();
   const uint16_t* d = reinterpret_cast<const uint16_t*>(dm.data_ptr<at::Half>());
   float* yd = y.data_ptr<float>();
-  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) { cagk::int4_outputs(q, d, K, M, xp.data(), xs.data(), yd, N, n0, n1, S); });
+  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) { cagk::int4_outputs(q, d, K, M, xp.data(), xs.data(), yd, N, n0, n1, sh.S, sh.P); });
   return y;
 }
 
