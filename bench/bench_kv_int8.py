@@ -8,6 +8,14 @@ with --squad N, N SQuAD v1.1 dev questions over knowledge sets of --squad-tokens
 
     python -m bench.bench_kv_int8 [--squad 100] [--squad-tokens 4000] [--base float16] [--weights auto]
 
+--attention times the decode attention alone instead (cag's avx512 kernel, no model): one request's
+--rows query rows per K/V head over a --prefix-key prefix of --kv-heads heads, per head width of --dims,
+read as the int8 codes (pair_kv8) and as the bf16 kernel reads the dequantized K/V where no codes are
+read (pair_kv's pairs). --layers such prefixes, a call per layer in turn, so that each call reads its
+K/V from memory as a decode step does; ms per call, best of --rounds runs, the two alternating call by call.
+
+    python -m bench.bench_kv_int8 --attention [--dims 64,80] [--prefix 4096] [--kv-heads 8] [--name kv-int8-speed]
+
 With cag's avx512 kernels (CAG_DECODE_KERNELS, auto on AVX512-BF16 CPUs without AMX) decode rows read an
 int8 snapshot's codes as stored (q quantized to int8 per block of 32 for the scores); elsewhere the codes are
 dequantized on load.
@@ -82,14 +90,80 @@ def _run(fp16, int8, sets: list[tuple[Path, list[dict]]], label: str) -> dict:
             "rows": rows}
 
 
+def attention_times(dims: list[int], n: int, heads: int, rows: int, layers: int, rounds: int) -> list[dict]:
+    """Per head width: ms per decode attention call over the int8 codes and over the dequantized K/V in
+    bf16 (pre-paired, as the engine serves a prefix whose codes are not read), best of `rounds` runs
+    of both, each run one call per layer over `layers` prefixes of n keys, the two alternating."""
+    import torch
+
+    from cag.kernels import native
+    from cag.store import kv_int8
+
+    if native.load() is None:
+        raise SystemExit(f"cag's kernels cannot run here: {native.reason()}")
+    op, g, out = native.attention("avx512"), torch.Generator().manual_seed(0), []
+    for d in dims:
+        q = torch.randn(1, heads, rows, d, generator=g)
+        ks, vs = (torch.randn(1, heads, 64, d, generator=g).bfloat16() for _ in range(2))  # a 1-key suffix
+        slots, lens = torch.tensor([0]), torch.tensor([1])
+        made = {"int8": [], "bf16": []}
+        for _ in range(layers):
+            codes = [kv_int8.quantize(torch.randn(1, heads, n, d, generator=g) * s, kv_int8.block_for(d)) for s in (2, 1)]
+            kd, vd = (kv_int8.dequantize(c, sc, torch.bfloat16)[0].contiguous() for c, sc in codes)
+            made["int8"].append((kd, vd, *torch.ops.cag.pair_kv8(*(x[0].contiguous() for pair in codes for x in pair))))
+            made["bf16"].append((kd, vd, *torch.ops.cag.pair_kv(kd, vd)))
+        best = dict.fromkeys(made, float("inf"))
+        for i in range(rounds):  # the two alternate call by call (which first, by round): the same load on both
+            took = dict.fromkeys(made, 0.0)
+            for layer in range(layers):
+                for kind in (("int8", "bf16") if i % 2 else ("bf16", "int8")):
+                    kd, vd, kt, vt = made[kind][layer]
+                    t = time.perf_counter()
+                    op(q, kd, vd, ks, vs, slots, lens, d ** -0.5, kt, vt)
+                    took[kind] += time.perf_counter() - t
+            best = {kind: min(best[kind], took[kind] / layers) for kind in made}
+        read = {kind: per_layer[0][2].nbytes + per_layer[0][3].nbytes for kind, per_layer in made.items()}
+        out.append({"head_dim": d, "prefix": n, "kv_heads": heads, "rows": rows, "layers": layers,
+                    "ms_int8": 1e3 * best["int8"], "ms_bf16": 1e3 * best["bf16"], "bytes_int8": read["int8"],
+                    "bytes_bf16": read["bf16"], "bf16_over_int8": best["bf16"] / best["int8"]})
+    return out
+
+
+def attention_main(args) -> None:
+    t0 = time.time()
+    rows = attention_times([int(d) for d in args.dims.split(",")], args.prefix, args.kv_heads, args.rows, args.layers,
+                           args.rounds)
+    lines = ["| head dim | prefix keys x K/V heads | query rows a head | int8 codes ms (MB) | bf16 kernel on dequantized K/V ms (MB) | bf16 / int8 |",
+             "|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['head_dim']} | {r['prefix']} x {r['kv_heads']} | {r['rows']} | {r['ms_int8']:.3f} "
+                     f"({r['bytes_int8'] / 1e6:.1f}) | {r['ms_bf16']:.3f} ({r['bytes_bf16'] / 1e6:.1f}) | "
+                     f"{r['bf16_over_int8']:.2f}x |")
+    table = ("\n".join(lines) + f"\n\n{machine()}; decode attention alone (cag's avx512 kernel), ms per call, one call "
+             f"per layer over {args.layers} layers' prefixes, best of {args.rounds} runs, the two alternating call by call; "
+             f"{time.time() - t0:.0f} s\n")
+    write(args.name, {"machine": machine(), "rounds": args.rounds, "rows": rows}, table)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--squad", type=int, default=0, help="SQuAD v1.1 dev questions (0: handbook only)")
     ap.add_argument("--squad-tokens", type=int, default=4000)
     ap.add_argument("--base", default="float16", help="the snapshot dtype int8 is compared with (CAG_KV_DTYPE)")
     ap.add_argument("--weights", default="auto", help="CAG_WEIGHTS of both engines")
-    ap.add_argument("--name", default="kv-int8", help="results file name in bench/results")
+    ap.add_argument("--name", default=None, help="results file name in bench/results (default kv-int8, kv-int8-speed)")
+    ap.add_argument("--attention", action="store_true", help="time the decode attention alone, int8 codes vs bf16")
+    ap.add_argument("--dims", default="64,80", help="--attention: head widths")
+    ap.add_argument("--prefix", type=int, default=4096, help="--attention: prefix keys")
+    ap.add_argument("--kv-heads", type=int, default=8, help="--attention: K/V heads")
+    ap.add_argument("--rows", type=int, default=4, help="--attention: query rows per K/V head (query heads sharing it)")
+    ap.add_argument("--layers", type=int, default=16, help="--attention: prefixes called in turn (their K/V not in cache)")
+    ap.add_argument("--rounds", type=int, default=25, help="--attention: alternating runs (best of)")
     args = ap.parse_args()
+    if args.attention:
+        args.name = args.name or "kv-int8-speed"
+        return attention_main(args)
+    args.name = args.name or "kv-int8"
     t0 = time.time()
     with tempfile.TemporaryDirectory() as tmp:
         fp16, int8 = _engines(Path(tmp), args.base, args.weights)

@@ -240,8 +240,8 @@ class Engine:
         return Resident(snap, prefix)
 
     def _read(self, codes: list | None) -> list | None:
-        """An int8 snapshot's codes where decode rows read them (cag.kernels.native's AVX-512 attention, heads in
-        blocks of 32: native.INT8_HEAD_DIMS), else None: the prefix is then its dequantized K/V."""
+        """An int8 snapshot's codes where decode rows read them (cag.kernels.native's AVX-512 attention, heads of
+        native.INT8_HEAD_DIMS, 80 included), else None: the prefix is then its dequantized K/V."""
         return codes if self.lm.kernels == "avx512" and self.lm.head_dim in native.INT8_HEAD_DIMS else None
 
     def _finish(self, q: Question, gen: Generated, n_prefix: int, cached: int, load_ms: float,

@@ -230,16 +230,16 @@ def test_heads_of_80_in_one_native_call_are_the_separate_ops(tmp_path, monkeypat
 def test_heads_of_80_96_and_256_decode_through_the_native_layers(tmp_path, small_corpus, monkeypatch, family, hidden, heads,
                                                                  kv_heads, kv_dtype):
     """Heads of 80 (Phi-2's), 96 (Phi-3-mini's) and 256 go through cag's attention and all layers in one call:
-    cag == full, alone and together, int4 weights. An int8 snapshot of heads of 80 (one block a head, which
-    the int8 kernel does not read) is served as its dequantized K/V, paired for the bf16 kernel."""
+    cag == full, alone and together, int4 weights. An int8 snapshot of heads of 80 (one block a head) is read
+    as its codes by the int8 kernel."""
     monkeypatch.setenv("CAG_KV_DTYPE", kv_dtype)
     engine = _engine(monkeypatch, model_dir(tmp_path, family, hidden=hidden, heads=heads, kv_heads=kv_heads), "int4", "avx512")
     assert engine.lm.head_dim == hidden // heads and describe.decode_path(engine.lm)["native"] == "layers"
     engine.ingest(str(small_corpus))
     cached_is_full_alone_and_together(engine, QUESTIONS[:3], 12)
     (res,) = engine.resident._items.values()
-    pairs = res.prefix.made["pairs"]  # pair_kv's (int32), not pair_kv8's (uint8), over an int8 snapshot too
-    assert pairs and all(p[0].dtype == torch.int32 for p in pairs.values()) and res.prefix.codes is None
+    pairs = res.prefix.made["pairs"]  # pair_kv8's (uint8) over an int8 snapshot: its codes are read; else pair_kv's
+    assert pairs and all(p[0].dtype == (torch.uint8 if kv_dtype == "int8" else torch.int32) for p in pairs.values())
 
 
 def test_a_product_in_panels_decodes_as_the_separate_ops_and_cag_equals_full(tmp_path, small_corpus, monkeypatch):

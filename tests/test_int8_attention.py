@@ -1,7 +1,7 @@
 """cag.kernels.native's AVX-512 attention over an int8 prefix (CAG_KV_DTYPE=int8: the snapshot's codes, laid
 out once by pair_kv8): the attention it computes against the dequantized prefix, rows that never depend
 on the batch or the thread count, and its bad inputs. cag == full over int8 snapshots through the
-kernels is in tests/test_native.py."""
+kernels is in tests/test_native.py (heads of 64) and tests/test_families.py (heads of 80)."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ def int8_case(B, R, n, lens, D=64, seed=0):
     """case() with its prefix quantized as an int8 snapshot stores it: the codes paired for the kernel,
     and the dequantized prefix (what the codes mean) in bf16 for kp, vp, which the kernel reads for shapes."""
     q, kp, vp, ks, vs, slots, lens = case(B, R, n, lens, D, seed=seed)
-    codes = [kv_int8.quantize(t.float()[None], 32) for t in (kp, vp)]
+    codes = [kv_int8.quantize(t.float()[None], kv_int8.block_for(D)) for t in (kp, vp)]  # one block a head of 80
     kq, kscale, vq, vscale = (x[0].contiguous() for pair in codes for x in pair)
     kt, vt = torch.ops.cag.pair_kv8(kq, kscale, vq, vscale)
     kd, vd = (kv_int8.dequantize(c, s, torch.float32)[0] for c, s in codes)  # (H, n, D) what the codes mean
@@ -31,10 +31,13 @@ def int8_case(B, R, n, lens, D=64, seed=0):
 
 
 def q8(q: torch.Tensor) -> torch.Tensor:
-    """q as the kernel multiplies it with the prefix's codes: int8 codes per block of 32, step max|q| / 127."""
-    x = q.double().reshape(*q.shape[:-1], -1, 32)
-    step = x.abs().amax(-1, keepdim=True) / 127
-    return (torch.where(step > 0, (x / step).round(), 0) * step).reshape(q.shape)
+    """q as the kernel multiplies it with the prefix's codes: int8 codes per block of 32 (a head of 80: 32, 32
+    and 16), step max|q| / 127."""
+    blocks = []
+    for x in q.double().split(32, -1):
+        step = x.abs().amax(-1, keepdim=True) / 127
+        blocks.append(torch.where(step > 0, (x / step).round(), 0) * step)
+    return torch.cat(blocks, -1)
 
 
 def reference(q, kd, vd, ks, vs, slots, lens, scale):
@@ -58,6 +61,10 @@ def reference(q, kd, vd, ks, vs, slots, lens, scale):
     (2, 2, 0, [3, 40], 64),           # no prefix
     (2, 4, 300, [3, 20], 96),         # heads of 96 (Phi-3)
     (1, 2, 270, [9], 256),            # heads of 256
+    (1, 3, 4096, [1], 80),            # heads of 80 (Phi-2): one block a head, three query blocks (32, 32, 16)
+    (3, 3, 1000, [5, 300, 17], 80),
+    (6, 3, 300, [7] * 6, 80),
+    (1, 3, 9, [2], 80),
 ])
 def test_int8_prefix_computes_attention(B, R, n, lens, D):
     args, kd, vd = int8_case(B, R, n, lens, D)
@@ -71,8 +78,9 @@ def test_int8_prefix_computes_attention(B, R, n, lens, D):
         assert torch.equal(op(args[0], *zeros, *args[3:7], D ** -0.5, *args[7:]), got)
 
 
-def test_int8_rows_never_depend_on_the_batch_or_the_threads():
-    (q, kp, vp, ks, vs, slots, lens, kt, vt), _, _ = int8_case(5, 3, 700, [1, 9, 260, 4, 33])
+@pytest.mark.parametrize("D", [64, 80])
+def test_int8_rows_never_depend_on_the_batch_or_the_threads(D):
+    (q, kp, vp, ks, vs, slots, lens, kt, vt), _, _ = int8_case(5, 3, 700, [1, 9, 260, 4, 33], D)
     together = op(q, kp, vp, ks, vs, slots, lens, 0.125, kt, vt)
     for b in range(5):
         alone = op(q[b : b + 1].contiguous(), kp, vp, ks, vs, slots[b : b + 1], lens[b : b + 1], 0.125, kt, vt)
@@ -110,14 +118,24 @@ def test_int8_bad_inputs_are_refused():
         op(q, kp[:, :200], vp[:, :200], ks, vs, slots, lens, 0.125, kt, vt)  # codes of another length
 
 
-def test_heads_of_80_are_refused_in_int8():
-    """An int8 snapshot keeps a head of 80 as one block (kv_int8.block_for), which the kernel's blocks of 32
-    do not read: refused by name (the engine then serves the dequantized K/V through the bf16 kernel)."""
-    q, kp, vp, ks, vs, slots, lens = case(1, 3, 300, [4], 80)
-    (kq, kscale), (vq, vscale) = (kv_int8.quantize(t.float()[None], kv_int8.block_for(80)) for t in (kp, vp))
-    with pytest.raises(RuntimeError, match="int8 K/V: head dim 64, 96, 128 or 256"):
-        torch.ops.cag.pair_kv8(kq[0], kscale[0], vq[0], vscale[0])
+def test_heads_of_80_are_read_as_one_block_a_head():
+    """An int8 snapshot keeps a head of 80 as one block (kv_int8.block_for): pair_kv8 lays out its 80 codes and
+    one scale per key; codes laid out as for blocks of 32, or scales in blocks of another width, are refused."""
+    (q, kp, vp, ks, vs, slots, lens, kt, vt), _, _ = int8_case(1, 3, 300, [4], 80)
+    kq, kscale = kv_int8.quantize(case(1, 3, 300, [4], 80)[1].float()[None], 80)
+    assert kt.dtype == torch.uint8 and kt.shape == (2, 2, 80 * 256 + 256 * 2) == vt.shape
+    item = kt[1, 1]  # head 1, keys 256..299
+    t, d = 7, 77  # key 263, dim 77: dword 19 of the key, byte 1
+    assert item[(d // 4 * 256 + t) * 4 + d % 4].item() == kq[0, 1, 256 + t, d].item() + 128
+    scales = item[80 * 256 :].view(torch.float16)
+    assert scales[t] == kscale[0, 1, 256 + t, 0] and (scales[44:] == 0).all()
     fake = torch.zeros(2, 2, 80 * 256 + 2 * 256 * 2, dtype=torch.uint8)  # codes laid out as for blocks of 32
-    with pytest.raises(RuntimeError, match="int8 prefix takes heads of 64, 96, 128 or 256"):
+    with pytest.raises(RuntimeError, match="pair_kv8"):
         op(q, kp, vp, ks, vs, slots, lens, 0.125, fake, fake)
-    assert 80 in native.HEAD_DIMS and 80 not in native.INT8_HEAD_DIMS
+    k16, s16 = kv_int8.quantize(kp.float()[None], 16)  # blocks of 16: not what a snapshot stores
+    with pytest.raises(RuntimeError, match="one a head of 80"):
+        torch.ops.cag.pair_kv8(k16[0], s16[0], k16[0], s16[0])
+    with pytest.raises(RuntimeError, match="int8 K/V: head dim 64, 80, 96, 128 or 256"):
+        torch.ops.cag.pair_kv8(k16[0][..., :48].contiguous(), s16[0][..., :3].contiguous(), k16[0][..., :48].contiguous(),
+                               s16[0][..., :3].contiguous())
+    assert native.INT8_HEAD_DIMS == native.HEAD_DIMS and 80 in native.INT8_HEAD_DIMS

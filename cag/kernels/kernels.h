@@ -13,9 +13,10 @@ constexpr int64_t MAXD = 256;   // the widest head
 // The head widths the attention kernels are compiled for (each a template instance: accumulators in registers).
 // A width of 32 g + 16 (80) takes its last 16 dims as a half group (masked loads, no lane past the row).
 constexpr bool head_dim_ok(int64_t D) { return D == 64 || D == 80 || D == 96 || D == 128 || D == 256; }
-// The int8 prefix (int8_attention.cpp) reads the snapshot's blocks of 32 along D: store/kv_int8.py makes a
-// head of another width one block, which it does not read (the step pairs the dequantized K/V instead).
-constexpr bool int8_head_dim_ok(int64_t D) { return head_dim_ok(D) && D % 32 == 0; }
+// The int8 prefix (int8_attention.cpp) reads the snapshot's blocks as store/kv_int8.py makes them: of 32 along
+// D, or one a head where D is not a multiple of 32 (80: 80 codes and one scale per key, per K and per V).
+constexpr bool int8_head_dim_ok(int64_t D) { return head_dim_ok(D); }
+constexpr int64_t int8_blocks(int64_t D) { return D % 32 == 0 ? D / 32 : 1; }  // per key (kv_int8.block_for)
 
 // products.cpp. int4: x (M, K) bf16 -> xp (M, K) bf16 in the order the nibbles unpack, xs (M, K/32)
 // float32 group sums; then outputs [n0, n1) of y (M, N) float32 from qw (N, K/2), dm (N, S, K/32) (S = 1:
@@ -53,8 +54,8 @@ void softmax_block(float* s, uint16_t* pb, int64_t nr, int64_t w, int64_t wp, fl
 void item_int8(const float* const* q, int64_t rows, const uint8_t* kc, const uint8_t* vc, int64_t w, int64_t D, float scale,
                Partial* part, float* const* acc, const char* nk, const char* nv);
 // An int8 item's K (or V: the same size) bytes in pair_kv8's layout: CHUNK keys' codes, then their float16
-// scales per block of 32.
-constexpr int64_t int8_item_bytes(int64_t D) { return D * CHUNK + (D / 32) * CHUNK * 2; }
+// scales per block (int8_blocks).
+constexpr int64_t int8_item_bytes(int64_t D) { return D * CHUNK + int8_blocks(D) * CHUNK * 2; }
 
 // One decode attention call (decode_attention_avx512's): checked and laid out by the constructor, its
 // items run by `work(p, nt)` on each of nt threads (items p, p + nt, ...), merged by `merge`. q is
