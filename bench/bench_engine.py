@@ -50,6 +50,7 @@ def main() -> None:
 
             def cag_ttft():
                 engine.evict()  # not resident: the snapshot is read from its file
+                engine.kept.clear()  # and the question prefilled (no kept conversation's K/V reused)
                 return engine.ask(f"essays{size}", QUESTION, max_tokens=1)
 
             def full_ttft():

@@ -71,6 +71,7 @@ def main() -> None:
         for q in QUESTIONS:
             def cold(corpus, **kw):
                 engine.evict()  # read the snapshot from its file each time
+                engine.kept.clear()  # and prefill the question (no kept conversation's K/V reused)
                 return engine.ask(corpus, q, max_tokens=1, **kw)
 
             big_times, one_times = [], []

@@ -157,7 +157,7 @@ def test_the_q4_0_layout_gives_the_two_row_layouts_bits():
 def test_panels_give_the_whole_rows_bits():
     """A matrix of more than WHOLE inputs is stored in panels (x's share of a panel stays in L1): where a
     panel is a multiple of 16 groups the product gives the whole rows' bits, for any row count (blocks
-    of 8 rows and the rest, outputs carried from panel to panel in chunks) and both layouts; elsewhere
+    of 4 rows and the rest, outputs carried from panel to panel in chunks) and both layouts; elsewhere
     (11,008 inputs: panels of 2,752) as near the float64 product as the whole rows are."""
     assert [weights.panels(k) for k in (576, 6144, 8192, 11008, 14336)] == [1, 1, 2, 4, 4]
     g = torch.Generator().manual_seed(5)
