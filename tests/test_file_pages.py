@@ -49,6 +49,29 @@ def test_release_never_touches_anonymous_or_written_memory(tmp_path):
     assert file_pages.release([view]) == 0 and view[12345] == 7.0
 
 
+def test_packing_a_file_view_by_blocks_releases_each_block_as_it_goes(tmp_path, monkeypatch):
+    """Inside weights.apply (its file mappings set), a vocabulary-sized matrix viewing its file is packed
+    block by block, each block's pages released once packed: the same copy as packing it in memory, and
+    the matrix never resident whole beside it."""
+    from cag.model import weights
+
+    values = (torch.randn(4096, 256) * 0.02).bfloat16()  # 2 MiB
+    path = tmp_path / "w.bin"
+    path.write_bytes(values.view(torch.uint8).numpy().tobytes())
+    view = torch.from_file(str(path), shared=False, size=values.numel(), dtype=torch.bfloat16).view(4096, 256)
+    monkeypatch.setattr(weights, "CHUNK", 512)  # 8 blocks
+    seen, block = [], weights.pack_q8.__wrapped__
+    pack = weights._by_rows(lambda w: (seen.append(_resident(path)), block(w))[1])  # pack_q8, noting what is resident
+    token = weights._file_maps.set(file_pages.mappings())
+    try:
+        packed = pack(view)
+    finally:
+        weights._file_maps.reset(token)
+    assert len(seen) == 8 and all(torch.equal(a, b) for a, b in zip(packed, weights.pack_q8(values)))
+    assert max(seen) <= (256 << 10) + 2 * file_pages.PAGE  # a block (256 KiB) resident at a time, not 2 MiB
+    assert _resident(path) < 64 << 10 and torch.equal(view, values)
+
+
 def _bf16_checkpoint(tiny_model_dir, folder: Path) -> Path:
     import transformers
 

@@ -38,11 +38,13 @@ def test_int4_pack_holds_the_weight_within_half_a_step():
     assert ((dequantized(qw, dm) - w.double()).abs() <= step / 2 + 1e-3 * step + 2e-4).all()
 
 
-@pytest.mark.parametrize("pack", [weights.pack_int4, weights.pack_q8])
+@pytest.mark.parametrize("pack", [weights.pack_int4, weights.pack_q8, weights.pack_int4_native])
 def test_packing_by_blocks_of_rows_gives_the_whole_matrix_packing(pack, monkeypatch):
     """Packing goes CHUNK rows at a time (its float32 working copies stay small): the same copy as
-    packing the matrix at once, blocks ending mid-matrix and a short last block included."""
+    packing the matrix at once, blocks ending mid-matrix and a short last block included (with a group
+    of zeros in a late block: pack_int4_native reads them block by block too)."""
     w = weight(out_f=200).bfloat16()
+    w[150, 32:64] = 0
     whole = pack(w)
     monkeypatch.setattr(weights, "CHUNK", 64)  # 200 rows: blocks of 64, 64, 64 and 8
     assert all(torch.equal(a, b) for a, b in zip(pack(w), whole))

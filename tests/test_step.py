@@ -272,3 +272,32 @@ def test_a_questions_rows_multiply_in_bf16_under_the_integer_formats_unless_the_
     assert torch.equal(mixed[1], alone)
     assert torch.equal(mixed[0], q4.run([decode], new_slots(int4))[0])  # the decode row: int4, alone or not
     assert not torch.equal(mixed[0], qb.run([decode], new_slots(bf16))[0])
+
+
+def _resident_pages(t: torch.Tensor) -> int:
+    """How many pages of a CPU tensor's bytes are resident (/proc/self/pagemap: bit 63 of each page's entry)."""
+    import os
+
+    page = os.sysconf("SC_PAGE_SIZE")
+    first, last = t.data_ptr() // page, (t.data_ptr() + t.numel() * t.element_size() - 1) // page
+    with open("/proc/self/pagemap", "rb") as f:
+        f.seek(first * 8)
+        entries = f.read((last - first + 1) * 8)
+    return sum(int.from_bytes(entries[i : i + 8], "little") >> 63 for i in range(0, len(entries), 8))
+
+
+def test_a_slot_holds_in_memory_the_pages_its_request_wrote():
+    """Slots are zero pages until written, in pages of 4 KiB, never huge ones: a request's first keys make a
+    page per head resident in each layer (with transparent huge pages, as numpy's zeros ask for, 2 MiB of
+    each layer's K and of its V for one short question), and a slot given back reads zeros again."""
+    import os
+
+    if not os.path.exists("/proc/self/pagemap"):
+        pytest.skip("resident pages are read from Linux's /proc")
+    slots = Slots(4, 2, 64, 8192, 4, torch.bfloat16)  # 4 layers, 2 K/V heads of 64, room 8192, 4 requests
+    for t in (*slots.k, *slots.v):
+        t[1, :, :3] = 1.0  # request in slot 1 wrote 3 positions
+        assert t.data_ptr() % 64 == 0
+    assert [_resident_pages(t) for t in (*slots.k, *slots.v)] == [2] * 8  # one page per head
+    slots.give(1, 3)
+    assert all(not t.any() for t in (*slots.k, *slots.v))

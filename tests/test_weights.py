@@ -249,3 +249,24 @@ def test_a_bf16_checkpoint_keeps_its_layers_in_bf16_under_packed_formats(tiny_mo
         assert all(torch.equal(a, b) for pa, pb in zip(kv["fp32"], kv[fmt]) for a, b in zip(pa, pb)), fmt
         assert answers[fmt][0] == answers[fmt][1], fmt  # cag == full
         assert sizes[fmt] < 0.75 * sizes["fp32"], (fmt, sizes)
+
+
+def test_packing_gives_the_heap_back_after_each_matrix(monkeypatch):
+    """apply hands the C heap's free pages back (glibc's malloc_trim) after each matrix it packs: its
+    float32 working copies, freed among the packed copies it keeps, would stay resident otherwise."""
+    import os
+
+    torch.manual_seed(4)
+    attn = torch.nn.Module()
+    attn.q_proj, attn.k_proj, attn.v_proj = (torch.nn.Linear(64, o, bias=False) for o in (96, 32, 32))
+    attn.o_proj = torch.nn.Linear(96, 64, bias=False)
+    trims = []
+    real = weights.trim_heap
+    monkeypatch.setattr(weights, "trim_heap", lambda: trims.append(real()) or trims[-1])
+    weights.apply(attn, "int8")
+    assert len(trims) == 2  # the q/k/v group and o_proj
+    try:
+        glibc = os.confstr("CS_GNU_LIBC_VERSION").startswith("glibc")
+    except (ValueError, OSError):
+        glibc = False
+    assert (weights._malloc_trim() is not None) == glibc and all(isinstance(t, bool) for t in trims)

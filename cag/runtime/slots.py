@@ -19,6 +19,7 @@ when it is given back: a request never reads another's keys or values, NaN or no
 from __future__ import annotations
 
 import math
+import mmap
 import threading
 from dataclasses import dataclass, field
 
@@ -90,13 +91,18 @@ class Slots:
 
 
 def _zeros(shape: tuple, dtype: torch.dtype, device) -> torch.Tensor:
-    """A zero tensor whose pages cost no memory until written, on the CPU: calloc'd by numpy (large
-    blocks come zeroed from the OS on first touch), aligned to 64 bytes for the kernels' vector loads."""
+    """A zero tensor whose pages cost no memory until written, on the CPU: an anonymous mapping of its
+    own (zero pages from the operating system on first touch; page-aligned, so aligned for the kernels'
+    vector loads), in pages of 4 KiB, never huge ones. numpy's zeros ask for transparent huge pages on
+    large blocks: a request's first key in a layer would make 2 MiB of its slot resident, 96 MiB for one
+    short question at 24 layers, where its own K/V is a few hundred KiB."""
     if torch.device(device).type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
-    import numpy as np
-
     n = math.prod(shape) * dtype.itemsize
-    raw = torch.from_numpy(np.zeros(n + 64, dtype=np.uint8))
-    off = -raw.data_ptr() % 64
-    return raw[off : off + n].view(dtype).view(shape)
+    if n == 0:
+        return torch.zeros(shape, dtype=dtype)
+    private = getattr(mmap, "MAP_PRIVATE", None)  # POSIX; a shared one would count as shared memory and be a forked child's too
+    buf = mmap.mmap(-1, n, flags=private | mmap.MAP_ANONYMOUS) if private is not None else mmap.mmap(-1, n)
+    if hasattr(mmap, "MADV_NOHUGEPAGE"):  # Linux: where THP is "always", too
+        buf.madvise(mmap.MADV_NOHUGEPAGE)
+    return torch.frombuffer(buf, dtype=torch.uint8).view(dtype).view(shape)  # the tensor holds the mapping
