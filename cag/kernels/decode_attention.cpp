@@ -465,7 +465,6 @@ Attention::Attention(const float* q, int64_t B, int64_t H, int64_t R, int64_t D,
   np = (n + C - 1) / C, chunks = np + most;  // per row: prefix chunks, then suffix chunks
   TORCH_CHECK(kt.has_value() == vt.has_value() && (!kt || !amx), "kt and vt: both or neither, and for the avx512 kernel");
   if (kt && kt->scalar_type() == at::kByte) {
-    TORCH_CHECK(cagk::int8_head_dim_ok(D), "an int8 prefix takes heads of 64, 80, 96, 128 or 256");
     TORCH_CHECK(vt->scalar_type() == at::kByte && kt->is_contiguous() && vt->is_contiguous() &&
                 kt->sizes() == at::IntArrayRef({H, np, cagk::int8_item_bytes(D)}) && vt->sizes() == kt->sizes(),
                 "kt, vt: the prefix as pair_kv8 gives it");

@@ -153,7 +153,7 @@ std::tuple<at::Tensor, at::Tensor> pair_kv8(const at::Tensor& k, const at::Tenso
   TORCH_CHECK(k.dim() == 3 && v.sizes() == k.sizes() && k.scalar_type() == at::kChar && v.scalar_type() == at::kChar &&
               k.is_contiguous() && v.is_contiguous(), "k, v: (H, n, D) int8, contiguous");
   const int64_t H = k.size(0), n = k.size(1), D = k.size(2), nc = (n + C - 1) / C;
-  TORCH_CHECK(cagk::int8_head_dim_ok(D), "int8 K/V: head dim 64, 80, 96, 128 or 256");
+  TORCH_CHECK(cagk::head_dim_ok(D), "int8 K/V: head dim 64, 80, 96, 128 or 256");
   const int64_t NB = cagk::int8_blocks(D);
   for (const at::Tensor* s : {&ks, &vs})
     TORCH_CHECK(s->scalar_type() == at::kHalf && s->is_contiguous() && s->sizes() == at::IntArrayRef({H, n, NB}),

@@ -13,9 +13,9 @@ constexpr int64_t MAXD = 256;   // the widest head
 // The head widths the attention kernels are compiled for (each a template instance: accumulators in registers).
 // A width of 32 g + 16 (80) takes its last 16 dims as a half group (masked loads, no lane past the row).
 constexpr bool head_dim_ok(int64_t D) { return D == 64 || D == 80 || D == 96 || D == 128 || D == 256; }
-// The int8 prefix (int8_attention.cpp) reads the snapshot's blocks as store/kv_int8.py makes them: of 32 along
-// D, or one a head where D is not a multiple of 32 (80: 80 codes and one scale per key, per K and per V).
-constexpr bool int8_head_dim_ok(int64_t D) { return head_dim_ok(D); }
+// The int8 prefix (int8_attention.cpp) takes the same widths and reads the snapshot's blocks as
+// store/kv_int8.py makes them: of 32 along D, or one a head where D is not a multiple of 32 (80: 80 codes and
+// one scale per key, per K and per V).
 constexpr int64_t int8_blocks(int64_t D) { return D % 32 == 0 ? D / 32 : 1; }  // per key (kv_int8.block_for)
 
 // products.cpp. int4: x (M, K) bf16 -> xp (M, K) bf16 in the order the nibbles unpack, xs (M, K/32)

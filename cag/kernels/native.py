@@ -60,7 +60,7 @@ ATTR = "cag_decode_kernels"  # on a loaded model: what CAG_DECODE_KERNELS resolv
 AVX2_SOURCES = (Path(__file__).parent / "avx2_products.cpp", Path(__file__).parent / "product_args.h")  # a library of its own: int4 and q8 products alone
 AVX2_FLAGS = ("avx2", "fma", "f16c")
 HEAD_DIMS = (64, 80, 96, 128, 256)  # the head widths the attention kernels take (kernels.h: head_dim_ok)
-# and those whose int8 snapshot codes they read (kernels.h: int8_head_dim_ok): all of them, in the snapshot's
+# and those whose int8 snapshot codes they read (kernels.h: int8_blocks): all of them, in the snapshot's
 # blocks (store/kv_int8.py): of 32 along the head, or one a head of 80 (80 codes and one scale per key)
 INT8_HEAD_DIMS = HEAD_DIMS
 FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512_vnni")  # the library's floor (every CPU with bf16 has VNNI)

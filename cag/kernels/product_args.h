@@ -34,11 +34,11 @@ inline Int4Shape int4_shape(const at::Tensor& qw, const at::Tensor& dm, bool nat
   return {N, P * KP, dm.size(-2), P};
 }
 
-// The same for a product of x (M, K) bfloat16; returns K.
-inline int64_t check_int4(const at::Tensor& x, const at::Tensor& qw, const at::Tensor& dm, bool native = false) {
-  const int64_t K = int4_shape(qw, dm, native, "int4_mm").K;
-  check_x(x, K);
-  return K;
+// The same for a product of x (M, K) bfloat16.
+inline Int4Shape check_int4(const at::Tensor& x, const at::Tensor& qw, const at::Tensor& dm, bool native) {
+  const Int4Shape sh = int4_shape(qw, dm, native, "int4_mm");
+  check_x(x, sh.K);
+  return sh;
 }
 
 // q8: qw (N, K) int8, d (N, K/32) float16, K a multiple of 32; returns K.

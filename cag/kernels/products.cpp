@@ -229,18 +229,11 @@ void int4_prepare(const uint16_t* x, int64_t M, int64_t K, uint16_t* xp, float* 
 void int4_outputs(const uint8_t* q, const uint16_t* d, int64_t K, int64_t M, const uint16_t* xp, const float* xs,
                   float* y, int64_t N, int64_t n0, int64_t n1, int64_t S, int64_t P) {
   const int64_t G = K / 32, GP = G / P;
-  if (P == 1) {
-    for (int64_t n = n0; n < n1; n += 16)  // 16 outputs' weights stay in L1 for every block of rows
-      blocks<MB4>(M, [&](auto nr, int64_t r) {
-        int4_rows<decltype(nr)::value>(q, d, S, G, xp + r * K, K, xs + r * G, y + r * N, N, n, std::min<int64_t>(16, n1 - n), nullptr,
-                                       true, true);
-      });
-    return;
-  }
-  // Panels (pack_int4_native): per chunk of outputs, one panel after another, each read as one stream of
-  // bytes while its rows' x stays in L1; a (row, output)'s sums are carried from panel to panel in order.
+  // Per chunk of outputs, one panel after another (pack_int4_native; whole rows: P = 1), each read as one
+  // stream of bytes while its rows' x stays in L1; a (row, output)'s sums are carried from panel to panel
+  // in order. Within a panel, 16 outputs' weights stay in L1 for every block of rows.
   const int64_t chunk = M <= MB4 ? 256 : 64;
-  std::vector<__m512> carry(M * chunk);  // rows [r, r + NR)'s block at n: r * chunk + (n - c0) * NR on
+  std::vector<__m512> carry(P > 1 ? M * chunk : 0);  // rows [r, r + NR)'s block at n: r * chunk + (n - c0) * NR on
   for (int64_t c0 = n0; c0 < n1; c0 += chunk) {
     const int64_t c1 = std::min(n1, c0 + chunk);
     for (int64_t p = 0; p < P; p++) {
@@ -269,8 +262,7 @@ namespace {
 
 // x (M, K) bf16, qw (N, K/2) uint8, dm (N, 2, K/32) or (N, 1, K/32) float16 (or their P panels) -> (M, N) float32.
 at::Tensor int4_mm(const at::Tensor& x, const at::Tensor& qw, const at::Tensor& dm) {
-  const cagk::Int4Shape sh = cagk::int4_shape(qw, dm, true, "int4_mm");
-  cagk::check_x(x, sh.K);
+  const cagk::Int4Shape sh = cagk::check_int4(x, qw, dm, true);
   const int64_t K = sh.K, N = sh.N, M = x.size(0), G = K / 32;
   std::vector<uint16_t> xp(M * K);
   std::vector<float> xs(M * G);
