@@ -37,7 +37,7 @@ namespace {
 
 constexpr int MB = 8;  // rows held in registers at a time (a call of more rows runs blocks of MB, then the rest)
 // int4's: a block's rows of x are read again for every output, and 8 rows of 3,072 inputs (48 KiB) do not
-// stay in L1: 8 rows and more ran at 41-48 GMAC/s a core, blocks of 4 at 53-60 (Zen 4, same run).
+// stay in L1 where 4 (24 KiB) do (bench/JOURNAL.md, 2026-12-04).
 constexpr int MB4 = 4;
 
 // x (M, K) bf16 -> per row: xp (K) bf16 in the order the unpacked nibbles come out (per 64 inputs:
@@ -128,9 +128,9 @@ inline void int4_acc(const uint8_t* q, const uint16_t* d, int64_t S, int64_t GP,
     for (int o = 0; o < NO; o++) acc[r * 16 + o] = a[r][o];
 }
 
-// Outputs taken together: one for a single row (a decode step: NO weight rows read side by side ran the
-// product at half the rate a core), 4 for several (a question's rows: 1.2-1.3x, each unpack and x load
-// serving more dot products).
+// Outputs taken together: one for a single row (a decode step reads the weights as one stream; several
+// weight rows read side by side were slower), 4 for several (a question's rows: each unpack and x load
+// serves more dot products).
 template <int NR>
 constexpr int int4_outs() { return NR == 1 ? 1 : 4; }
 

@@ -188,8 +188,8 @@ def panels(in_f: int) -> int:
     """How many panels of in_f / P inputs each cag.kernels.native reads an int4 matrix of in_f inputs in: 1 up
     to WHOLE inputs, else the fewest of at most PANEL inputs, each a multiple of 64 (1 where none is).
     Why: a product reads a row's x (2 bytes an input) once per output, and beside the weights streaming
-    through, more than ~12 KiB of it does not stay in L1: at 8,192 inputs the product ran at 13.5 GB/s a
-    core against 18-20 up to 6,144 (Zen 4). A panel's rows are read one after another as one stream."""
+    through, more than ~12 KiB of it does not stay in L1 (bench/JOURNAL.md, 2026-12-04). A panel's rows
+    are read one after another as one stream."""
     if in_f <= WHOLE:
         return 1
     return next((p for p in range(-(-in_f // PANEL), in_f // 64 + 1) if in_f % (64 * p) == 0 and in_f // p <= PANEL), 1)
@@ -542,8 +542,8 @@ def trim_heap() -> bool:
     """Hand the C heap's free pages back to the operating system (glibc's malloc_trim(0)): whether any
     were; False without glibc. Packing frees its working copies (several times a block's packed bytes)
     among the packed copies it keeps, and glibc gives back only a heap's top by itself: the pages in between
-    stayed resident (50-550 MiB at 0.5B, varying run to run), more than the process's own imports. `apply`
-    trims after each matrix, so they never pile up (~2 ms a call, ~0.2 s at 0.5B on 2 cores)."""
+    stayed resident, more than the process's own imports at 0.5B (bench/JOURNAL.md, 2026-12-04). `apply`
+    trims after each matrix, so they never pile up."""
     fn = _malloc_trim()
     return fn is not None and bool(fn(0))
 
