@@ -44,6 +44,9 @@ class Settings(BaseSettings):
     max_tokens: int = Field(128, ge=1)  # default answer length
     threads: int = Field(0, ge=0)  # torch intra-op threads; 0 = torch's default
     max_batch: int = Field(16, ge=1, le=1024)  # requests decoded together, one forward per step (cag.runtime.decoder)
+    # rows of every decode step (cag.runtime.decoder): padding rows fill a step, so a request's rows meet
+    # one shape and one kernel alone or batched; 0 = auto: max_batch on CUDA, as many as decode on the CPU
+    decode_rows: int = Field(0, ge=0, le=1024)
     cuda_graphs: bool = True  # CUDA: each decode step a replayed graph (cag.runtime.cuda_graphs); false: launched op by op
     resident_bytes: int = Field(2 * 1024**3, ge=0)  # LRU budget for snapshots kept in memory (server)
     # conversations' K/V kept between turns (cag.runtime.kept_conversations): LRU, counted in resident_bytes too; 0 keeps none

@@ -70,7 +70,7 @@ class Engine:
                 s = self.settings
                 self.kept.clear()  # K/V of another model's (or format's) steps
                 self._decoder = Decoder(lm, suffix_room(lm), s.max_batch, s.threads, s.chunk_tokens, s.cuda_graphs,
-                                        self.kept, graph_room=-(-self.room // 512) * 512)
+                                        self.kept, graph_room=-(-self.room // 512) * 512, rows=s.decode_rows)
             return self._decoder
 
     @property

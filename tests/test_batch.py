@@ -168,16 +168,22 @@ def test_concurrent_questions_are_decoded_together_with_their_alone_tokens(tiny_
     assert stats["decode_active"] == 0 and tiny_engine.decoder.slots.in_use == 0  # every slot given back
 
 
-def test_requests_decoded_apart_get_their_batched_tokens(tiny_engine, small_corpus):
-    """The CUDA way (cag.runtime.decoder: each request a forward of its own), run eagerly on the CPU: the same
-    tokens as one forward for the batch, one row a step, every slot given back."""
+def test_requests_decoded_one_row_a_step_get_their_batched_tokens(tiny_engine, small_corpus, monkeypatch):
+    """Fixed rows of one (CAG_DECODE_ROWS=1: each request a step of its own, a question a forward of its
+    own), run eagerly on the CPU: the same tokens as one forward for the batch, one row a step, every slot
+    given back (the padding slot stays taken)."""
+    from cag.config import get_settings
+    from cag.engine import Engine
+
     tiny_engine.ingest(str(small_corpus))
     batched = together(tiny_engine, [lambda q=q: tiny_engine.ask("corpus", q, max_tokens=16).token_ids for q in QUESTIONS])
-    decoder = tiny_engine.decoder
-    decoder.apart, decoder.cuda_graphs = True, False
-    apart = together(tiny_engine, [lambda q=q: tiny_engine.ask("corpus", q, max_tokens=16).token_ids for q in QUESTIONS])
-    assert apart == batched and decoder.graphs is None
-    assert decoder.stats["decode_steps"] > 0 and tiny_engine.stats["decode_active"] == 0 and decoder.slots.in_use == 0
+    monkeypatch.setenv("CAG_DECODE_ROWS", "1")
+    engine = Engine(get_settings(), lm=tiny_engine.lm)
+    apart = together(engine, [lambda q=q: engine.ask("corpus", q, max_tokens=16).token_ids for q in QUESTIONS])
+    decoder = engine.decoder
+    assert apart == batched and decoder.rows == 1 and decoder.graphs is None
+    assert decoder.stats["decode_steps"] > 0 and decoder.stats["batch_max"] == 1
+    assert engine.stats["decode_active"] == 0 and decoder.slots.in_use == 1 and decoder.pad is not None
 
 
 def test_full_and_cag_in_one_batch_still_agree(tiny_engine, small_corpus, monkeypatch):

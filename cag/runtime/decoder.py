@@ -12,8 +12,12 @@ ends only that request.
 Exactness: a request's tokens are the same alone and batched. On the CPU every product and the
 decode attention compute a row from its own inputs (cag.kernels.native, cag.model.weights; tests/test_batch.py),
 so a row's bits do not depend on the rows beside it (with CAG_DECODE_KERNELS=torch: on AMX CPUs
-only, README). On CUDA cuBLAS picks a product's kernel by its shape, so there each request runs a
-forward of its own (tests/test_cuda.py), its decode step a replayed graph (cag.runtime.cuda_graphs).
+only, README). On CUDA cuBLAS picks a product's kernel by its shape, so there every decode step has
+one shape: the requests over one prefix go in steps of exactly `rows` rows (CAG_DECODE_ROWS; the
+rest padding rows, which write to a slot of their own), each step a replayed graph
+(cag.runtime.cuda_graphs), and a question is prefilled in a forward of its own. A row then sees the
+same kernels with or without neighbours (tests/test_fixed_rows.py pins it on the CPU with torch's
+kernels, whose sums also move with the row count; tests/test_cuda.py on a GPU).
 
 Models the batched step does not cover (cag.runtime.step.why_not) decode alone, in the caller's thread,
 through the transformers forward over a buffer holding a copy of the prefix.
@@ -76,17 +80,18 @@ class Decoder:
     """Answers over prefixes: batched (one scheduler thread) where cag.runtime.step applies, else alone."""
 
     def __init__(self, lm, room: int, max_batch: int, threads: int = 0, chunk: int = 512, cuda_graphs: bool = True,
-                 kept: KeptConversations | None = None, graph_room: int = 512):
+                 kept: KeptConversations | None = None, graph_room: int = 512, rows: int = 0):
         # room: the longest suffix (conversation and answer) a slot holds; graph_room: the suffix keys a
-        # captured CUDA step reads (cag.runtime.cuda_graphs)
+        # fixed-rows step reads (cag.runtime.cuda_graphs); rows: CAG_DECODE_ROWS (fixed_rows)
         self.lm, self.room, self.max_batch, self.threads, self.chunk = lm, room, max_batch, threads, chunk
         self.graph_room = graph_room
         self.kept = kept  # conversations' K/V kept between turns (cag.runtime.kept_conversations); None: nothing kept
-        self.apart = lm.device.type == "cuda"  # each request a forward of its own (module doc: exactness)
+        self.rows = fixed_rows(lm.device.type, max_batch, rows)  # module doc: exactness
         self.cuda_graphs = cuda_graphs
         self.step = lean.for_model(lm.model)
         self.slots: Slots | None = None
-        self.graphs: Graphs | None = None  # CUDA: captured decode steps, one request at a time
+        self.pad: int | None = None  # the slot padding rows write to (fixed rows), never a request's
+        self.graphs: Graphs | None = None  # CUDA: captured decode steps of `rows` rows
         self._pending: deque[Request] = deque()
         self._active: list[Request] = []
         self._cond = threading.Condition()
@@ -117,9 +122,12 @@ class Decoder:
             with self._cond:
                 if self.slots is None:
                     lm = self.lm
-                    self.slots = Slots(lm.n_layers, lm.n_kv_heads, lm.head_dim, self.room, self.max_batch, lm.attn_dtype, lm.device)
-                    if self.apart and self.cuda_graphs:
-                        self.graphs = Graphs(self.step, self.slots, self.graph_room)
+                    extra = 1 if self.rows else 0  # the padding rows' slot
+                    self.slots = Slots(lm.n_layers, lm.n_kv_heads, lm.head_dim, self.room, self.max_batch + extra,
+                                       lm.attn_dtype, lm.device)
+                    self.pad = self.slots.take() if extra else None
+                    if self.rows and self.cuda_graphs and lm.device.type == "cuda":
+                        self.graphs = Graphs(self.step, self.slots, self.graph_room, self.rows)
                 if self._thread is None:
                     self._thread = threading.Thread(target=self._loop, name="cag-decode", daemon=True)
                     self._thread.start()
@@ -169,18 +177,29 @@ class Decoder:
 
     def _pass(self, batch: list[Request], new: list[Request]) -> None:
         """One forward: a decode row for each request of `batch`, and the whole question of each of
-        `new` (which then joins the batch). Emits every request's next token. On CUDA each request
-        has a forward of its own, its decode step a replayed graph (CAG_CUDA_GRAPHS; cag.runtime.cuda_graphs)."""
-        if self.apart:
-            for r in batch:
-                if self.graphs is not None and r.length < self.graphs.room:
-                    self._forward([r], [], lambda r=r: [self.graphs.run(r.prefix, r.next_tok, r.slot, r.length)[None]])
-                else:
-                    self._forward([r], [], lambda r=r: self.step.run(self._parts([r], []), self.slots))
+        `new` (which then joins the batch). Emits every request's next token. With fixed rows (CUDA)
+        the batch goes in steps of `rows` rows per prefix, each a replayed graph where CAG_CUDA_GRAPHS,
+        and each question has a forward of its own."""
+        if self.rows:
+            for chunk, seen in chunks(batch, self.rows, self.graph_room):
+                self._forward(chunk, [], lambda c=chunk, s=seen: [self._fixed(c, s)])
             for r in new:
                 self._forward([], [r], lambda r=r: self.step.run(self._parts([], [r]), self.slots))
             return
         self._forward(batch, new, lambda: self.step.run(self._parts(batch, new), self.slots))
+
+    def _fixed(self, chunk: list[Request], seen: int | None) -> torch.Tensor:
+        """Logits (B, V) of a decode step of `rows` rows: the chunk's requests (one prefix), then padding
+        rows (token 0 at position 0 of the padding slot). `seen`: the suffix keys every row's attention
+        reads (graph_room), or None for a request past it (alone, reading its own width)."""
+        W, B, prefix = self.rows, len(chunk), chunk[0].prefix
+        toks = [r.next_tok for r in chunk] + [0] * (W - B)
+        slots = [r.slot for r in chunk] + [self.pad] * (W - B)
+        starts = [r.length for r in chunk] + [0] * (W - B)
+        if self.graphs is not None and seen is not None:
+            return self.graphs.run(prefix, toks, slots, starts)[:B]
+        part = Part(torch.tensor(toks)[:, None], [prefix] * W, torch.tensor(slots), torch.tensor(starts), seen=seen)
+        return self.step.run([part], self.slots)[0][:B]
 
     @staticmethod
     def _parts(batch: list[Request], new: list[Request]) -> list[Part]:
@@ -271,3 +290,26 @@ class Decoder:
         except Exception as e:  # noqa: BLE001 - raised by run()
             req.error = e
 
+
+
+def fixed_rows(device: str, max_batch: int, setting: int = 0) -> int:
+    """Rows of every decode step, 0 for as many as decode: CAG_DECODE_ROWS, whose 0 (auto) means
+    max_batch on CUDA and 0 on the CPU (whose kernels give a row the same bits at any row count:
+    module doc); never more than max_batch."""
+    if setting == 0:
+        return max_batch if device == "cuda" else 0
+    return min(setting, max_batch)
+
+
+def chunks(batch: list[Request], rows: int, room: int) -> list[tuple[list[Request], int | None]]:
+    """The decode steps of `batch` at a fixed row count: requests over one prefix together, at most
+    `rows` a step, each reading `room` suffix keys; a request whose suffix has reached `room` steps
+    alone over its own width (None), so no request's width depends on another's length."""
+    by: dict[int, list[Request]] = {}
+    alone: list[tuple[list[Request], int | None]] = []
+    for r in batch:
+        if r.length < room:
+            by.setdefault(id(r.prefix), []).append(r)
+        else:
+            alone.append(([r], None))
+    return [(g[i : i + rows], room) for g in by.values() for i in range(0, len(g), rows)] + alone
