@@ -9,6 +9,8 @@ Two ways, same math:
     splits the keys across the GPU when the query rows are few), the suffix by one float32 softmax,
     merged the same way (a float32 product of a few rows against a long prefix gets little
     parallelism from cuBLAS: bench/gpu_check.py measures the step);
+  * few kernels (CUDA's step: _few): the suffix in one masked kernel, the prefix in one flash call, a
+    merge of five elementwise kernels; the same math, other last bits;
   * one softmax (elsewhere, or without those kernels): scores against the prefix and the suffix
     concatenated, one softmax, two products.
 Decode parts (one token per request) over bf16 K/V go to cag.kernels.native's kernel instead where
@@ -23,6 +25,11 @@ import torch
 
 _FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 _CUDA_FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention", None)
+_CUDA_EFFICIENT = getattr(torch.ops.aten, "_scaled_dot_product_efficient_attention", None)
+# what the few-kernel CUDA attention reads the suffix with: "efficient" (torch's memory-efficient kernel,
+# masked, with its log-sum-exps: one kernel), or why not ("softmax: ..." and the float32 softmax of
+# _cuda_suffix). Decided once by probe_cuda (cag.runtime.step, at the step's build), before any capture
+CUDA_SUFFIX = {"way": None}
 
 
 def _runs(n: int) -> tuple[int, int]:
@@ -98,6 +105,68 @@ def _cuda_prefix(q: torch.Tensor, Kp: torch.Tensor, Vp: torch.Tensor, scale: flo
     return o, lse
 
 
+def _efficient_suffix(r, q: torch.Tensor, Ks: torch.Tensor, Vs: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The suffix on CUDA in one kernel: q (B, H_kv, M, D) over its L keys (bf16/fp16), the keys past
+    each row's own masked by an additive bias in q's dtype -> outputs (B, H_kv, M, D) in q's dtype and
+    log-sum-exps (B, H_kv, M) float32 (the kernel pads its lse rows to 32: sliced off)."""
+    bias = r.__dict__.get("bias_low")
+    if bias is None or bias.dtype != q.dtype:  # once a pass, shared by the layers
+        bias = r.bias_low = torch.zeros(r.hidden.shape, dtype=q.dtype, device=q.device).masked_fill_(r.hidden, float("-inf"))
+    B, n_kv, M, _ = q.shape
+    o, lse = _CUDA_EFFICIENT(q, Ks, Vs, bias.expand(B, n_kv, M, Ks.shape[2]), True, 0.0, False, scale=scale)[:2]
+    return o, lse[..., :M]
+
+
+def probe_cuda(device) -> str:
+    """Decide CUDA_SUFFIX["way"] on `device` (once): the efficient kernel where it runs and agrees with the
+    float32 softmax on a masked case (1e-2 on outputs, 1e-3 on log-sum-exps), else the softmax, with why."""
+    if CUDA_SUFFIX["way"] is not None:
+        return CUDA_SUFFIX["way"]
+    way = "softmax: torch has no memory-efficient attention op"
+    if _CUDA_EFFICIENT is not None:
+        try:
+            g = torch.Generator(device=device).manual_seed(0)
+            B, n_kv, M, L, d = 3, 2, 3, 64, 64
+            q, k, v = (torch.randn(B, n_kv, n, d, generator=g, device=device).to(torch.bfloat16) for n in (M, L, L))
+
+            class R:  # the one field of Rows the suffix reads: keys past each request's own are hidden
+                hidden = (torch.arange(L, device=device) > torch.tensor([5, 17, 40], device=device)[:, None, None])[:, None].expand(B, 1, M, L)
+
+            o1, l1 = _efficient_suffix(R(), q, k, v, d ** -0.5)
+            o2, l2 = _cuda_suffix(R(), q, k, v, d ** -0.5)
+            diff = max(float((o1.float() - o2).abs().max()), float((l1 - l2).abs().max()) * 10)
+            way = "efficient" if diff < 1e-2 else f"softmax: the efficient kernel differs by {diff:.3g}"
+        except Exception as e:  # noqa: BLE001 - the op's signature or limits on this build: the softmax serves
+            way = f"softmax: {type(e).__name__}: {str(e).splitlines()[0][:120]}"
+    CUDA_SUFFIX["way"] = way
+    return way
+
+
+def _few(r, q: torch.Tensor, Ks: torch.Tensor, Vs: torch.Tensor, i: int, scale: float) -> torch.Tensor:
+    """Cascade attention in few kernels (a step on CUDA launches hundreds; each costs more than its
+    work): q (B, H_kv, M, D) over one prefix and the rows' suffixes -> (B, H_kv, M, D) float32.
+
+    The suffix in one kernel with its log-sum-exps (CUDA: _efficient_suffix where probe_cuda chose it;
+    the CPU: torch's flash kernel, masked), the prefix in one flash call for all rows, and the merge
+    o = o_s + (o_p - o_s) * sigmoid(lse_p - lse_s) (the prefix's share e^lse_p / (e^lse_p + e^lse_s))
+    in float32: sub, sigmoid, two casts and a lerp."""
+    B, n_kv, M, d = q.shape
+    if q.is_cuda:
+        suffix = _efficient_suffix if CUDA_SUFFIX["way"] == "efficient" else _cuda_suffix
+        o_s, l_s = suffix(r, q, Ks, Vs, scale)
+    else:
+        o_s, l_s = _FLASH(q, Ks, Vs, 0.0, False, attn_mask=r.bias, scale=scale)
+    Kp, Vp = r.groups[0][0].kv[i]  # (1, H_kv, n, D), shared
+    if Kp.shape[2] == 0:
+        return o_s.float()
+    if Kp.dtype != q.dtype:
+        Kp, Vp = Kp.to(q.dtype), Vp.to(q.dtype)
+    qp = q.transpose(0, 1).reshape(1, n_kv, B * M, d)
+    o_p, l_p = _cuda_prefix(qp, Kp, Vp, scale) if q.is_cuda else _FLASH(qp, Kp, Vp, 0.0, False, scale=scale)
+    o_p, l_p = o_p.view(n_kv, B, M, d).transpose(0, 1), l_p.view(n_kv, B, M).transpose(0, 1)  # (B, H_kv, M, ...)
+    return torch.lerp(o_s.float(), o_p.float(), torch.sigmoid(l_p - l_s)[..., None])
+
+
 def _weights(lse: torch.Tensor) -> torch.Tensor:
     """Each part's share e^(lse_j - lse), lse = log sum_j e^(lse_j), from the parts' log-sum-exps
     (P, b, H_kv, M), as (P, b, H_kv, M, 1).
@@ -123,10 +192,11 @@ def _merge_out(o: torch.Tensor, B: int, m: int, n_kv: int, rep: int, d: int, dty
 
 
 def attend(r, q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, i: int, scale: float, up: bool,
-           kernel=None) -> torch.Tensor:
+           kernel=None, few: bool = False) -> torch.Tensor:
     """One part's attention in layer i: q (B*m, H, D) roped -> (B*m, H*D), head-major as o_proj expects.
     `kernel`: cag.kernels.native's decode attention (CAG_DECODE_KERNELS amx or avx512), used for decode parts (one
-    token per request) over bf16 K/V; a part's role, not its batch, picks the kernel."""
+    token per request) over bf16 K/V; a part's role, not its batch, picks the kernel. `few`: the
+    few-kernel cascade (_few; the step's on CUDA) where its kernels take the part."""
     B, m, M = r.B, r.m, r.M
     n_kv, d = K.shape[1], K.shape[3]
     rep = M // m
@@ -136,6 +206,9 @@ def attend(r, q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, i: int, scale: 
     Ks = K[r.slots, :, : r.L] if r.one is None else K[r.one, None, :, : r.L]  # (B, H_kv, L, D): only the suffix is per request
     Vs = V[r.slots, :, : r.L] if r.one is None else V[r.one, None, :, : r.L]
     out_dtype = q.dtype  # the compute dtype; K/V may be held in a narrower one (LoadedModel.attn_dtype)
+    if few and len(r.groups) == 1 and K.dtype in (torch.bfloat16, torch.float16) and d % 8 == 0 and d <= 256 and (
+            _FLASH is not None if q.device.type == "cpu" else _CUDA_FLASH is not None and q.is_cuda):
+        return _merge_out(_few(r, q.to(K.dtype), Ks, Vs, i, scale), B, m, n_kv, rep, d, out_dtype)
     if _FLASH is not None and q.device.type == "cpu":  # the fused kernel scores and sums in float32 inside
         return _merge_out(_flash_parts(r, q.to(K.dtype), Ks, Vs, i, scale), B, m, n_kv, rep, d, out_dtype)
     if _CUDA_FLASH is not None and q.is_cuda and K.dtype in (torch.bfloat16, torch.float16) and d % 8 == 0 and d <= 256:

@@ -42,6 +42,7 @@ import torch
 from cag.kernels import native
 from cag.model.families import FAMILIES, family, norms, projections, qk_norms, refs, why_not  # noqa: F401 (FAMILIES, why_not: the step's API)
 from cag.model.stacked_products import group_of, product, together
+from cag.model.stacked_products import stacked as together_weights
 from cag.runtime import cascade, one_call
 from cag.runtime.rows import Part, Rows, offsets
 from cag.runtime.rows import roles as role_runs
@@ -65,12 +66,13 @@ class Layer(NamedTuple):
     qkv_packed: Callable | None  # (x, roles) -> the stacked q/k/v product (R, (H + 2 H_kv) D) where packed, else None
     gu_packed: Callable | None  # (x, roles) -> the stacked gate/up product (R, 2 I) where packed, else None
     qk: Callable | None  # (q, k) -> q, k normed before rope (Family.qk_norm), else None
+    qkv_one: Callable | None  # x -> the stacked q/k/v product (R, (H + 2 H_kv) D) of plain Linears, else None
 
 
 class LeanStep:
     """Per-model references gathered once; `run` steps the parts of a pass over them."""
 
-    def __init__(self, model):
+    def __init__(self, model, few: bool | None = None):
         config, inner, fam = model.config, model.model, family(model)
         self.refs = refs(model)
         self.model_dtype = inner.embed_tokens.weight.dtype
@@ -84,7 +86,13 @@ class LeanStep:
         self.dtype = torch.float32 if self.device.type == "cpu" and every else self.model_dtype
         wide = lambda t: t.to(self.dtype)  # noqa: E731 (a float32 weight as it is: no copy)
         self.n_kv = config.num_key_value_heads
-        self.rms = _rms_fp32 if self.dtype == torch.float32 else _rms_w32 if fam.norm_weight_fp32 else _rms
+        # few kernels a step (CUDA, where each kernel's launch costs more than its work; cascade.attend_few):
+        # fused norms, q and k roped in one pass, an attention merge of three kernels. Other bits than the
+        # op-for-op formulas below, the same in every request's rows and in `cag` and `full`
+        self.few = self.device.type == "cuda" if few is None else few  # few=True on the CPU: tests/test_fixed_rows.py
+        if self.few and self.device.type == "cuda":
+            cascade.probe_cuda(self.device)  # which kernel reads the suffix, decided before any capture
+        self.rms = _rms_fused if self.few else _rms_fp32 if self.dtype == torch.float32 else _rms_w32 if fam.norm_weight_fp32 else _rms
         self.post = fam.post_norms  # OLMo-2: norms on the attention's and the MLP's outputs
         # Granite: the embedding x embedding_multiplier, each branch x residual_multiplier, logits / logits_scaling
         self.embed_mult, self.residual, self.logits_div = (
@@ -108,7 +116,7 @@ class LeanStep:
             self.fns.append(Layer(
                 wide(n1.weight), n1.variance_epsilon, _together(qkv, self.widths), f(a.o_proj), a.scaling,
                 wide(n2.weight), n2.variance_epsilon, _together(gu, (inter, inter)), f(m.down_proj), act.forward,
-                _shared(qkv), _shared(gu), qk_norms(a, fam, self.rms, d, self.dtype),
+                _shared(qkv), _shared(gu), qk_norms(a, fam, self.rms, d, self.dtype), _one(qkv),
             ))
             packed = packed and self.fns[-1].qkv_packed is not None and self.fns[-1].gu_packed is not None and one_call.is_silu(act)
         half = self.head_dim // 2
@@ -208,6 +216,13 @@ class LeanStep:
                     q, k = L.qk(q, k)
                     qkv = torch.cat([q.reshape(R, -1), k.reshape(R, -1), v], -1)
                 q = rope_write(qkv, cos2, sin2, K, V, rows_slot, rows_pos, n_kv * rep)
+            elif s.few and L.qk is None and L.qkv_one is not None:  # q and k roped in one pass over their columns
+                t = L.qkv_one(x)  # (R, (H + 2 H_kv) D)
+                qk = t[:, : (n_kv * rep + n_kv) * d].view(R, n_kv * rep + n_kv, d)
+                qk = torch.addcmul(qk * cos, qk.roll(half, -1), sin)  # (R, H + H_kv, D), the same rope as below
+                q, k = qk[:, : n_kv * rep], qk[:, n_kv * rep :]
+                K[rows_slot, :, rows_pos] = k.to(K.dtype)
+                V[rows_slot, :, rows_pos] = t[:, (n_kv * rep + n_kv) * d :].view(R, n_kv, d).to(V.dtype)
             else:
                 q, k, v = L.qkv(x, roles)  # (R, H*D), (R, H_kv*D) x 2: views of one product where the weights are stacked
                 if L.qk is not None:
@@ -216,7 +231,7 @@ class LeanStep:
                 K[rows_slot, :, rows_pos] = (k * cos + k.roll(half, -1) * sin).to(K.dtype)  # roped K into the request's slot
                 V[rows_slot, :, rows_pos] = v.view(R, n_kv, d).to(V.dtype)
                 q = (q * cos + q.roll(half, -1) * sin).to(q.dtype)  # OLMo-2 ropes in float32 (its cos, sin), then casts
-            o = [cascade.attend(r, q[r.r0 : r.r1], K, V, i, L.scale, up, kernel) for r in rows]
+            o = [cascade.attend(r, q[r.r0 : r.r1], K, V, i, L.scale, up, kernel, s.few) for r in rows]
             o = o[0] if len(o) == 1 else torch.cat(o)
             y = L.o(o.to(torch.bfloat16) if glue else o, roles)  # with the glue: the products' bf16 input, as they round it
             if post:
@@ -255,6 +270,12 @@ def _rms_fp32(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     return w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
 
 
+def _rms_fused(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm in one call (torch's fused kernel where the device has one): float32 inside, the weight
+    applied before the cast back, as Olmo2RMSNorm does."""
+    return torch.nn.functional.rms_norm(x, (x.shape[-1],), w, eps)
+
+
 def _rms_native(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     """The same norm as cag's rms_bf16, float32 out (cag.kernels.native's rms_f32): the glue's q/k norms and
     post-norms, as the one-call layers compute them."""
@@ -275,6 +296,15 @@ def _together(mods: tuple, widths: tuple[int, ...]) -> Callable:
         return together(*mods)
     f = product(mods[0])
     return lambda x, roles=None: f(x, roles).split(widths, -1)
+
+
+def _one(mods: tuple) -> Callable | None:
+    """x -> the one product of a q/k/v group of plain Linears stacked in one tensor (cag.model.stacked_products),
+    or a family's fused Linear, else None."""
+    if len(mods) == 1:
+        return mods[0].forward if type(mods[0]) is torch.nn.Linear else None
+    st = together_weights(*mods)
+    return None if st is None else (lambda x, w=st[0], b=st[1]: torch.nn.functional.linear(x, w, b))
 
 
 def _shared(mods: tuple):
