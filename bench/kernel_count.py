@@ -15,6 +15,14 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 
+def _ptr(t: torch.Tensor):
+    """Where t's storage starts; an opaque tensor (oneDNN's packed weights on the CPU) by its identity."""
+    try:
+        return t.untyped_storage().data_ptr()
+    except NotImplementedError:
+        return id(t)
+
+
 class Writes(TorchDispatchMode):
     """Counts the ops that write memory while it is entered: `n`, and `ops` by op name."""
 
@@ -24,35 +32,54 @@ class Writes(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        ins = {t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+        ins = {_ptr(t) for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
         write = any(r.alias_info is not None and r.alias_info.is_write for r in func._schema.returns)
-        new = any(isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in ins for t in tree_leaves(out))
+        new = any(isinstance(t, torch.Tensor) and _ptr(t) not in ins for t in tree_leaves(out))
         if write or new:
             self.n += 1
             self.ops[str(func)] = self.ops.get(str(func), 0) + 1
         return out
 
 
-def step_writes(model, prefix, rows: int, few: bool, seen: int = 512) -> Writes:
-    """The ops of one decode step of `rows` rows over `prefix` (cag.runtime.slots.Prefix), the lean
-    step's few-kernel path or the op-for-op one."""
+def _one_step(model, prefix, rows: int, few: bool, seen: int):
+    """A function running one decode step of `rows` rows over `prefix` (cag.runtime.slots.Prefix), the
+    lean step's few-kernel path or the op-for-op one, run once already (the position table made)."""
     from cag.runtime import step as lean
     from cag.runtime.rows import Part
     from cag.runtime.slots import Slots
 
     s = lean.LeanStep(model, few=few)
-    cfg = model.config
+    cfg = getattr(model.config, "text_config", model.config)
     buffers = Slots(cfg.num_hidden_layers, s.n_kv, s.head_dim, seen, rows + 1, prefix.kv[0][0].dtype, s.device)
 
-    def part():
-        return Part(torch.zeros(rows, 1, dtype=torch.long), [prefix] * rows, torch.arange(rows), torch.full((rows,), 5), seen=seen)
+    def step():
+        part = Part(torch.zeros(rows, 1, dtype=torch.long), [prefix] * rows, torch.arange(rows), torch.full((rows,), 5), seen=seen)
+        with torch.inference_mode():
+            return s.run([part], buffers)
 
-    with torch.inference_mode():
-        s.run([part()], buffers)  # the position table, once
-        counted = Writes()
-        with counted:
-            s.run([part()], buffers)
+    step()
+    return step
+
+
+def step_writes(model, prefix, rows: int, few: bool, seen: int = 512) -> Writes:
+    """The ops writing memory in one decode step (_one_step)."""
+    step = _one_step(model, prefix, rows, few, seen)
+    counted = Writes()
+    with counted:
+        step()
     return counted
+
+
+def step_kernels(model, prefix, rows: int, few: bool, seen: int = 512) -> int:
+    """The CUDA kernels (and device copies and fills) one decode step (_one_step) launches, as torch's profiler sees them."""
+    from torch.profiler import ProfilerActivity, profile
+
+    step = _one_step(model, prefix, rows, few, seen)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
 
 
 def main() -> None:

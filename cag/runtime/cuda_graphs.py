@@ -7,8 +7,8 @@ docs/performance.md). A CUDA graph records the step's kernels once and launches 
 What is captured: the step of W rows (CAG_DECODE_ROWS: requests over one resident prefix, the rest
 padding rows; cag.runtime.decoder), one token each, their attention reading the first `room` keys of
 their suffix slots (the question and answer room; the keys past a request's own masked; a longer
-conversation steps eagerly past them), so one graph per prefix, kept on the Prefix (Prefix.made) and
-gone with it; the first decode step on a prefix pays the capture (an eager step and a recording). The
+conversation steps eagerly past them), so one graph per prefix, kept on the Prefix (Prefix.made, keyed by
+the Graphs: a rebuilt decoder captures its own) and gone with it; the first decode step on a prefix pays the capture (an eager step and a recording). The
 rows' tokens, slots and suffix starts are copied into one static device tensor before each replay, and
 the position table is filled up to the prefix's end plus the slots' room before the capture: nothing
 in the step reads a value back from the device or allocates outside the graph's pool.
@@ -39,9 +39,9 @@ class Graphs:
         """Logits (W, V) of the tokens after `toks` (W,), written at suffix positions `starts` of slots
         `slots` over `prefix`. Read them before the next call: the next replay overwrites them."""
         self.ids.copy_(torch.tensor([toks, slots, starts]))  # one host-to-device copy a step
-        entry = prefix.made.get("cuda_graph")  # (graph, static logits (W, V))
+        entry = prefix.made.get(self)  # (graph, static logits (W, V)), keyed by these Graphs: their slots and rows
         if entry is None:
-            entry = prefix.made["cuda_graph"] = self._capture(prefix)
+            entry = prefix.made[self] = self._capture(prefix)
         graph, out = entry
         graph.replay()
         return out

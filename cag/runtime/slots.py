@@ -31,7 +31,7 @@ class Prefix:
     kv: list[tuple[torch.Tensor, torch.Tensor]]  # per layer keys, values (1, H_kv, n, D)
     n: int
     # what kernels made from it once, kept with it and gone with it: "pairs" {layer: (kt, vt)} for
-    # cag.kernels.native's AVX-512 attention (cag.runtime.cascade), "cuda_graph" its captured decode step (cag.runtime.cuda_graphs)
+    # cag.kernels.native's AVX-512 attention (cag.runtime.cascade), a Graphs its captured decode step (cag.runtime.cuda_graphs)
     made: dict = field(default_factory=dict, repr=False)
     # an int8 snapshot's codes per layer (store.snapshots.Snapshot.codes), on the CPU: the AVX-512
     # attention pairs them (cag.runtime.cascade) and reads them in place of kv; a layer's entry is None once paired
