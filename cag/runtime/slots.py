@@ -25,6 +25,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from cag.runtime import device_copy
+
 
 @dataclass(eq=False)  # identity: requests on the same object share one read of it per layer
 class Prefix:
@@ -39,7 +41,11 @@ class Prefix:
 
     @classmethod
     def of(cls, kv: list, dtype: torch.dtype, device: torch.device | str, codes: list | None = None) -> Prefix:
-        """A prefix in the compute dtype and device (a copy when either differs; a view otherwise)."""
+        """A prefix in the compute dtype and device (a copy when either differs; a view otherwise). Host
+        tensors bound for CUDA go through pinned staging (cag.runtime.device_copy), then cast there."""
+        if kv and torch.device(device).type == "cuda" and kv[0][0].device.type == "cpu":
+            flat = device_copy.to_device([t for pair in kv for t in pair], device)
+            kv = list(zip(flat[0::2], flat[1::2]))
         kv = [(_cast(k, device, dtype), _cast(v, device, dtype)) for k, v in kv]
         keep = codes is not None and torch.device(device).type == "cpu"
         return cls(kv, kv[0][0].shape[2] if kv else 0, codes=list(codes) if keep else None)
