@@ -171,7 +171,7 @@ class Check:
         self.corpus, self.ing = corpus, ing
         self.r.update(prefix_tokens=ing.n_tokens, prefill_ms=ing.prefill_ms, n_shards=ing.n_shards,
                       prefill_tok_s=ing.n_tokens / (ing.prefill_ms / 1e3), snapshot_bytes=ing.bytes,
-                      prefill_chunk=e.settings.chunk_tokens)
+                      prefill_chunk=e.chunk)
 
     def chunks(self) -> None:
         e = self.engine

@@ -35,7 +35,9 @@ class Settings(BaseSettings):
     # storage dtype of snapshot tensors; auto: bfloat16 where decode attends in bf16 (no conversion at
     # load), else float16; int8: quantized blocks with one fp16 scale each (store/kv_int8.py)
     kv_dtype: Literal["auto", "float16", "bfloat16", "float32", "int8"] = "auto"
-    chunk_tokens: int = Field(512, ge=1)  # prefill chunk: bounds activation memory, drives the progress bar
+    # prefill chunk (tokens a forward): bounds activation memory, drives the progress bar; 0 = auto:
+    # 512 on a CPU, 4096 on CUDA (a chunk there is one launch of every kernel: larger chunks fill the chip)
+    chunk_tokens: int = Field(0, ge=0)
     # input limits, checked on file sizes before anything is read (cag/knowledge/corpus.py): bounded time and memory
     max_document_bytes: int = Field(32 * 1024**2, ge=1)  # one document file
     max_corpus_bytes: int = Field(128 * 1024**2, ge=1)  # all the documents of a corpus together

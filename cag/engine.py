@@ -64,12 +64,12 @@ class Engine:
     @property
     def decoder(self) -> Decoder:
         """Where answers are decoded: batched across concurrent requests (cag.runtime.decoder)."""
-        lm = self.lm
+        lm, chunk = self.lm, self.chunk  # both take _lm_lock: read before holding it
         with self._lm_lock:
             if self._decoder is None or self._decoder.lm is not lm:
                 s = self.settings
                 self.kept.clear()  # K/V of another model's (or format's) steps
-                self._decoder = Decoder(lm, suffix_room(lm), s.max_batch, s.threads, s.chunk_tokens, s.cuda_graphs,
+                self._decoder = Decoder(lm, suffix_room(lm), s.max_batch, s.threads, chunk, s.cuda_graphs,
                                         self.kept, graph_room=-(-self.room // 512) * 512, rows=s.decode_rows)
             return self._decoder
 
@@ -87,6 +87,11 @@ class Engine:
     @property
     def room(self) -> int:
         return self.settings.question_room + self.settings.answer_room
+
+    @property
+    def chunk(self) -> int:
+        """Prefill chunk: CAG_CHUNK_TOKENS, 0 = auto (512 on a CPU, 4096 on CUDA; config.py says why)."""
+        return self.settings.chunk_tokens or (4096 if self.lm.device.type == "cuda" else 512)
 
     @property
     def suffix_room(self) -> int:
@@ -198,7 +203,7 @@ class Engine:
         lm, n = self.lm, len(prefix_ids)
         self.require_fit(n, "the prompt's knowledge")
         cache = kv_cache.new_cache(lm.model, n)
-        kv_cache.prefill(lm.model, cache, prefix_ids, 0, self.settings.chunk_tokens, should_stop=should_stop)
+        kv_cache.prefill(lm.model, cache, prefix_ids, 0, self.chunk, should_stop=should_stop)
         views, codes = kv_cache.views(cache, n), None
         if q.mode is not Mode.RAG:  # RAG's passages have no snapshot to match
             held = held or (self.index.snapshot(q.row["current_snapshot"]) if q.row.get("current_snapshot") else None)

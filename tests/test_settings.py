@@ -29,7 +29,7 @@ def _one_line_error(args: list[str], message: str):
 
 def test_defaults_are_valid_and_flags_win(monkeypatch):
     s = get_settings()
-    assert (s.chunk_tokens, s.question_room, s.answer_room, s.max_tokens, s.ttl_s) == (512, 256, 256, 128, 0.0)
+    assert (s.chunk_tokens, s.question_room, s.answer_room, s.max_tokens, s.ttl_s) == (0, 256, 256, 128, 0.0)
     monkeypatch.setenv("CAG_MAX_TOKENS", "7")
     assert get_settings().max_tokens == 7 and get_settings(max_tokens=9).max_tokens == 9
     assert get_settings(max_tokens=None).max_tokens == 7  # None means "flag not given"
@@ -37,7 +37,7 @@ def test_defaults_are_valid_and_flags_win(monkeypatch):
 
 @pytest.mark.parametrize(("var", "value", "message"), [
     ("CAG_CHUNK_TOKENS", "abc", "CAG_CHUNK_TOKENS='abc': Input should be a valid integer"),
-    ("CAG_CHUNK_TOKENS", "0", "CAG_CHUNK_TOKENS='0': Input should be greater than or equal to 1"),
+    ("CAG_CHUNK_TOKENS", "-1", "CAG_CHUNK_TOKENS='-1': Input should be greater than or equal to 0"),
     ("CAG_QUESTION_ROOM", "-300", "CAG_QUESTION_ROOM='-300': Input should be greater than or equal to 1"),
     ("CAG_ANSWER_ROOM", "0", "greater than or equal to 1"),
     ("CAG_MAX_TOKENS", "0", "greater than or equal to 1"),
@@ -79,9 +79,9 @@ def test_every_setting_is_documented():
         assert f"| `{var}`" in page, f"{var} is not in a settings table of docs/configuration.md"
 
 
-def test_zero_chunk_ingest_is_refused_before_any_work(small_corpus, cag_home, monkeypatch):
-    monkeypatch.setenv("CAG_CHUNK_TOKENS", "0")
-    _one_line_error(["ingest", str(small_corpus)], "CAG_CHUNK_TOKENS='0'")
+def test_negative_chunk_ingest_is_refused_before_any_work(small_corpus, cag_home, monkeypatch):
+    monkeypatch.setenv("CAG_CHUNK_TOKENS", "-1")
+    _one_line_error(["ingest", str(small_corpus)], "CAG_CHUNK_TOKENS='-1'")
     assert not cag_home.exists()  # nothing was created
 
 

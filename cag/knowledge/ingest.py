@@ -167,7 +167,7 @@ def build(engine, plan: Plan, shard: Shard, reused: int, old_kv, tick) -> Built:
     cache = kv_cache.new_cache(lm.model, n + engine.room)
     if old_kv is not None:
         kv_cache.load_into(cache, [(k[:, :, :reused], v[:, :, :reused]) for k, v in old_kv], lm.dtype, lm.device)
-    kv_cache.prefill(lm.model, cache, ids[reused:], reused, engine.settings.chunk_tokens, tick)
+    kv_cache.prefill(lm.model, cache, ids[reused:], reused, engine.chunk, tick)
     prefill_ms = (time.perf_counter() - t0) * 1e3
     path = engine.settings.snapshots_dir / f"{shard.digest}.safetensors"
     created = time.time()
