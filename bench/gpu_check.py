@@ -19,11 +19,13 @@ SmolLM2-135M) and, on CUDA, a random 1B Llama shape built from its config (bench
   200-question run (SQuAD dev questions where CAG_DATASETS has them).
 
   python -m bench.gpu_check [--model M | --shape DIR] [--tokens 7000] [--questions 4] [--device auto|cpu|cuda]
-                            [--no-1b] [--exact-questions N] [--out DIR]
+                            [--no-1b] [--exact-questions N] [--budget SECONDS] [--out DIR]
 
-Writes gpu_check.json and gpu_check.md to --out (default: $OUT when set, else bench/results).
-Exit 0 when every answer agreed (cag == full, batched == alone), 1 when one did not, 2 when a part
-of the run failed (the report still holds the rest, and what failed under "failed").
+Writes gpu_check.json and gpu_check.md to --out (default: $OUT when set, else bench/results), again
+after every part, so a run cut off at a time limit leaves what it measured. Exit 0 when every answer
+agreed (cag == full, batched == alone), 1 when one did not, 2 when a part of the run failed (the
+report still holds the rest, and what failed under "failed"), 3 when parts were skipped because
+they would have started past --budget (under "skipped").
 """
 
 from __future__ import annotations
@@ -113,11 +115,17 @@ def median(xs):
 class Check:
     """The figures of one model on one device; each part records its failure and lets the rest run."""
 
-    def __init__(self, engine, args, home: Path, primary: bool):
-        self.engine, self.args, self.home, self.primary = engine, args, home, primary
+    def __init__(self, engine, args, home: Path, primary: bool, save=lambda r: None):
+        self.engine, self.args, self.home, self.primary, self.save = engine, args, home, primary, save
         self.r: dict = {}
 
     def part(self, name: str, fn) -> None:
+        """Runs one part unless the budget (--budget) is spent, then saves the report so far: a run cut
+        off at a machine's time limit still leaves every figure it measured."""
+        if time.monotonic() > self.args.deadline:
+            self.r.setdefault("skipped", []).append(name)
+            print(f"  {name}: skipped, past the --budget", flush=True)
+            return
         try:
             t = time.perf_counter()
             fn()
@@ -125,6 +133,8 @@ class Check:
         except Exception as e:  # noqa: BLE001 - a check reports what broke and goes on
             self.r.setdefault("failed", {})[name] = f"{type(e).__name__}: {e}"
             print(f"  {name} FAILED:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
+        self.bounds()
+        self.save(self.r)
 
     def ask(self, q: str, n: int, **kw):
         from cag.runtime.generate import DecodeConfig
@@ -152,13 +162,16 @@ class Check:
         if self.primary:
             self.part("padding", self.padding)
             self.part("batched == alone", self.batched)
+        return self.r
+
+    def bounds(self) -> None:
         r = self.r
-        if r.get("gemm_tflops"):
-            r["prefill_bound_tok_s"] = r["prefix_tokens"] / (prefill_flops(lm.model.config, r["prefix_tokens"]) / (r["gemm_tflops"] * 1e12))
+        if r.get("gemm_tflops") and r.get("prefix_tokens"):
+            flops = prefill_flops(self.engine.lm.model.config, r["prefix_tokens"])
+            r["prefill_bound_tok_s"] = r["prefix_tokens"] / (flops / (r["gemm_tflops"] * 1e12))
         if r.get("step_bytes") and r.get("device_copy_gb_s"):
             # reading the step's bytes once at the device's copy rate (a copy also writes them: generous)
             r["step_bound_ms"] = r["step_bytes"] / (r["device_copy_gb_s"] * 1e9) * 1e3
-        return r
 
     def ingest(self) -> None:
         e, lm = self.engine, self.engine.lm
@@ -354,7 +367,7 @@ def question_pool(n: int) -> list[str]:
     return (qs * (n // len(qs) + 1))[:n]
 
 
-def run(args) -> dict:
+def run(args, save=lambda report: None) -> dict:
     import torch
     import transformers
 
@@ -379,16 +392,18 @@ def run(args) -> dict:
             print("no CUDA device: the check runs on the CPU (the GPU figures are still to be measured)", flush=True)
         args.exact_questions = args.exact_questions or (200 if on_cuda else 2 * args.questions)
         args.questions_pool = question_pool(max(args.exact_questions, 16, 10))
-        report.update(Check(engine, args, home / "a", primary=True).run())
+        report.update(Check(engine, args, home / "a", primary=True, save=lambda r: save({**report, **r})).run())
         report["cuda_suffix"] = cascade.CUDA_SUFFIX["way"]  # the suffix attention CUDA decodes with (cag.runtime.cascade.probe_cuda)
         del engine
-        if on_cuda and not args.no_1b:
+        if on_cuda and not args.no_1b and time.monotonic() > args.deadline:
+            report.setdefault("skipped", []).append(BIG)
+        elif on_cuda and not args.no_1b:
             from .bench_models import build
 
             try:
                 path = build(BIG, home / "models", tokenizer=Path(args.shape) if args.shape else None)
                 big = Engine(get_settings(home=home / "home-1b", **base, model=str(path)))
-                report[BIG] = Check(big, args, home / "b", primary=False).run()
+                report[BIG] = Check(big, args, home / "b", primary=False, save=lambda r: save({**report, BIG: r})).run()
             except Exception as e:  # noqa: BLE001
                 report.setdefault("failed", {})[BIG] = f"{type(e).__name__}: {e}"
                 traceback.print_exc()
@@ -424,6 +439,8 @@ def table(report: dict) -> str:
             lines.append(f"| batched == alone, questions | {r['batched_same']}/{r['batched_questions']} ({r['batched_tok_s']:.0f} tok/s together) | all |")
         if r.get("failed"):
             lines.append(f"\nfailed: {r['failed']}")
+        if r.get("skipped"):
+            lines.append(f"\nskipped, past the --budget: {', '.join(r['skipped'])}")
         lines.append("")
     return "\n".join(lines)
 
@@ -439,28 +456,42 @@ def main() -> None:
     ap.add_argument("--exact-questions", type=int, default=0, help="batched == alone questions (0: 200 on CUDA, else 2 x --questions)")
     ap.add_argument("--no-1b", action="store_true", help=f"skip the {BIG} shape (run on CUDA only)")
     ap.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    ap.add_argument("--budget", type=float, default=0, help="seconds: parts that would start later are skipped, and say so (0: no limit)")
     ap.add_argument("--out", default=os.environ.get("OUT") or str(Path(__file__).parent / "results"))
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     t = time.perf_counter()
+    args.deadline = time.monotonic() + args.budget if args.budget else float("inf")
+
+    def save(report: dict) -> str | None:
+        report["wall_s"] = time.perf_counter() - t
+        (out / "gpu_check.json").write_text(json.dumps(report, indent=2))
+        if "torch" in report and "device" in report:
+            md = table(report)
+            (out / "gpu_check.md").write_text(md)
+            return md
+        return None
+
     try:
-        report = run(args)
+        report = run(args, save)
     except Exception as e:  # noqa: BLE001 - a check script reports what broke, with its versions
         report = {"failed": {"run": f"{type(e).__name__}: {e}"}, "traceback": traceback.format_exc()}
         print(report["traceback"], file=sys.stderr)
-    report["wall_s"] = time.perf_counter() - t
-    (out / "gpu_check.json").write_text(json.dumps(report, indent=2))
-    if "torch" in report and "device" in report:
-        md = table(report)
-        (out / "gpu_check.md").write_text(md)
+    md = save(report)
+    if md:
         print(md)
     failed = report.get("failed") or (report.get(BIG) or {}).get("failed")
     if failed:
         print(f"failed: {failed}", file=sys.stderr)
         sys.exit(2)
-    agreed = report["all_identical"] and report["batched_identical"] and (report.get(BIG) or {}).get("all_identical", True)
-    sys.exit(0 if agreed else 1)
+    agreed = report.get("all_identical", True) and report.get("batched_identical", True) and (report.get(BIG) or {}).get("all_identical", True)
+    if not agreed:
+        sys.exit(1)
+    skipped = report.get("skipped") or (report.get(BIG) or {}).get("skipped")
+    if skipped:
+        print(f"skipped, past the --budget: {skipped}", file=sys.stderr)
+        sys.exit(3)
 
 
 if __name__ == "__main__":

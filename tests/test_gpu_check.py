@@ -70,3 +70,31 @@ def test_pack_shape_is_the_embedded_model_without_its_weights(models_dir, tmp_pa
     assert {"config.json", "tokenizer.json", SHAPE_OF} <= names and not any(n.endswith(".safetensors") for n in names)
     assert (shape / SHAPE_OF).read_text() == DEFAULT_MODEL
     assert sum(f.stat().st_size for f in shape.iterdir()) < 8 << 20  # small enough to travel
+
+
+def test_each_part_saves_the_report_and_a_spent_budget_skips_the_rest(tmp_path):
+    """A run cut off at a machine's time limit leaves every figure it measured (saved after each
+    part); parts that would start past --budget are skipped and named, and a failing part is named."""
+    import time
+    from types import SimpleNamespace
+
+    from bench.gpu_check import Check
+
+    saved = []
+    args = SimpleNamespace(deadline=time.monotonic() + 60)
+    check = Check(SimpleNamespace(), args, tmp_path, primary=True, save=lambda r: saved.append(dict(r)))
+    check.part("one", lambda: check.r.update(one=1))
+    check.part("broken", lambda: 1 / 0)
+    args.deadline = time.monotonic() - 1
+    check.part("late", lambda: check.r.update(late=1))
+    assert saved[0]["one"] == 1 and "ZeroDivisionError" in saved[1]["failed"]["broken"]
+    assert check.r["skipped"] == ["late"] and "late" not in check.r and len(saved) == 2
+
+
+def test_a_spent_budget_exits_3_with_a_report(tiny_model_dir, tmp_path):
+    env = dict(os.environ, CAG_WEIGHTS="auto", CAG_KV_DTYPE="float32")
+    r = subprocess.run([sys.executable, "-m", "bench.gpu_check", "--model", str(tiny_model_dir), "--budget", "0.001",
+                        "--device", "cpu", "--out", str(tmp_path)], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 3, r.stdout + r.stderr
+    report = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert report["skipped"] == ["ingest"] and "skipped, past the --budget: ingest" in (tmp_path / "gpu_check.md").read_text()
