@@ -420,7 +420,7 @@ def table(report: dict) -> str:
         lines += [f"Random weights (seed 0) of {report['random_weights_of']}'s config and its tokenizer: the same shapes and speeds.", ""]
     for r in [report, *([report[BIG]] if BIG in report else [])]:
         lines += [f"**{r.get('model')}** ({r.get('dtype')}, weights {r.get('weights')}, {r.get('prefix_tokens')}-token prefix, "
-                  f"decode rows {r.get('decode_rows')}, GEMM {f(r.get('gemm_tflops'), '.1f')} TFLOP/s)", "",
+                  f"decode rows {r.get('decode_rows')}, GEMM {f(r.get('gemm_tflops'), '.3g')} TFLOP/s)", "",
                   "| measure | measured | bound or target |", "|---|---|---|",
                   f"| knowledge prefill, tok/s (chunk {r.get('prefill_chunk')}) | {f(r.get('prefill_tok_s'))} | {f(r.get('prefill_bound_tok_s'))} (its matrix FLOPs at the GEMM rate) |"]
         if r.get("prefill_tok_s_by_chunk"):
