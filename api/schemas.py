@@ -77,7 +77,7 @@ class ShardInfo(BaseModel):
 
 class DecodeInfo(BaseModel):
     weights: str = Field(description="The weights format decode multiplies in (CAG_WEIGHTS resolved): fp32, bf16, int8 or int4.")
-    kernels: str = Field(description="What decode rows run on: amx, avx512 (cag's kernels), avx2 (cag's AVX2 products) or torch.")
+    kernels: str = Field(description="What decode rows run on: amx, avx512 (cag's kernels), avx2 (cag's AVX2 kernels) or torch.")
     kernels_reason: str | None = Field(None, description="Why those kernels (a setting, the CPU, the head width ...).")
     step: Literal["fast", "forward"] = Field(description="fast: cag's lean batched step; forward: transformers' forward, "
                                                          "one request at a time (a model the step does not cover).")
@@ -155,7 +155,7 @@ class JobInfo(BaseModel):
 class Health(BaseModel):
     status: Literal["ok", "loading", "error"]
     model: str | None = None
-    decode_kernels: str | None = Field(None, description="What decode rows run on: amx, avx512 (cag's kernels), avx2 (cag's AVX2 products) or torch.")
+    decode_kernels: str | None = Field(None, description="What decode rows run on: amx, avx512 (cag's kernels), avx2 (cag's AVX2 kernels) or torch.")
     decode_kernels_reason: str | None = Field(None, description="Why those kernels (a setting, the CPU, no compiler ...).")
     decode: DecodeInfo | None = Field(None, description="How answers decode: weights format, kernels, fast step or forward (and why).")
     error: str | None = None

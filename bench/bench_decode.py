@@ -136,7 +136,8 @@ def main() -> None:
     ap.add_argument("--decode-tokens", type=int, default=32)
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     ap.add_argument("--rounds", type=int, default=2, help="alternating lean/forward runs per cell (best of)")
-    ap.add_argument("--kernels", default="amx,avx512,torch", help="CAG_DECODE_KERNELS settings for the packed formats (those that run here)")
+    ap.add_argument("--kernels", default="amx,avx512,avx2,torch",
+                    help="CAG_DECODE_KERNELS settings for the packed formats (those that run here; avx2: int4 alone)")
     ap.add_argument("--no-int8-kv", dest="int8_kv", action="store_false",
                     help="skip the rows over int8 K/V (CAG_KV_DTYPE=int8, read by the avx512 kernels)")
     ap.add_argument("--name", default="decode", help="results file name in bench/results (a partial run: another name)")
@@ -152,12 +153,12 @@ def main() -> None:
         engine = Engine(get_settings(home=home / "home", models_dir_override=get_settings().models_dir, weights="fp32"))
         lm = engine.lm
         models = {}  # (format, decode kernels) -> model
-        here = lambda k: k == "torch" or native.load() is not None and (k == "avx512" or native.tiles())  # noqa: E731
+        here = lambda k: k == "torch" or (native.load_avx2() if k == "avx2" else native.load() is not None and (k == "avx512" or native.tiles()))  # noqa: E731
         kernels = [k for k in args.kernels.split(",") if here(k)]
         for fmt in formats:
-            for ker in ["torch"] if fmt == "fp32" else kernels:
+            for ker in ["torch"] if fmt == "fp32" else [k for k in kernels if k != "avx2" or fmt == "int4"]:  # avx2: int4's products
                 m = lm.model if fmt == "fp32" else copy.deepcopy(lm.model)  # cag's products pack their own layout
-                weights.apply(m, fmt, native=ker != "torch")
+                weights.apply(m, fmt, native=ker in ("amx", "avx512"), avx2=ker == "avx2")
                 object.__setattr__(m, native.ATTR, ker)
                 models[fmt, ker] = m
         auto = auto_weights.choose(lm.model, "auto", get_settings().models_dir)  # the verdict a server here uses (cached)

@@ -162,7 +162,12 @@ def test_the_native_glue_computes_the_family(family_dirs, monkeypatch, name):
     stay within bf16's rounding of the same step through torch's kernels, while leaving out a q/k norm or the
     residual multiplier moves them far more (measured: 14-160x; so each piece is computed on the native path
     too). The one-call layers give these separate calls' bits (test_layers_in_one_native_call_are_the_separate_ops)."""
-    model = _engine(monkeypatch, family_dirs[name], "bf16", "avx512").lm.model
+    glue_is_near_torch(_engine(monkeypatch, family_dirs[name], "bf16", "avx512").lm.model, name)
+
+
+def glue_is_near_torch(model, name: str) -> None:
+    """The step's logits through its native glue and attention against the same step through torch's (the same
+    products), and the same with a family's piece left out (test_the_native_glue_computes_the_family)."""
     step = lean.for_model(model)
     assert step.glue is not None
     prefix = Prefix.of(ts.prefix_of(model).kv, torch.bfloat16, "cpu")  # what decode reads: bf16 K/V
@@ -240,6 +245,24 @@ def test_heads_of_80_96_and_256_decode_through_the_native_layers(tmp_path, small
     (res,) = engine.resident._items.values()
     pairs = res.prefix.made["pairs"]  # pair_kv8's (uint8) over an int8 snapshot: its codes are read; else pair_kv's
     assert pairs and all(p[0].dtype == (torch.uint8 if kv_dtype == "int8" else torch.int32) for p in pairs.values())
+
+
+@pytest.mark.parametrize(("family", "hidden"), [(name, 256) for name in NEW] + [("llama", 320)])  # heads of 64; of 80
+def test_each_family_decodes_through_the_avx2_kernels(tmp_path, small_corpus, monkeypatch, family, hidden):
+    """Below the AVX-512 floor, the AVX2 library: int4 products, the attention and the glue (a family's q/k norms
+    and post-norms through its rms_f32, Granite's multipliers in torch between its calls): cag == full, alone
+    and together."""
+    if why := native.avx2_why_not():
+        pytest.skip(f"cag's AVX2 kernels cannot run here: {why}")
+    monkeypatch.setenv("CAG_MODEL", str(model_dir(tmp_path, family, hidden=hidden, heads=4, kv_heads=2)))
+    monkeypatch.setenv("CAG_WEIGHTS", "int4")
+    monkeypatch.setenv("CAG_DECODE_KERNELS", "avx2")
+    engine = Engine(get_settings())
+    assert engine.lm.kernels == "avx2" and describe.decode_path(engine.lm)["native"] == "glue"
+    with torch.inference_mode():
+        glue_is_near_torch(engine.lm.model, family)
+    engine.ingest(str(small_corpus))
+    cached_is_full_alone_and_together(engine, QUESTIONS[:3], 12)
 
 
 def test_a_product_in_panels_decodes_as_the_separate_ops_and_cag_equals_full(tmp_path, small_corpus, monkeypatch):

@@ -1,8 +1,9 @@
-"""cag.kernels.native's decode attention (AVX512-BF16, and AMX where the CPU has it): the attention it computes,
-rows that never depend on the batch, its bad inputs; the step's glue, and whole layers in one call
-(the same bits as the separate ops); the CAG_DECODE_KERNELS modes; and cag == full through the kernels on a
-model with heads of 64. Where the library cannot be built here
-(another CPU, no compiler) its tests skip with the reason; where it can, a failed build fails them."""
+"""cag.kernels.native's decode attention (AVX512-BF16, and AMX where the CPU has it; the AVX2 library's on any
+CPU with AVX2): the attention it computes, rows that never depend on the batch, its bad inputs; the step's
+glue in both libraries, and whole layers in one call (the same bits as the separate ops); the
+CAG_DECODE_KERNELS modes; and cag == full through the kernels on a model with heads of 64. Where a library
+cannot be built here (another CPU, no compiler) its tests skip with the reason; where it can, a failed build
+fails them."""
 
 from __future__ import annotations
 
@@ -31,12 +32,27 @@ def library():
     assert native.load() is not None, native.reason()  # a machine that has what it needs must build it
 
 
-HERE = ["avx512"] + (["amx"] if native.tiles() else [])  # the attention variants this CPU runs
+@pytest.fixture(scope="module")
+def avx2_library():
+    if why := native.avx2_why_not():
+        pytest.skip(f"cag's AVX2 kernels cannot run here: {why}")
+    assert native.load_avx2(), native.avx2_reason()
+
+
+HERE = ["avx512", "avx2"] + (["amx"] if native.tiles() else [])  # the attention variants this CPU may run
 
 
 @pytest.fixture(params=HERE)
-def kernel(request, library):
+def kernel(request):
+    request.getfixturevalue("avx2_library" if request.param == "avx2" else "library")
     return native.attention(request.param)
+
+
+@pytest.fixture(params=["cag", "cag_avx2"])
+def ops(request):
+    """The step's glue (rms_bf16, rms_f32, rope_write, silu_mul_bf16) of either library: the same signatures."""
+    request.getfixturevalue("avx2_library" if request.param == "cag_avx2" else "library")
+    return native.ops("avx2" if request.param == "cag_avx2" else "avx512")
 
 
 def case(B, R, n, lens, D=64, H=2, S=4, room=300, seed=0):
@@ -48,13 +64,13 @@ def case(B, R, n, lens, D=64, H=2, S=4, room=300, seed=0):
     return q, kp, vp, ks, vs, slots, torch.tensor(lens)
 
 
-def reference(q, kp, vp, ks, vs, slots, lens, scale):
-    """float64 softmax attention of each request over prefix ++ its own suffix keys, q rounded to bf16."""
+def reference(q, kp, vp, ks, vs, slots, lens, scale, rounded=True):
+    """float64 softmax attention of each request over prefix ++ its own suffix keys, q rounded to bf16 (`rounded`)."""
     out = torch.empty(q.shape, dtype=torch.float64)
     for b in range(q.shape[0]):
         K = torch.cat([kp, ks[slots[b], :, : lens[b]]], 1).double()  # (H, n + len, D)
         V = torch.cat([vp, vs[slots[b], :, : lens[b]]], 1).double()
-        s = q[b].bfloat16().double() @ K.transpose(-1, -2) * scale
+        s = (q[b].bfloat16() if rounded else q[b]).double() @ K.transpose(-1, -2) * scale
         out[b] = torch.softmax(s, -1) @ V
     return out
 
@@ -70,14 +86,17 @@ def reference(q, kp, vp, ks, vs, slots, lens, scale):
     (6, 3, 9, [1, 2, 17, 3, 40, 5], 80),  # and 18 rows, fewer prefix keys than a block, suffixes over blocks
     (2, 2, 270, [1, 9], 256),        # heads of 256, the widest
 ])
-def test_kernel_computes_attention(kernel, B, R, n, lens, D):
-    args = case(B, R, n, lens, D)
-    if kernel is torch.ops.cag.decode_attention and D % 64:  # AMX sums values 64 dims at a time: the step takes avx512's
+def test_kernel_computes_attention(request, kernel, B, R, n, lens, D):
+    args, mode = case(B, R, n, lens, D), request.node.callspec.params["kernel"]
+    if mode == "amx" and D % 64:  # AMX sums values 64 dims at a time: the step takes avx512's
         with pytest.raises(RuntimeError, match="AMX attention takes heads of 64, 128 or 256"):
             kernel(*args, D ** -0.5)
         return
     got = kernel(*args, D ** -0.5)
     assert got.shape == args[0].shape and got.dtype == torch.float32
+    if mode == "avx2":  # all in float32: q and the probabilities are not rounded to bf16
+        assert (got.double() - reference(*args, D ** -0.5, rounded=False)).abs().max() < 1e-5
+        return
     want = reference(*args, D ** -0.5)
     assert (got.double() - want).abs().max() < 2e-2  # probabilities rounded to bf16, as torch's flash kernel does
 
@@ -133,7 +152,7 @@ def test_a_pre_paired_prefix_gives_the_same_bits(library, B, R, n, lens, D):
 
 
 @pytest.mark.parametrize("D", [64, 80])  # 80: half a head (40) is not a whole number of 16-lane steps
-def test_rope_write_is_the_formula_bit_for_bit(library, D):
+def test_rope_write_is_the_formula_bit_for_bit(ops, D):
     """The step's rope and K/V write in one call: q, and the bf16 K and V it writes, equal torch's
     `x * cos + roll(x, D/2) * sin` (then `.to(bf16)`) bit for bit; other slots and positions untouched."""
     R, H, Hk = 5, 6, 2
@@ -142,7 +161,7 @@ def test_rope_write_is_the_formula_bit_for_bit(library, D):
     cos, sin = torch.randn(R, D, generator=g), torch.randn(R, D, generator=g)
     slots, pos = torch.tensor([0, 2, 2, 1, 0]), torch.tensor([3, 0, 1, 7, 4])
     K, V = torch.zeros(3, Hk, 8, D, dtype=torch.bfloat16), torch.zeros(3, Hk, 8, D, dtype=torch.bfloat16)
-    q = torch.ops.cag.rope_write(qkv, cos, sin, K, V, slots, pos, H)
+    q = ops.rope_write(qkv, cos, sin, K, V, slots, pos, H)
     rope = lambda x: x * cos[:, None] + x.roll(D // 2, -1) * sin[:, None]  # noqa: E731
     want_q, k, v = qkv.split([H * D, Hk * D, Hk * D], -1)
     assert torch.equal(q, rope(want_q.reshape(R, H, D)))
@@ -151,35 +170,35 @@ def test_rope_write_is_the_formula_bit_for_bit(library, D):
     wv[slots, :, pos] = v.reshape(R, Hk, D).bfloat16()
     assert torch.equal(K, wk) and torch.equal(V, wv)
     with pytest.raises(RuntimeError, match="outside the buffers"):
-        torch.ops.cag.rope_write(qkv, cos, sin, K, V, slots, torch.tensor([3, 0, 1, 8, 4]), H)
+        ops.rope_write(qkv, cos, sin, K, V, slots, torch.tensor([3, 0, 1, 8, 4]), H)
 
 
-def test_rms_bf16_is_the_norm_rounded_once(library):
+def test_rms_bf16_is_the_norm_rounded_once(ops):
     """RMSNorm straight to bf16: within one bf16 rounding of torch's float32 formula, a row's bits its own."""
     g = torch.Generator().manual_seed(2)
     x, w = torch.randn(7, 576, generator=g) * 3, torch.rand(576, generator=g) + 0.5
-    got = torch.ops.cag.rms_bf16(x, w, 1e-5)
+    got = ops.rms_bf16(x, w, 1e-5)
     want = w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5))
     assert got.dtype == torch.bfloat16 and ((got.float() - want).abs() <= want.abs() * 2 ** -8 + 1e-6).all()
-    assert torch.equal(torch.cat([torch.ops.cag.rms_bf16(x[i : i + 1], w, 1e-5) for i in range(7)]), got)
+    assert torch.equal(torch.cat([ops.rms_bf16(x[i : i + 1], w, 1e-5) for i in range(7)]), got)
     with pytest.raises(RuntimeError, match="float32"):
-        torch.ops.cag.rms_bf16(x.double(), w, 1e-5)
+        ops.rms_bf16(x.double(), w, 1e-5)
 
 
-def test_rms_f32_is_the_same_norm_unrounded(library):
+def test_rms_f32_is_the_same_norm_unrounded(ops):
     """The q/k norms' and post-norms' RMSNorm: rms_bf16's values before their rounding, within float32
     rounding of torch's formula, over any leading shape (Qwen3's (R, H, D) heads) and a view's rows."""
     g = torch.Generator().manual_seed(3)
     x, w = torch.randn(3, 4, 80, generator=g) * 3, torch.rand(80, generator=g) + 0.5
-    got = torch.ops.cag.rms_f32(x, w, 1e-6)
+    got = ops.rms_f32(x, w, 1e-6)
     want = w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6))
     assert got.dtype == torch.float32 and got.shape == x.shape
     assert ((got - want).abs() <= want.abs() * 2**-20 + 1e-6).all()
-    assert torch.equal(got.bfloat16().view(12, 80), torch.ops.cag.rms_bf16(x.view(12, 80), w, 1e-6))
+    assert torch.equal(got.bfloat16().view(12, 80), ops.rms_bf16(x.view(12, 80), w, 1e-6))
     wide = torch.randn(12, 200, generator=g)
-    assert torch.equal(torch.ops.cag.rms_f32(wide[:, 40:120], w, 1e-6), torch.ops.cag.rms_f32(wide[:, 40:120].contiguous(), w, 1e-6))
+    assert torch.equal(ops.rms_f32(wide[:, 40:120], w, 1e-6), ops.rms_f32(wide[:, 40:120].contiguous(), w, 1e-6))
     with pytest.raises(RuntimeError, match=r"w: \(N,\) float32"):
-        torch.ops.cag.rms_f32(x, w[:64], 1e-6)
+        ops.rms_f32(x, w[:64], 1e-6)
 
 
 def test_the_amx_op_refuses_on_a_library_built_without_it(library):
@@ -230,10 +249,13 @@ def test_native_kernels_are_refused_where_decode_attends_in_float32(tiny64_model
 
 @pytest.mark.parametrize("mode", HERE)
 @pytest.mark.parametrize("weights,kv_dtype", [("bf16", "auto"), ("int4", "auto"), ("int4", "int8")])
-def test_cag_equals_full_through_the_kernels(library, tiny64_model_dir, small_corpus, monkeypatch, weights, kv_dtype, mode):
+def test_cag_equals_full_through_the_kernels(request, tiny64_model_dir, small_corpus, monkeypatch, weights, kv_dtype, mode):
     """Decode rows run on cag's kernels (attention over bf16 K/V with heads of 64, or with the AVX-512
-    kernel over an int8 snapshot's codes; the fused norm and rope, the products): cached and uncached
-    answers agree token for token, alone and asked together."""
+    kernel over an int8 snapshot's codes; the fused norm and rope, the products; the AVX2 library's
+    attention, glue and int4 products): cached and uncached answers agree token for token, alone and asked together."""
+    request.getfixturevalue("avx2_library" if mode == "avx2" else "library")
+    if mode == "avx2" and weights != "int4":
+        pytest.skip("the AVX2 products are int4's (and its head's q8)")
     monkeypatch.setenv("CAG_MODEL", str(tiny64_model_dir))
     monkeypatch.setenv("CAG_WEIGHTS", weights)
     monkeypatch.setenv("CAG_DECODE_KERNELS", mode)
@@ -243,13 +265,15 @@ def test_cag_equals_full_through_the_kernels(library, tiny64_model_dir, small_co
     assert engine.lm.kernels == mode and step.kernel is not None and step.glue is not None
     assert (step.fused is not None) == (mode == "avx512")  # all layers in one call
     packs = [m.packs for m in engine.lm.model.modules() if isinstance(m, weights_mod.FastLinear)]
-    assert packs and all(isinstance(p, weights_mod.NativePacked) for p in packs)  # every product through cag's own kernel
+    own = weights_mod.Avx2Packed if mode == "avx2" else weights_mod.NativePacked
+    assert packs and all(isinstance(p, own) for p in packs)  # every product through cag's own kernel
+    assert step.native == ("layers" if mode == "avx512" else "glue")
     engine.ingest(str(small_corpus))
     cached_is_full_alone_and_together(engine, QUESTIONS[:3], 16, distinct=False)
     (res,) = engine.resident._items.values()
     pairs = res.prefix.made.get("pairs", {})  # the AMX attention reads the K/V as stored: no pairs
     int8 = kv_dtype == "int8" and mode == "avx512"  # the AVX-512 kernel reads the codes; AMX the dequantized K/V
-    assert all((p[0].dtype == torch.uint8) == int8 for p in pairs.values()) if pairs else mode == "amx"
+    assert all((p[0].dtype == torch.uint8) == int8 for p in pairs.values()) if pairs else mode in ("amx", "avx2")
 
 
 def test_the_resident_budget_counts_the_pairs(library):
@@ -274,18 +298,18 @@ def test_the_resident_budget_counts_the_pairs(library):
     assert "a" not in pool and "b" in pool
 
 
-def test_silu_mul_bf16_is_silu_times_up(library):
+def test_silu_mul_bf16_is_silu_times_up(ops):
     """silu(gate) x up in one call, rounded once to bf16: within one bf16 step of torch's formula, each
     row's bits its own."""
     g = torch.Generator().manual_seed(5)
     gu = torch.randn(5, 2 * 200, generator=g) * 6
-    got = torch.ops.cag.silu_mul_bf16(gu)
+    got = ops.silu_mul_bf16(gu)
     want = torch.nn.functional.silu(gu[:, :200]) * gu[:, 200:]
     assert got.dtype == torch.bfloat16 and got.shape == (5, 200)
     assert ((got.float() - want).abs() <= want.abs() * 2**-7 + 1e-30).all()
-    assert torch.equal(torch.cat([torch.ops.cag.silu_mul_bf16(gu[i : i + 1]) for i in range(5)]), got)
+    assert torch.equal(torch.cat([ops.silu_mul_bf16(gu[i : i + 1]) for i in range(5)]), got)
     with pytest.raises(RuntimeError, match="float32"):
-        torch.ops.cag.silu_mul_bf16(gu.double())
+        ops.silu_mul_bf16(gu.double())
 
 
 @pytest.fixture(scope="module")

@@ -20,12 +20,13 @@ owns is refused (torch's kernels, with a warning). The floor is a Linux x86-64 C
 (Intel Cooper Lake / Sapphire Rapids and later, AMD Zen 4 and later); the AMX attention is compiled
 in where the CPU has AMX.
 
-A CPU below that floor with AVX2, FMA and F16C gets cag's int4 and q8 products alone, from a library
-of their own (avx2_products.cpp, built and trusted the same way: `load_avx2`, torch.ops.cag_avx2.*).
+A CPU below that floor with AVX2, FMA and F16C gets cag's int4 and q8 products, decode attention and
+step glue from a library of their own (avx2_products.cpp, avx2_step.cpp, built and trusted the same way:
+`load_avx2`, torch.ops.cag_avx2.*; the glue and attention ops have the main library's signatures).
 
 CAG_DECODE_KERNELS picks them: `auto` = avx512 where the library builds (on AMX CPUs too: its
 attention decodes faster than the AMX one there, bench/bench_decode.py), avx2 below its floor where
-the AVX2 products build, else torch's kernels (with one warning, naming why,
+the AVX2 library builds, else torch's kernels (with one warning, naming why,
 on a CPU that could run them: no compiler, a failed build, an unsafe cache folder; `/health` says
 which kernels run and why: `summary`); `amx`,
 `avx512` and `avx2` refuse to start where they cannot run, with the reason; `torch` never uses them. Kernels
@@ -57,7 +58,8 @@ SOURCES = tuple(Path(__file__).parent / f for f in ("decode_attention.cpp", "int
 HEADERS = (Path(__file__).parent / "kernels.h", Path(__file__).parent / "product_args.h")
 MODES = ("auto", "amx", "avx512", "avx2", "torch")
 ATTR = "cag_decode_kernels"  # on a loaded model: what CAG_DECODE_KERNELS resolved to ("amx", "avx512", "avx2" or "torch")
-AVX2_SOURCES = (Path(__file__).parent / "avx2_products.cpp", Path(__file__).parent / "product_args.h")  # a library of its own: int4 and q8 products alone
+# a library of its own: int4 and q8 products, and the decode attention and glue of a step (avx2_step.cpp)
+AVX2_SOURCES = tuple(Path(__file__).parent / f for f in ("avx2_products.cpp", "avx2_step.cpp", "product_args.h"))
 AVX2_FLAGS = ("avx2", "fma", "f16c")
 HEAD_DIMS = (64, 80, 96, 128, 256)  # the head widths the attention kernels take (kernels.h: head_dim_ok)
 # and those whose int8 snapshot codes they read (kernels.h: int8_blocks): all of them, in the snapshot's
@@ -207,7 +209,7 @@ def reason() -> str | None:
 
 
 def load_avx2() -> bool:
-    """cag's AVX2 products (torch.ops.cag_avx2: int4_mm, q8_mm), built and loaded once per process;
+    """cag's AVX2 library (torch.ops.cag_avx2: int4_mm, q8_mm, decode_attention and the glue), built and loaded once per process;
     False where they cannot run (the reason: `avx2_reason()`)."""
     with _lock:
         if not _avx2:
@@ -222,14 +224,27 @@ def avx2_reason() -> str | None:
 
 
 def attention(mode: str) -> Callable:
-    """The decode attention op of a resolved mode ("amx" or "avx512")."""
+    """The decode attention op of a resolved mode ("amx", "avx512" or "avx2")."""
+    if mode == "avx2":
+        return torch.ops.cag_avx2.decode_attention
     return torch.ops.cag.decode_attention if mode == "amx" else torch.ops.cag.decode_attention_avx512
+
+
+def ops(mode: str):
+    """The op namespace of a resolved mode's step (its glue: rms_bf16, rms_f32, rope_write, silu_mul_bf16):
+    torch.ops.cag_avx2 for "avx2", else torch.ops.cag."""
+    return torch.ops.cag_avx2 if mode == "avx2" else torch.ops.cag
+
+
+def paired(kernel) -> bool:
+    """Whether a decode attention op takes a prefix pre-paired (pair_kv): the avx512 one alone."""
+    return _state.get("fn") is not None and kernel is torch.ops.cag.decode_attention_avx512
 
 
 def resolve(mode: str, device: torch.device | str = "cpu") -> str:
     """What CAG_DECODE_KERNELS `mode` means here: "amx", "avx512", "avx2" or "torch". `amx`, `avx512` or
     `avx2` where they cannot run raise ModelError (one line); `auto` is avx512 where the library runs,
-    avx2 (the products alone) on a CPU below its floor that has AVX2, else "torch", with one warning
+    avx2 (the AVX2 library) on a CPU below its floor that has AVX2, else "torch", with one warning
     where a CPU that could run them cannot (no compiler, a failed build)."""
     if mode not in MODES:
         raise ModelError(f"unknown decode kernels {mode!r}; use one of {', '.join(MODES)}")
@@ -249,7 +264,7 @@ def resolve(mode: str, device: torch.device | str = "cpu") -> str:
         return "avx512" if mode == "auto" else mode  # auto: avx512 decodes faster than amx on AMX CPUs too (README)
     if mode != "auto":
         raise ModelError(f"CAG_DECODE_KERNELS={mode} cannot run here: {reason()}; use auto or torch")
-    if cpu_why_not() is not None and load_avx2():  # below the library's floor: its AVX2 products
+    if cpu_why_not() is not None and load_avx2():  # below the library's floor: the AVX2 library
         return "avx2"
     if not _state.get("warned"):
         _state["warned"] = True

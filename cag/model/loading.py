@@ -268,14 +268,15 @@ def decode_kernels(mode: str, lm: LoadedModel) -> tuple[str, str]:
     """What CAG_DECODE_KERNELS means for this model here: "amx", "avx512", "avx2" or "torch"
     (cag.kernels.native, which also refuses an unknown mode), and why (one line). The attention reads
     bf16 K/V with heads of 64, 80, 96, 128 or 256 (native.HEAD_DIMS) on the CPU; `amx` or `avx512` where those do not hold is refused.
-    `avx2` is the int4 products alone (int4's head in int8 groups), whatever the heads: `auto` takes it
-    below the AVX-512 floor for int4 weights; asked for with another format, it is refused."""
+    `avx2` is the AVX2 library's int4 products (int4's head in int8 groups), with its attention and glue where the
+    heads are one of those widths: `auto` takes it below the AVX-512 floor for int4 weights; asked for with another
+    format, it is refused."""
     on_cpu = lm.device.type == "cpu"
     if mode == "avx2" and on_cpu and lm.weights != "int4":
         raise ModelError(f"CAG_DECODE_KERNELS=avx2 multiplies int4 weights; with CAG_WEIGHTS={lm.weights} use auto or torch")
     if mode == "auto" and on_cpu and (cpu := native.cpu_why_not()):  # first what no setting changes
         if lm.weights == "int4" and native.load_avx2():
-            return "avx2", f"cag's AVX2 products run on this CPU (its attention and layer kernels need AVX512-BF16: {cpu})"
+            return "avx2", f"cag's AVX2 kernels run on this CPU (its one-call layers need AVX512-BF16: {cpu})"
         return "torch", f"cag's kernels cannot run here: {cpu}"
     if mode not in ("torch", "avx2") and mode in native.MODES and on_cpu and (lm.attn_dtype != torch.bfloat16 or lm.head_dim not in native.HEAD_DIMS):
         why = " and ".join(need for bad, need in ((lm.head_dim not in native.HEAD_DIMS, "heads of 64, 80, 96, 128 or 256"),

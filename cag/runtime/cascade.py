@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import torch
 
+from cag.kernels import native
+
 _FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 _CUDA_FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention", None)
 _CUDA_EFFICIENT = getattr(torch.ops.aten, "_scaled_dot_product_efficient_attention", None)
@@ -241,7 +243,7 @@ def _native(kernel, r, q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, i: int
     request over its prefix (read once per group of requests sharing it) and its own suffix keys
     [0, r.lens[b]) in its slot, in one call per prefix; no K/V gathered or copied."""
     q = q.float().contiguous()
-    paired = kernel is torch.ops.cag.decode_attention_avx512
+    paired = native.paired(kernel)
     if len(r.groups) == 1:
         prefix = r.groups[0][0]
         Kp, Vp = _bf16(prefix.kv[i])

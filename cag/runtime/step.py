@@ -17,7 +17,7 @@ Same math as transformers, op for op where it matters for the bits:
     bit for bit (negation is exact);
   * attention: the query heads that share a K/V head folded into the query length (as
     cag/model/prefill_attention.py does), q (1, H_kv, rep, D) over keys (1, H_kv, pos+1, D), no K/V copy; decode
-    rows over bf16 K/V through cag.kernels.native's kernel where CAG_DECODE_KERNELS resolved to amx or avx512.
+    rows over bf16 K/V through cag.kernels.native's kernel where CAG_DECODE_KERNELS resolved to amx, avx512 or avx2.
 The cache is the caller's StaticCache: the new K and V are written in place at `pos` and each
 layer's `cumulative_length` set to pos+1, so the next transformers forward (a question's prefill)
 continues from a consistent cache.
@@ -120,20 +120,22 @@ class LeanStep:
             ))
             packed = packed and self.fns[-1].qkv_packed is not None and self.fns[-1].gu_packed is not None and one_call.is_silu(act)
         half = self.head_dim // 2
-        # decode rows over bf16 K/V through cag.kernels.native's kernel (CAG_DECODE_KERNELS resolved to amx or avx512 at load)
+        # decode rows over bf16 K/V through cag.kernels.native's kernel (CAG_DECODE_KERNELS resolved to amx, avx512 or avx2 at load)
         mode = getattr(model, native.ATTR, "torch")
         if mode == "amx" and self.head_dim % 64:  # the AMX attention sums values 64 dims at a time: avx512's takes 80 and 96
             mode = "avx512"
-        self.kernel = native.attention(mode) if mode in ("amx", "avx512") and native.load() and self.head_dim in native.HEAD_DIMS else None
+        loaded = native.load_avx2() if mode == "avx2" else mode in ("amx", "avx512") and native.load() is not None
+        self.kernel = native.attention(mode) if loaded and self.head_dim in native.HEAD_DIMS else None
         # and with it, for a float32 step over packed products, the glue around them in one call each: RMSNorm
         # straight to the products' bf16 input, rope of q and k with the K/V write (same bits as the formulas
         # below), silu(gate) x up rounded to bf16 (its own bits); with int4/bf16 weights, all layers in one call (cag.runtime.one_call)
         glue = self.kernel and packed and self.dtype == torch.float32
-        self.glue = (torch.ops.cag.rms_bf16, torch.ops.cag.rope_write) if glue else None
+        ops = native.ops(mode)  # the AVX2 library's glue on CPUs below the AVX-512 floor (avx2_step.cpp), same signatures
+        self.glue = (ops.rms_bf16, ops.rope_write, ops.silu_mul_bf16) if glue else None
         # a family's q/k norms and post-norms then run natively too (rms_f32: what the one-call layers compute)
-        self.branch_rms = _rms_native if glue else self.rms
+        self.branch_rms = (lambda x, w, eps, f=ops.rms_f32: f(x, w, eps)) if glue else self.rms
         if glue and fam.qk_norm:
-            self.fns = [L._replace(qk=qk_norms(layer.self_attn, fam, _rms_native, d, self.dtype))
+            self.fns = [L._replace(qk=qk_norms(layer.self_attn, fam, self.branch_rms, d, self.dtype))
                         for L, layer in zip(self.fns, inner.layers)]
         self.fused = one_call.weights(self, model) if glue and mode == "avx512" else None
         # rotate_half(x) = cat(-x2, x1) = roll(x, D/2) * sign, sign = (-1)*D/2 ++ (+1)*D/2
@@ -202,7 +204,7 @@ class LeanStep:
         up = s.dtype != torch.float32
         glue, norm = s.glue, rms  # a layer's norms: with the glue, (R, hidden) float32 -> bf16, the products' input
         if glue:
-            norm, rope_write = glue
+            norm, rope_write, silu_mul = glue
             cos2, sin2 = cos.view(R, d), sin.view(R, d)
         if glue and one_call.applies(s, rows, roles, kernel):  # all layers in one native call
             h = one_call.layers(s, rows[0], h, cos2, sin2, buffers, rows_slot, rows_pos)
@@ -239,7 +241,7 @@ class LeanStep:
             h = h + y if mult is None else h + y * mult
             x = h if post else norm(h, L.norm2, L.eps2)
             if glue:  # silu(gate) x up straight to the down product's bf16 input
-                y = L.down(torch.ops.cag.silu_mul_bf16(L.gu_packed(x, roles)), roles)
+                y = L.down(silu_mul(L.gu_packed(x, roles)), roles)
             else:
                 g, u = L.gate_up(x, roles)
                 y = L.down(L.act(g) * u, roles)
@@ -274,12 +276,6 @@ def _rms_fused(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm in one call (torch's fused kernel where the device has one): float32 inside, the weight
     applied before the cast back, as Olmo2RMSNorm does."""
     return torch.nn.functional.rms_norm(x, (x.shape[-1],), w, eps)
-
-
-def _rms_native(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-    """The same norm as cag's rms_bf16, float32 out (cag.kernels.native's rms_f32): the glue's q/k norms and
-    post-norms, as the one-call layers compute them."""
-    return torch.ops.cag.rms_f32(x, w, eps)
 
 
 def _rms_w32(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
