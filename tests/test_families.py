@@ -247,7 +247,7 @@ def test_heads_of_80_96_and_256_decode_through_the_native_layers(tmp_path, small
     assert pairs and all(p[0].dtype == (torch.uint8 if kv_dtype == "int8" else torch.int32) for p in pairs.values())
 
 
-@pytest.mark.parametrize(("family", "hidden"), [(name, 256) for name in NEW] + [("llama", 320)])  # heads of 64; of 80
+@pytest.mark.parametrize(("family", "hidden"), [(name, 256) for name in ["qwen2", *NEW]] + [("llama", 320)])  # heads of 64; of 80
 def test_each_family_decodes_through_the_avx2_kernels(tmp_path, small_corpus, monkeypatch, family, hidden):
     """Below the AVX-512 floor, the AVX2 library: int4 products, the attention and the glue (a family's q/k norms
     and post-norms through its rms_f32, Granite's multipliers in torch between its calls): cag == full, alone

@@ -111,6 +111,12 @@ def test_rows_never_depend_on_the_batch(kernel):
     order = torch.tensor([4, 2, 0, 3, 1])
     shuffled = kernel(q[order].contiguous(), kp, vp, ks, vs, slots[order].contiguous(), lens[order].contiguous(), 0.125)
     assert torch.equal(shuffled, together[order])
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the items spread over one thread, not two
+    try:
+        assert torch.equal(kernel(q, kp, vp, ks, vs, slots, lens, 0.125), together)
+    finally:
+        torch.set_num_threads(threads)
 
 
 def test_bad_inputs_are_refused(kernel):

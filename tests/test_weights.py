@@ -136,7 +136,8 @@ def test_snapshots_do_not_depend_on_the_weights_format(tiny_model_dir, small_cor
 
 def test_auto_takes_int4_only_where_the_weights_already_lie_on_its_grid(tmp_path, monkeypatch):
     """On bf16 hardware `auto` is int4 when every matrix int4 packs is on a 4-bit grid per group of 32
-    (a GGUF Q4_1 model: int4 keeps its weights as they are), else bf16; elsewhere never int4."""
+    (a GGUF Q4_1 model: int4 keeps its weights as they are), else bf16; below it, int4 for such a model
+    where cag's AVX2 library runs; elsewhere never int4."""
     torch.manual_seed(4)
     model = torch.nn.Sequential(torch.nn.Linear(64, 32, bias=False), torch.nn.Linear(64, 48))
     monkeypatch.setattr(weights, "bf16_packs", lambda: True)  # what `auto` picks where oneDNN packs bf16
@@ -148,7 +149,11 @@ def test_auto_takes_int4_only_where_the_weights_already_lie_on_its_grid(tmp_path
         q[..., 0], q[..., 1] = 0, 15  # the grid's ends, as the Q4_1 quantizer writes them
         lin.weight.data = (torch.randn(lin.out_features, 2, 1) * 0.05 + d * q).reshape(lin.out_features, 64)
     assert auto_weights.on_4bit_grid(model) and auto_weights.choose(model, "auto", tmp_path) == "int4"
-    monkeypatch.setattr(auto_weights, "cpu_flags", lambda: {"avx2", "fma"})  # no bf16 hardware: fp32 or bf16 only
+    monkeypatch.setattr(auto_weights, "cpu_flags", lambda: {"avx2", "fma"})  # no bf16 hardware
+    monkeypatch.setattr(auto_weights.native, "cpu_why_not", lambda *a: "this CPU lacks avx512_bf16")
+    monkeypatch.setattr(auto_weights.native, "load_avx2", lambda: True)  # cag's AVX2 library runs: int4
+    assert auto_weights.choose(model, "auto", tmp_path) == "int4"
+    monkeypatch.setattr(auto_weights.native, "load_avx2", lambda: False)  # it does not: fp32 or bf16 only
     monkeypatch.setattr(auto_weights, "probe", lambda fmts, rows=1: {"fp32": 1.0, "bf16": 9.0})
     assert auto_weights.choose(model, "auto", tmp_path) == "fp32"
     model[1].weight.data[3, 5] += 0.3 * 0.001  # one weight off its grid point

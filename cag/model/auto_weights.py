@@ -3,8 +3,8 @@
 A CPU with bf16 dot products in hardware (AMX, AVX512-BF16) gets int4 for a model whose matrices
 already lie on int4's grid (a GGUF Q4_1 model such as the embedded one: int4 keeps its weights as
 they are and decodes faster than fp32 with fp32's quality: bench/bench_decode.py and
-bench/bench_weights_quality.py measure both), else bf16; other CPUs get fp32 or bf16 by a timing
-probe, its verdict cached. docs/performance.md has the current figures.
+bench/bench_weights_quality.py measure both), else bf16; a CPU below it that runs cag's AVX2 library
+gets int4 for such a model too; other CPUs get fp32 or bf16 by a timing probe, its verdict cached. docs/performance.md has the current figures.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from cag.kernels import native
 from cag.model.weights import FORMATS, on_grid4, pack, packable, supported
 
 
@@ -87,17 +88,23 @@ def choose(model: torch.nn.Module, requested: str, cache_dir: Path | None = None
 
     A CPU with bf16 dot products in hardware (AMX, AVX512-BF16) gets, by its flags, int4 when the
     model's matrices lie on int4's grid (`on_4bit_grid`: the same answers as often as bf16, fp32's
-    F1, faster decode than fp32: bench/bench_decode.py), else bf16. A timing probe decided this before and flipped between fp32 and bf16 on one machine under
+    F1, faster decode than fp32: bench/bench_decode.py), else bf16. A CPU below that floor where cag's
+    AVX2 library runs gets int4 for such a model too (its int4 products, attention and glue), else the below. A timing probe decided this before and flipped between fp32 and bf16 on one machine under
     load, so identical machines sharing a store disagreed on the snapshot dtype (CAG_KV_DTYPE=auto
     follows this choice). Other CPUs are probed: the faster of fp32 and bf16 for one row and for a
     batch of 8 together (one user, and a server's busy hours), the verdict kept in `cache_dir` per
     CPU, torch version and thread count, so answers do not change from one start to the next."""
     if requested != "auto":
         return requested
-    if next(model.parameters()).device.type != "cpu" or supported("bf16", model):
+    if next(model.parameters()).device.type != "cpu":
         return "fp32"
-    if cpu_flags() & set(BF16_HARDWARE):
+    bf16 = supported("bf16", model) is None
+    if bf16 and cpu_flags() & set(BF16_HARDWARE):
         return "int4" if on_4bit_grid(model) else "bf16"
+    if native.cpu_why_not() is not None and on_4bit_grid(model) and native.load_avx2():
+        return "int4"  # below the AVX-512 floor, on cag's AVX2 library: the weights as they are, decoded faster than fp32
+    if not bf16:
+        return "fp32"
     key = f"{cpuinfo('model name') or '?'}|torch {torch.__version__}|{torch.get_num_threads()} threads|1+8 rows"
     path = cache_dir / "weights-auto.json" if cache_dir else None
     known = json.loads(path.read_text()) if path and path.exists() else {}
