@@ -23,11 +23,11 @@
 #include <cstring>
 #include <vector>
 
+#include "step_args.h"
+
 namespace {
 
-constexpr int64_t C = 256;  // keys per attention item: its K and V (64 KB at D = 64) stay in L2
-
-bool head_dim_ok(int64_t D) { return D == 64 || D == 80 || D == 96 || D == 128 || D == 256; }
+constexpr int64_t C = cagk::CHUNK;  // keys per attention item: its K and V (64 KB at D = 64) stay in L2
 
 // Lanes below n set (n < 8): the mask of a row's last, partial vector.
 inline __m256i lanes(int64_t n) {
@@ -98,8 +98,7 @@ float rms_inv(const float* x, int64_t N, float eps) {
 // x (R, N) float32, w (N,) float32 -> (R, N) bfloat16: LlamaRMSNorm in float32, w * (x * rsqrt(mean(x^2)
 // + eps)), rounded once to bf16 (the products' input).
 at::Tensor rms_bf16(const at::Tensor& x, const at::Tensor& w, double eps) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x: (R, N) float32, contiguous");
-  TORCH_CHECK(w.dim() == 1 && w.scalar_type() == at::kFloat && w.is_contiguous() && w.size(0) == x.size(1), "w: (N,) float32");
+  cagk::check_rms_bf16(x, w);
   const int64_t R = x.size(0), N = x.size(1);
   at::Tensor out = at::empty({R, N}, x.options().dtype(at::kBFloat16));
   const float *xd = x.data_ptr<float>(), *wd = w.data_ptr<float>();
@@ -115,9 +114,7 @@ at::Tensor rms_bf16(const at::Tensor& x, const at::Tensor& w, double eps) {
 
 // x (..., N) float32, w (N,) float32 -> x's shape float32: the same norm, not rounded (q/k norms, post-norms).
 at::Tensor rms_f32(const at::Tensor& x, const at::Tensor& w, double eps) {
-  TORCH_CHECK(x.dim() >= 1 && x.scalar_type() == at::kFloat, "x: (..., N) float32");
-  const int64_t N = x.size(-1);
-  TORCH_CHECK(w.dim() == 1 && w.scalar_type() == at::kFloat && w.is_contiguous() && w.size(0) == N, "w: (N,) float32");
+  const int64_t N = cagk::check_rms_f32(x, w);
   at::Tensor out = x.clone(at::MemoryFormat::Contiguous);
   float* od = out.data_ptr<float>();
   const float* wd = w.data_ptr<float>();
@@ -132,8 +129,7 @@ at::Tensor rms_f32(const at::Tensor& x, const at::Tensor& w, double eps) {
 // gu (R, 2 I) float32, each row gate ++ up -> (R, I) bfloat16: silu(gate) * up, rounded once.
 // silu(g) = g * sigmoid(g), sigmoid from e = e^-|g| (no overflow): 1 / (1 + e) for g >= 0, e / (1 + e) below.
 at::Tensor silu_mul_bf16(const at::Tensor& gu) {
-  TORCH_CHECK(gu.dim() == 2 && gu.scalar_type() == at::kFloat && gu.is_contiguous() && gu.size(1) % 2 == 0,
-              "gu: (R, 2 I) float32, contiguous");
+  cagk::check_silu_mul(gu);
   const int64_t R = gu.size(0), I = gu.size(1) / 2;
   at::Tensor out = at::empty({R, I}, gu.options().dtype(at::kBFloat16));
   const float* g0 = gu.data_ptr<float>();
@@ -156,19 +152,10 @@ at::Tensor silu_mul_bf16(const at::Tensor& gu) {
 // one run of x.
 at::Tensor rope_write(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, at::Tensor K, at::Tensor V,
                       const at::Tensor& slots, const at::Tensor& pos, int64_t H) {
-  TORCH_CHECK(qkv.dim() == 2 && qkv.scalar_type() == at::kFloat && qkv.stride(1) == 1, "qkv: (R, (H + 2 Hk) D) float32");
-  TORCH_CHECK(K.dim() == 4 && K.scalar_type() == at::kBFloat16 && K.is_contiguous() && V.sizes() == K.sizes() &&
-              V.scalar_type() == at::kBFloat16 && V.is_contiguous(), "K, V: (S, Hk, room, D) bfloat16, contiguous");
+  cagk::check_rope_write(qkv, cos, sin, K, V, slots, pos, H);
   const int64_t R = qkv.size(0), Hk = K.size(1), D = K.size(3), room = K.size(2), half = D / 2;
-  TORCH_CHECK(D % 16 == 0 && qkv.size(1) == (H + 2 * Hk) * D, "qkv width and heads disagree (heads a multiple of 16 wide)");
-  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat &&
-              cos.numel() == R * D && sin.numel() == R * D, "cos, sin: (R, D) float32");
-  TORCH_CHECK(slots.scalar_type() == at::kLong && pos.scalar_type() == at::kLong && slots.numel() == R && pos.numel() == R &&
-              slots.is_contiguous() && pos.is_contiguous(), "slots, pos: (R,) int64");
   const int64_t* sl = slots.data_ptr<int64_t>();
   const int64_t* ps = pos.data_ptr<int64_t>();
-  for (int64_t r = 0; r < R; r++)
-    TORCH_CHECK(sl[r] >= 0 && sl[r] < K.size(0) && ps[r] >= 0 && ps[r] < room, "slot or position outside the buffers");
   at::Tensor q = at::empty({R, H, D}, qkv.options().dtype(at::kFloat).memory_format(at::MemoryFormat::Contiguous));
   float* qd = q.data_ptr<float>();
   uint16_t* kd = reinterpret_cast<uint16_t*>(K.data_ptr<at::BFloat16>());
@@ -265,22 +252,10 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& kp, const at:
                             const at::Tensor& vs, const at::Tensor& slots, const at::Tensor& lens, double scale_) {
   TORCH_CHECK(q.dim() == 4 && q.scalar_type() == at::kFloat && q.is_contiguous(), "q: (B, H, R, D) float32, contiguous");
   const int64_t B = q.size(0), H = q.size(1), R = q.size(2), D = q.size(3);
-  TORCH_CHECK(kp.dim() == 3 && vp.dim() == 3 && ks.dim() == 4 && vs.dim() == 4, "K/V: (H, n, D) prefix and (S, H, room, D) slots");
-  TORCH_CHECK(head_dim_ok(D), "head dim 64, 80, 96, 128 or 256");
-  for (const at::Tensor* t : {&kp, &vp, &ks, &vs})
-    TORCH_CHECK(t->scalar_type() == at::kBFloat16 && t->stride(-1) == 1 && t->size(-1) == D && t->size(-3) == H,
-                "K/V: bfloat16, H heads of D, rows contiguous");
+  const int64_t most = cagk::check_attention(B, H, D, kp, vp, ks, vs, slots, lens, false);  // suffix chunks of the longest suffix
   const int64_t n = kp.size(1);
-  TORCH_CHECK(vp.size(1) == n && vs.sizes() == ks.sizes(), "K and V shapes differ");
-  TORCH_CHECK(slots.scalar_type() == at::kLong && lens.scalar_type() == at::kLong && slots.numel() == B && lens.numel() == B &&
-              slots.is_contiguous() && lens.is_contiguous(), "slots, lens: (B,) int64");
   const int64_t* slot = slots.data_ptr<int64_t>();
   const int64_t* len = lens.data_ptr<int64_t>();
-  int64_t most = 0;  // suffix chunks of the longest suffix
-  for (int64_t b = 0; b < B; b++) {
-    TORCH_CHECK(len[b] >= 1 && len[b] <= ks.size(2) && slot[b] >= 0 && slot[b] < ks.size(0), "suffix outside the slots");
-    most = std::max(most, (len[b] + C - 1) / C);
-  }
   const int64_t np = (n + C - 1) / C, chunks = np + most;  // per row: prefix chunks, then suffix chunks
   std::vector<int64_t> items;                             // prefix items (h, c), then suffix items (b, h, c)
   for (int64_t h = 0; h < H; h++)

@@ -28,6 +28,7 @@
 #include <vector>
 
 #include "kernels.h"
+#include "step_args.h"
 
 namespace {
 
@@ -446,22 +447,10 @@ Attention::Attention(const float* q, int64_t B, int64_t H, int64_t R, int64_t D,
 #endif
   TORCH_CHECK(!amx || amx_permitted(), "the kernel refused to start: Linux did not grant AMX tile state to this process");
   TORCH_CHECK(!amx || D % 64 == 0, "the AMX attention takes heads of 64, 128 or 256 (it sums values 64 dims a tile group)");
-  TORCH_CHECK(kp.dim() == 3 && vp.dim() == 3 && ks.dim() == 4 && vs.dim() == 4, "K/V: (H, n, D) prefix and (S, H, room, D) slots");
-  TORCH_CHECK(cagk::head_dim_ok(D), "head dim 64, 80, 96, 128 or 256");
+  most = cagk::check_attention(B, H, D, kp, vp, ks, vs, slots, lens, true);  // suffix chunks of the longest suffix
   n = kp.size(1);
-  for (const at::Tensor* t : {&kp, &vp, &ks, &vs})
-    TORCH_CHECK(t->scalar_type() == at::kBFloat16 && t->stride(-1) == 1 && t->stride(-2) % 2 == 0 && t->size(-1) == D &&
-                t->size(-3) == H, "K/V: bfloat16, H heads of D, rows contiguous");
-  TORCH_CHECK(vp.size(1) == n && vs.size(2) == ks.size(2) && vs.size(0) == ks.size(0), "K and V shapes differ");
-  TORCH_CHECK(slots.scalar_type() == at::kLong && lens.scalar_type() == at::kLong && slots.numel() == B && lens.numel() == B &&
-              slots.is_contiguous() && lens.is_contiguous(), "slots, lens: (B,) int64");
   slot = slots.data_ptr<int64_t>();
   len = lens.data_ptr<int64_t>();
-  most = 0;  // suffix chunks of the longest suffix
-  for (int64_t b = 0; b < B; b++) {
-    TORCH_CHECK(len[b] >= 1 && len[b] <= ks.size(2) && slot[b] >= 0 && slot[b] < ks.size(0), "suffix outside the slots");
-    most = std::max(most, (len[b] + C - 1) / C);
-  }
   np = (n + C - 1) / C, chunks = np + most;  // per row: prefix chunks, then suffix chunks
   TORCH_CHECK(kt.has_value() == vt.has_value() && (!kt || !amx), "kt and vt: both or neither, and for the avx512 kernel");
   if (kt && kt->scalar_type() == at::kByte) {
@@ -711,8 +700,7 @@ namespace {
 // x (R, N) float32, w (N,) float32 -> (R, N) bfloat16: LlamaRMSNorm in float32, w * (x * rsqrt(mean(x^2)
 // + eps)), rounded once to bf16 (the packed products' input).
 at::Tensor rms_bf16(const at::Tensor& x, const at::Tensor& w, double eps) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x: (R, N) float32, contiguous");
-  TORCH_CHECK(w.dim() == 1 && w.scalar_type() == at::kFloat && w.is_contiguous() && w.size(0) == x.size(1), "w: (N,) float32");
+  cagk::check_rms_bf16(x, w);
   at::Tensor out = at::empty({x.size(0), x.size(1)}, x.options().dtype(at::kBFloat16));
   cagk::rms_rows(x.data_ptr<float>(), w.data_ptr<float>(), x.size(0), x.size(1), (float)eps,
                  reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()));
@@ -722,9 +710,7 @@ at::Tensor rms_bf16(const at::Tensor& x, const at::Tensor& w, double eps) {
 // x (..., N) float32, w (N,) float32 -> x's shape float32: the same norm as rms_bf16 (LlamaRMSNorm's order),
 // not rounded: the step's q/k norms (per head or over the projection) and post-norms.
 at::Tensor rms_f32(const at::Tensor& x, const at::Tensor& w, double eps) {
-  TORCH_CHECK(x.dim() >= 1 && x.scalar_type() == at::kFloat, "x: (..., N) float32");
-  const int64_t N = x.size(-1);
-  TORCH_CHECK(w.dim() == 1 && w.scalar_type() == at::kFloat && w.is_contiguous() && w.size(0) == N, "w: (N,) float32");
+  const int64_t N = cagk::check_rms_f32(x, w);
   at::Tensor out = x.clone(at::MemoryFormat::Contiguous);
   cagk::rms_rows_f32(out.data_ptr<float>(), N, w.data_ptr<float>(), N ? out.numel() / N : 0, N, (float)eps);
   return out;
@@ -732,8 +718,7 @@ at::Tensor rms_f32(const at::Tensor& x, const at::Tensor& w, double eps) {
 
 // gu (R, 2 I) float32, each row gate ++ up -> (R, I) bfloat16: silu(gate) * up, rounded once (torch's rounding).
 at::Tensor silu_mul_bf16(const at::Tensor& gu) {
-  TORCH_CHECK(gu.dim() == 2 && gu.scalar_type() == at::kFloat && gu.is_contiguous() && gu.size(1) % 2 == 0,
-              "gu: (R, 2 I) float32, contiguous");
+  cagk::check_silu_mul(gu);
   at::Tensor out = at::empty({gu.size(0), gu.size(1) / 2}, gu.options().dtype(at::kBFloat16));
   cagk::silu_mul_rows(gu.data_ptr<float>(), gu.size(0), gu.size(1) / 2, reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()));
   return out;
@@ -744,19 +729,10 @@ at::Tensor silu_mul_bf16(const at::Tensor& gu) {
 // and returns roped q (R, H, D) float32: the same bits as the formula in torch.
 at::Tensor rope_write(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, at::Tensor K, at::Tensor V,
                       const at::Tensor& slots, const at::Tensor& pos, int64_t H) {
-  TORCH_CHECK(qkv.dim() == 2 && qkv.scalar_type() == at::kFloat && qkv.stride(1) == 1, "qkv: (R, (H + 2 Hk) D) float32");
-  TORCH_CHECK(K.dim() == 4 && K.scalar_type() == at::kBFloat16 && K.is_contiguous() && V.sizes() == K.sizes() &&
-              V.scalar_type() == at::kBFloat16 && V.is_contiguous(), "K, V: (S, Hk, room, D) bfloat16, contiguous");
+  cagk::check_rope_write(qkv, cos, sin, K, V, slots, pos, H);
   const int64_t R = qkv.size(0), Hk = K.size(1), D = K.size(3);
-  TORCH_CHECK(D % 16 == 0 && qkv.size(1) == (H + 2 * Hk) * D, "qkv width and heads disagree (heads a multiple of 16 wide)");
-  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat &&
-              cos.numel() == R * D && sin.numel() == R * D, "cos, sin: (R, D) float32");
-  TORCH_CHECK(slots.scalar_type() == at::kLong && pos.scalar_type() == at::kLong && slots.numel() == R && pos.numel() == R &&
-              slots.is_contiguous() && pos.is_contiguous(), "slots, pos: (R,) int64");
   const int64_t* sl = slots.data_ptr<int64_t>();
   const int64_t* ps = pos.data_ptr<int64_t>();
-  for (int64_t r = 0; r < R; r++)
-    TORCH_CHECK(sl[r] >= 0 && sl[r] < K.size(0) && ps[r] >= 0 && ps[r] < K.size(2), "slot or position outside the buffers");
   at::Tensor q = at::empty({R, H, D}, qkv.options().dtype(at::kFloat).memory_format(at::MemoryFormat::Contiguous));
   cagk::rope_rows(qkv.data_ptr<float>(), qkv.stride(0), cos.data_ptr<float>(), sin.data_ptr<float>(), R, H, Hk, D, K.size(2),
                   sl, ps, q.data_ptr<float>(), reinterpret_cast<uint16_t*>(K.data_ptr<at::BFloat16>()),

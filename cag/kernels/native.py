@@ -55,11 +55,11 @@ from cag.kernels.build_cache import UnsafeCache, _open_trusted, _sha256_fd, _wri
 log = logging.getLogger(__name__)
 SOURCES = tuple(Path(__file__).parent / f for f in ("decode_attention.cpp", "int8_attention.cpp", "products.cpp",
                                                                  "layer.cpp"))
-HEADERS = (Path(__file__).parent / "kernels.h", Path(__file__).parent / "product_args.h")
+HEADERS = tuple(Path(__file__).parent / f for f in ("kernels.h", "product_args.h", "step_args.h"))
 MODES = ("auto", "amx", "avx512", "avx2", "torch")
 ATTR = "cag_decode_kernels"  # on a loaded model: what CAG_DECODE_KERNELS resolved to ("amx", "avx512", "avx2" or "torch")
 # a library of its own: int4 and q8 products, and the decode attention and glue of a step (avx2_step.cpp)
-AVX2_SOURCES = tuple(Path(__file__).parent / f for f in ("avx2_products.cpp", "avx2_step.cpp", "product_args.h"))
+AVX2_SOURCES = tuple(Path(__file__).parent / f for f in ("avx2_products.cpp", "avx2_step.cpp", "product_args.h", "step_args.h", "kernels.h"))
 AVX2_FLAGS = ("avx2", "fma", "f16c")
 HEAD_DIMS = (64, 80, 96, 128, 256)  # the head widths the attention kernels take (kernels.h: head_dim_ok)
 # and those whose int8 snapshot codes they read (kernels.h: int8_blocks): all of them, in the snapshot's
