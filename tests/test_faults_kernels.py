@@ -235,7 +235,7 @@ def test_a_cpu_below_the_avx512_floor_with_avx2_gets_the_avx2_products_for_int4(
     monkeypatch.setattr(native, "cpu_why_not", lambda flags=native.FLAGS: below[flags])
     lm = Engine(get_settings()).lm
     assert (lm.kernels, lm.kernels_why) == (
-        "avx2", "cag's AVX2 kernels run on this CPU (its one-call layers need AVX512-BF16: this CPU lacks avx512f, avx512_bf16)")
+        "avx2", "cag's AVX2 kernels run on this CPU; all layers in one call need AVX512-BF16: this CPU lacks avx512f, avx512_bf16")
     monkeypatch.setenv("CAG_WEIGHTS", "fp32")
     monkeypatch.setenv("CAG_DECODE_KERNELS", "avx2")
     with pytest.raises(ModelError, match="CAG_DECODE_KERNELS=avx2 multiplies int4 weights; with CAG_WEIGHTS=fp32 use auto or torch"):

@@ -276,7 +276,7 @@ def decode_kernels(mode: str, lm: LoadedModel) -> tuple[str, str]:
         raise ModelError(f"CAG_DECODE_KERNELS=avx2 multiplies int4 weights; with CAG_WEIGHTS={lm.weights} use auto or torch")
     if mode == "auto" and on_cpu and (cpu := native.cpu_why_not()):  # first what no setting changes
         if lm.weights == "int4" and native.load_avx2():
-            return "avx2", f"cag's AVX2 kernels run on this CPU (its one-call layers need AVX512-BF16: {cpu})"
+            return "avx2", f"cag's AVX2 kernels run on this CPU; all layers in one call need AVX512-BF16: {cpu}"
         return "torch", f"cag's kernels cannot run here: {cpu}"
     if mode not in ("torch", "avx2") and mode in native.MODES and on_cpu and (lm.attn_dtype != torch.bfloat16 or lm.head_dim not in native.HEAD_DIMS):
         why = " and ".join(need for bad, need in ((lm.head_dim not in native.HEAD_DIMS, "heads of 64, 80, 96, 128 or 256"),
