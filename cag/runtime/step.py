@@ -133,7 +133,7 @@ class LeanStep:
         ops = native.ops(mode)  # the AVX2 library's glue on CPUs below the AVX-512 floor (avx2_step.cpp), same signatures
         self.glue = (ops.rms_bf16, ops.rope_write, ops.silu_mul_bf16) if glue else None
         # a family's q/k norms and post-norms then run natively too (rms_f32: what the one-call layers compute)
-        self.branch_rms = (lambda x, w, eps, f=ops.rms_f32: f(x, w, eps)) if glue else self.rms
+        self.branch_rms = ops.rms_f32 if glue else self.rms
         if glue and fam.qk_norm:
             self.fns = [L._replace(qk=qk_norms(layer.self_attn, fam, self.branch_rms, d, self.dtype))
                         for L, layer in zip(self.fns, inner.layers)]
