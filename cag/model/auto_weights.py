@@ -90,8 +90,8 @@ def choose(model: torch.nn.Module, requested: str, cache_dir: Path | None = None
     A CPU with bf16 dot products in hardware (AMX, AVX512-BF16) gets, by its flags, int4 when the
     model's matrices lie on int4's grid (`on_4bit_grid`: the same answers as often as bf16, fp32's
     F1, faster decode than fp32: bench/bench_decode.py), else bf16. A CPU below that floor where cag's
-    AVX2 library runs gets int4 for such a model too (its int4 products, attention and glue: 3.4-4.1x
-    fp32's decode on an AMD Zen 3, bench/results/decode-avx2.md). A timing probe decided this before and flipped between fp32 and bf16 on one machine under
+    AVX2 library runs gets int4 for such a model too (its int4 products, attention and glue decode
+    several times faster than fp32: bench/bench_decode.py --kernels avx2). A timing probe decided this before and flipped between fp32 and bf16 on one machine under
     load, so identical machines sharing a store disagreed on the snapshot dtype (CAG_KV_DTYPE=auto
     follows this choice). Other CPUs are probed: the faster of fp32 and bf16 for one row and for a
     batch of 8 together (one user, and a server's busy hours), the verdict kept in `cache_dir` per
