@@ -250,7 +250,7 @@ void item(const float* const* q, int64_t rows, const uint16_t* k, const uint16_t
 // lens (B,) int64: request b reads keys [0, lens[b]) of slot slots[b]. -> (B, H, R, D) float32.
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& kp, const at::Tensor& vp, const at::Tensor& ks,
                             const at::Tensor& vs, const at::Tensor& slots, const at::Tensor& lens, double scale_) {
-  TORCH_CHECK(q.dim() == 4 && q.scalar_type() == at::kFloat && q.is_contiguous(), "q: (B, H, R, D) float32, contiguous");
+  cagk::check_attention_q(q);
   const int64_t B = q.size(0), H = q.size(1), R = q.size(2), D = q.size(3);
   const int64_t most = cagk::check_attention(B, H, D, kp, vp, ks, vs, slots, lens, false);  // suffix chunks of the longest suffix
   const int64_t n = kp.size(1);

@@ -570,7 +570,7 @@ template <bool AMX>
 at::Tensor attend(const at::Tensor& q, const at::Tensor& kp, const at::Tensor& vp, const at::Tensor& ks,
                   const at::Tensor& vs, const at::Tensor& slots, const at::Tensor& lens, double scale,
                   const std::optional<at::Tensor>& kt = std::nullopt, const std::optional<at::Tensor>& vt = std::nullopt) {
-  TORCH_CHECK(q.dim() == 4 && q.scalar_type() == at::kFloat && q.is_contiguous(), "q: (B, H, R, D) float32, contiguous");
+  cagk::check_attention_q(q);
   cagk::Attention a(q.data_ptr<float>(), q.size(0), q.size(1), q.size(2), q.size(3), kp, vp, ks, vs, slots, lens, scale, kt, vt, AMX);
   const int64_t nt = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), a.items_n()));
   at::parallel_for(0, nt, 1, [&](int64_t p0, int64_t p1) {

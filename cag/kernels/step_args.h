@@ -49,6 +49,11 @@ inline void check_rope_write(const at::Tensor& qkv, const at::Tensor& cos, const
     TORCH_CHECK(sl[r] >= 0 && sl[r] < K.size(0) && ps[r] >= 0 && ps[r] < K.size(2), "slot or position outside the buffers");
 }
 
+// decode attention's queries: q (B, H, R, D) float32, contiguous.
+inline void check_attention_q(const at::Tensor& q) {
+  TORCH_CHECK(q.dim() == 4 && q.scalar_type() == at::kFloat && q.is_contiguous(), "q: (B, H, R, D) float32, contiguous");
+}
+
 // decode attention: kp, vp (H, n, D) and ks, vs (S, H, room, D) bf16 with contiguous rows (pair-aligned where
 // `pairs`: the AVX-512 kernel reads two keys' dims together); slots, lens (B,) int64, each request's suffix
 // inside the slots. Returns the CHUNK-key items of the longest suffix.
