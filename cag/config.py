@@ -38,6 +38,10 @@ class Settings(BaseSettings):
     # prefill chunk (tokens a forward): bounds activation memory, drives the progress bar; 0 = auto:
     # 512 on a CPU, 4096 on CUDA (a chunk there is one launch of every kernel: larger chunks fill the chip)
     chunk_tokens: int = Field(0, ge=0)
+    # rows of every knowledge-prefill forward (cag.runtime.kv_cache.prefill_knowledge): the prefix is prefilled in
+    # blocks of exactly this many rows at multiples of it, so a row's K/V never depend on how the prefill was
+    # split; part of every snapshot's key; 0 = auto: 256 on a CPU, 2048 on CUDA
+    prefill_block: int = Field(0, ge=0, le=16384)
     # input limits, checked on file sizes before anything is read (cag/knowledge/corpus.py): bounded time and memory
     max_document_bytes: int = Field(32 * 1024**2, ge=1)  # one document file
     max_corpus_bytes: int = Field(128 * 1024**2, ge=1)  # all the documents of a corpus together

@@ -94,6 +94,11 @@ class Engine:
         return self.settings.chunk_tokens or (4096 if self.lm.device.type == "cuda" else 512)
 
     @property
+    def prefill_block(self) -> int:
+        """Rows of each knowledge-prefill forward on this model's device (kv_cache.BLOCK: part of the key)."""
+        return self.settings.prefill_block or kv_cache.block_for(self.lm.device)
+
+    @property
     def suffix_room(self) -> int:
         return suffix_room(self.lm)
 
@@ -120,7 +125,7 @@ class Engine:
         return hash_obj({
             "format": snapfiles.FORMAT_VERSION, "model": lm.fingerprint, "tokenizer": lm.tokenizer_fingerprint,
             "layout": self.layout().as_dict(), "ids": hash_obj(ids), "dtype": snapfiles.codec(kv_name or self.kv_name),
-            "compute_dtype": str(lm.dtype),
+            "compute_dtype": str(lm.dtype), "prefill_block": self.prefill_block,
         })
 
     def read_corpus(self, source: Path, corpus: str | None):
@@ -202,12 +207,13 @@ class Engine:
         from the setting's (stale, still served): cag == full, bitwise."""
         lm, n = self.lm, len(prefix_ids)
         self.require_fit(n, "the prompt's knowledge")
-        cache = kv_cache.new_cache(lm.model, n)
-        kv_cache.prefill(lm.model, cache, prefix_ids, 0, self.chunk, should_stop=should_stop)
-        views, codes = kv_cache.views(cache, n), None
+        store = self.kv_dtype
         if q.mode is not Mode.RAG:  # RAG's passages have no snapshot to match
             held = held or (self.index.snapshot(q.row["current_snapshot"]) if q.row.get("current_snapshot") else None)
-            views, codes = kv_cache.stored(views, snapfiles.DTYPES.get(held["dtype"], self.kv_dtype) if held else self.kv_dtype)
+            store = snapfiles.DTYPES.get(held["dtype"], self.kv_dtype) if held else self.kv_dtype
+        cache = kv_cache.new_cache(lm.model, kv_cache.padded(n, self.prefill_block))
+        kv_cache.prefill_knowledge(lm.model, cache, prefix_ids, 0, self.prefill_block, store, should_stop=should_stop)
+        views, codes = kv_cache.stored(kv_cache.views(cache, n), store)
         gen, _ = self._generate(Prefix.of(views, lm.attn_dtype, lm.device, self._read(codes)), q, on_text, should_stop)
         return self._finish(q, gen, n, 0, 0.0, None if q.mode is Mode.RAG else q.row["current_snapshot"], **extra)
 

@@ -88,6 +88,7 @@ def models_dir(tmp_path_factory) -> Path:
 # The only CAG_* variables the suite takes from the developer's shell, on purpose: where the shared
 # datasets are (read at import above, and by cag.compare) and a models folder shared across runs.
 FROM_SHELL = frozenset({"CAG_DATASETS", "CAG_TEST_MODELS_DIR"})
+PREFILL_BLOCK = 16  # tier 1's knowledge-prefill block (CAG_PREFILL_BLOCK): the small corpora span several blocks
 
 
 def _clear_shell_settings(mp: pytest.MonkeyPatch) -> None:
@@ -100,16 +101,21 @@ def no_shell_settings():
     """Cleared for the whole session too: module-scoped fixtures (servers) start before `cag_home`."""
     with pytest.MonkeyPatch.context() as mp:
         _clear_shell_settings(mp)
+        mp.setenv("CAG_PREFILL_BLOCK", str(PREFILL_BLOCK))  # module-scoped servers start before `cag_home`
         yield
 
 
 @pytest.fixture(autouse=True)
-def cag_home(tmp_path, monkeypatch, models_dir) -> Path:
+def cag_home(tmp_path, monkeypatch, models_dir, request) -> Path:
     _clear_shell_settings(monkeypatch)
     home = tmp_path / "cag-home"
     monkeypatch.setenv("CAG_HOME", str(home))
     monkeypatch.setenv("CAG_MODELS_DIR", str(models_dir))
     monkeypatch.setenv("CAG_WEIGHTS", "fp32")  # `auto` measures the machine; tests pin what they compare
+    if request.node.get_closest_marker("real") is None:  # the real model keeps its default block (256 on a CPU)
+        monkeypatch.setenv("CAG_PREFILL_BLOCK", str(PREFILL_BLOCK))
+    else:
+        monkeypatch.delenv("CAG_PREFILL_BLOCK", raising=False)
     return home
 
 

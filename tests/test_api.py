@@ -23,7 +23,7 @@ import pytest
 from httpx_sse import EventSource
 
 from bench.harness import cag_command, serving
-from tests.conftest import REPO
+from tests.conftest import PREFILL_BLOCK, REPO
 
 KEY = "test-key-1"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -59,7 +59,7 @@ def served_notes(root: Path, tiny_model_dir: Path, models_dir: Path, **env_vars:
         (corpus / name).write_text(text)
     env = {k: v for k, v in os.environ.items() if not k.startswith("CAG_")}
     env.update(CAG_HOME=str(root / "home"), CAG_MODELS_DIR=str(models_dir), CAG_MODEL=str(tiny_model_dir),
-               CAG_WEIGHTS="fp32")  # as every test pins it: `auto` measures the machine
+               CAG_WEIGHTS="fp32", CAG_PREFILL_BLOCK=str(PREFILL_BLOCK))  # as every test pins them: `auto` measures the machine
     env.update(env_vars)
     r = subprocess.run([*cag_command(), "ingest", str(corpus), "--json"], env=env, cwd=REPO, capture_output=True,
                        text=True, timeout=120)

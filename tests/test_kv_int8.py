@@ -77,12 +77,15 @@ def test_int8_snapshot_file_engine_and_bound_against_fp16(tiny_model_dir, small_
     assert pb.stat().st_size < pa.stat().st_size
     sa, sb = snapfiles.load(pa), snapfiles.load(pb)
     assert sb.meta["dtype"] == "int8" and sb.meta["codec"] == kv_int8.CODEC and sb.ids == sa.ids
-    for (ka, va), (kb, vb) in zip(sa.kv, sb.kv):
+    for layer, ((ka, va), (kb, vb)) in enumerate(zip(sa.kv, sb.kv)):
         for x, y in ((ka, kb), (va, vb)):
             assert y.dtype == torch.float16 and y.shape == x.shape
             step = x.float().abs().reshape(*x.shape[:-1], -1, block).amax(-1, keepdim=True) / 127
             err = (y.float() - x.float()).abs().reshape(*x.shape[:-1], -1, block)
-            assert (err <= 0.5 * step * 1.01 + 2e-3 * x.float().abs().reshape(err.shape) + 1e-6).all()
+            if layer == 0:  # before any attention: the fp16 state quantized, within half a step
+                assert (err <= 0.5 * step * 1.01 + 2e-3 * x.float().abs().reshape(err.shape) + 1e-6).all()
+            else:  # later rows attended to the int8 keys before them (kv_cache.prefill_knowledge): close, not within a step
+                assert float((y.float() - x.float()).norm() / x.float().norm()) < 0.05
     got = int8.ask("c", Q, max_tokens=8)
     assert got.snapshot == b.snapshot and got.cached_tokens == b.n_tokens and got.completion_tokens > 0
     assert int8.ask("c", Q, max_tokens=8).token_ids == got.token_ids  # deterministic, snapshot unpolluted

@@ -138,7 +138,8 @@ def reuse_fresh(engine, shard: Shard) -> Built | None:
 
 def reusable(engine, corpus: str, shard: Shard) -> tuple[int, list | None]:
     """Tokens of the shard's current snapshot that stay valid: the longest common prefix of token
-    ids, cut back to a document boundary (KV at position i depends only on tokens 0..i)."""
+    ids, cut back to a document boundary and then to a whole prefill block (KV at position i depends only
+    on tokens 0..i, and the prefill starts blocks at multiples of the block: kv_cache.prefill_knowledge)."""
     rows = engine.index.shards(corpus)
     digest = rows[shard.index]["snapshot"] if shard.index < len(rows) else None
     snap = engine.index.snapshot(digest) if digest else None
@@ -156,6 +157,9 @@ def reusable(engine, corpus: str, shard: Shard) -> tuple[int, list | None]:
     spans = old.meta["spans"]
     bounds = [s["start"] for s in spans] + [max((s["end"] for s in spans), default=0)]
     cut = max((b for b in bounds if b <= common), default=0)
+    if old.meta.get("prefill_block") != engine.prefill_block:  # computed in other blocks: nothing of it is reused
+        return 0, None
+    cut -= cut % engine.prefill_block
     return cut, (old.kv if cut else None)
 
 
@@ -164,10 +168,11 @@ def build(engine, plan: Plan, shard: Shard, reused: int, old_kv, tick) -> Built:
     lm, ids = engine.lm, shard.prefix.ids
     n = len(ids)
     t0 = time.perf_counter()
-    cache = kv_cache.new_cache(lm.model, n + engine.room)
+    block = engine.prefill_block
+    cache = kv_cache.new_cache(lm.model, reused + kv_cache.padded(n - reused, block))
     if old_kv is not None:
         kv_cache.load_into(cache, [(k[:, :, :reused], v[:, :, :reused]) for k, v in old_kv], lm.dtype, lm.device)
-    kv_cache.prefill(lm.model, cache, ids[reused:], reused, engine.chunk, tick)
+    kv_cache.prefill_knowledge(lm.model, cache, ids[reused:], reused, block, engine.kv_dtype, tick)
     prefill_ms = (time.perf_counter() - t0) * 1e3
     path = engine.settings.snapshots_dir / f"{shard.digest}.safetensors"
     created = time.time()
@@ -176,7 +181,8 @@ def build(engine, plan: Plan, shard: Shard, reused: int, old_kv, tick) -> Built:
             "n_kv_heads": lm.n_kv_heads, "head_dim": lm.head_dim, "spans": shard.spans, "created": created,
             "compute_dtype": str(lm.dtype), "source": str(plan.source), "ttl_s": plan.ttl_s,
             "n_documents": len(shard.units), "reused_tokens": reused, "prefill_ms": prefill_ms,
-            "shard": shard.index, "n_shards": len(plan.shards), "shard_tokens": plan.shard_tokens}
+            "shard": shard.index, "n_shards": len(plan.shards), "shard_tokens": plan.shard_tokens,
+            "prefill_block": block}
     layers = kv_cache.export(cache, n)
     if why := kv_cache.nonfinite(layers, engine.kv_dtype):  # a snapshot holding NaN or inf would answer garbage forever
         raise ModelError(f"the model's keys and values for {plan.name!r} cannot be stored: {why}; "

@@ -508,7 +508,8 @@ def apply(model: torch.nn.Module, fmt: str, native: bool = False, compute: torch
             # (bf16), become views of the stack, their old bytes freed, as in the fp32 format: a product's last
             # bits can depend on where its weight lies, and a snapshot must not depend on the format
             mapped = any(file_pages.file_backed(m.weight, maps) for m in lins)
-            group = pack(w, b, fmt, native, torch.float32, avx2, questions=not mapped)
+            # with cag's kernels a question's rows take the decode rows' copy (cag.runtime.rows.flat): no second copy
+            group = pack(w, b, fmt, native, torch.float32, avx2, questions=not mapped and not kernels)
             packs[id(group)], lo = group, 0
             file_pages.release((m.weight for m in lins), maps)
             trim_heap()
@@ -525,7 +526,7 @@ def apply(model: torch.nn.Module, fmt: str, native: bool = False, compute: torch
             mapped = file_pages.file_backed(lin.weight, maps)
             # an int4 head (on its grid) multiplies a question's rows as its decode rows: a bf16 copy of a
             # vocabulary-sized matrix would cost more memory than the product saves time (one row a question)
-            copy = not mapped and not (lin is head and own(lin) == "int4")
+            copy = not mapped and not kernels and not (lin is head and own(lin) == "int4")
             fast = FastLinear(lin, own(lin), native=native, out_dtype=torch.float32, avx2=avx2, questions=copy)
             setattr(parent, name.rsplit(".", 1)[-1], fast)
             packs[id(fast.packs)] = fast.packs

@@ -25,9 +25,11 @@ through the transformers forward over a buffer holding a copy of the prefix.
 
 from __future__ import annotations
 
+import atexit
 import logging
 import threading
 import time
+import weakref
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -46,6 +48,15 @@ from cag.runtime.slots import Prefix, Slots
 
 log = logging.getLogger("cag")
 IDLE_EXIT_S = 30.0  # an idle decode thread ends, so a dropped engine (and its slots) can be freed
+_LIVE: weakref.WeakSet = weakref.WeakSet()  # every Decoder, for _stop_all
+
+
+@atexit.register
+def _stop_all() -> None:
+    """Idle decode threads end before the interpreter shuts down: a decoder whose engine was dropped is
+    freed by its own thread as it ends, and freeing tensors while torch is torn down aborts the process."""
+    for d in list(_LIVE):
+        d.close()
 
 
 @dataclass(eq=False)
@@ -96,7 +107,18 @@ class Decoder:
         self._active: list[Request] = []
         self._cond = threading.Condition()
         self._thread: threading.Thread | None = None
+        self._closing = False
         self.stats = {"decode_steps": 0, "decode_rows": 0, "batch_max": 0}  # read by /metrics
+        _LIVE.add(self)
+
+    def close(self, timeout: float = 5.0) -> None:
+        """End the decode thread once it is idle (requests in flight are answered first)."""
+        with self._cond:
+            self._closing = True
+            thread = self._thread
+            self._cond.notify_all()
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout)
 
     @property
     def batched(self) -> bool:
@@ -148,7 +170,7 @@ class Decoder:
                     if not self._pending and not self._active:
                         release_workers()  # idle: the threads that prefill get the CPUs to themselves
                     while not self._pending and not self._active:
-                        if not self._cond.wait(timeout=IDLE_EXIT_S):  # idle: end the thread (the next run starts one)
+                        if self._closing or not self._cond.wait(timeout=IDLE_EXIT_S):  # idle: end the thread (the next run starts one)
                             self._thread = None
                             return
                     new = [self._pending.popleft() for _ in range(min(len(self._pending), self.max_batch - len(self._active)))]
@@ -232,12 +254,15 @@ class Decoder:
             self._active.append(r)
             self._emit(r, logits[0])
 
-    def _keep(self, req: Request) -> None:
-        """Keep the request's prefilled suffix (question rows only: cag.runtime.kept_conversations) for a later turn."""
+    def _keep(self, req: Request, ids: list[int] | None = None) -> None:
+        """Keep the K/V of the request's first len(ids) suffix positions (default: its prefilled suffix) for a
+        later turn (cag.runtime.kept_conversations). With the answer's rows only where the step computes
+        them as it computes a question's (LeanStep.flat): then a recomputation writes the same bits."""
         if req.key is None or self.kept is None:
             return
-        n = len(req.suffix)
-        self.kept.keep(req.key, req.suffix, [(K[req.slot, :, :n], V[req.slot, :, :n]) for K, V in zip(self.slots.k, self.slots.v)])
+        ids = req.suffix if ids is None else ids
+        n = len(ids)
+        self.kept.keep(req.key, ids, [(K[req.slot, :, :n], V[req.slot, :, :n]) for K, V in zip(self.slots.k, self.slots.v)])
 
     def _emit(self, req: Request, logits: torch.Tensor) -> None:
         """Pick the next token from `logits` (V,): stop, or hand it out and schedule it."""
@@ -264,6 +289,8 @@ class Decoder:
     def _finish(self, req: Request, error: BaseException | None = None) -> None:
         if req in self._active:
             self._active.remove(req)
+        if error is None and req.slot is not None and self.step is not None and self.step.flat:
+            self._keep(req, req.suffix + req.ids[: req.length - len(req.suffix)])  # with the answer's rows
         if req.slot is not None:  # zeroed as far as it may have been written (a failed pass: its whole suffix)
             self.slots.give(req.slot, max(req.length, len(req.suffix)) + 1)
             req.slot = None

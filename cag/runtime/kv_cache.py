@@ -12,11 +12,13 @@ uncached one bit for bit; with float16 snapshots they differ only by storage rou
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Sequence
 
 import torch
 from transformers import StaticCache
 
+from cag.errors import ModelError
 from cag.model import file_pages
 
 
@@ -66,6 +68,108 @@ def prefill(
         if on_progress:
             on_progress(piece.shape[1])
     return logits
+
+
+# Rows of one knowledge-prefill forward, per device type. A forward's products and attention may sum
+# a row differently with the number of rows beside it (BLAS kernels and flash attention pick their
+# blocking and tails from the shape: measured on AMD Zen 3 and Zen 4, bench/JOURNAL.md 2026-12-06).
+# So the knowledge is prefilled in blocks of exactly BLOCK rows at positions that are multiples of
+# BLOCK (the last block padded): every forward has the same shape, row p sits at slot p % BLOCK of
+# its block, and its keys and values depend on its token, its position and the K/V before it alone,
+# however the prefill was split (ingest, refresh, `full`). The block is part of a snapshot's key.
+BLOCK = {"cpu": 256, "cuda": 2048}  # CUDA: one launch of every kernel per block, larger blocks fill the chip
+PAD_ID = 0  # the token of a last block's padding rows (their K/V land past the prefix and are never read)
+
+
+def block_for(device: torch.device | str) -> int:
+    """The knowledge-prefill block (rows a forward) on this device type."""
+    return BLOCK.get(torch.device(device).type, BLOCK["cpu"])
+
+
+def padded(n: int, block: int) -> int:
+    """n rounded up to whole blocks: the cache room a knowledge prefill of n tokens writes."""
+    return -(-n // block) * block
+
+
+def stored_round(dtype: torch.dtype | None) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """What storing a key or value in a snapshot of `dtype` and reading it back does to it, as a function
+    of the tensor (the same dtype back), or None where storing keeps every bit (float32, or None).
+    int8 is the per-token q8_0 of cag.store.kv_int8, read back in float32 as a refresh reads it."""
+    if dtype is None or dtype == torch.float32:
+        return None
+    if dtype.is_floating_point:
+        return lambda t: t if t.dtype == dtype else t.to(dtype).to(t.dtype)
+    from cag.store import kv_int8
+
+    def q8(t: torch.Tensor) -> torch.Tensor:
+        block = kv_int8.block_for(t.shape[-1])
+        return kv_int8.dequantize(*kv_int8.quantize(t, block), torch.float32).to(t.dtype)
+
+    return q8
+
+
+@contextlib.contextmanager
+def _writes_rounded(cache: StaticCache, store: torch.dtype | None):
+    """Within it, every key and value the model writes into `cache` is first rounded as a snapshot stored in
+    `store` holds it (stored_round): later rows attend to what a snapshot stores, so rows prefilled after a
+    refresh's reused ones (read back from the old snapshot) see the very values a rebuild's rows see. A
+    value past what `store` holds (float16: 65504) is refused with ModelError before anything is stored."""
+    fn = stored_round(store)
+    if fn is None:
+        yield
+        return
+    bound = FINITE_MAX.get(store)
+
+    def stored(t: torch.Tensor, i: int, name: str) -> torch.Tensor:
+        if bound is not None and (top := float(t.abs().amax())) > bound:  # would be stored as inf: refused here
+            raise ModelError(f"the model's keys and values cannot be stored: layer {i} {name} reach {top:.4g}, past what "
+                             f"{str(store).removeprefix('torch.')} stores ({bound:.6g}); prefill in float32 "
+                             "(CAG_DTYPE=float32) or store them in bfloat16 (CAG_KV_DTYPE=bfloat16)")
+        return fn(t)
+
+    for i, layer in enumerate(cache.layers):
+        layer.update = lambda k, v, *a, _update=layer.update, _i=i, **kw: _update(stored(k, _i, "keys"), stored(v, _i, "values"), *a, **kw)
+    try:
+        yield
+    finally:
+        for layer in cache.layers:
+            del layer.update  # the class's method again
+
+
+@torch.inference_mode()
+def prefill_knowledge(
+    model,
+    cache: StaticCache,
+    ids: Sequence[int],
+    start: int,
+    block: int,
+    store: torch.dtype | None = None,
+    on_progress: Callable[[int], None] | None = None,
+    should_stop: Callable[[], bool] | None = None,
+) -> None:
+    """Prefill the knowledge `ids` at positions start.. (a multiple of `block`) in forwards of exactly `block`
+    rows, the last one padded (BLOCK says why); the keys and values written are rounded as a snapshot
+    stored in `store` holds them (stored_round). The cache needs room for start + padded(len(ids), block)."""
+    if start % block:
+        raise ValueError(f"a knowledge prefill starts at a multiple of {block}, not at {start}")
+    end = start + padded(len(ids), block)
+    if end > max_len(cache):
+        raise ValueError(f"prefill past the cache: {start}+{padded(len(ids), block)} > {max_len(cache)}")
+    file_pages.check(model)  # its own weights may be views of their file: refuse them changed
+    set_length(cache, start)
+    device = next(model.parameters()).device
+    with _writes_rounded(cache, store):
+        for s in range(0, len(ids), block):
+            if should_stop and should_stop():
+                raise Cancelled("stopped during prefill")
+            real = list(ids[s : s + block])
+            piece = torch.tensor([real + [PAD_ID] * (block - len(real))], dtype=torch.long, device=device)  # (1, block)
+            pos = torch.arange(start + s, start + s + block, device=device)  # (block,)
+            model(input_ids=piece, past_key_values=cache, cache_position=pos, position_ids=pos.unsqueeze(0),
+                  use_cache=True, logits_to_keep=1)  # the logits are not used: one row's head, not block's
+            if on_progress:
+                on_progress(len(real))
+    set_length(cache, start + len(ids))  # the padding's K/V lie past the prefix: the next write overwrites them
 
 
 def max_len(cache: StaticCache) -> int:

@@ -60,6 +60,26 @@ class Rows:
         self.groups = groups(part.prefixes, dev)
 
 
+def flat(parts: list[Part]) -> tuple[Part, list[torch.Tensor]]:
+    """A pass's parts as one part of single-token rows: a question's m tokens become m decode rows of its
+    request (the same slot, suffix positions start.., each seeing its suffix causally up to itself). So
+    every row of every pass takes one arithmetic, the decode rows' (products in the decode copy, cag's
+    native attention), and a token's K/V are the same whether a question or a decode step wrote them:
+    an answer's K/V can be kept with its conversation (cag.runtime.kept_conversations). Returns the part
+    and, per given part, the rows whose logits it returns (each request's last)."""
+    toks, prefixes, slots, starts, picks, r = [], [], [], [], [], 0
+    for p in parts:
+        B, m = p.toks.shape
+        toks.append(p.toks.reshape(B * m, 1))
+        prefixes += [x for x in p.prefixes for _ in range(m)]
+        slots.append(p.slots.repeat_interleave(m))
+        starts.append((p.starts[:, None] + torch.arange(m)).reshape(-1))
+        picks.append(r + torch.arange(B) * m + (m - 1))
+        r += B * m
+    one = Part(torch.cat(toks), prefixes, torch.cat(slots), torch.cat(starts), question=False)
+    return one, picks
+
+
 def offsets(parts: list[Part]) -> list[int]:
     out, r = [], 0
     for p in parts:

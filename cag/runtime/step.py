@@ -45,6 +45,7 @@ from cag.model.stacked_products import group_of, product, together
 from cag.model.stacked_products import stacked as together_weights
 from cag.runtime import cascade, one_call
 from cag.runtime.rows import Part, Rows, offsets
+from cag.runtime.rows import flat as flat_rows
 from cag.runtime.rows import roles as role_runs
 
 ATTR = "_cag_lean_step"  # where the built step (or the verdict None) is kept on the model
@@ -138,6 +139,9 @@ class LeanStep:
             self.fns = [L._replace(qk=qk_norms(layer.self_attn, fam, self.branch_rms, d, self.dtype))
                         for L, layer in zip(self.fns, inner.layers)]
         self.fused = one_call.weights(self, model) if glue and mode == "avx512" else None
+        # with cag's kernels on the CPU every row of a pass is a decode row (rows.flat): one arithmetic for a
+        # question's tokens and an answer's, so an answer's K/V are what a prefill of it writes
+        self.flat = self.kernel is not None and self.device.type == "cpu"
         # rotate_half(x) = cat(-x2, x1) = roll(x, D/2) * sign, sign = (-1)*D/2 ++ (+1)*D/2
         self.sign = torch.cat([-torch.ones(half), torch.ones(half)]).to(self.device, self.dtype)  # (D,)
 
@@ -187,6 +191,11 @@ class LeanStep:
         question's rows in its copy for questions: parts.roles), alone or not; attention is per part.
         Returns per part what `forward` returns."""
         s = self
+        picks = None
+        if s.flat:  # one part of single-token rows (rows.flat); each part's logits picked back at the end
+            given = parts
+            one, picks = flat_rows(parts)
+            parts = [one]
         rms, n_kv, rep, d, half = s.rms, s.n_kv, s.rep, s.head_dim, s.head_dim // 2
         kernel = s.kernel if s.device.type == "cpu" else None
         rows = [Rows(p, s, r0, buffers.room) for p, r0 in zip(parts, offsets(parts))]
@@ -249,6 +258,12 @@ class LeanStep:
                 y = branch_rms(y, L.norm2, L.eps2)
             h = h + y if mult is None else h + y * mult
         w, e = s.final
+        if picks is not None:
+            if all_logits:  # (B, m, V) per part: its requests' rows, in order
+                return [s.logits(rms(h[(pk - (p.toks.shape[1] - 1))[:, None] + torch.arange(p.toks.shape[1])], w, e))
+                        for pk, p in zip(picks, given)]
+            logits = s.logits(rms(h[torch.cat(picks)], w, e))  # one product over each request's last row
+            return list(logits.split([len(p) for p in picks]))
         if all_logits:
             return [s.logits(rms(h[r.r0 : r.r1].view(r.B, r.m, -1), w, e)) for r in rows]
         logits = s.logits(rms(torch.cat([h[r.r0 : r.r1].view(r.B, r.m, -1)[:, -1] for r in rows]), w, e))  # one product
