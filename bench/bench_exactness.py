@@ -39,7 +39,7 @@ def configs_here() -> list[tuple[str, str]]:
     if native.load_avx2():
         out.append(("int4", "avx2"))
     if native.load() is not None:
-        out += [("int4", "avx512"), ("bf16", "avx512")]
+        out += [("int4", "avx512"), ("bf16", "avx512"), ("int8", "avx512"), ("fp32", "avx512")]
     return out
 
 

@@ -220,7 +220,7 @@ class Engine:
     def _answer_cached(self, q: Question, on_text, should_stop, shards: int = 1) -> Answer:
         if len(self.index.shards(q.corpus)) > 1:
             best, tried, routing_ms = across_shards.answer(self, q, shards, on_text, should_stop)
-            return self._finish(q, best.gen, best.n_tokens, best.n_tokens, best.load_ms, best.snapshot,
+            return self._finish(q, best.gen, best.n_tokens, best.n_tokens + best.gen.reused, best.load_ms, best.snapshot,
                                 shards=[t.info() | {"chosen": t is best} for t in tried], routing_ms=round(routing_ms, 2))
         digest = q.row["current_snapshot"]
         if not digest or self.index.snapshot(digest) is None:

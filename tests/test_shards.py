@@ -76,6 +76,19 @@ def test_sharded_ingest_routes_and_answers_exactly(engine, town):
     assert len(engine.ask("town", "Who?", max_tokens=2, shards=0).shards) == 1  # clamped (the CLI warns)
 
 
+def test_a_conversation_on_a_shard_counts_its_reused_turns_as_cached(engine, town):
+    """cached_tokens = the shard's snapshot tokens + the kept conversation's, as on one snapshot."""
+    r = engine.ingest(str(town), name="town", shard_tokens=_shard_tokens(engine, town, 2))
+    q = ASKS["b-ferry.txt"] + " Please answer in one short sentence, naming the document."  # over 16 tokens: kept
+    first = engine.ask("town", None, max_tokens=8, messages=[{"role": "user", "content": q}])
+    shard = r.shards[first.shards[0]["shard"]]["n_tokens"]
+    assert first.cached_tokens == shard and first.conversation_tokens == 0
+    again = [{"role": "user", "content": q}, {"role": "assistant", "content": first.answer}, {"role": "user", "content": "Why?"}]
+    second = engine.ask("town", None, max_tokens=8, messages=again)
+    assert second.shards[0]["shard"] == first.shards[0]["shard"] and second.conversation_tokens >= 16
+    assert second.cached_tokens == shard + second.conversation_tokens < second.prompt_tokens
+
+
 def test_editing_a_document_reprefills_only_its_shard(engine, town):
     cap = _shard_tokens(engine, town, 2)
     first = engine.ingest(str(town), name="town", shard_tokens=cap)

@@ -8,12 +8,13 @@ later request on the same snapshot whose suffix starts with kept tokens (the cli
 back, plus the answer and a new question) copies the longest such match into its slot and prefills
 from there: matching is by tokens, no session id.
 
-What is kept is exactly what prefilling the whole conversation from scratch writes: only question
-rows are kept (never an answer's decode rows, which run on other kernels and weights), and a
-question row's bits do not depend on how the rows before it were split into turns (row-invariant
-products, cag.runtime.rows.suffix_keys). So a reused, an evicted-and-recomputed and a `full` conversation
-give the same tokens. The answer the client sends back is matched as text re-tokenized, which is
-what a recomputation would see too.
+What is kept is exactly what prefilling the whole conversation from scratch writes. A question row's
+bits do not depend on how the rows before it were split into turns (row-invariant products,
+cag.runtime.rows.suffix_keys); where the step makes every row a decode row (cag.runtime.rows.flat: cag's
+kernels on the CPU) an answer's decode rows are those bits too, and the answer is kept when it ends
+(cag.runtime.decoder); elsewhere only question rows are kept. So a reused, an evicted-and-recomputed and a
+`full` conversation give the same tokens. The answer the client sends back is matched as text
+re-tokenized, which is what a recomputation would see too.
 
 Bounded: an LRU under a byte budget (CAG_CONVERSATION_BYTES), also counted in the resident budget
 (cag.answering.resident). Used from the decode thread; counters are read by /metrics from any thread.

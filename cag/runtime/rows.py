@@ -76,7 +76,8 @@ def flat(parts: list[Part]) -> tuple[Part, list[torch.Tensor]]:
         starts.append((p.starts[:, None] + torch.arange(m)).reshape(-1))
         picks.append(r + torch.arange(B) * m + (m - 1))
         r += B * m
-    one = Part(torch.cat(toks), prefixes, torch.cat(slots), torch.cat(starts), question=False)
+    seen = max(p.seen for p in parts) if all(p.seen is not None for p in parts) else None
+    one = Part(torch.cat(toks), prefixes, torch.cat(slots), torch.cat(starts), seen=seen, question=False)
     return one, picks
 
 

@@ -139,9 +139,11 @@ class LeanStep:
             self.fns = [L._replace(qk=qk_norms(layer.self_attn, fam, self.branch_rms, d, self.dtype))
                         for L, layer in zip(self.fns, inner.layers)]
         self.fused = one_call.weights(self, model) if glue and mode == "avx512" else None
-        # with cag's kernels on the CPU every row of a pass is a decode row (rows.flat): one arithmetic for a
-        # question's tokens and an answer's, so an answer's K/V are what a prefill of it writes
-        self.flat = self.kernel is not None and self.device.type == "cpu"
+        # with cag's kernels on the CPU over packed products (whose kernels give a row its bits at any row
+        # count: cag.model.weights) every row of a pass is a decode row (rows.flat): one arithmetic for a
+        # question's tokens and an answer's, so an answer's K/V are what a prefill of it writes. fp32
+        # weights multiply through torch's GEMM, whose sums may move with the row count: not flat
+        self.flat = self.kernel is not None and self.device.type == "cpu" and packed
         # rotate_half(x) = cat(-x2, x1) = roll(x, D/2) * sign, sign = (-1)*D/2 ++ (+1)*D/2
         self.sign = torch.cat([-torch.ones(half), torch.ones(half)]).to(self.device, self.dtype)  # (D,)
 

@@ -1,0 +1,48 @@
+"""The probe bench/bench_ab.py runs in each checkout it compares: run as a script with the tree to measure
+first on PYTHONPATH, so `cag` and `bench.common` are that tree's. Prints one JSON line.
+
+    PYTHONPATH=<tree> python bench/ab_probe.py 4000 3
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+QUESTIONS = ["What does the author say about startups?", "Why do founders fail?", "What is the best way to get ideas?",
+             "How should you pick a cofounder?", "What matters most in a startup's early days?"]
+TURNS = ["What does the author say about working on hard problems, and why does it matter to him?",
+         "And what about money?", "Who should read this?", "What did he do before that?", "Why?", "Summarize it in one line."]
+
+
+def probe(corpus_tokens: int, questions: int) -> dict:
+    """The figures of this checkout (imported from the working directory, the tree being measured)."""
+    from bench.common import essay_corpus
+    from cag.config import get_settings
+    from cag.engine import Engine
+
+    home = Path(tempfile.mkdtemp(prefix="cag-ab-"))
+    engine = Engine(get_settings(home=home))
+    folder = essay_corpus(home / "essays", corpus_tokens, lambda t: len(engine.lm.tokenizer(t)["input_ids"]))
+    r = engine.ingest(str(folder), name="essays")
+    out = {"weights": engine.lm.weights, "kernels": engine.lm.kernels, "tokens": r.n_tokens,
+           "prefill_tok_s": round(r.n_tokens / (r.prefill_ms / 1e3), 1)}
+    engine.ask("essays", "Warm up.", max_tokens=2)
+    ttft = [engine.ask("essays", q, max_tokens=4).ttft_ms for q in QUESTIONS[:questions]]
+    out["ttft_ms"] = round(sum(ttft) / len(ttft), 1)
+    out["decode_tok_s"] = engine.ask("essays", "Tell me everything about the essays.", max_tokens=64).decode_tok_s
+    history, turns = [], []
+    for q in TURNS:
+        messages = history + [{"role": "user", "content": q}]
+        a = engine.ask("essays", None, messages=messages, max_tokens=48)
+        turns.append(a.ttft_ms)
+        history = messages + [{"role": "assistant", "content": a.answer}]
+    out["turn1_ttft_ms"], out["turn6_ttft_ms"] = round(turns[0], 1), round(turns[-1], 1)
+    return out
+
+
+
+if __name__ == "__main__":
+    print(json.dumps(probe(int(sys.argv[1]), int(sys.argv[2]))))
