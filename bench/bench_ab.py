@@ -34,6 +34,7 @@ from .common import REPO, machine, write
 def _run(tree: Path, args) -> dict:
     """The probe in a fresh process that imports cag (and bench.common) from `tree`."""
     env = dict(os.environ, PYTHONPATH=str(tree))
+    env.setdefault("CAG_DATASETS", str(REPO.parent / "shared" / "datasets"))  # a worktree has no shared/ beside it
     cmd = [sys.executable, str(REPO / "bench" / "ab_probe.py"), str(args.corpus_tokens), str(args.questions)]
     p = subprocess.run(cmd, cwd=tree, env=env, capture_output=True, text=True, timeout=1800)
     if p.returncode:
@@ -78,10 +79,13 @@ def main(argv=None) -> None:
               "resolved": {k: f"{runs[k][0]['weights']}/{runs[k][0]['kernels']}" for k in runs}}
     rows = [f"| {k} | {best['before'][k]} | {best['after'][k]} | {best['after'][k] / best['before'][k]:.2f} |"
             for k in best["before"] if best["before"][k]]
+    settings = " ".join(f"{k}={v}" for k, v in sorted(os.environ.items()) if k.startswith("CAG_") and k not in ("CAG_MODELS_DIR", "CAG_DATASETS"))
+    result["settings"] = settings
     table = "\n".join([f"# Before ({args.before}) and after ({result['after']})", "",
-                       f"Machine: {result['machine']}. `auto` settings ({result['resolved']['after']}); "
+                       f"Machine: {result['machine']}. Weights/kernels {result['resolved']['after']}; "
                        f"{runs['after'][0]['tokens']}-token essay corpus; best of {args.rounds} interleaved rounds. "
-                       f"Command: `python -m bench.bench_ab --before {args.before} --rounds {args.rounds}`.", "",
+                       f"Command: `{settings + ' ' if settings else ''}python -m bench.bench_ab --before {args.before} "
+                       f"--rounds {args.rounds} --name {args.name}`.", "",
                        "| figure | before | after | after / before |", "|---|---:|---:|---:|", *rows, ""])
     write(f"ab-{args.name}", result, table)
 

@@ -9,7 +9,7 @@
    cag == full token for token, batched == alone.
 
     python -m bench.bench_exactness --seeds 200
-    python -m bench.bench_exactness --seeds 20 --configs auto/auto,fp32/torch
+    python -m bench.bench_exactness --configs auto/auto:40,int4/avx2:20,fp32/torch
 
 Writes bench/results/exactness.{json,md}. Exits 1 when any scenario mismatched.
 """
@@ -84,7 +84,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seeds", type=int, default=100)
     ap.add_argument("--first-seed", type=int, default=1000)
-    ap.add_argument("--configs", default="", help="weights/kernels pairs, comma-separated (default: every one this CPU runs)")
+    ap.add_argument("--configs", default="", help="weights/kernels[:seeds], comma-separated (default: every pair this CPU runs, --seeds each)")
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--no-cost", action="store_true")
     args = ap.parse_args(argv)
@@ -94,10 +94,11 @@ def main(argv=None) -> int:
 
     base = Path(tempfile.mkdtemp(prefix="cag-exact-"))
     models = get_settings().home / "models"
-    configs = [tuple(c.split("/")) for c in args.configs.split(",")] if args.configs else configs_here()
-    result = {"machine": machine(), "seeds": [args.first_seed, args.first_seed + args.seeds], "configs": {}, "cost": None}
+    configs = [(*c.split(":")[0].split("/"), int(c.split(":")[1]) if ":" in c else args.seeds) for c in args.configs.split(",")] \
+        if args.configs else [(w, k, args.seeds) for w, k in configs_here()]
+    result = {"machine": machine(), "seeds": [args.first_seed, args.first_seed + max(c[2] for c in configs)], "configs": {}, "cost": None}
     failed = 0
-    for weights, kernels in configs:
+    for weights, kernels, seeds in configs:
         lm = load_model(DEFAULT_MODEL, models, weights=weights, kernels=kernels)
         label = f"{weights}/{kernels} -> {lm.weights}/{lm.kernels}"
         print(label, flush=True)
@@ -105,7 +106,7 @@ def main(argv=None) -> int:
             result["cost"] = cost(lm, repeat=args.repeat)
             print(result["cost"], flush=True)
         rows = []
-        for seed in range(args.first_seed, args.first_seed + args.seeds):
+        for seed in range(args.first_seed, args.first_seed + seeds):
             s = scenarios.draw(seed)
             home = base / f"{weights}-{kernels}-{seed}"
             out = scenarios.run(s, Engine(get_settings(home=home, kv_dtype=s.kv_dtype), lm=lm), home / "corpus")

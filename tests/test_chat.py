@@ -6,6 +6,7 @@ from __future__ import annotations
 import threading
 
 import pytest
+import torch
 
 from cag.answering import chat
 from cag.config import get_settings
@@ -181,3 +182,31 @@ def test_kept_conversations_are_found_by_their_first_tokens_and_replaced_by_thei
     assert kept.match("d", [49] * 25)[1] == 20 and kept.stats["conversation_evictions"] == 51 - len(kept._items)
     kept.shrink(0)
     assert not kept._items and not kept._heads
+
+
+@pytest.mark.parametrize("kernels", ["avx512", "avx2"])
+def test_an_answers_rows_hold_what_a_prefill_of_its_tokens_writes(tiny64_model_dir, small_corpus, monkeypatch, kernels):
+    """Every row a decode row (cag.runtime.rows.flat): the K/V an answer's decode steps wrote, kept with the
+    conversation, equal bit for bit what its tokens prefilled as a question's rows write."""
+    if not (native.load_avx2() if kernels == "avx2" else native.load() is not None):
+        pytest.skip(f"cag's {kernels} kernels do not run here")
+    from cag.runtime.decoder import Request
+    from cag.runtime.generate import DecodeConfig
+
+    monkeypatch.setenv("CAG_MODEL", str(tiny64_model_dir))
+    monkeypatch.setenv("CAG_WEIGHTS", "int4")
+    monkeypatch.setenv("CAG_DECODE_KERNELS", kernels)
+    engine = Engine(get_settings())
+    assert engine.decoder.step is not None and engine.decoder.step.flat
+    digest = engine.ingest(str(small_corpus)).snapshot
+    prefix = engine.resident.get(digest, lambda: engine._load_resident(digest)).prefix
+    question = engine.lm.tokenizer("Who keeps the lighthouse, and when does the ferry leave the harbour?")["input_ids"]
+    asked = engine.decoder.run(Request(prefix, question, DecodeConfig(max_tokens=10, min_tokens=10), key=digest))
+    kept = max(engine.kept._items.values(), key=lambda k: k.n)  # the question and the answer's written rows
+    assert kept.n == len(question) + len(asked.ids) - 1 and kept.ids.tolist() == question + asked.ids[:-1]
+    answer_kv = [(k.clone(), v.clone()) for k, v in kept.kv]
+    engine.kept.clear()
+    engine.decoder.run(Request(prefix, kept.ids.tolist() + [0], DecodeConfig(max_tokens=1), key=digest))  # all question rows
+    again = max(engine.kept._items.values(), key=lambda k: k.n)
+    for (k1, v1), (k2, v2) in zip(answer_kv, again.kv):
+        assert torch.equal(k1, k2[:, : kept.n]) and torch.equal(v1, v2[:, : kept.n])
