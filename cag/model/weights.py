@@ -18,7 +18,9 @@ as a plain matrix, and a question's rows (int8, int4) through the bf16 product; 
 With its AVX2 products (CAG_DECODE_KERNELS=avx2, CPUs below the AVX512-BF16 floor) int4 and its q8
 head take the same layouts, a question's rows the same copy as decode rows (Avx2Packed).
 
-A question's rows (a question part: cag.runtime.rows.Part.asks) take the decode rows' copy where
+With cag's kernels (native or AVX2) every row of a pass is a decode row (cag.runtime.rows.flat), so a
+question's rows take the decode rows' copy and no question copy is made. Otherwise
+a question's rows (a question part: cag.runtime.rows.Part.asks) take the decode rows' copy where
 the model's weights view their checkpoint file: those stay in the file (pages released once packed)
 and a bf16 copy would be the biggest thing in memory. A model held in memory of its own keeps a
 bf16 copy for them in int8 and int4 (FEW layout with torch's kernels, calls of <= FEW rows; under
