@@ -87,6 +87,7 @@ def main(argv=None) -> int:
     ap.add_argument("--configs", default="", help="weights/kernels[:seeds], comma-separated (default: every pair this CPU runs, --seeds each)")
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--no-cost", action="store_true")
+    ap.add_argument("--name", default="exactness", help="results file name under bench/results")
     args = ap.parse_args(argv)
     from cag.config import DEFAULT_MODEL, get_settings
     from cag.engine import Engine
@@ -117,7 +118,7 @@ def main(argv=None) -> int:
         result["configs"][label] = {"scenarios": len(rows), "checks": sum(r["checks"] for r in rows),
                                     "mismatched": sum(bool(r["mismatches"]) for r in rows), "runs": rows}
         del lm
-    write("exactness", result, render(result))
+    write(args.name, result, render(result))
     return 1 if failed else 0
 
 

@@ -92,7 +92,8 @@ class Server:
 @pytest.fixture(scope="module")
 def server(tiny_model_dir, models_dir, tmp_path_factory):
     with served_notes(tmp_path_factory.mktemp("served"), tiny_model_dir, models_dir, CAG_API_KEYS=f"{KEY},test-key-2",
-                      CAG_WORKERS="4", CAG_MAX_QUEUE="32", CAG_ANSWER_ROOM="1024") as (srv, env, home, corpus):
+                      CAG_WORKERS="4", CAG_MAX_QUEUE="32", CAG_ANSWER_ROOM="1024",
+                      CAG_DECODE_ROWS="16") as (srv, env, home, corpus):  # batched in fixed steps (torch's kernels)
         yield Server(srv.url, env, home, corpus, srv.proc, srv.log)
 
 

@@ -40,6 +40,7 @@ def engine_for(model_dir, monkeypatch, rows: int, max_batch: int = 6):
 
 def test_fixed_rows_resolves_auto_per_device():
     assert fixed_rows("cuda", 16) == 16 and fixed_rows("cpu", 16) == 0  # auto
+    assert fixed_rows("cpu", 16, alone=True) == 1 and fixed_rows("cpu", 16, 4, alone=True) == 4  # torch's kernels without AMX
     assert fixed_rows("cpu", 16, 4) == 4 and fixed_rows("cuda", 8, 32) == 8  # never past max_batch
     assert fixed_rows("cuda", 16, 1) == 1  # one request a step
 
@@ -113,6 +114,7 @@ def test_a_product_that_moves_with_the_row_count_moves_no_answer(tiny_model_dir,
     more than last bits): at fixed rows every step has one row count, so batched == alone still; with
     as many rows as decode (0, the control) the same probe moves the batched answers."""
     engine = engine_for(tiny_model_dir, monkeypatch, rows)
+    engine.decoder.rows = rows  # 0: as many rows as decode (auto would step alone here on torch's kernels without AMX)
     engine.ingest(str(small_corpus), name="corpus")
     step = engine.decoder.step
     head, noise = step.head, torch.randn(len(engine.lm.tokenizer), generator=torch.Generator().manual_seed(3))

@@ -115,3 +115,17 @@ def test_an_answers_kv_is_kept_and_the_next_turn_prefills_only_its_question(auto
     for before, after in zip(turns, turns[1:]):  # more than the previous prompt is reused: its answer too
         assert after.conversation_tokens > before.prompt_tokens - n
         assert after.prompt_tokens - n - after.conversation_tokens < 40  # the new question's turn, not the answer again
+
+
+def test_seed_1004_batched_on_torchs_kernels_equals_alone(models_dir, tmp_path):
+    """Found by bench_exactness (int8 and bf16 weights on torch's kernels, AMD Zen 4): a turn decoded beside
+    two other questions split from its answer alone. torch's CPU kernels sum a row differently beside other
+    rows where the CPU has no AMX; each request now steps alone there (cag.runtime.decoder)."""
+    from cag.config import DEFAULT_MODEL
+    from cag.model.loading import load_model
+
+    lm = load_model(DEFAULT_MODEL, models_dir, weights="int8", kernels="torch")
+    s = scenarios.draw(1004)
+    assert s.batched and s.kv_dtype == "int8"
+    out = scenarios.run(s, _engine(lm, tmp_path / "home", kv_dtype=s.kv_dtype), tmp_path / "corpus")
+    assert out.checks == 9 and out.mismatches == [], out.mismatches

@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from cag.kernels import native
 from cag.model import file_pages
 from cag.runtime import kv_cache
 from cag.runtime import step as lean
@@ -97,9 +98,13 @@ class Decoder:
         self.lm, self.room, self.max_batch, self.threads, self.chunk = lm, room, max_batch, threads, chunk
         self.graph_room = graph_room
         self.kept = kept  # conversations' K/V kept between turns (cag.runtime.kept_conversations); None: nothing kept
-        self.rows = fixed_rows(lm.device.type, max_batch, rows)  # module doc: exactness
-        self.cuda_graphs = cuda_graphs
         self.step = lean.for_model(lm.model)
+        # torch's CPU kernels (flash attention, oneDNN's and the weight-only products) give a row bits that depend
+        # on the rows beside it on CPUs without AMX (tests/test_batch.py, bench/bench_exactness.py): there each
+        # request steps alone unless CAG_DECODE_ROWS says otherwise
+        alone = lm.device.type == "cpu" and self.step is not None and self.step.kernel is None and not native.tiles()
+        self.rows = fixed_rows(lm.device.type, max_batch, rows, alone)  # module doc: exactness
+        self.cuda_graphs = cuda_graphs
         self.slots: Slots | None = None
         self.pad: int | None = None  # the slot padding rows write to (fixed rows), never a request's
         self.graphs: Graphs | None = None  # CUDA: captured decode steps of `rows` rows
@@ -319,12 +324,13 @@ class Decoder:
 
 
 
-def fixed_rows(device: str, max_batch: int, setting: int = 0) -> int:
+def fixed_rows(device: str, max_batch: int, setting: int = 0, alone: bool = False) -> int:
     """Rows of every decode step, 0 for as many as decode: CAG_DECODE_ROWS, whose 0 (auto) means
-    max_batch on CUDA and 0 on the CPU (whose kernels give a row the same bits at any row count:
-    module doc); never more than max_batch."""
+    max_batch on CUDA, 1 on the CPU where the step's kernels may sum a row differently beside others
+    (`alone`: torch's kernels without AMX) and 0 elsewhere on the CPU (cag's kernels give a row the same
+    bits at any row count: module doc); never more than max_batch."""
     if setting == 0:
-        return max_batch if device == "cuda" else 0
+        return max_batch if device == "cuda" else 1 if alone else 0
     return min(setting, max_batch)
 
 
