@@ -124,7 +124,7 @@ def main(argv=None) -> int:
 
 def render(r: dict) -> str:
     lines = ["# Exactness scenarios", "", f"Machine: {r['machine']}. Seeds {r['seeds'][0]}..{r['seeds'][1] - 1} "
-             "(bench/scenarios.py). Command: `python -m bench.bench_exactness`.", ""]
+             "(bench/scenarios.py). Command: `python -m bench.bench_exactness " + " ".join(sys.argv[1:]) + "`.", ""]
     if r["cost"]:
         c = r["cost"]
         lines += [f"## Knowledge prefill, {c['tokens']} tokens (best of the interleaved runs)", "",
