@@ -25,7 +25,9 @@ def test_sharded_corpus_is_served_unchanged_for_the_client(tiny_model_dir, tmp_p
         assert r.status_code == 200, r.text
         body = r.json()
         assert body["answer"] == alone.answer and body["snapshot"] == alone.snapshot
-        assert body["usage"]["cached_tokens"] == alone.cached_tokens < ing.n_tokens  # the chosen shard's tokens
+        # the chosen shard's tokens, plus what the kept conversation of the same question (asked just before) gave
+        shard = alone.cached_tokens - alone.conversation_tokens
+        assert body["usage"]["cached_tokens"] == shard + body["usage"]["conversation_tokens"] and shard < ing.n_tokens
         assert [s["shard"] for s in body["shards"]] == [alone.shards[0]["shard"]] and body["timings"]["routing_ms"] > 0
         assert body["timings"]["decode_tok_s"] > 0
         r = c.post("/v1/ask", json={"corpus": "town", "question": "Who teaches at the village school?", "max_tokens": 6,
@@ -35,7 +37,8 @@ def test_sharded_corpus_is_served_unchanged_for_the_client(tiny_model_dir, tmp_p
         chat = c.post("/v1/chat/completions", json={"model": "town", "max_tokens": 6, "messages": [
             {"role": "user", "content": "Who teaches at the village school?"}]}).json()
         assert chat["choices"][0]["message"]["content"] == alone.answer
-        assert chat["usage"]["prompt_tokens_details"]["cached_tokens"] == alone.cached_tokens
+        assert chat["usage"]["prompt_tokens_details"]["cached_tokens"] == shard + chat["cag"]["cached_tokens"]["conversation"]
+        assert chat["cag"]["cached_tokens"]["snapshot"] == shard
         assert chat["cag"]["shards"][0]["shard"] == alone.shards[0]["shard"]
         unsharded = c.post("/v1/ask", json={"corpus": "probe", "question": "Who?", "max_tokens": 2}).json()
         assert "shards" not in unsharded and unsharded["timings"]["routing_ms"] == 0
