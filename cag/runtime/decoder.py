@@ -254,7 +254,8 @@ class Decoder:
                 self._emit(r, out[0][i])
         for r, logits in zip(new, out[len(out) - len(new):]):
             r.length = len(r.suffix)
-            self._keep(r)
+            if not self.step.flat:  # flat: kept once, with the answer's rows, when it ends (_finish)
+                self._keep(r)
             r.stream, r.gen = TextStream(self.lm.tokenizer), sampler(r.cfg)
             self._active.append(r)
             self._emit(r, logits[0])
