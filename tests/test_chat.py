@@ -1,5 +1,6 @@
 """Conversations (cag.answering.chat, cag.runtime.kept_conversations): the whole conversation is the prompt's suffix, its K/V kept
-between turns, and every turn exact: reused == evicted and recomputed == `full`, alone and batched."""
+between turns where every row is a decode row (cag's kernels), and every turn exact: reused == evicted and
+recomputed == `full`, alone and batched."""
 
 from __future__ import annotations
 
@@ -45,8 +46,21 @@ def engine(tiny_engine, small_corpus):
     return tiny_engine
 
 
+@pytest.fixture
+def keeping(tiny64_model_dir, small_corpus, monkeypatch):
+    """An engine that keeps conversations: int4 weights on cag's kernels (`auto` picks this CPU's)."""
+    if native.load() is None:
+        pytest.skip(f"cag's kernels do not run here: {native.reason()}")
+    monkeypatch.setenv("CAG_MODEL", str(tiny64_model_dir))
+    monkeypatch.setenv("CAG_WEIGHTS", "int4")
+    e = Engine(get_settings())
+    e.ingest(str(small_corpus))
+    assert e.decoder.step.flat
+    return e
+
+
 FORMATS = formats(("tiny", "fp32", "torch"), ("tiny", "bf16", "torch"), ("tiny", "int4", "torch"),
-                  ("tiny64", "int4", "avx512"), ("tiny64", "bf16", "avx512"))
+                  ("tiny64", "int4", "avx512"), ("tiny64", "bf16", "avx512"), ("tiny64", "int4", "avx2"))
 
 
 @pytest.mark.parametrize("model,weights,kernels", FORMATS)
@@ -58,8 +72,10 @@ def test_a_conversation_is_exact_reused_recomputed_and_full(request, small_corpu
     monkeypatch.setenv("CAG_DECODE_KERNELS", kernels)
     engine = Engine(get_settings())
     engine.ingest(str(small_corpus))
+    keeps = kernels != "torch"  # every row a decode row: kept; torch's kernels: each turn prefills its conversation
+    assert engine.decoder.step.flat == keeps
     kept = conversation(engine, [Q1, Q2, Q3])
-    assert [a.conversation_tokens > 0 for a in kept] == [False, True, True]  # turns 2 and 3 reuse the last prompt
+    assert [a.conversation_tokens > 0 for a in kept] == [False, keeps, keeps]  # turns 2 and 3 reuse the last one
     assert [a.cached_tokens - a.conversation_tokens for a in kept] == [kept[0].cached_tokens] * 3  # the snapshot
     assert kept[0].prompt_tokens < kept[1].prompt_tokens < kept[2].prompt_tokens
     recomputed, full = [], conversation(engine, [Q1, Q2, Q3], mode="full")
@@ -70,7 +86,8 @@ def test_a_conversation_is_exact_reused_recomputed_and_full(request, small_corpu
     ids = lambda answers: [a.token_ids for a in answers]  # noqa: E731
     assert ids(kept) == ids(recomputed) == ids(full)
     again = engine.ask("corpus", Q1, max_tokens=12)  # all but its last token kept: one question row left
-    assert again.conversation_tokens == again.prompt_tokens - again.cached_tokens + again.conversation_tokens - 1
+    if keeps:
+        assert again.conversation_tokens == again.prompt_tokens - again.cached_tokens + again.conversation_tokens - 1
     assert again.token_ids == kept[0].token_ids
 
 
@@ -87,7 +104,8 @@ def test_history_and_system_messages_change_the_prompt(engine):
     assert told.prompt_tokens > turns[0].prompt_tokens
 
 
-def test_an_edited_turn_reuses_only_up_to_the_edit(engine):
+def test_an_edited_turn_reuses_only_up_to_the_edit(keeping):
+    engine = keeping
     conversation(engine, [Q1, Q2])
     edited = [{"role": "user", "content": Q3}, {"role": "assistant", "content": "rye"}, {"role": "user", "content": Q2}]
     a = engine.ask("corpus", None, max_tokens=12, messages=edited)
@@ -96,8 +114,8 @@ def test_an_edited_turn_reuses_only_up_to_the_edit(engine):
     assert engine.ask("corpus", None, max_tokens=12, messages=edited).token_ids == a.token_ids
 
 
-def test_interleaved_and_concurrent_conversations_keep_their_tokens(engine):
-    questions = [[Q1, Q2, Q3], [Q3, Q1, Q2], [Q2, Q3, Q1], [Q1, Q3, Q2]]
+def test_interleaved_and_concurrent_conversations_keep_their_tokens(keeping):
+    engine, questions = keeping, [[Q1, Q2, Q3], [Q3, Q1, Q2], [Q2, Q3, Q1], [Q1, Q3, Q2]]
     alone = [[a.token_ids for a in conversation(engine, qs)] for qs in questions]
     engine.kept.clear()
     out: dict[int, list] = {}
@@ -114,15 +132,13 @@ def test_interleaved_and_concurrent_conversations_keep_their_tokens(engine):
     assert engine.stats["conversation_hits"] >= 8
 
 
-def test_kept_conversations_are_bounded_and_evicted(tiny_model_dir, small_corpus, monkeypatch):
-    monkeypatch.setenv("CAG_MODEL", str(tiny_model_dir))
-    monkeypatch.setenv("CAG_CONVERSATION_BYTES", "20000")
-    engine = Engine(get_settings())
-    engine.ingest(str(small_corpus))
+def test_kept_conversations_are_bounded_and_evicted(request, monkeypatch):
+    monkeypatch.setenv("CAG_CONVERSATION_BYTES", "60000")
+    engine = request.getfixturevalue("keeping")
     first = conversation(engine, [Q1, Q2, Q3])
     for qs in ([Q2, Q3], [Q3, Q1]):
         conversation(engine, qs)
-    assert engine.kept.nbytes <= 20000 and engine.stats["conversation_evictions"] > 0
+    assert engine.kept.nbytes <= 60000 and engine.stats["conversation_evictions"] > 0
     again = conversation(engine, [Q1, Q2, Q3])
     assert [a.token_ids for a in again] == [a.token_ids for a in first]
 

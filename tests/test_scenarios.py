@@ -120,14 +120,14 @@ def test_an_answers_kv_is_kept_and_the_next_turn_prefills_only_its_question(auto
 def test_seed_1004_batched_on_torchs_kernels_equals_alone(models_dir, tmp_path):
     """Found by bench_exactness (int8 and bf16 weights on torch's kernels, AMD Zen 4): a turn decoded beside
     two other questions split from its answer alone. torch's CPU kernels sum a row differently beside other
-    rows where the CPU has no AMX; each request now steps alone there (cag.runtime.decoder). Without kept
-    conversations (which change how many rows a question prefills, still open on that path: docs/concepts.md)
-    every request then meets the same shapes alone, batched and in `full`."""
+    rows where the CPU has no AMX; each request now steps alone there (cag.runtime.decoder), and conversations
+    are kept only where every row is a decode row (not on torch's kernels), so every request meets the same
+    shapes alone, batched and in `full`."""
     from cag.config import DEFAULT_MODEL
     from cag.model.loading import load_model
 
     lm = load_model(DEFAULT_MODEL, models_dir, weights="int8", kernels="torch")
     s = scenarios.draw(1004)
     assert s.batched and s.kv_dtype == "int8"
-    out = scenarios.run(s, _engine(lm, tmp_path / "home", kv_dtype=s.kv_dtype, conversation_bytes=0), tmp_path / "corpus")
+    out = scenarios.run(s, _engine(lm, tmp_path / "home", kv_dtype=s.kv_dtype), tmp_path / "corpus")
     assert out.checks == 9 and out.mismatches == [], out.mismatches

@@ -193,7 +193,7 @@ class Decoder:
             self._finish(req, kv_cache.Cancelled("stopped before its question was prefilled"))
             return False
         req.slot = self.slots.take()
-        if req.key is not None and self.kept is not None and self.step is not None:
+        if self._keeps(req):
             kept, n = self.kept.match(req.key, req.suffix)
             if kept is not None:  # the conversation so far: copied into the slot, prefill starts after it
                 for (k, v), K, V in zip(kept.kv, self.slots.k, self.slots.v):
@@ -254,19 +254,21 @@ class Decoder:
                 self._emit(r, out[0][i])
         for r, logits in zip(new, out[len(out) - len(new):]):
             r.length = len(r.suffix)
-            if not self.step.flat:  # flat: kept once, with the answer's rows, when it ends (_finish)
-                self._keep(r)
             r.stream, r.gen = TextStream(self.lm.tokenizer), sampler(r.cfg)
             self._active.append(r)
             self._emit(r, logits[0])
 
-    def _keep(self, req: Request, ids: list[int] | None = None) -> None:
-        """Keep the K/V of the request's first len(ids) suffix positions (default: its prefilled suffix) for a
-        later turn (cag.runtime.kept_conversations). With the answer's rows only where the step computes
-        them as it computes a question's (LeanStep.flat): then a recomputation writes the same bits."""
-        if req.key is None or self.kept is None:
-            return
-        ids = req.suffix if ids is None else ids
+    def _keeps(self, req: Request) -> bool:
+        """Whether the request's conversation is kept and reused (cag.runtime.kept_conversations): only where
+        the step makes every row a decode row (LeanStep.flat), so a row's K/V are the same bits whether its
+        turn prefilled it, decoded it or a later turn recomputes it. Elsewhere (torch's kernels, CUDA) a
+        question's products sum a row differently with the number of rows beside it (measured: bf16 on
+        torch's CPU kernels), and each turn prefills its whole conversation, as `full` does."""
+        return req.key is not None and self.kept is not None and self.step is not None and self.step.flat
+
+    def _keep(self, req: Request, ids: list[int]) -> None:
+        """Keep the K/V of the request's first len(ids) suffix positions (its question and answer) for a
+        later turn."""
         n = len(ids)
         self.kept.keep(req.key, ids, [(K[req.slot, :, :n], V[req.slot, :, :n]) for K, V in zip(self.slots.k, self.slots.v)])
 
@@ -295,7 +297,7 @@ class Decoder:
     def _finish(self, req: Request, error: BaseException | None = None) -> None:
         if req in self._active:
             self._active.remove(req)
-        if error is None and req.slot is not None and self.step is not None and self.step.flat:
+        if error is None and req.slot is not None and self._keeps(req):
             self._keep(req, req.suffix + req.ids[: req.length - len(req.suffix)])  # with the answer's rows
         if req.slot is not None:  # zeroed as far as it may have been written (a failed pass: its whole suffix)
             self.slots.give(req.slot, max(req.length, len(req.suffix)) + 1)
