@@ -38,12 +38,13 @@ class AskCall:
     stream: bool = False  # hand text pieces to on_text as they come
     decoding: DecodeConfig | None = None
     messages: tuple[tuple[str, str], ...] | None = None  # (role, text): a conversation (cag.answering.chat)
+    scope: str | None = None  # the API key's scope: kept conversations are reused within it only (api.auth)
 
     def run(self, engine: Engine, on_text, should_stop) -> Answer:
         return answer_question(engine, self.corpus, self.question, mode=str(self.mode), max_tokens=self.max_tokens,
                                on_text=on_text if self.stream else None, should_stop=should_stop,
                                on_stale=str(self.on_stale), decoding=self.decoding, shards=self.shards,
-                               messages=list(self.messages) if self.messages is not None else None)
+                               messages=list(self.messages) if self.messages is not None else None, scope=self.scope)
 
 
 def messages_of(messages: list[ChatMessage]) -> tuple[tuple[str, str], ...]:

@@ -11,7 +11,7 @@ import hashlib
 import hmac
 from typing import Annotated
 
-from fastapi import Security
+from fastapi import Request, Security
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
 from .errors import Unauthorized
@@ -27,7 +27,8 @@ class RequireKey:
             raise ValueError("RequireKey needs at least one key")
         self.digests = [hashlib.sha256(k.encode()).digest() for k in keys]
 
-    async def __call__(self, credentials: Annotated[HTTPAuthorizationCredentials | None, Security(bearer)]) -> None:
+    async def __call__(self, request: Request,
+                       credentials: Annotated[HTTPAuthorizationCredentials | None, Security(bearer)]) -> None:
         token = credentials.credentials.strip() if credentials else ""
         digest = hashlib.sha256(token.encode()).digest()
         ok = False
@@ -35,3 +36,15 @@ class RequireKey:
             ok |= hmac.compare_digest(digest, key)
         if not (ok and token):
             raise Unauthorized("missing or invalid API key: send `Authorization: Bearer <key>`")
+        request.state.key_scope = scope_of(digest)
+
+
+def scope_of(digest: bytes) -> str:
+    """What keeps one key's conversations apart from another's (cag.runtime.kept_conversations): a name
+    derived from the key's digest, never the key."""
+    return hashlib.sha256(b"cag-scope:" + digest).hexdigest()[:16]
+
+
+def key_scope(request: Request) -> str | None:
+    """The scope of the request's API key; None without CAG_API_KEYS (one user: one scope)."""
+    return getattr(request.state, "key_scope", None)

@@ -19,6 +19,7 @@ from cag.errors import BadInput
 from cag.runtime.generate import DecodeConfig
 
 from .answers import AskCall, messages_of
+from .auth import key_scope
 from .deps import ReadyService
 from .routes import MODEL_ERRORS, finish_reason, sse_json, stream_errors, streamed, timings
 from .schemas import ChatCompletion, ChatRequest
@@ -72,7 +73,7 @@ async def chat_completions(body: ChatRequest, request: Request, svc: ReadyServic
     decoding = DecodeConfig(temperature=body.temperature or 0.0, top_p=body.top_p or 1.0, seed=seed,
                             min_tokens=body.min_tokens)
     call = AskCall(body.model, None, mode=body.mode, messages=messages, max_tokens=max_tokens, on_stale=body.on_stale,
-                   shards=body.shards, stream=body.stream, decoding=decoding)
+                   shards=body.shards, stream=body.stream, decoding=decoding, scope=key_scope(request))
     gen = svc.runner.start(svc.answers.work(call))
     cid, created = "chatcmpl-" + secrets.token_hex(12), int(time.time())
     if not body.stream:

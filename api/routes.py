@@ -18,6 +18,7 @@ from cag.runtime import describe
 from cag.runtime.generate import DecodeConfig
 
 from .answers import AskCall, messages_of
+from .auth import key_scope
 from .deps import ReadyService, ServiceDep
 from .errors import documented, error_body, status_of
 from .metrics import CONTENT_TYPE
@@ -93,7 +94,7 @@ def ask_response(svc: Service, a: Answer, body: AskRequest) -> dict:
     return out.model_dump(exclude_unset=True)  # token_ids, passages and shards only when there are any
 
 
-def start_ask(svc: Service, body: AskRequest) -> Generation:
+def start_ask(svc: Service, body: AskRequest, scope: str | None = None) -> Generation:
     svc.check_question(body.question, body.mode)
     messages = None
     if body.history:  # earlier turns: the question is the conversation's last user message
@@ -102,7 +103,7 @@ def start_ask(svc: Service, body: AskRequest) -> Generation:
             svc.check_question(text, body.mode)
     call = AskCall(body.corpus, body.question if messages is None else None, mode=body.mode, max_tokens=body.max_tokens,
                    on_stale=body.on_stale, shards=body.shards, stream=body.stream,
-                   decoding=DecodeConfig(min_tokens=body.min_tokens), messages=messages)
+                   decoding=DecodeConfig(min_tokens=body.min_tokens), messages=messages, scope=scope)
     return svc.runner.start(svc.answers.work(call))
 
 
@@ -127,7 +128,7 @@ async def ask(body: AskRequest, request: Request, svc: ReadyService):
     """With `stream: true` the answer comes as server-sent events: `event: token` with `{"text"}`
     pieces (their concatenation is the answer), then one `event: answer` with the full JSON answer;
     a failure after the stream started is one `event: error` with the error shape."""
-    gen = start_ask(svc, body)
+    gen = start_ask(svc, body, key_scope(request))
     if not body.stream:
         try:
             answer = await gen.result(request)

@@ -174,12 +174,14 @@ class Engine:
     # -- ask -------------------------------------------------------------------------------------
     def ask(self, corpus: str, question: str | None, mode: str = "cag", max_tokens: int | None = None,
             on_text=None, should_stop=None, on_stale: str = "serve", decoding: DecodeConfig | None = None,
-            shards: int = 1, messages: list | None = None) -> Answer:
+            shards: int = 1, messages: list | None = None, scope: str | None = None) -> Answer:
         """Answer from the snapshot (`cag`) or from the whole corpus prefilled again (`full`). A
         sharded corpus answers from its `shards` best shards (more than it has: all of them).
         `messages` (chat messages, cag.answering.chat) in place of `question`: answer a conversation's last
-        user message with the whole conversation in the prompt."""
+        user message with the whole conversation in the prompt. `scope`: whose kept conversations the
+        answer may reuse and extend (an API key's; None: the one user's)."""
         q = self.check(corpus, question, mode, max_tokens, on_stale, decoding, messages)
+        q.scope = scope
         if q.mode is Mode.RAG:
             raise BadInput("mode 'rag' is answered by cag.rag.answer.ask, above the engine")
         if q.mode is Mode.FULL and len(self.index.shards(corpus)) > 1:  # no context holds it all: the routed shard
@@ -234,7 +236,8 @@ class Engine:
         t0 = time.perf_counter()
         res = self.resident.get(digest, lambda: self._load_resident(digest))
         load_ms = (time.perf_counter() - t0) * 1e3
-        gen, logprob = self._generate(res.prefix, q, on_text, should_stop, score, key=digest)
+        key = digest if q.scope is None else f"{digest}/{q.scope}"  # one key's conversations: invisible to another's
+        gen, logprob = self._generate(res.prefix, q, on_text, should_stop, score, key=key)
         return gen, res.prefix.n, load_ms, logprob
 
     def _generate(self, prefix: Prefix, q: Question, on_text, should_stop, score: bool = False, key: str | None = None):

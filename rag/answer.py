@@ -130,14 +130,16 @@ def answer_rag(engine, q, k: int = 3, retriever: str = "bm25", on_text: Callable
 def ask(engine, corpus: str, question: str | None, mode: str = "cag", max_tokens: int | None = None,
         on_text: Callable[[str], None] | None = None, should_stop: Callable[[], bool] | None = None,
         on_stale: str = "serve", decoding=None, k: int = 3, retriever: str = "bm25", shards: int = 1,
-        messages: list | None = None):
+        messages: list | None = None, scope: str | None = None):
     """Answer in any mode: `cag` and `full` are the engine's own; `rag` is built here, above it.
     The one entry point for the CLI, the API and the comparison runner. `messages`: a conversation
     (cag.answering.chat) in place of `question`; RAG retrieves by its latest user messages and answers with the
-    whole conversation after the passages, as `cag` and `full` do after the knowledge."""
+    whole conversation after the passages, as `cag` and `full` do after the knowledge. `scope`: whose kept
+    conversations a `cag` answer may reuse (an API key's; cag.runtime.kept_conversations)."""
     if mode != Mode.RAG.value:
         return engine.ask(corpus, question, mode=mode, max_tokens=max_tokens, on_text=on_text,
-                          should_stop=should_stop, on_stale=on_stale, decoding=decoding, shards=shards, messages=messages)
+                          should_stop=should_stop, on_stale=on_stale, decoding=decoding, shards=shards, messages=messages,
+                          scope=scope)
     q = engine.check(corpus, question, mode, max_tokens, on_stale, decoding, messages)
     return answer_rag(engine, q, k, retriever, on_text, should_stop)
 

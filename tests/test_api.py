@@ -279,6 +279,25 @@ def test_a_conversation_through_the_openai_client_reuses_its_turns_exactly(serve
     assert alone["usage"]["prompt_tokens"] < prompt[2]
 
 
+def test_kept_conversations_are_not_shared_across_api_keys(server):
+    """Issue 55 E1: one key's kept conversation is never reused for (nor reported to) another key; the same
+    history sent again with the first key is."""
+    if not server.keeps:
+        pytest.skip("conversations are kept only on cag's kernels")
+    import openai
+
+    history = [{"role": "system", "content": "Answer briefly."},
+               {"role": "user", "content": "My locker code is 7731 and my badge says tulip-seven."}]
+
+    def cached(key: str) -> int:
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key=key, max_retries=0)
+        return client.chat.completions.create(model="notes", max_tokens=1, messages=history).cag["cached_tokens"]["conversation"]
+
+    assert cached(KEY) == 0  # the first asking keeps it
+    assert cached("test-key-2") == 0  # the other key reuses nothing: no guess of the text can be tested
+    assert cached(KEY) > 0  # the same key's next asking reuses it
+
+
 def test_interleaved_and_concurrent_conversations_get_their_own_answers(server):
     import openai
 

@@ -30,6 +30,7 @@ class Question:
     reasons: list[str]
     t_start: float
     turns: list[chat.Turn] | None = None  # a conversation's turns (None: a plain question)
+    scope: str | None = None  # whose kept conversations it may reuse (an API key's; None: the one user's)
 
     @property
     def search_text(self) -> str:
