@@ -40,7 +40,29 @@ def probe(corpus_tokens: int, questions: int) -> dict:
         turns.append(a.ttft_ms)
         history = messages + [{"role": "assistant", "content": a.answer}]
     out["turn1_ttft_ms"], out["turn6_ttft_ms"] = round(turns[0], 1), round(turns[-1], 1)
-    return out
+    return out | stall(engine, folder)
+
+
+def stall(engine, folder: Path, long_tokens: int = 2000) -> dict:
+    """TTFT of a short question (~8 tokens) alone, and asked while a `long_tokens`-token conversation is
+    being prefilled (issue: one long prompt held up every other request); the long one's TTFT beside."""
+    import threading
+    import time
+
+    tok = engine.lm.tokenizer
+    text = " ".join(p.read_text() for p in sorted(folder.iterdir()))
+    long_text = tok.decode(tok(text)["input_ids"][:long_tokens])
+    short = "Who wrote these essays?"
+    alone = min(engine.ask("essays", short, max_tokens=4).ttft_ms for _ in range(2))
+    got: dict = {}
+    t = threading.Thread(target=lambda: got.update(long=engine.ask(
+        "essays", None, messages=[{"role": "user", "content": long_text + "\n\nSummarize this."}], max_tokens=4)))
+    t.start()
+    time.sleep(0.5)  # the long prompt's prefill is under way
+    during = engine.ask("essays", short, max_tokens=4).ttft_ms
+    t.join()
+    return {"short_alone_ttft_ms": round(alone, 1), "short_during_long_ttft_ms": round(during, 1),
+            "long_ttft_ms": round(got["long"].ttft_ms, 1)}
 
 
 

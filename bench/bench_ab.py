@@ -10,7 +10,8 @@ The probe (bench/ab_probe.py, run with each tree's cag) uses the engine's public
   * knowledge prefill: `ingest` of a ~4K-token essay corpus (tok/s);
   * TTFT of distinct plain questions over the snapshot (ms, mean of --questions);
   * decode tok/s of a 64-token answer;
-  * a conversation of 6 turns, 48-token answers sent back as a client does: TTFT of turn 1 and turn 6.
+  * a conversation of 6 turns, 48-token answers sent back as a client does: TTFT of turn 1 and turn 6;
+  * TTFT of a short question alone, and asked while a 2,000-token conversation is being prefilled.
 
     python -m bench.bench_ab --before 23a3212 --rounds 2
 

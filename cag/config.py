@@ -35,8 +35,9 @@ class Settings(BaseSettings):
     # storage dtype of snapshot tensors; auto: bfloat16 where decode attends in bf16 (no conversion at
     # load), else float16; int8: quantized blocks with one fp16 scale each (store/kv_int8.py)
     kv_dtype: Literal["auto", "float16", "bfloat16", "float32", "int8"] = "auto"
-    # prefill chunk (tokens a forward): bounds activation memory, drives the progress bar; 0 = auto:
-    # 512 on a CPU, 4096 on CUDA (a chunk there is one launch of every kernel: larger chunks fill the chip)
+    # question prefill piece (rows a pass; other requests decode a step between pieces): bounds activation
+    # memory and how long one long prompt holds up the others; 0 = auto: 256 on a CPU (~0.7 s a pass for
+    # SmolLM2 on 2 cores), 4096 on CUDA (a pass there is one launch of every kernel: larger ones fill the chip)
     chunk_tokens: int = Field(0, ge=0)
     # rows of every knowledge-prefill forward (cag.runtime.kv_cache.prefill_knowledge): the prefix is prefilled in
     # blocks of exactly this many rows at multiples of it, so a row's K/V never depend on how the prefill was

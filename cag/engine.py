@@ -90,8 +90,8 @@ class Engine:
 
     @property
     def chunk(self) -> int:
-        """Prefill chunk: CAG_CHUNK_TOKENS, 0 = auto (512 on a CPU, 4096 on CUDA; config.py says why)."""
-        return self.settings.chunk_tokens or (4096 if self.lm.device.type == "cuda" else 512)
+        """Prefill chunk: CAG_CHUNK_TOKENS, 0 = auto (256 on a CPU, 4096 on CUDA; config.py says why)."""
+        return self.settings.chunk_tokens or (4096 if self.lm.device.type == "cuda" else 256)
 
     @property
     def prefill_block(self) -> int:

@@ -3,11 +3,12 @@
 Decoding one request reads every weight once per token; B requests decoded together read them
 once for all B (cag.runtime.step), and requests on the same snapshot read its prefix once too. One
 scheduler thread owns the model's decode work: a request (from any thread) is queued; its question
-is prefilled in the next pass, alone when nothing else runs, else riding along the decode step
-(its rows share the step's weight reads, in the decode format CAG_WEIGHTS, alone or not); it then
-decodes with the batch and leaves when it stops: a stop token,
-max_tokens, or its `should_stop` (client gone, timeout). Its own failure (a callback raising)
-ends only that request.
+(or conversation) is prefilled in pieces of at most `chunk` rows (CAG_CHUNK_TOKENS), one pass each,
+alone when nothing else runs, else riding along the decode step (its rows share the step's weight
+reads, in the decode format CAG_WEIGHTS), so one long prompt never stalls the requests decoding
+(the shortest prompt left goes first: Decoder._pieces); it then decodes with the batch and leaves when
+it stops: a stop token, max_tokens, or its `should_stop` (client gone, timeout: also between pieces).
+Its own failure (a callback raising) ends only that request.
 
 Exactness: a request's tokens are the same alone and batched. On the CPU every product and the
 decode attention compute a row from its own inputs (cag.kernels.native, cag.model.weights; tests/test_batch.py),
@@ -72,6 +73,7 @@ class Request:
     key: str | None = None  # the snapshot digest: its suffix is kept for, and may reuse, kept conversations (cag.runtime.kept_conversations)
     # scheduler state
     start: int = 0  # suffix tokens copied from a kept conversation: prefill starts here
+    filled: int = 0  # suffix tokens whose K/V are in the slot (the prefill goes in pieces: Decoder._pieces)
     slot: int | None = None
     length: int = 0  # suffix positions written
     next_tok: int | None = None
@@ -110,6 +112,7 @@ class Decoder:
         self.graphs: Graphs | None = None  # CUDA: captured decode steps of `rows` rows
         self._pending: deque[Request] = deque()
         self._active: list[Request] = []
+        self._filling: list[Request] = []  # holding a slot, their question not all prefilled yet
         self._cond = threading.Condition()
         self._thread: threading.Thread | None = None
         self._closing = False
@@ -135,7 +138,7 @@ class Decoder:
 
     def snapshot(self) -> dict:
         """Counters and gauges for /metrics: steps, rows (rows / steps = mean batch), active, waiting."""
-        return dict(self.stats, decode_active=len(self._active), decode_waiting=len(self._pending),
+        return dict(self.stats, decode_active=len(self._active), decode_waiting=len(self._pending) + len(self._filling),
                     slot_bytes=self.slot_bytes if self.batched else 0)
 
     def run(self, req: Request) -> Request:
@@ -172,21 +175,21 @@ class Decoder:
         with torch.inference_mode():
             while True:
                 with self._cond:
-                    if not self._pending and not self._active:
+                    if not self._pending and not self._active and not self._filling:
                         release_workers()  # idle: the threads that prefill get the CPUs to themselves
-                    while not self._pending and not self._active:
+                    while not self._pending and not self._active and not self._filling:
                         if self._closing or not self._cond.wait(timeout=IDLE_EXIT_S):  # idle: end the thread (the next run starts one)
                             self._thread = None
                             return
-                    new = [self._pending.popleft() for _ in range(min(len(self._pending), self.max_batch - len(self._active)))]
-                if self._active:  # questions ride along the decode step's weight reads
-                    self._pass(list(self._active), [r for r in new if self._take_slot(r)])
+                    free = self.max_batch - len(self._active) - len(self._filling)
+                    new = [self._pending.popleft() for _ in range(min(len(self._pending), free))]
+                self._filling += [r for r in new if self._take_slot(r)]
+                pieces = self._pieces()
+                if self._active:  # question pieces ride along the decode step's weight reads
+                    self._pass(list(self._active), pieces)
                     continue
-                for req in new:  # nothing to decode yet: each question alone, as a lone request runs
-                    if self._take_slot(req):
-                        self._pass([], [req])
-                if self._active:
-                    self._pass(list(self._active), [])
+                for piece in pieces:  # nothing to decode yet: each piece alone, as a lone request runs
+                    self._pass([], [piece])
 
     def _take_slot(self, req: Request) -> bool:
         if req.should_stop and req.should_stop():
@@ -200,18 +203,43 @@ class Decoder:
                     K[req.slot, :, :n] = k[:, :n]
                     V[req.slot, :, :n] = v[:, :n]
                 req.start = n
+        req.filled = req.start
         return True
 
-    def _pass(self, batch: list[Request], new: list[Request]) -> None:
-        """One forward: a decode row for each request of `batch`, and the whole question of each of
-        `new` (which then joins the batch). Emits every request's next token. With fixed rows (CUDA)
-        the batch goes in steps of `rows` rows per prefix, each a replayed graph where CAG_CUDA_GRAPHS,
-        and each question has a forward of its own."""
+    def _pieces(self) -> list[tuple[Request, int]]:
+        """The question rows of the next pass, (request, rows): the filling requests with the fewest rows
+        left first (a short question never waits behind a long conversation's prefill), each its next
+        piece, as long as the pass holds at most `chunk` question rows (one piece at least). A piece ends
+        at the next multiple of `chunk` of its suffix, so a request's pieces are the same whatever else
+        runs: the kernels that are not row-invariant (torch's, CUDA's) then see one split of a question,
+        batched or alone, in `full` or not (those paths keep no conversation: every suffix starts at 0)."""
+        out, rows = [], 0
+        for r in sorted(self._filling, key=lambda r: len(r.suffix) - r.filled):
+            if r.filled > r.start and r.should_stop:  # between pieces (_take_slot asked before the first)
+                try:
+                    if r.should_stop():  # gone (a client, a timeout): the rest is not prefilled
+                        self._finish(r, kv_cache.Cancelled("stopped while its question was prefilled"))
+                        continue
+                except Exception as e:  # noqa: BLE001 - a failing callback ends its own request only
+                    self._finish(r, e)
+                    continue
+            m = min(len(r.suffix), (r.filled // self.chunk + 1) * self.chunk) - r.filled
+            if out and rows + m > self.chunk:
+                break
+            out.append((r, m))
+            rows += m
+        return out
+
+    def _pass(self, batch: list[Request], new: list[tuple[Request, int]]) -> None:
+        """One forward: a decode row for each request of `batch`, and a piece of the question of each of
+        `new` (request, rows): one that ends its question joins the batch. Emits every decoding request's
+        next token. With fixed rows (CUDA) the batch goes in steps of `rows` rows per prefix, each a
+        replayed graph where CAG_CUDA_GRAPHS, and each piece has a forward of its own."""
         if self.rows:
             for chunk, seen in chunks(batch, self.rows, self.graph_room):
                 self._forward(chunk, [], lambda c=chunk, s=seen: [self._fixed(c, s)])
-            for r in new:
-                self._forward([], [r], lambda r=r: self.step.run(self._parts([], [r]), self.slots))
+            for piece in new:
+                self._forward([], [piece], lambda p=piece: self.step.run(self._parts([], [p]), self.slots))
             return
         self._forward(batch, new, lambda: self.step.run(self._parts(batch, new), self.slots))
 
@@ -229,20 +257,20 @@ class Decoder:
         return self.step.run([part], self.slots)[0][:B]
 
     @staticmethod
-    def _parts(batch: list[Request], new: list[Request]) -> list[Part]:
+    def _parts(batch: list[Request], new: list[tuple[Request, int]]) -> list[Part]:
         parts = [Part(torch.tensor([[r.next_tok] for r in batch]), [r.prefix for r in batch],
                       torch.tensor([r.slot for r in batch]), torch.tensor([r.length for r in batch]))] if batch else []
-        return parts + [Part(torch.tensor([r.suffix[r.start:]]), [r.prefix], torch.tensor([r.slot]), torch.tensor([r.start]),
-                             question=True) for r in new]
+        return parts + [Part(torch.tensor([r.suffix[r.filled : r.filled + m]]), [r.prefix], torch.tensor([r.slot]),
+                             torch.tensor([r.filled]), question=True) for r, m in new]
 
-    def _forward(self, batch: list[Request], new: list[Request], forward: Callable[[], list[torch.Tensor]]) -> None:
+    def _forward(self, batch: list[Request], new: list[tuple[Request, int]], forward: Callable[[], list[torch.Tensor]]) -> None:
         """Run `forward` (logits per part: the decode part (B, V) first when `batch`, then each of
-        `new`'s (1, V)) and hand every request its next token."""
+        `new`'s (1, V)) and hand every request whose question is all prefilled its next token."""
         try:
             out = forward()
         except Exception as e:  # noqa: BLE001 - the pass itself failed (memory?): every request in it
             log.exception("decode step failed")
-            for r in batch + new:
+            for r in batch + [r for r, _ in new]:
                 self._finish(r, e)
             return
         if batch:
@@ -252,7 +280,11 @@ class Decoder:
             for i, r in enumerate(batch):
                 r.length += 1
                 self._emit(r, out[0][i])
-        for r, logits in zip(new, out[len(out) - len(new):]):
+        for (r, m), logits in zip(new, out[len(out) - len(new):]):
+            r.filled += m
+            if r.filled < len(r.suffix):
+                continue  # more pieces to come: its logits say nothing yet
+            self._filling.remove(r)
             r.length = len(r.suffix)
             r.stream, r.gen = TextStream(self.lm.tokenizer), sampler(r.cfg)
             self._active.append(r)
@@ -297,6 +329,8 @@ class Decoder:
     def _finish(self, req: Request, error: BaseException | None = None) -> None:
         if req in self._active:
             self._active.remove(req)
+        if req in self._filling:
+            self._filling.remove(req)
         if error is None and req.slot is not None and self._keeps(req):
             self._keep(req, req.suffix + req.ids[: req.length - len(req.suffix)])  # with the answer's rows
         if req.slot is not None:  # zeroed as far as it may have been written (a failed pass: its whole suffix)
