@@ -82,3 +82,5 @@ def reindex(store: StoreOpt = None, json_: JsonOpt = False):
     typer.echo(shown(f"indexed {r['snapshots']} snapshots for corpora: {', '.join(r['corpora']) or '-'}"))
     for name in r["unreadable"]:
         typer.echo(shown(f"unreadable, skipped: {name}"), err=True)
+    for ref in r.get("store_refused", []):  # the sound refs are adopted all the same: exit 0, as for unreadable files
+        typer.echo(shown(f"store ref refused, not adopted: {ref['why']}"), err=True)

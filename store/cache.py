@@ -40,8 +40,12 @@ def fill(remote, digest: str, path: Path) -> None:
             if short(str(snap.meta.get("key", "")), 32) != digest:
                 raise snapfiles.SnapshotError(f"snapshot {digest[:12]} in the store holds another key's snapshot")
         except snapfiles.SnapshotError as e:
-            raise snapfiles.SnapshotError(f"snapshot {digest[:12]} fetched from the store failed verification, "
-                                          f"not served: {e}") from None
+            why = f"snapshot {digest[:12]} fetched from the store failed verification, not served: {e}"
+            # reported, the next `cag ingest` uploads it again even from a machine whose good copy has the
+            # same size and blake3 as the blob claims; unreported, only a rebuild (--force) replaces it there
+            if not remote.report_failed(digest, why):
+                why += " (the store refused the report: on a machine that holds a good copy, `cag ingest --force`)"
+            raise snapfiles.SnapshotError(why) from None
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)

@@ -17,7 +17,9 @@ caught by reading the ref back after the write.
 Healing: a blob carries the blake3 of its bytes as object metadata (`x-amz-meta-blake3`), and an
 upload is skipped only when the stored object has that size and that digest, so a blob damaged or
 replaced in the store (which drops or contradicts the digest) is sent again by the next ingest (a
-blob stored before the digest existed is sent once more). A blob a ref names that is missing, or a
+blob stored before the digest existed is sent once more). The digest is only a claim (an overwrite
+can copy it, bit rot keeps it): a machine whose fetch fails verification leaves a note
+(`snapshots/<digest>.safetensors.failed`), and the next put of that blob uploads it whatever it claims. A blob a ref names that is missing, or a
 ref that is not a ref, is StoreCorrupt (exit 1, 503), never StoreUnreachable: an ingest does not
 adopt such a ref, rebuilds, and overwrites it (its conditional write expects the bad ref's ETag).
 
@@ -147,19 +149,46 @@ class RemoteStore:
             return None
         return int(r["ContentLength"]), (r.get("Metadata") or {}).get("blake3")
 
+    def failed_key(self, digest: str) -> str:
+        return self._key("snapshots", f"{digest}.safetensors.failed")  # not a blob: blobs() lists *.safetensors
+
+    def report_failed(self, digest: str, why: str) -> bool:
+        """Note in the store that a fetched copy of this blob failed verification, so that the next
+        put_blob of it uploads instead of trusting the blob's blake3 claim (metadata that an
+        overwrite can copy and bit rot keeps). False when the note could not be written (read-only
+        credentials, the store gone meanwhile)."""
+        try:
+            self._call("put_object", Key=self.failed_key(digest), Body=why.encode()[:2000])
+        except (StoreUnreachable, FileNotFoundError, FileExistsError):
+            return False
+        return True
+
     def put_blob(self, path: Path, digest: str) -> None:
         """Upload a finished snapshot file under its final name, with the blake3 of its bytes. A blob
-        already there with the same size and digest (the same content) is not sent again; it is
-        copied onto itself so that its LastModified is now, which keeps `gc` (grace period) from
-        deleting it before the ref that names it again is written. Any other blob under that name
-        (damaged, replaced, or stored without a digest) is overwritten: the verified local file is
-        what the ref will name."""
+        already there with the same size and digest (the same content) is not sent again, unless a
+        machine reported its bytes failing verification (report_failed); it is copied onto itself so
+        that its LastModified is now, which keeps `gc` (grace period) from deleting it before the
+        ref that names it again is written. Any other blob under that name (damaged, replaced, or
+        stored without a digest) is overwritten: the verified local file is what the ref will name."""
         size, content = path.stat().st_size, file_digest(path)
         key, meta = self.blob_key(digest), {"blake3": content}
-        if self.blob_head(digest) == (size, content):
+        reported = self._exists(self.failed_key(digest))
+        if not reported and self.blob_head(digest) == (size, content):
             self._call("copy_object", Key=key, CopySource={"Bucket": self.bucket, "Key": key}, MetadataDirective="REPLACE",
                        Metadata=meta)
             return
+        self._upload(path, key, size, meta)
+        if reported:  # the report is answered: the stored bytes are the verified local file's now
+            self._call("delete_object", Key=self.failed_key(digest))
+
+    def _exists(self, key: str) -> bool:
+        try:
+            self._call("head_object", Key=key)
+        except FileNotFoundError:
+            return False
+        return True
+
+    def _upload(self, path: Path, key: str, size: int, meta: dict) -> None:
         if size > SINGLE_PUT_MAX:
             try:
                 self.fs.put_file(str(path), f"{self.bucket}/{key}", Metadata=meta)
@@ -223,6 +252,7 @@ class RemoteStore:
 
     def delete_blob(self, digest: str) -> None:
         self._call("delete_object", Key=self.blob_key(digest))
+        self._call("delete_object", Key=self.failed_key(digest))  # its failure report, if any (a no-op when none)
 
     def _list(self, prefix: str) -> list[dict]:
         out, token = [], None
@@ -249,15 +279,14 @@ class RemoteStore:
                                f"to write it again (`cag ingest PATH --name {corpus}` where {corpus!r} is unknown)")
         return Ref({}, etag, why) if why else Ref(json.loads(data), etag)
 
+    def ref_names(self) -> list[str]:
+        """The corpus names the store holds a ref object for (each may still be corrupt)."""
+        names = (obj["Key"].rsplit("/", 1)[1] for obj in self._list(self._key("refs") + "/"))
+        return [n.removesuffix(".json") for n in names if n.endswith(".json")]
+
     def refs(self) -> list[Ref]:
-        out = []
-        for obj in self._list(self._key("refs") + "/"):
-            name = obj["Key"].rsplit("/", 1)[1]
-            if name.endswith(".json"):
-                ref = self.get_ref(name.removesuffix(".json"))
-                if ref is not None:
-                    out.append(ref)
-        return out
+        """Every ref; StoreCorrupt when any is corrupt (what `gc` needs: it cannot tell what that one names)."""
+        return [ref for name in self.ref_names() if (ref := self.get_ref(name)) is not None]
 
     def put_ref(self, body: dict, expect: Ref | None) -> Ref:
         """Write a corpus's ref if it is still the one read as `expect` (None: there was none).

@@ -23,6 +23,7 @@ import errno
 import json
 import os
 import re
+import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -130,15 +131,37 @@ def spans_of(meta: dict, name: str = "snapshot") -> list[dict]:
 def _write_error(e: Exception, path: Path) -> Exception:
     """A failed write of a snapshot file as one line: no room (ENOSPC, quota) is StorageFull, any
     other refusal (permissions, a read-only or failing disk) IndexUnusable: CAG_HOME cannot be used."""
-    if isinstance(e, OSError):
-        code, reason = e.errno, e.strerror or str(e)
-    else:  # safetensors: 'Error while serializing: IoError(Os { code: 28, kind: StorageFull, message: "..." })'
-        m = re.search(r"code: (\d+).*?message: \"([^\"]*)\"", str(e))
-        code, reason = (int(m.group(1)), m.group(2)) if m else (None, " ".join(str(e).split())[:200])
+    code, reason = (e.errno, e.strerror or str(e)) if isinstance(e, OSError) else _os_error_of(e)
     if code in (errno.ENOSPC, errno.EDQUOT):
         return StorageFull(f"cannot write snapshot {path.name} in {path.parent}: {reason}; nothing was kept and the "
                            "previous snapshot still answers: free space and run the ingest again")
     return IndexUnusable(f"cannot write snapshot {path.name} in {path.parent}: {reason}")
+
+
+def _os_error_of(e: Exception) -> tuple[int | None, str] | None:
+    """(errno or None, reason) of a SafetensorError that wraps an OS error, None for any other (a
+    bug). safetensors before 0.8 says 'IoError(Os { code: 28, kind: StorageFull, message: "No space
+    left on device" })', 0.8 'I/O error: No space left on device (os error 28)'."""
+    text = " ".join(str(e).split())
+    if m := re.search(r"code: (\d+).*?message: \"([^\"]*)\"", text):
+        return int(m.group(1)), m.group(2)
+    if m := re.search(r"I/O error: (.*?) \(os error (\d+)\)", text):
+        return int(m.group(2)), m.group(1)
+    if "IoError" in text or "I/O error" in text:  # no errno in it: the words of ENOSPC still say what it is
+        return (errno.ENOSPC if "No space left" in text else None), text[:200]
+    return None
+
+
+def _check_room(path: Path, tensors: dict[str, torch.Tensor], raw: dict[str, str]) -> None:
+    """Refuse, before a byte is written, a file the disk cannot hold: tensor bytes plus the header (the
+    metadata's JSON and safetensors' index, ~100 bytes a tensor), which the KV-size formula leaves out."""
+    need = (8 + len(json.dumps(raw).encode()) + sum(len(n) + 100 for n in tensors)
+            + sum(t.nelement() * t.element_size() for t in tensors.values()))
+    free = shutil.disk_usage(path.parent).free
+    if need > free:
+        raise StorageFull(f"cannot write snapshot {path.name} in {path.parent}: it needs {need} bytes and {free} are "
+                          "free; nothing was kept and the previous snapshot still answers: free space and run the "
+                          "ingest again")
 
 
 def _fsync_dir(folder: Path) -> None:
@@ -170,16 +193,17 @@ def save(path: Path, kv, ids: list[int], meta: dict, dtype: torch.dtype) -> int:
                   dtype=str(dtype).removeprefix("torch."), checksum=_checksum(tensors))
     if kv:  # the shape every layer tensor must have on load, from the tensors themselves
         header.update(n_kv_heads=kv[0][0].shape[1], head_dim=kv[0][0].shape[3])
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp, raw = path.with_name(f".{path.name}.{os.getpid()}.tmp"), _encode(header)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        save_file(tensors, str(tmp), metadata=_encode(header))
+        _check_room(path, tensors, raw)
+        save_file(tensors, str(tmp), metadata=raw)
         with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
         os.replace(tmp, path)
         _fsync_dir(path.parent)
     except SafetensorError as e:
-        if "IoError" not in str(e):
+        if _os_error_of(e) is None:
             raise  # not the disk: a bug, with its traceback
         raise _write_error(e, path) from None
     except OSError as e:

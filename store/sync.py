@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 
 from cag.errors import StoreCorrupt, StoreUnreachable
+from cag.knowledge.names import name_problem
 
 from . import cache
 from .index import Index
@@ -162,7 +163,13 @@ class Shared:
 
     def adopt(self, ref: Ref) -> None:
         """Make the index say what the ref says: its snapshot rows (from the blobs' headers: two
-        ranged reads each, unless the blob is cached here), documents and shards, in one transaction."""
+        ranged reads each, unless the blob is cached here), documents and shards, in one transaction.
+        A ref whose corpus name breaks the naming rule of `cag ingest` (a hand-written or foreign
+        ref: `.hidden`, a trailing space, a bidi override) is refused as a corrupt one is."""
+        name = ref.body["corpus"]
+        if why := name_problem(name):
+            raise StoreCorrupt(f"ref of {name!r} in {self.remote.url} is refused: invalid corpus name: {why}; "
+                               "remove or rename it in the store")
         shards = []
         for digest in ref.shards:
             path = self.folder / f"{digest}.safetensors"
@@ -185,18 +192,27 @@ class Shared:
                 self.ensure_local(row["digest"], Path(row["path"]))
         self.index.publish_shards(corpus, docs, shards)
 
-    def adopt_all(self) -> list[str]:
-        """Adopt every ref in the store (`cag reindex`). Returns the corpora."""
-        out = []
-        for ref in self.remote.refs():
-            corpus = ref.body["corpus"]
-            if self._differs(corpus, ref):
-                try:
+    def adopt_all(self) -> tuple[list[str], list[dict]]:
+        """Adopt every ref in the store (`cag reindex`). Returns the corpora adopted and the refs
+        refused ({corpus, why}): a ref that is corrupt, badly named, or names a blob missing or
+        unreadable is reported, and every sound one is still adopted. An unreachable store stops it."""
+        out, refused = [], []
+        for corpus in self.remote.ref_names():
+            try:
+                ref = self.remote.get_ref(corpus)  # StoreCorrupt: not a ref
+                if ref is None:
+                    continue  # deleted since the listing
+                if self._differs(corpus, ref):
                     self.adopt(ref)
-                except SnapshotError as e:
-                    raise StoreCorrupt(f"corpus {corpus!r} in the store: {e}; run `cag ingest {corpus}` to rebuild it") from None
+            except StoreCorrupt as e:
+                refused.append({"corpus": corpus, "why": str(e)})
+                continue
+            except SnapshotError as e:
+                refused.append({"corpus": corpus, "why": f"corpus {corpus!r} in the store: {e}; "
+                                                         f"run `cag ingest {corpus}` to rebuild it"})
+                continue
             out.append(corpus)
-        return sorted(out)
+        return sorted(out), refused
 
     # -- gc --------------------------------------------------------------------------------------
     def gc(self, dry_run: bool) -> tuple[list[dict], list[dict]]:

@@ -152,6 +152,7 @@ def test_gc_deletes_superseded_keeps_current(tiny_model_dir, small_corpus, monke
     second = json.loads(cag("ingest", "corpus", "--json").stdout)
     tmp = cag_home / "snapshots" / ".x.safetensors.tmp"
     tmp.write_bytes(b"partial")
+    os.utime(tmp, (time.time() - 7200,) * 2)  # left by a write killed 2 h ago (a younger one may be in progress)
     dry = json.loads(cag("gc", "--dry-run", "--json").stdout)
     assert {d["digest"] for d in dry["deleted"]} == {first["snapshot"], tmp.name}
     assert Path(first["path"]).exists() and tmp.exists()
@@ -283,6 +284,7 @@ def test_gc_removes_every_leftover_it_reports_and_reports_what_it_keeps(tiny_mod
     leftovers = {".tmpa1b2c3": b"half", ".x.safetensors.999999999.tmp": b"half a snapshot"}  # writer long gone
     for name, data in leftovers.items():
         (folder / name).write_bytes(data)
+        os.utime(folder / name, (time.time() - 7200,) * 2)  # killed 2 h ago: past gc's grace for unnamed writers
     writing = folder / f".y.safetensors.{os.getpid()}.tmp"  # its writer (this process) is alive
     writing.write_bytes(b"in progress")
     (small_corpus / "c.md").write_text("Changed bakery.\n")

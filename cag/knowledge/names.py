@@ -19,13 +19,14 @@ _HIDDEN = {"Cc", "Cf", "Cs", "Zl", "Zp"}
 
 def check_corpus_name(name: str) -> str:
     """Return `name` if it is a valid corpus name; raise BadInput with one clear line if not."""
-    why = _problem(name)
+    why = name_problem(name)
     if why:
         raise BadInput(f"invalid corpus name {name!r}: {why}")
     return name
 
 
-def _problem(name: str) -> str | None:
+def name_problem(name: str) -> str | None:
+    """Why `name` is not a valid corpus name, None when it is (also what refs in a shared store are held to)."""
     if not isinstance(name, str) or not name:
         return "empty"
     if name != name.strip():

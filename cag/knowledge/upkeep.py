@@ -99,9 +99,12 @@ def gc(settings: Settings, index: Index, max_bytes: int | None = None, dry_run: 
     for p in sorted(settings.snapshots_dir.iterdir()) if settings.snapshots_dir.is_dir() else []:
         if p.name in known:
             continue
-        size = p.stat().st_size if p.is_file() else 0
+        try:
+            size = p.stat().st_size if p.is_file() else 0
+            keep_why = _why_keep(p)
+        except FileNotFoundError:
+            continue  # renamed or removed since the listing (a writer finishing its temp file): not ours to report
         entry = {"digest": p.name, "corpus": None, "bytes": size}
-        keep_why = _why_keep(p)
         if keep_why is None and not dry_run:
             try:
                 p.unlink()
@@ -130,13 +133,20 @@ def _entry(row: dict, why: str) -> dict:
     return {"digest": row["digest"], "corpus": row["corpus"], "bytes": row["bytes"], "why": why}
 
 
+# A temp file that names no writer (safetensors 0.8 writes `.tmpXXXXXX` before cag renames it to its
+# own name) is left alone while younger than this: a large snapshot can take minutes to write, and
+# its writer keeps the modification time current. Older, it is a leftover of a killed write.
+TEMP_GRACE_S = 3600.0
+
+
 def _why_keep(p: Path) -> str | None:
     """Why gc leaves a file that is not in the index, or None for a leftover temp file.
 
     Temp files are dot-files: ours (`.<digest>.safetensors.<pid>.tmp`) and anything a library or
     the OS names `.tmpXXXXXX`; a kill -9 can leave either. Ours name their writer, which is left
-    alone while it runs. A finished `<digest>.safetensors` without a row is a whole snapshot
-    (written, then killed before it was recorded): never deleted, `cag reindex` adopts it.
+    alone while it runs; the others are left alone for TEMP_GRACE_S after their last write. A
+    finished `<digest>.safetensors` without a row is a whole snapshot (written, then killed before
+    it was recorded): never deleted, `cag reindex` adopts it.
     """
     if not p.is_file() or p.is_symlink():
         return "not a regular file: left alone"
@@ -147,6 +157,8 @@ def _why_keep(p: Path) -> str | None:
     pid = _writer_pid(p.name)
     if pid is not None and _alive(pid):
         return f"being written by running process {pid}"
+    if pid is None and time.time() - p.stat().st_mtime < TEMP_GRACE_S:
+        return f"temp file written less than {TEMP_GRACE_S / 3600:g} h ago: may still be being written"
     return None
 
 
@@ -223,6 +235,6 @@ def reindex(settings: Settings, index: Index) -> dict:
     if settings.store:  # the store's refs say what is current: the index is this machine's cache of them
         from cag.store.sync import Shared
 
-        out["store_corpora"] = Shared(settings, index).adopt_all()
+        out["store_corpora"], out["store_refused"] = Shared(settings, index).adopt_all()  # a bad ref is reported, not fatal
         out["corpora"] = sorted(set(out["corpora"]) | set(out["store_corpora"]))
     return out
