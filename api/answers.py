@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from functools import partial
 from typing import TYPE_CHECKING
 
-from cag.errors import BadInput
+from cag.answering import chat
 from cag.rag.answer import ask as answer_question
 from cag.runtime.generate import DecodeConfig
 
@@ -38,27 +38,23 @@ class AskCall:
     stream: bool = False  # hand text pieces to on_text as they come
     decoding: DecodeConfig | None = None
     messages: tuple[tuple[str, str], ...] | None = None  # (role, text): a conversation (cag.answering.chat)
+    k: int = 3  # rag and cag+rag: passages retrieved
     scope: str | None = None  # the API key's scope: kept conversations are reused within it only (api.auth)
 
     def run(self, engine: Engine, on_text, should_stop) -> Answer:
         return answer_question(engine, self.corpus, self.question, mode=str(self.mode), max_tokens=self.max_tokens,
                                on_text=on_text if self.stream else None, should_stop=should_stop,
                                on_stale=str(self.on_stale), decoding=self.decoding, shards=self.shards,
-                               messages=list(self.messages) if self.messages is not None else None, scope=self.scope)
+                               messages=list(self.messages) if self.messages is not None else None, k=self.k,
+                               scope=self.scope)
 
 
 def messages_of(messages: list[ChatMessage]) -> tuple[tuple[str, str], ...]:
-    """(role, text) per message; text parts joined, anything else refused (cag.answering.chat checks the rest)."""
-    out = []
-    for i, m in enumerate(messages):
-        if m.content is None or isinstance(m.content, str):
-            text = m.content or ""
-        else:
-            if other := [p.type for p in m.content if p.type != "text"]:
-                raise BadInput(f"message {i} ({m.role}): content of type {other[0]!r} is not supported: cag reads text")
-            text = "\n".join(p.text for p in m.content if p.text)
-        out.append((m.role, text))
-    return tuple(out)
+    """(role, text) per message: text parts joined as `cag ask --messages` joins them (chat.content_text),
+    anything else refused (cag.answering.chat checks the rest)."""
+    return tuple((m.role, chat.content_text(i, m.role, [p.model_dump() for p in m.content]
+                                            if isinstance(m.content, list) else m.content))
+                 for i, m in enumerate(messages))
 
 
 class LocalAnswers:

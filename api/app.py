@@ -9,6 +9,9 @@ the `RequireKey` security dependency: the check and its OpenAPI declaration are 
 
 The chat page (api/ui.py: `/` and `/ui/<file>`, static files that hold no data) is open too, unless
 CAG_UI=false; it asks for a key when the API answers 401.
+
+Every route, with keys or without, answers only a Host this server answers to, and refuses changes
+asked for by another site's page (api/middleware.py SameSite: DNS rebinding, cross-site forms).
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ from cag.engine import Engine
 
 from . import errors, openai_compat, routes, ui
 from .auth import RequireKey
-from .middleware import BodyLimit, RequestMetrics
+from .middleware import BodyLimit, RequestMetrics, SameSite
 from .runner import ClientGone
 from .schemas import REFERENCED
 from .service import Service
@@ -98,8 +101,9 @@ def create_app(settings: ApiSettings | None = None, cag_settings: Settings | Non
     if settings.ui:
         app.include_router(ui.router)
 
-    # added innermost first: CORS > metrics > body limit > routes
+    # added innermost first: CORS > metrics > same site (Host, Origin) > body limit > routes
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
+    app.add_middleware(SameSite, hosts=settings.hosts, cors_origins=settings.origins)
     app.add_middleware(RequestMetrics, metrics=service.metrics, routes_app=app)
     if settings.origins:
         app.add_middleware(CORSMiddleware, allow_origins=settings.origins, allow_methods=["GET", "POST"],

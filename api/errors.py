@@ -56,6 +56,10 @@ STATUSES: dict[int, tuple[tuple[str, ...], str]] = {
           "refuses, e.g. a blank question or no user message (bad_request), a model it cannot use (model_error), "
           "a conversation longer than the context left after the knowledge (context_length_exceeded)."),
     401: (("invalid_api_key",), "Missing or wrong API key (only when CAG_API_KEYS is set)."),
+    403: (("host_not_allowed", "cross_site"), "A Host header naming something other than this server: localhost, "
+                                              "127.0.0.1, [::1], an IP address, its bound address or CAG_ALLOWED_HOSTS "
+                                              "(host_not_allowed: DNS rebinding); a request that changes state sent "
+                                              "by another site's page, by its Origin (cross_site)."),
     404: (("not_found",), "Unknown corpus, model, job or path."),
     405: (("method_not_allowed",), "The path exists, the method does not (see the Allow header)."),
     409: (("stale",), "The corpus is stale and on_stale is refuse."),

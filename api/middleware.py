@@ -1,15 +1,19 @@
 """Pure ASGI middleware (no BaseHTTPMiddleware: it would buffer streams and hide disconnects).
 API keys are checked by a route dependency (api/auth.py), not here.
 
+- `SameSite`: a Host this server does not answer to, or a cross-site request that changes state, gets 403.
 - `BodyLimit`: request bodies over `max_body_bytes` get 413, by Content-Length or while streaming.
 - `RequestMetrics`: counts requests by route template/method/status and times them.
 """
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import time
+from urllib.parse import urlsplit
 
+from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
 from starlette.routing import Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -23,6 +27,81 @@ async def send_error(send: Send, status: int, message: str, code: str, headers: 
     raw += [(k.lower().encode(), v.encode()) for k, v in (headers or {}).items()]
     await send({"type": "http.response.start", "status": status, "headers": raw})
     await send({"type": "http.response.body", "body": body})
+
+
+LOOPBACK = ("localhost", "127.0.0.1", "::1")
+SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
+
+
+def _hostname(netloc: str) -> str | None:
+    """The host of a Host header or an origin, lower case, without port, brackets or final dot; None
+    where it is not one (a userinfo or path in it: no browser sends those)."""
+    if any(c in netloc for c in "@/?#\\"):
+        return None
+    try:
+        name = urlsplit("//" + netloc).hostname
+    except ValueError:  # "[::1" and the like
+        return None
+    return name.rstrip(".") if name else None
+
+
+class SameSite:
+    """What a web page the user visits could make the browser send here without the user meaning it.
+
+    DNS rebinding: a page of attacker.example points its name at 127.0.0.1; the browser then sends
+    it `Host: attacker.example:PORT` and lets the page read the answers (same origin as far as the
+    browser knows). So the Host must be a name this server answers to: localhost, 127.0.0.1, [::1],
+    `hosts` (the address `cag serve` binds, CAG_ALLOWED_HOSTS; "*": any), or any IP address (only a
+    name can be rebound, and a LAN client may reach the server by its address). A missing Host is
+    no browser's.
+
+    Cross-site requests: a page elsewhere can POST a form here (no preflight). A request that may
+    change state (not GET, HEAD, OPTIONS) carrying an Origin must come from this server's own pages
+    (the Origin's host:port is the Host), a host of `hosts` (any port) or a CORS origin; a browser
+    sends Origin on every cross-site POST. Routes with a body also take JSON only (FastAPI refuses a
+    form's body: 400). Reads need nothing here: the browser keeps another site from reading them.
+
+    Starlette's TrustedHostMiddleware checks the Host alone and answers in plain text; this one
+    answers in the API's error shape and checks the Origin too."""
+
+    def __init__(self, app: ASGIApp, hosts: list[str], cors_origins: list[str]):
+        self.app = app
+        self.any_host = "*" in hosts
+        self.names = {*LOOPBACK, *(h.rstrip(".") for h in hosts if h != "*")}
+        self.cors = set(cors_origins)
+
+    def _host_ok(self, name: str | None) -> bool:
+        if self.any_host or name in self.names:
+            return True
+        try:
+            return ipaddress.ip_address(name or "") is not None
+        except ValueError:
+            return False
+
+    def _origin_ok(self, origin: str, host: str | None) -> bool:
+        if "*" in self.cors or origin in self.cors:
+            return True
+        parts = urlsplit(origin)  # "null" (a sandboxed frame, a file: page) has no netloc
+        if parts.scheme not in ("http", "https") or not parts.netloc:
+            return False
+        return parts.netloc.lower() == (host or "").lower() or _hostname(parts.netloc) in self.names
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers = Headers(scope=scope)
+        host, origin = headers.get("host"), headers.get("origin")
+        if host is not None and not self._host_ok(_hostname(host)):
+            await send_error(send, 403, f"Host {host!r} is not a name this server answers to: another site's name pointed "
+                             "at this address (DNS rebinding) is refused; use localhost, 127.0.0.1, [::1] or the server's "
+                             "address, or add the name to CAG_ALLOWED_HOSTS", "host_not_allowed")
+            return
+        if origin is not None and scope["method"] not in SAFE_METHODS and not self._origin_ok(origin, host):
+            await send_error(send, 403, f"cross-site request refused: a page of {origin!r} may not change anything here "
+                             "(this server's own pages, CAG_ALLOWED_HOSTS and CAG_CORS_ORIGINS may)", "cross_site")
+            return
+        await self.app(scope, receive, send)
 
 
 class _TooLarge(HTTPException):

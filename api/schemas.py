@@ -8,9 +8,11 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field
+from pydantic_core import PydanticCustomError
 
 from cag import results
+from cag.answering import chat
 
 # the engine's enums, as JSON-schema enums of their values (strict validation takes plain strings)
 Mode = Literal.__getitem__(tuple(m.value for m in results.Mode))
@@ -37,7 +39,9 @@ class _Request(BaseModel):
 class AskRequest(_Request):
     corpus: str = Field(min_length=1, description="Corpus name, as listed by GET /v1/corpora.")
     question: str = Field(min_length=1, description="The question (limit: CAG_MAX_QUESTION_CHARS characters).")
-    mode: Mode = Field("cag", description="cag: from the snapshot; full: whole corpus in the prompt, no cache; rag: top-k passages.")
+    mode: Mode = Field("cag", description="cag: from the snapshot; cag+rag: the snapshot, with the top-k passages quoted "
+                                          "before the question; full: whole corpus in the prompt, no cache; rag: top-k passages.")
+    k: Count = Field(3, description="rag and cag+rag: passages to retrieve (BM25).")
     max_tokens: Count | None = Field(None, description="Answer length limit; clamped to CAG_ANSWER_ROOM. Default CAG_MAX_TOKENS.")
     min_tokens: Count0 = Field(0, description="No stop token before this many answer tokens (at most max_tokens), as vLLM's "
                                               "min_tokens: fixed-length answers for load tests.")
@@ -169,9 +173,19 @@ class ContentPart(_Request):
     text: str | None = None
 
 
+def _unicode(content):
+    # a lone surrogate ("\\ud800") passes the union below as a str (a plain str field refuses it) and
+    # failed in the tokenizer with a 500: refused here, with the message's path as `param`
+    texts = [content] if isinstance(content, str) else [p.text for p in content or () if p.text]
+    for text in texts:
+        if why := chat.unicode_problem(text):
+            raise PydanticCustomError("string_unicode", "content " + why)
+    return content
+
+
 class ChatMessage(_Request):
     role: str = Field(description="system (or developer), user or assistant; tool and function are refused.")
-    content: str | list[ContentPart] | None = None
+    content: Annotated[str | list[ContentPart] | None, AfterValidator(_unicode)] = None
 
 
 class StreamOptions(_Request):
@@ -192,7 +206,8 @@ class ChatRequest(_Request):
     top_p: float | None = Field(None, gt=0, le=1, description="Nucleus sampling; the most likely token is always kept.")
     seed: Integer | None = Field(None, description="Sampling seed, any integer: taken modulo 2**64 (-1 is 2**64-1).")
     n: One | None = Field(None, description="Only 1 is supported.")
-    mode: Mode = Field("cag", description="Extension: cag | full | rag.")
+    mode: Mode = Field("cag", description="Extension: cag | cag+rag | full | rag.")
+    k: Count = Field(3, description="Extension: rag and cag+rag: passages to retrieve (BM25).")
     on_stale: StalePolicy = Field("serve", description="Extension: serve | refuse | refresh.")
     shards: Count = Field(1, description="Extension: sharded corpora answer from the S best shards.")
     tools: list[Any] | None = Field(None, description="Refused when not empty: cag answers from its corpus and calls no tools.")

@@ -6,10 +6,24 @@ Validated once, with ranges, like the engine's: `load_api_settings` turns a bad 
 
 from __future__ import annotations
 
+import ipaddress
+import re
+
 from pydantic import Field, ValidationError, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from cag.config import settings_error
+
+
+def _host_or_address(h: str) -> bool:
+    """A host name or IPv4 address, or an IPv6 address (bracketed or not)."""
+    if re.fullmatch(r"[A-Za-z0-9_.-]+", h):
+        return True
+    try:
+        ipaddress.IPv6Address(h.removeprefix("[").removesuffix("]"))
+        return True
+    except ValueError:
+        return False
 
 
 class ApiSettings(BaseSettings):
@@ -27,6 +41,9 @@ class ApiSettings(BaseSettings):
     max_queue: int = Field(16, ge=0)  # requests allowed to wait for a worker; beyond that 429 + Retry-After
     request_timeout_s: float = Field(300.0, gt=0, allow_inf_nan=False)  # queue wait + generation; past it 504
     cors_origins: str = ""  # comma-separated origins, "*" for any; CORS is off when empty
+    # Host names (any port) answered besides localhost, 127.0.0.1, [::1], IP addresses and the address
+    # `cag serve` binds: comma-separated, "*" for any Host (api/middleware.py SameSite: DNS rebinding)
+    allowed_hosts: str = ""
     ui: bool = True  # the chat page at / (api/ui.py); false (or `cag serve --no-ui`): 404 there, the API unchanged
 
     @field_validator("api_keys")
@@ -36,6 +53,23 @@ class ApiSettings(BaseSettings):
         if v is not None and not any(k.strip() for k in v.split(",")):
             raise ValueError("is set but holds no key; unset it to serve without authentication")
         return v
+
+    @field_validator("allowed_hosts")
+    @classmethod
+    def _host_names(cls, v: str) -> str:
+        for h in (h.strip() for h in v.split(",")):
+            if h and h != "*" and not _host_or_address(h):
+                raise ValueError(f"{h!r} is not a host name or address (no scheme, port or path; `*` for any)")
+        return v
+
+    @property
+    def hosts(self) -> list[str]:
+        """CAG_ALLOWED_HOSTS, lower case, IPv6 addresses without their brackets."""
+        return [h.strip().lower().removeprefix("[").removesuffix("]") for h in self.allowed_hosts.split(",") if h.strip()]
+
+    def serving_on(self, host: str) -> ApiSettings:
+        """These settings with the address `cag serve` binds allowed as a Host too (they carry it to Ray replicas)."""
+        return self.model_copy(update={"allowed_hosts": ",".join(h for h in (self.allowed_hosts.strip(), host) if h)})
 
     @property
     def keys(self) -> list[str]:

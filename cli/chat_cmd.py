@@ -4,6 +4,7 @@ K/V kept between turns in this process (cag.runtime.kept_conversations): each tu
 
 from __future__ import annotations
 
+import io
 import json
 import signal
 import sys
@@ -12,6 +13,7 @@ from typing import Annotated
 
 import typer
 
+from cag.answering.chat import unicode_problem
 from cag.cli.common import MaxTokensOpt, ModelOpt, ModeOpt, StoreOpt, _engine, handle_errors, shown
 from cag.errors import BadInput
 
@@ -50,8 +52,13 @@ def chat(
     from cag.runtime.kv_cache import Cancelled
 
     engine = _engine(model, store=store)
-    engine.check(corpus, "ping", mode)  # an unknown corpus or mode: one line before the first prompt
     start = [{"role": "system", "content": system}] if system else []
+    # an unknown corpus or mode, a --system that is not text: one line before the first prompt
+    engine.check(corpus, None, mode, messages=[*start, {"role": "user", "content": "ping"}])
+    if isinstance(sys.stdin, io.TextIOWrapper):
+        # bytes that are not UTF-8 arrive as lone surrogates, refused as one line below, where strict
+        # decoding raised UnicodeDecodeError (a traceback, the session lost, the lines buffered with it too)
+        sys.stdin.reconfigure(errors="surrogateescape")
     messages = list(start)
     typer.echo(f"chatting with {shown(corpus)} ({mode}). {HELP}", err=True)
     stop = {"now": False}
@@ -70,6 +77,9 @@ def chat(
             continue
         text = line.strip()
         if not text:
+            continue
+        if why := unicode_problem(text):
+            typer.echo(f"error: that line {why}; type it again", err=True)
             continue
         if text in ("/quit", "/exit"):
             return

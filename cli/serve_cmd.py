@@ -43,7 +43,7 @@ def serve(
 
     try:  # a bad setting (CAG_API_KEYS=" , ", CAG_WORKERS=0 ...) is one line and exit 1, never an open server
         api_settings = load_api_settings(workers=workers, max_queue=max_queue, request_timeout_s=timeout,
-                                         ui=False if no_ui else None)
+                                         ui=False if no_ui else None).serving_on(host)  # its address is a Host it answers
         cag_settings = get_settings(model=model, store=store)
         scale = load_replica_settings(replicas=replicas, ray_address=ray_address, cpus_per_replica=cpus_per_replica,
                                       gpus_per_replica=gpus_per_replica, min_replicas=min_replicas, max_replicas=max_replicas,

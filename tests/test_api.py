@@ -22,12 +22,13 @@ import httpx
 import pytest
 from httpx_sse import EventSource
 
-from cag.kernels import native
 from bench.harness import cag_command, serving
+from cag.kernels import native
 from tests.conftest import PREFILL_BLOCK, REPO
 
 KEY = "test-key-1"
 AUTH = {"Authorization": f"Bearer {KEY}"}
+LOCAL = "http://localhost"  # TestClient's own "testserver" is not a Host the server answers to (api/middleware.py SameSite)
 QUESTIONS = [
     "When does the ferry leave?",
     "Who keeps the lighthouse?",
@@ -465,7 +466,7 @@ def app_client(engine, **settings):
     from cag.api.settings import ApiSettings
 
     app = create_app(ApiSettings(**settings), engine=engine)
-    with TestClient(app, raise_server_exceptions=False) as c:
+    with TestClient(app, raise_server_exceptions=False, base_url=LOCAL) as c:
         deadline = time.monotonic() + 30
         while c.get("/health").status_code != 200:
             assert time.monotonic() < deadline
@@ -493,7 +494,7 @@ def test_health_is_503_until_the_model_is_loaded(tiny_model_dir, monkeypatch):
     engine = Engine(get_settings())
     engine._lm_lock.acquire()  # hold the model load where it starts, to look at the server meanwhile
     try:
-        with TestClient(create_app(engine=engine)) as c:
+        with TestClient(create_app(engine=engine), base_url=LOCAL) as c:
             r = c.get("/health")
             assert r.status_code == 503 and r.json()["status"] == "loading"
             _err(c.get("/v1/models"), 503, "not_ready")
@@ -505,7 +506,7 @@ def test_health_is_503_until_the_model_is_loaded(tiny_model_dir, monkeypatch):
             engine._lm_lock.release()
 
     broken = Engine(get_settings(model=str(tiny_model_dir / "missing")))
-    with TestClient(create_app(engine=broken)) as c:
+    with TestClient(create_app(engine=broken), base_url=LOCAL) as c:
         deadline = time.monotonic() + 30
         while (r := c.get("/health")).json()["status"] == "loading":
             assert time.monotonic() < deadline

@@ -170,7 +170,7 @@ def test_health_says_which_kernels_run_and_why(tiny64_model_dir, monkeypatch, tm
     monkeypatch.setenv("CAG_MODEL", str(tiny64_model_dir))
     monkeypatch.setenv("CAG_WEIGHTS", "int4")  # bf16 K/V, heads of 64: what cag's kernels would take
     engine = Engine(get_settings())
-    with caplog.at_level(logging.WARNING, logger="cag.kernels.native"), TestClient(create_app(engine=engine)) as c:
+    with caplog.at_level(logging.WARNING, logger="cag.kernels.native"), TestClient(create_app(engine=engine), base_url="http://localhost") as c:
         assert c.head("/health").status_code in (200, 503)
         r = c.get("/health")
         while r.status_code == 503 and r.json()["status"] == "loading":
@@ -195,7 +195,7 @@ def test_health_names_the_kernels_that_run(tiny_model_dir, monkeypatch):
 
     monkeypatch.setenv("CAG_MODEL", str(tiny_model_dir))
     monkeypatch.setattr(native, "cpu_why_not", lambda: None)  # a CPU that could run them, whatever this one is
-    with TestClient(create_app(engine=Engine(get_settings()))) as c:
+    with TestClient(create_app(engine=Engine(get_settings())), base_url="http://localhost") as c:
         while (r := c.get("/health")).status_code == 503:
             pass
         body = r.json()

@@ -111,7 +111,7 @@ def test_serve_no_ui_flag(monkeypatch):
         r = CliRunner().invoke(app, args)
         assert r.exit_code == 0, r.output
         assert seen["app"].state.service.settings.ui is (status == 200)
-        c = TestClient(seen["app"])  # no lifespan: neither route needs the model
+        c = TestClient(seen["app"], base_url="http://localhost")  # no lifespan: neither route needs the model
         assert c.get("/").status_code == status and c.get("/docs").status_code == 200
 
 

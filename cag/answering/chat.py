@@ -34,6 +34,34 @@ class Turn:
     text: str
 
 
+def unicode_problem(text: str) -> str | None:
+    """Why `text` is not Unicode text a tokenizer can take, or None: a lone surrogate, from a JSON
+    escape such as "\\ud800" with no pair, or from bytes that are not UTF-8 (Python decodes argv with
+    surrogateescape: byte 0xff is U+DCFF). Tokenizers fail on it with a TypeError (an HTTP 500 and a
+    CLI traceback before)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        return (f"is not valid text: character {e.start} is U+{ord(text[e.start]):04X}, a lone surrogate "
+                "(an unpaired \\u escape, or bytes that are not UTF-8)")
+    return None
+
+
+def content_text(i: int, role, content) -> str:
+    """A message's text: a string, or OpenAI's content parts ([{"type": "text", "text": ...}], their
+    texts joined by newlines), read the same for the HTTP API (api.answers) and `cag ask --messages`;
+    None is empty. Other part types (image_url, input_audio, file) are refused."""
+    if content is None or isinstance(content, str):
+        return content or ""
+    if isinstance(content, list) and all(isinstance(p, dict) for p in content):
+        if other := [p.get("type") for p in content if p.get("type") != "text"]:
+            raise BadInput(f"message {i} ({role}): content of type {other[0]!r} is not supported: cag reads text")
+        texts = [p.get("text") for p in content]
+        if all(t is None or isinstance(t, str) for t in texts):
+            return "\n".join(t for t in texts if t)
+    raise BadInput(f"message {i} ({role}): content must be text (a string or a list of text parts)")
+
+
 def turns_of(messages: list) -> list[Turn]:
     """Checked turns from chat messages ({"role", "content"} dicts or (role, text) pairs): system
     text joins the next user message, consecutive messages of one role join with a blank line. The
@@ -43,15 +71,16 @@ def turns_of(messages: list) -> list[Turn]:
     turns: list[Turn] = []
     system: list[str] = []
     for i, m in enumerate(messages):
-        role, text = (m.get("role"), m.get("content")) if isinstance(m, dict) else tuple(m)
+        role, content = (m.get("role"), m.get("content")) if isinstance(m, dict) else tuple(m)
         if role in ("tool", "function"):
             raise BadInput(f"message {i}: role {role!r} is not supported: cag answers from its corpus and calls no tools")
         if role not in ROLES:
             raise BadInput(f"message {i}: unknown role {role!r}; use one of {', '.join(ROLES)}")
-        if not isinstance(text, str):
-            raise BadInput(f"message {i} ({role}): content must be text")
+        text = content_text(i, role, content)
         if not text.strip():
             raise BadInput(f"message {i} ({role}) is empty")
+        if why := unicode_problem(text):
+            raise BadInput(f"message {i} ({role}) {why}")
         text = text.strip()
         if role in SYSTEM_ROLES:
             system.append(text)

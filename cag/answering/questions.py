@@ -66,6 +66,8 @@ def check(engine, corpus: str, question: str | None, mode: str = "cag", max_toke
         question = chat.question(turns)
     if not question or not question.strip():
         raise BadInput("empty question")
+    if turns is None and (why := chat.unicode_problem(question)):  # a conversation's turns are checked already
+        raise BadInput(f"the question {why}")
     engine.remote.lookup(corpus)  # a shared store's ref: on a miss, and every CAG_STORE_REF_TTL_S
     row = engine.index.corpus(corpus)
     if row is None:

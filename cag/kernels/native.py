@@ -27,7 +27,7 @@ step glue from a library of their own (avx2_products.cpp, avx2_step.cpp, built a
 CAG_DECODE_KERNELS picks them: `auto` = avx512 where the library builds (on AMX CPUs too: its
 attention decodes faster than the AMX one there, bench/bench_decode.py), avx2 below its floor where
 the AVX2 library builds, else torch's kernels (with one warning, naming why,
-on a CPU that could run them: no compiler, a failed build, an unsafe cache folder; `/health` says
+on a CPU that could run either library: no compiler, a failed build, an unsafe cache folder; `/health` says
 which kernels run and why: `summary`); `amx`,
 `avx512` and `avx2` refuse to start where they cannot run, with the reason; `torch` never uses them. Kernels
 give different last bits, so `cag` == `full` holds within one setting (both use the same), as across
@@ -213,6 +213,7 @@ def load_avx2() -> bool:
     False where they cannot run (the reason: `avx2_reason()`)."""
     with _lock:
         if not _avx2:
+            _avx2["cpu_ok"] = cpu_why_not(AVX2_FLAGS) is None  # else the CPU is why, and nothing to warn about
             path, _avx2["why"] = _open(avx2_why_not(), AVX2_SOURCES, "cag_avx2")
             _avx2["ok"] = path is not None
         return bool(_avx2.get("ok"))
@@ -221,6 +222,30 @@ def load_avx2() -> bool:
 def avx2_reason() -> str | None:
     load_avx2()
     return _avx2.get("why")
+
+
+def avx2_failed() -> str | None:
+    """Why cag's AVX2 library, once tried, does not run on a CPU that has what it needs (no compiler,
+    a failed build, an unsafe cache folder); None where it runs, was never tried, or the CPU is why."""
+    return _avx2.get("why") if _avx2.get("cpu_ok") and not _avx2.get("ok") else None
+
+
+def below_floor(cpu: str) -> str:
+    """Why decode runs on torch's kernels on a CPU below the AVX-512 floor (`cpu`: what it lacks): the
+    AVX2 library's failure where it was tried on a CPU that could run it, with one warning (it was
+    silent, and named the missing AVX-512 instead, while `auto` also fell from int4 to fp32 weights),
+    else the CPU. The reason is shown by /health: no path or compiler output in it."""
+    if why := avx2_failed():
+        _fall_back(why)
+        return f"cag's AVX2 kernels cannot run here: {_public(why)}"
+    return f"cag's kernels cannot run here: {cpu}"
+
+
+def _fall_back(why: str) -> None:
+    """Say once per process that decode falls back to torch's kernels, and why (no compiler ...)."""
+    if not _state.get("warned"):
+        _state["warned"] = True
+        log.warning("cag: decode falls back to torch's kernels (slower): %s", why)
 
 
 def attention(mode: str) -> Callable:
@@ -264,20 +289,23 @@ def resolve(mode: str, device: torch.device | str = "cpu") -> str:
         return "avx512" if mode == "auto" else mode  # auto: avx512 decodes faster than amx on AMX CPUs too (README)
     if mode != "auto":
         raise ModelError(f"CAG_DECODE_KERNELS={mode} cannot run here: {reason()}; use auto or torch")
-    if cpu_why_not() is not None and load_avx2():  # below the library's floor: the AVX2 library
-        return "avx2"
-    if not _state.get("warned"):
-        _state["warned"] = True
-        if cpu_why_not() is None:  # a CPU that could run them (no compiler, a failed build): say so, once;
-            log.warning("cag: decode falls back to torch's kernels (slower): %s", reason())  # elsewhere torch's are simply the ones
+    if (cpu := cpu_why_not()) is not None:  # below the library's floor: the AVX2 library, else torch's
+        if load_avx2():
+            return "avx2"
+        below_floor(cpu)  # warns where the AVX2 library could run here (no compiler ...)
+    else:  # a CPU that could run them (no compiler, a failed build): say so, once
+        _fall_back(reason())
     return "torch"
+
+
+def _public(why: str) -> str:
+    """A build or load failure with no file path or compiler output in it."""
+    if why.startswith("no C++ compiler"):
+        return "no C++ compiler found (install g++, or set CXX)"
+    return "it did not build or load (the server's log says why)"
 
 
 def public_reason() -> str | None:
     """`reason()` with no file path or compiler output in it: for /health, which anyone may read."""
     why = reason()
-    if why is None or cpu_why_not() is not None:
-        return why
-    if why.startswith("no C++ compiler"):
-        return "no C++ compiler found (install g++, or set CXX)"
-    return "it did not build or load (the server's log says why)"
+    return why if why is None or cpu_why_not() is not None else _public(why)

@@ -81,12 +81,15 @@ def plan(engine, name: str, source: Path, ttl_s: float | None, shard_tokens: int
     docs, skipped = read_corpus(engine.index, source, name, engine.settings, reporter)  # refused before the model loads
     lm, layout = engine.lm, engine.layout()
     head, mid = encode_template(lm.tokenizer, layout.head), encode_template(lm.tokenizer, layout.mid)
-    capacity = lm.max_context - engine.room
+    capacity, layout_tokens = lm.max_context - engine.room, len(head) + len(mid)
+    if capacity - layout_tokens < 16:  # the rooms' fault, whatever --shard-tokens says: name them
+        raise BadInput(f"CAG_QUESTION_ROOM + CAG_ANSWER_ROOM ({engine.room}) leave no room in the model's context "
+                       f"({lm.max_context}) for knowledge (the prompt layout alone is {layout_tokens} tokens): lower them")
     if shard_tokens:
         capacity = min(capacity, shard_tokens)
-    if capacity - len(head) - len(mid) < 16:
+    if capacity - layout_tokens < 16:
         raise BadInput(f"shards of {capacity} tokens leave no room for knowledge: the prompt layout alone is "
-                       f"{len(head) + len(mid)} tokens (raise --shard-tokens)")
+                       f"{layout_tokens} tokens (raise --shard-tokens)")
     tokenizing = getattr(reporter, "tokenizing", None)
     tick = tokenizing(sum(len(d.text) for d in docs)) if tokenizing else None
     units = units_of(lm.tokenizer, docs, capacity - len(head) - len(mid), tick)

@@ -272,12 +272,14 @@ def decode_kernels(mode: str, lm: LoadedModel) -> tuple[str, str]:
     heads are one of those widths: `auto` takes it below the AVX-512 floor for int4 weights; asked for with another
     format, it is refused."""
     on_cpu = lm.device.type == "cpu"
+    if mode == "avx2" and on_cpu and not native.load_avx2():  # first: `auto` weights fall to fp32 without it
+        raise ModelError(f"CAG_DECODE_KERNELS=avx2 cannot run here: {native.avx2_reason()}; use auto or torch")
     if mode == "avx2" and on_cpu and lm.weights != "int4":
         raise ModelError(f"CAG_DECODE_KERNELS=avx2 multiplies int4 weights; with CAG_WEIGHTS={lm.weights} use auto or torch")
     if mode == "auto" and on_cpu and (cpu := native.cpu_why_not()):  # first what no setting changes
         if lm.weights == "int4" and native.load_avx2():
             return "avx2", f"cag's AVX2 kernels run on this CPU; all layers in one call need AVX512-BF16: {cpu}"
-        return "torch", f"cag's kernels cannot run here: {cpu}"
+        return "torch", native.below_floor(cpu)  # or the AVX2 library's build, where that is why
     if mode not in ("torch", "avx2") and mode in native.MODES and on_cpu and (lm.attn_dtype != torch.bfloat16 or lm.head_dim not in native.HEAD_DIMS):
         why = " and ".join(need for bad, need in ((lm.head_dim not in native.HEAD_DIMS, "heads of 64, 80, 96, 128 or 256"),
                                                   (lm.attn_dtype != torch.bfloat16, "bf16 K/V (CAG_WEIGHTS bf16, int8 or int4, or CAG_DTYPE=bfloat16)"))
