@@ -73,7 +73,7 @@ async def chat_completions(body: ChatRequest, request: Request, svc: ReadyServic
     decoding = DecodeConfig(temperature=body.temperature or 0.0, top_p=body.top_p or 1.0, seed=seed,
                             min_tokens=body.min_tokens)
     call = AskCall(body.model, None, mode=body.mode, messages=messages, max_tokens=max_tokens, on_stale=body.on_stale,
-                   shards=body.shards, stream=body.stream, decoding=decoding, scope=key_scope(request))
+                   shards=body.shards, stream=body.stream, decoding=decoding, k=body.k, scope=key_scope(request))
     gen = svc.runner.start(svc.answers.work(call))
     cid, created = "chatcmpl-" + secrets.token_hex(12), int(time.time())
     if not body.stream:

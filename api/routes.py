@@ -103,7 +103,7 @@ def start_ask(svc: Service, body: AskRequest, scope: str | None = None) -> Gener
             svc.check_question(text, body.mode)
     call = AskCall(body.corpus, body.question if messages is None else None, mode=body.mode, max_tokens=body.max_tokens,
                    on_stale=body.on_stale, shards=body.shards, stream=body.stream,
-                   decoding=DecodeConfig(min_tokens=body.min_tokens), messages=messages, scope=scope)
+                   decoding=DecodeConfig(min_tokens=body.min_tokens), messages=messages, k=body.k, scope=scope)
     return svc.runner.start(svc.answers.work(call))
 
 

@@ -182,8 +182,8 @@ class Engine:
         answer may reuse and extend (an API key's; None: the one user's)."""
         q = self.check(corpus, question, mode, max_tokens, on_stale, decoding, messages)
         q.scope = scope
-        if q.mode is Mode.RAG:
-            raise BadInput("mode 'rag' is answered by cag.rag.answer.ask, above the engine")
+        if q.mode in (Mode.RAG, Mode.HYBRID):
+            raise BadInput(f"mode {q.mode.value!r} is answered by cag.rag.answer.ask, above the engine")
         if q.mode is Mode.FULL and len(self.index.shards(corpus)) > 1:  # no context holds it all: the routed shard
             rows, (route, *_), routing_ms = across_shards.route(self, corpus, q.search_text, 1)
             snap = self.index.snapshot(rows[route.shard]["snapshot"])

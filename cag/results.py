@@ -27,6 +27,7 @@ class Mode(str, Enum):
     CAG = "cag"
     FULL = "full"
     RAG = "rag"
+    HYBRID = "cag+rag"  # the snapshot, with the top-k passages quoted before the question (rag/hybrid.py)
 
     def __str__(self) -> str:
         return self.value

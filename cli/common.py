@@ -17,7 +17,7 @@ from cag.results import human_bytes
 
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON object (for scripts).")]
 StoreOpt = Annotated[str | None, typer.Option("--store", help="Shared snapshot store, s3://bucket/prefix (default: CAG_HOME only). Env: CAG_STORE.")]
-ModeOpt = Annotated[str, typer.Option(help="cag: from the snapshot; full: whole knowledge in the prompt, no cache; rag: BM25 top-k passages.")]
+ModeOpt = Annotated[str, typer.Option(help="cag: from the snapshot; cag+rag: the snapshot, with the BM25 top-k passages quoted before the question; full: whole knowledge in the prompt, no cache; rag: BM25 top-k passages.")]
 MaxTokensOpt = Annotated[int | None, typer.Option(help="Answer length limit in tokens (clamped to CAG_ANSWER_ROOM).")]
 ModelOpt = Annotated[str | None, typer.Option("--model", help="Model: the embedded default, a Hugging Face folder or hub id. Env: CAG_MODEL.")]
 

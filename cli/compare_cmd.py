@@ -38,7 +38,7 @@ def compare(
     max_sets: Annotated[int, typer.Option("--max-sets", help="Most knowledge sets pooled per size to reach --questions (each one is ingested).")] = 10,
     full_sample: Annotated[int, typer.Option("--full-sample", help="Ask `full` (no cache) on the first N questions per size.")] = 10,
     shard_tokens: Annotated[str | None, typer.Option("--shard-tokens", help="Shard-size sweep, comma-separated token caps: each N > 0 adds the mode cag@N (every set ingested into shards of at most N tokens, routed like sharded cag, also where one snapshot fits); 0 = what fits, which is cag itself.")] = None,
-    modes: Annotated[str, typer.Option("--modes", help="Comma-separated: cag, full, rag-bm25, rag-dense (dense needs the `dense` extra).")] = "cag,full,rag-bm25",
+    modes: Annotated[str, typer.Option("--modes", help="Comma-separated: cag, full, rag-bm25, rag-dense (dense needs the `dense` extra), cag+rag.")] = "cag,full,rag-bm25",
     k: Annotated[str, typer.Option("--k", help="RAG passages for the k sweep, comma-separated.")] = "1,3,5",
     k_main: Annotated[int, typer.Option("--k-main", help="RAG passages on every question.")] = 3,
     k_sample: Annotated[int, typer.Option("--k-sample", help="Run the k sweep on the first N questions per size.")] = 10,

@@ -8,7 +8,7 @@ from .results import Row, label, prefix_range, shard_cap, sizes_run
 from .stats import Estimate, group, mode_sort_key, stats
 
 STYLES = {"cag": ("tab:blue", "o", "-"), "full": ("tab:red", "s", "--"), "rag-bm25": ("tab:green", "^", "-"),
-          "rag-dense": ("tab:purple", "D", "-")}
+          "rag-dense": ("tab:purple", "D", "-"), "cag+rag": ("black", "*", "-")}
 # the shard-size sweep's cag@N, smallest cap first: cag's marker, dotted, a colour each
 SWEEP_COLORS = ("tab:cyan", "tab:orange", "tab:brown", "tab:pink", "tab:olive", "tab:gray")
 

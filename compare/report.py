@@ -17,7 +17,7 @@ from cag.results import human_bytes
 
 from .plot import render_png
 from .results import Row, label, prefix_range, read_run, ready_sets, set_snapshots, shard_cap, shards_text, sizes_run
-from .stats import CI_LEVEL, N_RESAMPLES, Estimate, bootstrap, group, mismatches, mode_sort_key, paired_vs_cag, stats
+from .stats import CI_LEVEL, N_RESAMPLES, Estimate, bootstrap, group, mismatches, mode_sort_key, paired_vs_cag, retrieves, stats
 
 
 def _estimate(e: Estimate | None, value) -> str:
@@ -251,7 +251,7 @@ def _size_section(size: int, g: dict, rows: list[Row], sets: list[dict], k_main)
         L += [""]
     for (_, m, k), rs in main:
         st = stats(rs)
-        if m.startswith("rag") and st.get("recall") is not None:
+        if retrieves(m) and st.get("recall") is not None:
             L += [(f"- {label(m, k)}: gold document(s) all retrieved for {st['hit_rate']:.0%} of questions "
                    f"(missed {st['n_miss']}); F1 {_num(st['f1_hit'], 2)} when retrieved, "
                    f"{_num(st['f1_miss'], 2)} when missed.")]
@@ -260,7 +260,7 @@ def _size_section(size: int, g: dict, rows: list[Row], sets: list[dict], k_main)
                    f"of questions (missed {st['route_n_miss']}); F1 {_num(st['route_f1_hit'], 2)} when routed to "
                    f"them, {_num(st['route_f1_miss'], 2)} when not; routing median {_ms(st['routing'])}.")]
     # k sweep on its sample, next to cag on the same questions.
-    sweep = [(key, rs) for key, rs in items if key[1].startswith("rag") and key[2] not in (None, k_main)]
+    sweep = [(key, rs) for key, rs in items if retrieves(key[1]) and key[2] not in (None, k_main)]
     if sweep:
         qids = {(r.set, r.qid) for _, rs in sweep for r in rs}
         L += ["", f"k sweep on the first {len(qids)} questions (cag and full on the same questions for reference):",
@@ -280,7 +280,7 @@ def _sharding_section(g: dict, rows: list[Row], sets: list[dict], k_main) -> lis
     cag_modes = sorted({m for (_, m, _) in g if shard_cap(m) is not None}, key=lambda m: mode_sort_key(m, None))
     if not any(m != "cag" for m in cag_modes) and not any(_sharded(sets, size) for size in sizes):
         return []
-    rag_keys = sorted({(m, k) for (_, m, k) in g if m.startswith("rag") and k == k_main},
+    rag_keys = sorted({(m, k) for (_, m, k) in g if retrieves(m) and k == k_main},
                       key=lambda mk: mode_sort_key(*mk))
     L = ["## Sharded CAG: shard size, routing recall, RAG", "",
          ("Per size: plain cag (one snapshot where the set fits the context, shards that fit it beyond), the "

@@ -17,7 +17,9 @@ the stop tokens; only the knowledge differs:
                which no single prompt holds (the set and the report say so);
 * ``rag-bm25`` / ``rag-dense``  the top-k passages (384 tokens of the model's tokenizer) of
                the same files; ``k_main`` on every question, every k of ``ks`` on the first
-               ``k_sample`` questions of each size.
+               ``k_sample`` questions of each size;
+* ``cag+rag``  ``cag`` (the snapshot, or the routed shard's) with the BM25 top-k passages quoted
+               before the question (rag/hybrid.py), asked with k as RAG is.
 
 A size whose set holds fewer questions than asked (a HotpotQA question brings ~10
 paragraphs) pools sets of the further seeds, up to ``max_sets`` per size
@@ -66,7 +68,7 @@ from .metrics import answer_in_output, exact_match, f1, f1_first_sentence
 from .report import write_report
 from .results import RESULTS, RUN, SETS, ResultsLog, Row, read_rows, shard_cap, variant_mode, write_json
 
-ALL_MODES = ("cag", "full", "rag-bm25", "rag-dense")
+ALL_MODES = ("cag", "full", "rag-bm25", "rag-dense", "cag+rag")
 DEFAULT_MODES = ("cag", "full", "rag-bm25")
 # What must match for --resume to append to an existing run (the rest may change between runs).
 RESUME_KEYS = ("dataset", "format", "sizes", "questions", "seed", "max_sets", "max_tokens", "model_fingerprint",
@@ -474,8 +476,8 @@ def _prepare(engine, cfg: CompareConfig, ks: ds.KnowledgeSet, size: int, corpora
         info.variants[mode] = variant
         log(f"{ks.name} {mode}: {r.n_shards} shard{'s' if r.n_shards != 1 else ''}")
     for mode in modes:
-        if mode.startswith("rag-"):
-            idx, _ = get_index(engine, docs, mode.split("-", 1)[1])
+        if mode.startswith("rag-") or mode == "cag+rag":
+            idx, _ = get_index(engine, docs, mode.split("-", 1)[1] if mode.startswith("rag-") else "bm25")
             info.rag_index[mode] = {"build_ms": round(idx.build_ms, 1), "n_passages": len(idx.passages),
                                     "passage_tokens": idx.passage_tokens}
     return info
@@ -545,10 +547,10 @@ def warm_up(engine, corpus: str, question: str) -> None:
 def ask_row(engine, info: SetInfo, qi: int, q: ds.QAItem, mode: str, k: int | None,
             decoding: DecodeConfig) -> Row:
     """Ask one question in one mode; the row that goes to results.jsonl."""
-    retriever = mode.split("-", 1)[1] if mode.startswith("rag-") else None
+    retriever = mode.split("-", 1)[1] if mode.startswith("rag-") else "bm25" if mode == "cag+rag" else None
     row = Row(set=info.name, size=info.size, qid=q.qid, mode=mode, prefix_tokens=info.prefix_tokens, q_index=qi,
               question=q.question, golds=q.answers, gold_docs=q.gold_doc_ids, retriever=retriever, k=k)
-    engine_mode = "rag" if retriever else "cag" if shard_cap(mode) is not None else mode
+    engine_mode = mode if mode == "cag+rag" else "rag" if retriever else "cag" if shard_cap(mode) is not None else mode
     try:
         a = ask(engine, info.corpus_of(mode), q.question, mode=engine_mode, max_tokens=decoding.max_tokens,
                 decoding=decoding, k=k or 3, retriever=retriever or "bm25")
@@ -569,7 +571,9 @@ def ask_row(engine, info: SetInfo, qi: int, q: ds.QAItem, mode: str, k: int | No
         row.retrieved = [{"doc": d, "index": p["index"], "score": p["score"]} for d, p in zip(got, a.passages)]
         row.retrieval_hit = gold <= set(got)
         row.retrieval_recall = round(len(gold & set(got)) / len(gold), 4) if gold else None
-    elif mode in info.shard_docs and a.shards:
+    if mode == "cag+rag" and a.shards and "cag" in info.shard_docs:
+        routing_recall(engine, info, "cag", q, a, row)
+    elif not retriever and mode in info.shard_docs and a.shards:
         routing_recall(engine, info, mode, q, a, row)
     return row
 

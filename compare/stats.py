@@ -19,7 +19,12 @@ from .results import Row, shard_cap
 N_RESAMPLES = 1000
 CI_SEED = 0
 CI_LEVEL = 0.95
-MODE_ORDER = {"cag": 0, "full": 1, "rag-bm25": 2, "rag-dense": 3}
+MODE_ORDER = {"cag": 0, "full": 1, "rag-bm25": 2, "rag-dense": 3, "cag+rag": 4}
+
+
+def retrieves(mode: str) -> bool:
+    """Modes that retrieve top-k passages (and have a k): RAG's, and cag+rag's quote."""
+    return mode.startswith("rag") or mode == "cag+rag"
 
 _STATS: dict[str, Callable] = {
     "mean": lambda a, axis=None: np.mean(a, axis=axis),
@@ -102,7 +107,7 @@ def group(rows: list[Row]) -> dict[tuple, list[Row]]:
 
 
 def mode_sort_key(mode: str, k: int | None) -> tuple:
-    """cag, then the sweep's cag@N by N, then full, rag-bm25, rag-dense, each by k."""
+    """cag, then the sweep's cag@N by N, then full, rag-bm25, rag-dense, cag+rag, each by k."""
     cap = shard_cap(mode)
     return (MODE_ORDER["cag"] if cap is not None else MODE_ORDER.get(mode, 9), cap or 0, k or 0)
 

@@ -21,87 +21,16 @@ questions do not re-index; an edited document changes the key and the index is r
 
 from __future__ import annotations
 
-import threading
 import time
-from collections import OrderedDict
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
-from pathlib import Path, PurePosixPath
+from pathlib import Path
 
 from cag.errors import BadInput, CagError, TooLarge
-from cag.hashing import hash_obj
-from cag.model.prompt import build_prefix, encode_text
+from cag.model.prompt import build_prefix
 from cag.results import Mode
 
-from .chunking import DEFAULT_TARGET_TOKENS, Passage, chunk_documents
-from .retrieve import RETRIEVER_KINDS, RetrieverUnavailable, make_retriever
-
-DEFAULT_PASSAGE_TOKENS = DEFAULT_TARGET_TOKENS  # 384 tokens of the model's tokenizer
-MAX_CACHED_INDEXES = 8
-
-
-@dataclass
-class Index:
-    """A built retriever over one corpus's passages, and what building it cost."""
-
-    key: str
-    passages: list[Passage]
-    retriever: object
-    build_ms: float  # chunking + indexing (dense: + embedding every passage)
-    kind: str
-    passage_tokens: int
-
-
-_indexes: OrderedDict[str, Index] = OrderedDict()
-_indexes_lock = threading.Lock()
-
-
-def passage_name(doc_id: str, index: int) -> str:
-    """``dir/a.md`` passage 2 -> ``dir/a#2.md``: doc id + passage index, suffix kept last."""
-    p = PurePosixPath(doc_id)
-    if not p.suffix:
-        return f"{doc_id}#{index}"
-    return str(p.with_name(f"{p.stem}#{index}{p.suffix}"))
-
-
-def index_key(docs: list[tuple[str, str]], kind: str, passage_tokens: int, tokenizer_fingerprint: str) -> str:
-    """docs: (name, content hash) in corpus order."""
-    return hash_obj({"docs": [list(d) for d in docs], "kind": kind, "passage_tokens": passage_tokens,
-                     "tokenizer": tokenizer_fingerprint})
-
-
-def get_index(engine, docs, kind: str = "bm25", passage_tokens: int = DEFAULT_PASSAGE_TOKENS) -> tuple[Index, bool]:
-    """The retriever for these documents (engine `Document`s), built once per content; (index, was_cached)."""
-    if kind not in RETRIEVER_KINDS:
-        raise BadInput(f"unknown retriever {kind!r}; use one of {', '.join(RETRIEVER_KINDS)}")
-    lm = engine.lm
-    key = index_key([(d.name, d.content_hash) for d in docs], kind, passage_tokens, lm.tokenizer_fingerprint)
-    with _indexes_lock:
-        hit = _indexes.get(key)
-        if hit is not None:
-            _indexes.move_to_end(key)
-            return hit, True
-    t0 = time.perf_counter()
-    tok = lm.tokenizer
-    passages = chunk_documents([(d.name, d.text) for d in docs], lambda s: len(encode_text(tok, s)), passage_tokens)
-    if not passages:
-        raise BadInput("the corpus has no text to retrieve from")
-    try:
-        retriever = make_retriever(kind, passages)
-    except RetrieverUnavailable as e:
-        raise BadInput(str(e)) from None
-    built = Index(key, passages, retriever, (time.perf_counter() - t0) * 1e3, kind, passage_tokens)
-    with _indexes_lock:
-        _indexes[key] = built
-        _indexes.move_to_end(key)
-        while len(_indexes) > MAX_CACHED_INDEXES:
-            _indexes.popitem(last=False)
-    return built, False
-
-
-def clear_indexes() -> None:
-    with _indexes_lock:
-        _indexes.clear()
+from .hybrid import answer_hybrid
+from .index import DEFAULT_PASSAGE_TOKENS, Index, clear_indexes, get_index, index_key, passage_name  # noqa: F401 - also used from here
 
 
 def answer_rag(engine, q, k: int = 3, retriever: str = "bm25", on_text: Callable[[str], None] | None = None,
@@ -131,11 +60,14 @@ def ask(engine, corpus: str, question: str | None, mode: str = "cag", max_tokens
         on_text: Callable[[str], None] | None = None, should_stop: Callable[[], bool] | None = None,
         on_stale: str = "serve", decoding=None, k: int = 3, retriever: str = "bm25", shards: int = 1,
         messages: list | None = None, scope: str | None = None):
-    """Answer in any mode: `cag` and `full` are the engine's own; `rag` is built here, above it.
+    """Answer in any mode: `cag` and `full` are the engine's own; `rag` and `cag+rag` are built here, above it.
     The one entry point for the CLI, the API and the comparison runner. `messages`: a conversation
     (cag.answering.chat) in place of `question`; RAG retrieves by its latest user messages and answers with the
     whole conversation after the passages, as `cag` and `full` do after the knowledge. `scope`: whose kept
     conversations a `cag` answer may reuse (an API key's; cag.runtime.kept_conversations)."""
+    if mode == Mode.HYBRID.value:
+        return answer_hybrid(engine, corpus, question, k, retriever, messages, max_tokens=max_tokens, on_text=on_text,
+                             should_stop=should_stop, on_stale=on_stale, decoding=decoding, shards=shards, scope=scope)
     if mode != Mode.RAG.value:
         return engine.ask(corpus, question, mode=mode, max_tokens=max_tokens, on_text=on_text,
                           should_stop=should_stop, on_stale=on_stale, decoding=decoding, shards=shards, messages=messages,

@@ -1,0 +1,85 @@
+"""`cag+rag` (rag/hybrid.py): the snapshot as the prefix, the top-k passages quoted before the question;
+exact (== the same prompt with no cache) alone, batched and in a conversation, on one snapshot and on
+shards, and what does not fit is said."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from cag.config import get_settings
+from cag.engine import Engine
+from cag.errors import BadInput
+from cag.rag.answer import ask
+from cag.rag.hybrid import QUOTE_HEAD, answer_hybrid
+
+Q = "Who keeps the lighthouse?"
+
+
+@pytest.fixture
+def engine(tiny_engine, small_corpus):
+    tiny_engine.ingest(str(small_corpus))
+    return tiny_engine
+
+
+def test_the_quote_is_the_top_passages_before_the_question(engine):
+    a = ask(engine, "corpus", Q, mode="cag+rag", k=2, max_tokens=12)
+    assert a.mode == "cag+rag" and a.snapshot and a.retrieval_ms > 0
+    assert [p["quoted"] for p in a.passages] == [True, True] and a.passages[0]["doc_id"] == "a.md"
+    plain = ask(engine, "corpus", Q, mode="cag", max_tokens=12)
+    assert a.cached_tokens == plain.cached_tokens  # the snapshot stays the prefix
+    assert a.prompt_tokens > plain.prompt_tokens + sum(p["n_tokens"] for p in a.passages)  # the quote is prefilled
+
+
+def test_cag_rag_equals_the_same_prompt_with_no_cache_alone_batched_and_in_a_conversation(engine):
+    one = answer_hybrid(engine, "corpus", Q, k=2, max_tokens=12)
+    none = answer_hybrid(engine, "corpus", Q, k=2, max_tokens=12, full=True)
+    assert one.token_ids == none.token_ids and none.cached_tokens == 0
+    out: dict = {}
+    threads = [threading.Thread(target=lambda i=i: out.update({i: ask(engine, "corpus", Q, mode="cag+rag", k=2, max_tokens=12)}))
+               for i in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert [out[i].token_ids for i in range(3)] == [one.token_ids] * 3
+    messages = [{"role": "user", "content": Q}, {"role": "assistant", "content": one.answer or "..."},
+                {"role": "user", "content": "And when does the ferry leave?"}]
+    turn = ask(engine, "corpus", None, mode="cag+rag", k=2, max_tokens=12, messages=messages)
+    again = answer_hybrid(engine, "corpus", None, k=2, max_tokens=12, messages=messages, full=True)
+    assert turn.token_ids == again.token_ids and "b.txt" in [p["doc_id"] for p in turn.passages]  # the follow-up's
+
+
+def test_the_quote_goes_in_the_last_user_message_only(engine, monkeypatch):
+    seen = []
+    real = Engine.ask
+
+    def spy(self, corpus, question, **kw):
+        seen.append(kw["messages"])
+        return real(self, corpus, question, **kw)
+
+    monkeypatch.setattr(Engine, "ask", spy)
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": Q},
+                {"role": "assistant", "content": "Mara."}, {"role": "user", "content": "And the ferry?"}]
+    ask(engine, "corpus", None, mode="cag+rag", k=1, max_tokens=4, messages=messages)
+    sent = seen[0]
+    assert sent[:3] == messages[:3] and sent[3]["content"].startswith(QUOTE_HEAD)
+    assert sent[3]["content"].endswith("Question: And the ferry?") and messages[3]["content"] == "And the ferry?"
+
+
+def test_passages_that_do_not_fit_are_left_out_and_said(tiny_model_dir, small_corpus, monkeypatch):
+    monkeypatch.setenv("CAG_MODEL", str(tiny_model_dir))
+    e = Engine(get_settings())
+    e.ingest(str(small_corpus))
+    plain = e.ask("corpus", Q, max_tokens=4)
+    monkeypatch.setattr(e.lm, "max_context", plain.prompt_tokens + 4 + 8 + 100)  # room for one passage or two, not three
+    a = ask(e, "corpus", Q, mode="cag+rag", k=3, max_tokens=4)
+    assert 0 < sum(p["quoted"] for p in a.passages) < 3 and "fit the context" in a.warnings[-1]
+
+
+def test_bad_k_and_the_engine_refuse_it(engine):
+    with pytest.raises(BadInput, match="k must be at least 1"):
+        ask(engine, "corpus", Q, mode="cag+rag", k=0)
+    with pytest.raises(BadInput, match="above the engine"):
+        engine.ask("corpus", Q, mode="cag+rag")
