@@ -217,6 +217,26 @@ def test_snapshots_that_cannot_fit_on_the_disk_are_refused_before_prefill(tiny, 
                         r"\S+ has 1000 B free; free space, or ingest less", r.stderr.strip()), r.stderr
 
 
+def test_the_room_estimate_counts_the_snapshot_header_too(tiny, small_corpus, monkeypatch, tmp_path):
+    """Issue 55 E5: free space for the K/V formula alone, not for the file's header (ids, spans, metadata):
+    refused before the prefill, not by the write after it."""
+    import shutil
+
+    from cag.config import get_settings
+    from cag.engine import Engine
+    from cag.knowledge import ingest
+    from cag.runtime import kv_cache
+
+    engine = Engine(get_settings())
+    n = engine.ingest(str(small_corpus), name="probe").n_tokens
+    free = engine.lm.kv_bytes(n, engine.kv_dtype) + 64  # the tensors fit, the header does not
+    monkeypatch.setenv("CAG_HOME", str(tmp_path / "other-home"))
+    monkeypatch.setattr(ingest.shutil, "disk_usage", lambda p: shutil._ntuple_diskusage(10**9, 10**9 - free, free))
+    monkeypatch.setattr(kv_cache, "prefill_knowledge", lambda *a, **k: pytest.fail("prefilled a corpus that cannot be saved"))
+    r = cag("ingest", str(small_corpus), "--name", "town")
+    assert r.exit_code == 1 and "free space, or ingest less" in r.stderr, r.output
+
+
 # -- 8: control characters in file names ----------------------------------------------------------
 def test_control_characters_in_names_are_escaped_in_human_output(tiny, small_corpus):
     forged = "x\nforged: fresh, snapshot 000000000000, 0 docs.md"

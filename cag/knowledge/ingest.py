@@ -111,12 +111,20 @@ def plan(engine, name: str, source: Path, ttl_s: float | None, shard_tokens: int
     return out
 
 
+def header_bytes(engine, shard: Shard) -> int:
+    """What a snapshot file holds beside the K/V formula: its token ids (int64), the documents' spans
+    and the metadata (JSON), ~100 bytes of index per tensor, and int8's fp16 scales (one per 32 values)."""
+    n, layers = len(shard.prefix.ids), engine.lm.n_layers
+    scales = engine.lm.kv_bytes(n, engine.kv_dtype) // 16 if engine.kv_name == "int8" else 0
+    return 8 * n + 200 * len(shard.prefix.spans) + 4096 + 100 * 4 * layers + scales
+
+
 def check_room(engine, plan: Plan) -> None:
     """Refuse, before any prefill, snapshots that cannot fit on the disk: the KV-size formula over
     the shards not already there, against the free space of the snapshots folder."""
     folder = engine.settings.snapshots_dir
     new = [s for s in plan.shards if not (folder / f"{s.digest}.safetensors").exists()]
-    need = sum(engine.lm.kv_bytes(len(s.prefix.ids), engine.kv_dtype) for s in new)
+    need = sum(engine.lm.kv_bytes(len(s.prefix.ids), engine.kv_dtype) + header_bytes(engine, s) for s in new)
     here = next((p for p in (folder, *folder.parents) if p.exists()), None)
     free = shutil.disk_usage(here).free if here is not None and need else None
     if free is not None and need > free:
