@@ -477,7 +477,8 @@ def _prepare(engine, cfg: CompareConfig, ks: ds.KnowledgeSet, size: int, corpora
         log(f"{ks.name} {mode}: {r.n_shards} shard{'s' if r.n_shards != 1 else ''}")
     for mode in modes:
         if mode.startswith("rag-") or mode == "cag+rag":
-            idx, _ = get_index(engine, docs, mode.split("-", 1)[1] if mode.startswith("rag-") else "bm25")
+            kind, size = (mode.split("-", 1)[1], None) if mode.startswith("rag-") else ("bm25", engine.settings.quote_tokens)
+            idx, _ = get_index(engine, docs, kind, *([size] if size else []))
             info.rag_index[mode] = {"build_ms": round(idx.build_ms, 1), "n_passages": len(idx.passages),
                                     "passage_tokens": idx.passage_tokens}
     return info

@@ -83,3 +83,12 @@ def test_bad_k_and_the_engine_refuse_it(engine):
         ask(engine, "corpus", Q, mode="cag+rag", k=0)
     with pytest.raises(BadInput, match="above the engine"):
         engine.ask("corpus", Q, mode="cag+rag")
+
+
+def test_quote_tokens_sets_the_quoted_passages_size(tiny_model_dir, small_corpus, monkeypatch):
+    monkeypatch.setenv("CAG_MODEL", str(tiny_model_dir))
+    monkeypatch.setenv("CAG_QUOTE_TOKENS", "8")
+    e = Engine(get_settings())
+    e.ingest(str(small_corpus))
+    a = ask(e, "corpus", Q, mode="cag+rag", k=3, max_tokens=4)
+    assert all(p["n_tokens"] <= 8 for p in a.passages) and any(p["index"] > 0 for p in a.passages)
