@@ -38,7 +38,7 @@ class AskCall:
     stream: bool = False  # hand text pieces to on_text as they come
     decoding: DecodeConfig | None = None
     messages: tuple[tuple[str, str], ...] | None = None  # (role, text): a conversation (cag.answering.chat)
-    k: int = 3  # rag and cag+rag: passages retrieved
+    k: int | None = None  # rag and cag+rag: passages retrieved (None: the mode's default)
     scope: str | None = None  # the API key's scope: kept conversations are reused within it only (api.auth)
 
     def run(self, engine: Engine, on_text, should_stop) -> Answer:

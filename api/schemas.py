@@ -41,7 +41,7 @@ class AskRequest(_Request):
     question: str = Field(min_length=1, description="The question (limit: CAG_MAX_QUESTION_CHARS characters).")
     mode: Mode = Field("cag", description="cag: from the snapshot; cag+rag: the snapshot, with the top-k passages quoted "
                                           "before the question; full: whole corpus in the prompt, no cache; rag: top-k passages.")
-    k: Count = Field(3, description="rag and cag+rag: passages to retrieve (BM25).")
+    k: Count | None = Field(None, description="rag and cag+rag: passages to retrieve (BM25); default 3 for rag, 1 for cag+rag.")
     max_tokens: Count | None = Field(None, description="Answer length limit; clamped to CAG_ANSWER_ROOM. Default CAG_MAX_TOKENS.")
     min_tokens: Count0 = Field(0, description="No stop token before this many answer tokens (at most max_tokens), as vLLM's "
                                               "min_tokens: fixed-length answers for load tests.")
@@ -207,7 +207,8 @@ class ChatRequest(_Request):
     seed: Integer | None = Field(None, description="Sampling seed, any integer: taken modulo 2**64 (-1 is 2**64-1).")
     n: One | None = Field(None, description="Only 1 is supported.")
     mode: Mode = Field("cag", description="Extension: cag | cag+rag | full | rag.")
-    k: Count = Field(3, description="Extension: rag and cag+rag: passages to retrieve (BM25).")
+    k: Count | None = Field(None, description="Extension: rag and cag+rag: passages to retrieve (BM25); default 3 for rag, "
+                                             "1 for cag+rag.")
     on_stale: StalePolicy = Field("serve", description="Extension: serve | refuse | refresh.")
     shards: Count = Field(1, description="Extension: sharded corpora answer from the S best shards.")
     tools: list[Any] | None = Field(None, description="Refused when not empty: cag answers from its corpus and calls no tools.")

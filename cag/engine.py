@@ -174,14 +174,15 @@ class Engine:
     # -- ask -------------------------------------------------------------------------------------
     def ask(self, corpus: str, question: str | None, mode: str = "cag", max_tokens: int | None = None,
             on_text=None, should_stop=None, on_stale: str = "serve", decoding: DecodeConfig | None = None,
-            shards: int = 1, messages: list | None = None, scope: str | None = None) -> Answer:
+            shards: int = 1, messages: list | None = None, scope: str | None = None, search: str | None = None) -> Answer:
         """Answer from the snapshot (`cag`) or from the whole corpus prefilled again (`full`). A
         sharded corpus answers from its `shards` best shards (more than it has: all of them).
         `messages` (chat messages, cag.answering.chat) in place of `question`: answer a conversation's last
         user message with the whole conversation in the prompt. `scope`: whose kept conversations the
-        answer may reuse and extend (an API key's; None: the one user's)."""
+        answer may reuse and extend (an API key's; None: the one user's). `search`: what a sharded corpus
+        routes by, in place of the question (cag+rag's quote is not what the question asks)."""
         q = self.check(corpus, question, mode, max_tokens, on_stale, decoding, messages)
-        q.scope = scope
+        q.scope, q.search = scope, search
         if q.mode in (Mode.RAG, Mode.HYBRID):
             raise BadInput(f"mode {q.mode.value!r} is answered by cag.rag.answer.ask, above the engine")
         if q.mode is Mode.FULL and len(self.index.shards(corpus)) > 1:  # no context holds it all: the routed shard

@@ -64,7 +64,7 @@ def ask(
     mode: ModeOpt = "cag",
     max_tokens: MaxTokensOpt = None,
     min_tokens: Annotated[int, typer.Option(help="No stop token before this many answer tokens (fixed-length answers, e.g. for timing).")] = 0,
-    k: Annotated[int, typer.Option(help="rag and cag+rag modes: passages to retrieve.")] = 3,
+    k: Annotated[int | None, typer.Option(help="rag and cag+rag modes: passages to retrieve (default 3 for rag, 1 for cag+rag).")] = None,
     retriever: Annotated[str, typer.Option(help="rag and cag+rag modes: bm25 or dense.")] = "bm25",
     on_stale: Annotated[str, typer.Option(help="serve (warn), refuse (exit 3) or refresh first.")] = "serve",
     stream: Annotated[bool, typer.Option("--stream", help="Print tokens as they are generated.")] = False,

@@ -29,8 +29,10 @@ from cag.errors import BadInput, CagError, TooLarge
 from cag.model.prompt import build_prefix
 from cag.results import Mode
 
-from .hybrid import answer_hybrid
+from .hybrid import HYBRID_K, answer_hybrid
 from .index import DEFAULT_PASSAGE_TOKENS, Index, clear_indexes, get_index, index_key, passage_name  # noqa: F401 - also used from here
+
+RAG_K = 3  # passages a `rag` answer reads by default (docs/comparison.md)
 
 
 def answer_rag(engine, q, k: int = 3, retriever: str = "bm25", on_text: Callable[[str], None] | None = None,
@@ -58,13 +60,14 @@ def answer_rag(engine, q, k: int = 3, retriever: str = "bm25", on_text: Callable
 
 def ask(engine, corpus: str, question: str | None, mode: str = "cag", max_tokens: int | None = None,
         on_text: Callable[[str], None] | None = None, should_stop: Callable[[], bool] | None = None,
-        on_stale: str = "serve", decoding=None, k: int = 3, retriever: str = "bm25", shards: int = 1,
+        on_stale: str = "serve", decoding=None, k: int | None = None, retriever: str = "bm25", shards: int = 1,
         messages: list | None = None, scope: str | None = None):
     """Answer in any mode: `cag` and `full` are the engine's own; `rag` and `cag+rag` are built here, above it.
     The one entry point for the CLI, the API and the comparison runner. `messages`: a conversation
     (cag.answering.chat) in place of `question`; RAG retrieves by its latest user messages and answers with the
     whole conversation after the passages, as `cag` and `full` do after the knowledge. `scope`: whose kept
     conversations a `cag` answer may reuse (an API key's; cag.runtime.kept_conversations)."""
+    k = k if k is not None else HYBRID_K if mode == Mode.HYBRID.value else RAG_K
     if mode == Mode.HYBRID.value:
         return answer_hybrid(engine, corpus, question, k, retriever, messages, max_tokens=max_tokens, on_text=on_text,
                              should_stop=should_stop, on_stale=on_stale, decoding=decoding, shards=shards, scope=scope)

@@ -25,6 +25,7 @@ from cag.model.prompt import encode_text
 from .index import DEFAULT_PASSAGE_TOKENS, get_index, passage_name
 
 QUOTE_HEAD = "Passages quoted from the knowledge above:"
+HYBRID_K = 1  # passages quoted by default: the best measured (docs/comparison.md#cagrag)
 
 
 def quoted(passages: list[tuple[str, str]], question: str) -> str:
@@ -44,7 +45,8 @@ def room_left(engine, q) -> int:
 
 def messages_with_quote(q, question: str | None, messages: list | None, quote: list[tuple[str, str]]) -> list[dict]:
     """The conversation to answer: `messages` (or the plain question) with the last user message quoted."""
-    msgs = [dict(m) for m in messages] if messages is not None else [{"role": "user", "content": question}]
+    pairs = [(m.get("role"), m.get("content")) if isinstance(m, dict) else tuple(m) for m in messages or []]
+    msgs = [{"role": r, "content": c} for r, c in pairs] if messages is not None else [{"role": "user", "content": question}]
     last = max(i for i, m in enumerate(msgs) if m.get("role") == "user")
     msgs[last]["content"] = quoted(quote, q.text)
     return msgs
@@ -74,7 +76,8 @@ def answer_hybrid(engine, corpus: str, question: str | None, k: int = 3, retriev
         if len(encode_text(tok, quoted(quote_of(chosen + [hit]), q.text))) - bare <= room:
             chosen.append(hit)
     quote = quote_of(chosen)
-    a = engine.ask(corpus, None, mode="full" if full else "cag", messages=messages_with_quote(q, question, messages, quote), **kw)
+    a = engine.ask(corpus, None, mode="full" if full else "cag", messages=messages_with_quote(q, question, messages, quote),
+                   search=q.search_text, **kw)
     a.mode = "cag+rag"
     a.retrieval_ms = round(retrieval_ms, 2)
     a.passages = [{"doc_id": p.doc_id, "index": p.index, "score": round(s, 4), "name": passage_name(p.doc_id, p.index),

@@ -171,6 +171,18 @@ def test_ask_equals_cag_ask_and_the_engine(server):
     assert direct.token_ids == got["token_ids"] and direct.answer == got["answer"]
 
 
+def test_cag_rag_over_http_and_the_chat_endpoint(server):
+    got = server.ask(QUESTIONS[0], mode="cag+rag", max_tokens=8)
+    assert got["mode"] == "cag+rag" and got["usage"]["cached_tokens"] > 0
+    two = server.ask(QUESTIONS[0], mode="cag+rag", k=2, max_tokens=8)
+    assert two["usage"]["prompt_tokens"] > got["usage"]["prompt_tokens"]  # a second passage quoted
+    with server.client() as c:
+        r = c.post("/v1/chat/completions", json={"model": "notes", "mode": "cag+rag", "max_tokens": 8,
+                                                 "messages": [{"role": "user", "content": QUESTIONS[0]}]})
+        assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == got["answer"]
+        assert c.post("/v1/ask", json={"corpus": "notes", "question": "x", "mode": "cag+rag", "k": 0}).status_code == 400
+
+
 def test_ask_stream_sends_tokens_then_the_answer(server):
     q = QUESTIONS[1]
     plain = server.ask(q, max_tokens=20)

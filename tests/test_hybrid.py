@@ -92,3 +92,21 @@ def test_quote_tokens_sets_the_quoted_passages_size(tiny_model_dir, small_corpus
     e.ingest(str(small_corpus))
     a = ask(e, "corpus", Q, mode="cag+rag", k=3, max_tokens=4)
     assert all(p["n_tokens"] <= 8 for p in a.passages) and any(p["index"] > 0 for p in a.passages)
+
+
+def test_on_shards_it_routes_by_the_question_and_quotes_from_any_shard(tiny_engine, tmp_path):
+    """A sharded corpus: the shard is chosen by the question (not by the quote, which holds other shards'
+    text too), and the quote brings passages of the other shards; == the same prompt with no cache."""
+    from tests.test_shards import ASKS, DOCS, _shard_tokens
+
+    town = tmp_path / "town"
+    town.mkdir()
+    for name, text in DOCS.items():
+        (town / name).write_text(text + "\n")
+    tiny_engine.ingest(str(town), name="town", shard_tokens=_shard_tokens(tiny_engine, town, 1))
+    for doc, q in ASKS.items():
+        plain = tiny_engine.ask("town", q, max_tokens=4)
+        a = ask(tiny_engine, "town", q, mode="cag+rag", k=4, max_tokens=8)
+        assert a.shards[0]["shard"] == plain.shards[0]["shard"], doc
+        assert sum(p["quoted"] for p in a.passages) == 4  # every document: three from other shards
+        assert a.token_ids == answer_hybrid(tiny_engine, "town", q, k=4, max_tokens=8, full=True).token_ids

@@ -31,11 +31,14 @@ class Question:
     t_start: float
     turns: list[chat.Turn] | None = None  # a conversation's turns (None: a plain question)
     scope: str | None = None  # whose kept conversations it may reuse (an API key's; None: the one user's)
+    search: str | None = None  # what to route by instead of its text (cag+rag: the question, not its quote)
 
     @property
     def search_text(self) -> str:
         """What retrieval and shard routing search by: a conversation's last two user messages (a
         follow-up such as "and who owns it?" keeps the subject of the one before)."""
+        if self.search is not None:
+            return self.search
         return self.text if not self.turns else "\n".join([t.text for t in self.turns if t.role == "user"][-2:])
 
 
