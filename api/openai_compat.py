@@ -33,6 +33,8 @@ def _extension(a) -> dict:
     return {"corpus": a.corpus, "mode": a.mode, "snapshot": a.snapshot, "stale": a.stale,
             "cached_tokens": {"snapshot": a.cached_tokens - a.conversation_tokens, "conversation": a.conversation_tokens},
             "stale_reasons": a.stale_reasons, "timings": timings(a), **({"shards": a.shards} if a.shards else {}),
+            # what was read besides the snapshot (rag, cag+rag): the passages sent, by name
+            **({"passages": [p["name"] for p in a.passages if p.get("quoted", True)]} if a.passages else {}),
             **({"decode": a.decode} if a.decode else {})}
 
 

@@ -377,6 +377,24 @@ def test_a_follow_up_sends_the_whole_conversation(page, site):
     assert again["body"]["messages"] == [system, {"role": "user", "content": "Where is the bakery?"}]
 
 
+def test_the_mode_picker_asks_cag_rag_and_the_answer_says_so(page, site):
+    from selenium.webdriver.support.ui import Select
+
+    page.open()
+    page.pick("notes")
+    page.el("details.options summary").click()
+    Select(page.el("#mode")).select_by_value("cag+rag")
+    q = "When does the ferry leave?"
+    page.send(q)
+    a = page.answered(1)
+    meta = dict(m.split("=", 1) for m in a["meta"])
+    assert meta["mode"] == "mode cag+rag" and meta["documents"].startswith("documents: ")
+    (sent,) = page.chat_requests()
+    assert sent["body"]["mode"] == "cag+rag"
+    want = httpx.post(f"{site.url}/v1/ask", headers=AUTH, json={"corpus": "notes", "question": q, "mode": "cag+rag"}).json()
+    assert a["text"] == want["answer"]
+
+
 def test_stop_ends_the_stream_and_frees_the_slot(page, site):
     page.open()
     page.pick("notes")

@@ -12,7 +12,7 @@
     keyForm: $("key-form"), key: $("key"), keyWhy: $("key-why"), forgetKey: $("forget-key"),
     notice: $("notice"), log: $("log"), empty: $("empty"),
     composer: $("composer"), input: $("input"), send: $("send"), stop: $("stop"),
-    system: $("system"), maxTokens: $("max-tokens"), status: $("status"),
+    system: $("system"), maxTokens: $("max-tokens"), mode: $("mode"), status: $("status"),
   };
 
   // The API key lives in this variable only: gone on reload or when the tab closes; never in the
@@ -250,6 +250,7 @@
       const names = docs.map((d) => (typeof d === "string" ? d : d.name || d.document || d.doc_id)).filter(Boolean);
       if (names.length) m.append(node("span", "documents", "documents: " + names.join(", ")));
     }
+    if (ext && ext.mode) m.append(node("span", "mode", "mode " + ext.mode));
     if (ext && ext.snapshot) m.append(node("span", "snapshot", "snapshot " + String(ext.snapshot).slice(0, 12)));
     turn.li.append(m);
     if (ext && ext.stale) {
@@ -300,6 +301,7 @@
 
     const body = { model: c.name, messages: messages(), stream: true,
                    stream_options: { include_usage: true }, temperature: 0 };
+    if (el.mode.value !== "cag") body.mode = el.mode.value;
     const limit = parseInt(el.maxTokens.value, 10);
     if (limit > 0) body.max_tokens = limit;
 
