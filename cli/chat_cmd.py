@@ -4,6 +4,7 @@ K/V kept between turns in this process (cag.runtime.kept_conversations): each tu
 
 from __future__ import annotations
 
+import atexit
 import io
 import json
 import signal
@@ -17,7 +18,52 @@ from cag.answering.chat import unicode_problem
 from cag.cli.common import MaxTokensOpt, ModelOpt, ModeOpt, StoreOpt, _engine, handle_errors, shown
 from cag.errors import BadInput
 
-HELP = "Type a question and Enter. /new starts over, /quit (or Ctrl-D) ends; Ctrl-C stops an answer."
+HELP = "Type a question and Enter (a line ending in \\ goes on on the next line); /help lists the commands."
+COMMANDS = {  # what a line starting with / does; anything else starting with / is refused with this list
+    "/help": "this list",
+    "/new": "start a new conversation",
+    "/mode NAME": "answer in another mode from the next question on: cag, cag+rag, rag or full",
+    "/quit": "end the chat (also /exit or Ctrl-D); Ctrl-C stops an answer",
+}
+MODES = ("cag", "cag+rag", "rag", "full")
+
+
+def line_editing(history: Path) -> bool:
+    """Line editing and Up/Down history at the prompt (GNU readline, where Python has it, on a
+    terminal), the history kept in `history` across sessions. False where there is none."""
+    if not sys.stdin.isatty():
+        return False
+    try:
+        import readline
+    except ImportError:
+        return False
+    try:
+        readline.read_history_file(history)
+    except OSError:
+        pass  # no history yet (or unreadable): start one
+    readline.set_history_length(1000)
+
+    def save():
+        try:
+            history.parent.mkdir(parents=True, exist_ok=True)
+            readline.write_history_file(history)
+        except OSError:
+            pass  # a read-only home: the chat itself is unaffected
+
+    atexit.register(save)
+    return True
+
+
+def read_turn() -> str:
+    """One question: a line, and the lines after it while a line ends in a backslash. EOFError at the end."""
+    lines, prompt = [], "you> "
+    while True:
+        line = input(prompt)
+        if line.endswith("\\"):
+            lines.append(line[:-1])
+            prompt = "...> "
+            continue
+        return "\n".join([*lines, line])
 
 
 def read_messages(path: str) -> list[dict]:
@@ -60,6 +106,8 @@ def chat(
         # decoding raised UnicodeDecodeError (a traceback, the session lost, the lines buffered with it too)
         sys.stdin.reconfigure(errors="surrogateescape")
     messages = list(start)
+    line_editing(engine.settings.home / "chat_history")
+    limit = min(max_tokens or engine.settings.max_tokens, engine.settings.answer_room)
     typer.echo(f"chatting with {shown(corpus)} ({mode}). {HELP}", err=True)
     stop = {"now": False}
 
@@ -68,7 +116,7 @@ def chat(
 
     while True:
         try:
-            line = input("you> ")
+            line = read_turn()
         except EOFError:
             typer.echo("", err=True)
             return
@@ -86,6 +134,21 @@ def chat(
         if text == "/new":
             messages = list(start)
             typer.echo("(new conversation)", err=True)
+            continue
+        if text == "/help":
+            typer.echo("\n".join(f"  {c:<12} {what}" for c, what in COMMANDS.items()), err=True)
+            continue
+        if text.split()[0] == "/mode":
+            name = text.split()[1] if len(text.split()) == 2 else None
+            if name not in MODES:
+                typer.echo(f"error: /mode takes one of {', '.join(MODES)}", err=True)
+                continue
+            mode = name
+            typer.echo(f"(answering in {mode})", err=True)
+            continue
+        if text.startswith("/") and " " not in text:
+            typer.echo(f"error: unknown command {shown(text)}; the commands: {', '.join(c.split()[0] for c in COMMANDS)}",
+                       err=True)
             continue
         messages.append({"role": "user", "content": text})
         stop["now"] = False
@@ -106,6 +169,8 @@ def chat(
         typer.echo("")
         if stop["now"]:
             typer.echo("(stopped)", err=True)
+        elif a.completion_tokens >= limit:
+            typer.echo(f"(cut at {limit} tokens: --max-tokens raises it, up to CAG_ANSWER_ROOM)", err=True)
         messages.append({"role": "assistant", "content": a.answer or "..."})
         typer.echo(f"[{a.mode}] prompt {a.prompt_tokens} tok ({a.cached_tokens} cached: {a.conversation_tokens} of them from "
                    f"this conversation), answer {a.completion_tokens} tok; ttft {a.ttft_ms:.0f} ms", err=True)
