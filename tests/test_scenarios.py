@@ -16,6 +16,7 @@ from safetensors.torch import load_file
 from bench import scenarios
 
 from .conftest import HANDBOOK
+from .cpu import needs_bf16
 
 pytestmark = pytest.mark.real
 
@@ -117,16 +118,18 @@ def test_an_answers_kv_is_kept_and_the_next_turn_prefills_only_its_question(auto
         assert after.prompt_tokens - n - after.conversation_tokens < 40  # the new question's turn, not the answer again
 
 
-def test_seed_1004_batched_on_torchs_kernels_equals_alone(models_dir, tmp_path):
+@pytest.mark.parametrize("weights", ["int8", pytest.param("bf16", marks=needs_bf16)])
+def test_seed_1004_batched_on_torchs_kernels_equals_alone(models_dir, tmp_path, weights):
     """Found by bench_exactness (int8 and bf16 weights on torch's kernels, AMD Zen 4): a turn decoded beside
-    two other questions split from its answer alone. torch's CPU kernels sum a row differently beside other
+    two other questions split from its answer alone, and with bf16 a second turn split from `full` (a kept
+    conversation made its question one product of fewer rows). torch's CPU kernels sum a row differently beside other
     rows where the CPU has no AMX; each request now steps alone there (cag.runtime.decoder), and conversations
     are kept only where every row is a decode row (not on torch's kernels), so every request meets the same
     shapes alone, batched and in `full`."""
     from cag.config import DEFAULT_MODEL
     from cag.model.loading import load_model
 
-    lm = load_model(DEFAULT_MODEL, models_dir, weights="int8", kernels="torch")
+    lm = load_model(DEFAULT_MODEL, models_dir, weights=weights, kernels="torch")
     s = scenarios.draw(1004)
     assert s.batched and s.kv_dtype == "int8"
     out = scenarios.run(s, _engine(lm, tmp_path / "home", kv_dtype=s.kv_dtype), tmp_path / "corpus")
