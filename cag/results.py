@@ -12,9 +12,9 @@ from enum import Enum
 
 
 def human_bytes(n: float) -> str:
-    """A size for an error message or a report: 512 B, 1.5 KB, 2.0 GB."""
-    for unit in ("B", "KB", "MB", "GB"):
-        if n < 1024 or unit == "GB":
+    """A size for an error message or a report, in binary units as computed: 512 B, 1.5 KiB, 2.0 GiB."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
     return str(n)

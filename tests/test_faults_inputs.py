@@ -68,13 +68,13 @@ def test_a_document_over_the_limit_is_refused_before_the_model_loads(tmp_path, m
     r = cag("ingest", str(root))
     assert r.exit_code == 1, r.output
     assert r.stderr.splitlines() == [
-        "error: huge.txt is 2.9 MB; one document may be at most 1.0 MB (CAG_MAX_DOCUMENT_BYTES=1048576): "
+        "error: huge.txt is 2.9 MiB; one document may be at most 1.0 MiB (CAG_MAX_DOCUMENT_BYTES=1048576): "
         "raise it to ingest this file, or split the file"]
     monkeypatch.setenv("CAG_MAX_DOCUMENT_BYTES", str(4 * 1024**2))
     monkeypatch.setenv("CAG_MAX_CORPUS_BYTES", str(2 * 1024**2))
     r = cag("ingest", str(root), "--json")
     assert r.exit_code == 1 and len(r.stderr.splitlines()) == 1, r.output
-    assert re.fullmatch(r"error: \S+ holds 2\.9 MB in 2 documents; a corpus may be at most 2\.0 MB "
+    assert re.fullmatch(r"error: \S+ holds 2\.9 MiB in 2 documents; a corpus may be at most 2\.0 MiB "
                         r"\(CAG_MAX_CORPUS_BYTES=2097152\): raise it, or ingest a part of it", r.stderr.strip()), r.stderr
 
 
@@ -198,7 +198,7 @@ def test_the_cli_says_what_it_reads_when_it_is_big(capsys):
     tick = r.tokenizing(50 * 1024**2)
     tick(1000)
     r.tokenized()
-    assert capsys.readouterr().err.splitlines()[0] == "reading 1 document (50.0 MB), then tokenizing them"
+    assert capsys.readouterr().err.splitlines()[0] == "reading 1 document (50.0 MiB), then tokenizing them"
     _TqdmReporter(quiet=True).reading(1, 50 * 1024**2)
     assert capsys.readouterr().err == ""
 
@@ -213,7 +213,7 @@ def test_snapshots_that_cannot_fit_on_the_disk_are_refused_before_prefill(tiny, 
     monkeypatch.setattr(kv_cache, "prefill", lambda *a, **k: pytest.fail("prefilled a corpus that cannot be saved"))
     r = cag("ingest", str(small_corpus), "--name", "town")
     assert r.exit_code == 1, r.output
-    assert re.fullmatch(r"error: the knowledge of 'town' is \d+ tokens in 1 shard\(s\): its snapshots need ~[\d.]+ KB and "
+    assert re.fullmatch(r"error: the knowledge of 'town' is \d+ tokens in 1 shard\(s\): its snapshots need ~[\d.]+ KiB and "
                         r"\S+ has 1000 B free; free space, or ingest less", r.stderr.strip()), r.stderr
 
 

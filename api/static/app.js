@@ -56,9 +56,9 @@
 
   function bytes(n) {
     if (!Number.isFinite(n)) return "";
-    const units = ["B", "KB", "MB", "GB", "TB"];
+    const units = ["B", "KiB", "MiB", "GiB", "TiB"];  // binary units, as the CLI prints them
     let i = 0;
-    while (n >= 1000 && i < units.length - 1) { n /= 1000; i++; }
+    while (n >= 1024 && i < units.length - 1) { n /= 1024; i++; }
     return (i ? n.toFixed(1) : String(n)) + " " + units[i];
   }
 
