@@ -211,7 +211,7 @@ def load_model(name: str, models_dir: Path, threads: int = 0, dtype: str = "auto
                device: str = "auto", kernels: str = "auto") -> LoadedModel:
     """dtype: compute dtype (auto: auto_weights.compute_dtype); weights: the format decode
     multiplies in (cag.model.weights; auto measures); device: cpu, cuda or auto; kernels: auto, amx,
-    avx512 or torch (cag.kernels.native)."""
+    avx512, avx2 or torch (cag.kernels.native)."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
