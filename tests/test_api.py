@@ -100,7 +100,7 @@ class Server:
 def server(tiny_model_dir, tiny64_model_dir, models_dir, tmp_path_factory):
     # int4 on cag's kernels where they run: every row a decode row, so conversations are kept (and batched);
     # elsewhere fp32 on torch's, batched in fixed steps, each turn prefilling its conversation
-    model, weights = (tiny64_model_dir, "int4") if native.load() is not None else (tiny_model_dir, "fp32")
+    model, weights = (tiny64_model_dir, "int4") if native.load() is not None or native.load_avx2() else (tiny_model_dir, "fp32")
     with served_notes(tmp_path_factory.mktemp("served"), model, models_dir, CAG_API_KEYS=f"{KEY},test-key-2",
                       CAG_WORKERS="4", CAG_MAX_QUEUE="32", CAG_ANSWER_ROOM="1024", CAG_WEIGHTS=weights,
                       CAG_DECODE_ROWS="16") as (srv, env, home, corpus):

@@ -18,7 +18,7 @@ LONG = [{"role": "user", "content": " ".join(WORDS[i % len(WORDS)] for i in rang
 
 
 def _engine(request, monkeypatch, small_corpus, model: str, weights: str, chunk: int) -> Engine:
-    if weights == "int4" and native.load() is None:
+    if weights == "int4" and native.load() is None and not native.load_avx2():
         pytest.skip(f"cag's kernels do not run here: {native.reason()}")
     monkeypatch.setenv("CAG_MODEL", str(request.getfixturevalue(f"{model}_model_dir")))
     monkeypatch.setenv("CAG_WEIGHTS", weights)
