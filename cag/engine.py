@@ -24,6 +24,8 @@ from cag.knowledge import corpus as corpora
 from cag.knowledge import freshness, verify
 from cag.knowledge import ingest as steps
 from cag.knowledge.names import check_corpus_name
+from cag.model import facts as model_facts
+from cag.model.facts import ModelFacts
 from cag.model.loading import LoadedModel, load_model
 from cag.model.prompt import Layout, build_prefix, layout_for
 from cag.results import Answer, CorpusStatus, IngestResult, Mode, Reporter, StalePolicy
@@ -45,6 +47,8 @@ class Engine:
         self.index = Index(settings.index_path)
         self._lm = lm
         self._lm_lock = threading.Lock()
+        # called with None before the model loads and with the seconds it took after (the CLI's line)
+        self.on_load = None
         # kept conversations count in the resident budget (cag.answering.resident), with a cap of their own
         self.kept = KeptConversations(min(settings.conversation_bytes, settings.resident_bytes))
         self.resident = ResidentPool(settings.resident_bytes, self.kept)
@@ -57,9 +61,30 @@ class Engine:
     def lm(self) -> LoadedModel:
         with self._lm_lock:
             if self._lm is None:
-                s = self.settings
+                s, t = self.settings, time.perf_counter()
+                if self.on_load:
+                    self.on_load(None)
                 self._lm = load_model(s.model, s.models_dir, s.threads, s.dtype, s.weights, s.device, s.decode_kernels)
+                model_facts.record(self.index, s, self._facts_of(self._lm))
+                if self.on_load:
+                    self.on_load(time.perf_counter() - t)
             return self._lm
+
+    @property
+    def model_loaded(self) -> bool:
+        return self._lm is not None
+
+    def facts(self) -> ModelFacts:
+        """The configured model's fingerprints and description: from the loaded model, else as a load
+        under these settings recorded them (cag.model.facts), else from loading it."""
+        if self._lm is None and (known := model_facts.lookup(self.index, self.settings)) is not None:
+            return known
+        return self._facts_of(self.lm)
+
+    def _facts_of(self, lm: LoadedModel) -> ModelFacts:
+        attn = str(lm.attn_dtype).removeprefix("torch.")
+        kv = snapfiles.DTYPES[model_facts.kv_name(self.settings.kv_dtype, attn)]
+        return ModelFacts(lm.fingerprint, lm.tokenizer_fingerprint, attn, describe.info(lm, kv))
 
     @property
     def decoder(self) -> Decoder:
@@ -77,8 +102,7 @@ class Engine:
     def kv_name(self) -> str:
         """Snapshot storage dtype: CAG_KV_DTYPE, `auto` = what decode attends in when that is bf16 (a
         snapshot then loads with no conversion), else float16 (half of float32's bytes)."""
-        s = self.settings.kv_dtype
-        return s if s != "auto" else "bfloat16" if self.lm.attn_dtype == snapfiles.DTYPES["bfloat16"] else "float16"
+        return model_facts.kv_name(self.settings.kv_dtype, str(self.lm.attn_dtype).removeprefix("torch."))
 
     @property
     def kv_dtype(self):
@@ -287,11 +311,10 @@ class Engine:
 
     # -- status ----------------------------------------------------------------------------------
     def stale_reasons(self, row: dict, check_model: bool = True) -> list[str]:
-        return freshness.corpus_reasons(self, row, check_model)
+        return freshness.corpus_reasons(self.index, self.remote, self.settings, row, self.facts() if check_model else None)
 
     def status(self, corpus: str, check_model: bool = True) -> CorpusStatus:
-        self.remote.lookup(corpus)
-        return freshness.status(self, corpus, check_model)
+        return freshness.status(self.index, self.remote, self.settings, corpus, self.facts() if check_model else None)
 
     def list(self, check_model: bool = True) -> list[CorpusStatus]:
         return [self.status(r["name"], check_model) for r in self.index.corpora()]

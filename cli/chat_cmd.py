@@ -15,7 +15,19 @@ from typing import Annotated
 import typer
 
 from cag.answering.chat import unicode_problem
-from cag.cli.common import MaxTokensOpt, ModelOpt, ModeOpt, StoreOpt, _engine, handle_errors, shown
+from cag.cli.common import (
+    MaxTokensOpt,
+    ModelOpt,
+    ModeOpt,
+    StoreOpt,
+    _catalog,
+    _engine,
+    announce_load,
+    handle_errors,
+    require_corpus,
+    require_mode,
+    shown,
+)
 from cag.errors import BadInput
 
 HELP = "Type a question and Enter (a line ending in \\ goes on on the next line); /help lists the commands."
@@ -93,11 +105,13 @@ def chat(
     store: StoreOpt = None,
 ):
     """Chat with a corpus in the terminal: the history is kept, answers stream in."""
+    require_mode(mode)
+    require_corpus(*_catalog(model, store=store)[1:], corpus)  # before the model loads (or torch is imported)
     from cag.errors import CagError
     from cag.rag.answer import ask as answer
     from cag.runtime.kv_cache import Cancelled
 
-    engine = _engine(model, store=store)
+    engine = announce_load(_engine(model, store=store))
     start = [{"role": "system", "content": system}] if system else []
     # an unknown corpus or mode, a --system that is not text: one line before the first prompt
     engine.check(corpus, None, mode, messages=[*start, {"role": "user", "content": "ping"}])

@@ -28,6 +28,50 @@ def _engine(model: str | None = None, **overrides):
     return Engine(get_settings(model=model, **overrides))
 
 
+def _catalog(model: str | None = None, **overrides):
+    """Settings, the index and the shared store: what commands read before (or instead of) loading a
+    model, with no torch imported (a name or a setting is refused at once)."""
+    from cag.store.index import Index
+    from cag.store.sync import shared_store
+
+    s = get_settings(model=model, **overrides)
+    index = Index(s.index_path)
+    return s, index, shared_store(s, index)
+
+
+def require_corpus(index, remote, corpus: str) -> None:
+    """NotFound for a corpus neither the index nor the shared store knows, before a model loads."""
+    from cag.errors import NotFound
+
+    remote.lookup(corpus)
+    if index.corpus(corpus) is None:
+        raise NotFound(f"unknown corpus {corpus!r}; `cag list` shows the known ones")
+
+
+def require_mode(mode: str) -> None:
+    from cag.errors import BadInput
+    from cag.results import Mode
+
+    if mode not in {m.value for m in Mode}:
+        raise BadInput(f"unknown mode {mode!r}; use one of {', '.join(m.value for m in Mode)}")
+
+
+def announce_load(engine, quiet: bool = False):
+    """One line on a terminal while the engine's model loads, whenever that happens (a first load of a
+    large model takes a while: reading, fingerprinting, packing the weights). Returns the engine."""
+    if quiet or not sys.stderr.isatty():
+        return engine
+
+    def line(took: float | None) -> None:
+        if took is None:
+            typer.echo(f"loading model {shown(engine.settings.model)} ...", err=True, nl=False)
+        else:
+            typer.echo(f" {took:.1f} s", err=True)
+
+    engine.on_load = line
+    return engine
+
+
 def handle_errors(fn):
     """User errors become one line on stderr and a documented exit code, never a traceback."""
 

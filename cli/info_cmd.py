@@ -1,10 +1,10 @@
-"""`cag info`: load a model and say how cag runs it, without asking anything."""
+"""`cag info`: how cag runs a model, as its last load here found (or a load now), without asking anything."""
 
 from __future__ import annotations
 
 import typer
 
-from cag.cli.common import JsonOpt, ModelOpt, _emit, _engine, _human_bytes, handle_errors, shown
+from cag.cli.common import JsonOpt, ModelOpt, _catalog, _emit, _engine, _human_bytes, announce_load, handle_errors, shown
 
 NATIVE = {"layers": "all layers in one native call", "glue": "native attention, products and glue",
           "attention": "native attention", "none": "torch's kernels"}
@@ -12,11 +12,18 @@ NATIVE = {"layers": "all layers in one native call", "glue": "native attention, 
 
 @handle_errors
 def info(model: ModelOpt = None, json_: JsonOpt = False):
-    """Load the model and print its shape and how it decodes: weights format, kernels, fast step or forward (and why), snapshot bytes per token."""
-    engine = _engine(model)
-    from cag.runtime import describe
+    """Print the model's shape and how it decodes: weights format, kernels, fast step or forward (and why), snapshot bytes per token.
 
-    d = describe.info(engine.lm, engine.kv_dtype)
+    What the last load of this model with these settings recorded (no load) where there is one;
+    else the model loads once."""
+    from cag.model import facts as model_facts
+
+    s, index, _ = _catalog(model)
+    known = model_facts.lookup(index, s)
+    if known is None:
+        engine = announce_load(_engine(model), quiet=json_)
+        known = engine.facts()
+    d = known.info
     if json_:
         _emit(d)
         return

@@ -12,7 +12,24 @@ from typing import Annotated
 
 import typer
 
-from cag.cli.common import JsonOpt, MaxTokensOpt, ModelOpt, ModeOpt, StoreOpt, _age, _emit, _engine, _human_bytes, _TqdmReporter, handle_errors, shown
+from cag.cli.common import (
+    JsonOpt,
+    MaxTokensOpt,
+    ModelOpt,
+    ModeOpt,
+    StoreOpt,
+    _age,
+    _catalog,
+    _emit,
+    _engine,
+    _human_bytes,
+    _TqdmReporter,
+    announce_load,
+    handle_errors,
+    require_corpus,
+    require_mode,
+    shown,
+)
 
 app = typer.Typer(
     help="Cache-augmented generation: prefill a knowledge corpus once, answer questions from its KV snapshot.",
@@ -34,7 +51,13 @@ def ingest(
     json_: JsonOpt = False,
 ):
     """Prefill a corpus once and save its KV cache as a snapshot (incremental when documents changed)."""
-    engine = _engine(model, store=store)
+    _, index, remote = _catalog(model, store=store)
+    if not remote:  # a missing path or a bad name, at once (a shared store may know the name: the engine asks it)
+        from cag.knowledge.corpus import resolve_source
+        from cag.knowledge.names import check_corpus_name
+
+        check_corpus_name(resolve_source(index, path, name)[0])
+    engine = announce_load(_engine(model, store=store), quiet=json_)
     r = engine.ingest(path, name=name, force=force, ttl_s=ttl, reporter=_TqdmReporter(quiet=json_), shard_tokens=shard_tokens)
     if json_:
         _emit(r.to_dict())
@@ -78,9 +101,11 @@ def ask(
     """Answer a question from a corpus (or many, with --questions-file; or a conversation's last, with --messages)."""
     if (question is not None) + (questions_file is not None) + (messages_file is not None) != 1:
         raise typer.BadParameter("give one of QUESTION, --questions-file FILE or --messages FILE", param_hint="QUESTION")
+    require_mode(mode)
+    require_corpus(*_catalog(model, store=store)[1:], corpus)  # before torch is imported
     from cag.runtime.generate import DecodeConfig  # torch: imported when a command needs it, not at start
 
-    engine = _engine(model, store=store)
+    engine = announce_load(_engine(model, store=store), quiet=json_)
     logging.getLogger("cag.index").addHandler(logging.NullHandler())  # its warnings come with the answer (a.warnings)
     decoding = DecodeConfig(min_tokens=min_tokens)
     if questions_file is not None:
@@ -134,11 +159,28 @@ def _status_lines(s) -> list[str]:
     return [shown(line) for line in lines]  # a name with a newline cannot forge a line
 
 
+def _statuses(model: str | None, corpus: str | None) -> list:
+    """Each corpus's status (or one's), read from the index with the model's recorded fingerprints
+    (cag.model.facts): no model loads, no torch is imported, unless this model was never loaded here."""
+    from cag.knowledge import freshness
+    from cag.model import facts as model_facts
+
+    s, index, remote = _catalog(model)
+    if corpus:
+        require_corpus(index, remote, corpus)
+    names = [corpus] if corpus else [r["name"] for r in index.corpora()]
+    facts = model_facts.lookup(index, s) if names else None
+    if names and facts is None:  # a model never loaded with these settings (or its files changed)
+        engine = announce_load(_engine(model))
+        facts = engine.facts()
+    return [freshness.status(index, remote, s, name, facts) for name in names]
+
+
 @app.command("list")
 @handle_errors
 def list_(model: ModelOpt = None, json_: JsonOpt = False):
-    """List corpora with their snapshots, sizes, token counts, model and freshness."""
-    items = _engine(model).list()
+    """List corpora with their snapshots, sizes, token counts, model and freshness (no model load)."""
+    items = _statuses(model, None)
     if json_:
         _emit({"corpora": [s.to_dict() for s in items]})
         return
@@ -155,9 +197,8 @@ def status(
     model: ModelOpt = None,
     json_: JsonOpt = False,
 ):
-    """Freshness of one corpus (or all), with one line per reason it is stale."""
-    engine = _engine(model)
-    items = [engine.status(corpus)] if corpus else engine.list()
+    """Freshness of one corpus (or all), with one line per reason it is stale (no model load)."""
+    items = _statuses(model, corpus)
     if json_:
         _emit(items[0].to_dict() if corpus else {"corpora": [s.to_dict() for s in items]})
         return
@@ -175,6 +216,7 @@ app.command()(compare)
 from cag.cli.chat_cmd import chat  # noqa: E402
 from cag.cli.info_cmd import info  # noqa: E402
 from cag.cli.maintenance import gc, invalidate, reindex  # noqa: E402
+from cag.cli.mcp_cmd import mcp  # noqa: E402
 
 app.command()(chat)
 
@@ -182,6 +224,7 @@ app.command()(invalidate)
 app.command()(gc)
 app.command()(reindex)
 app.command()(info)
+app.command()(mcp)
 
 
 def main() -> None:

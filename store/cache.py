@@ -17,7 +17,7 @@ from pathlib import Path
 
 from cag.hashing import short
 
-from . import snapshots as snapfiles
+from .snapshot_header import SnapshotError
 
 
 def touch(path: Path) -> None:
@@ -33,19 +33,21 @@ def fill(remote, digest: str, path: Path) -> None:
     Raises SnapshotError (never leaving the bad bytes) when it fails verification."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{digest}.fetch.{os.getpid()}.tmp")  # gc knows `.<...>.<pid>.tmp` as a temp file
+    from . import snapshots as snapfiles  # torch: only where a blob is fetched, not in `cag list`
+
     try:
         remote.get_blob(digest, tmp)  # SnapshotError when the store does not hold it
         try:
             snap = snapfiles.load(tmp, verify=True, decode=False)  # every check a load makes, no dequantizing
             if short(str(snap.meta.get("key", "")), 32) != digest:
-                raise snapfiles.SnapshotError(f"snapshot {digest[:12]} in the store holds another key's snapshot")
-        except snapfiles.SnapshotError as e:
+                raise SnapshotError(f"snapshot {digest[:12]} in the store holds another key's snapshot")
+        except SnapshotError as e:
             why = f"snapshot {digest[:12]} fetched from the store failed verification, not served: {e}"
             # reported, the next `cag ingest` uploads it again even from a machine whose good copy has the
             # same size and blake3 as the blob claims; unreported, only a rebuild (--force) replaces it there
             if not remote.report_failed(digest, why):
                 why += " (the store refused the report: on a machine that holds a good copy, `cag ingest --force`)"
-            raise snapfiles.SnapshotError(why) from None
+            raise SnapshotError(why) from None
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)

@@ -71,7 +71,13 @@ def _m3(db: sqlite_utils.Database) -> None:
     db["corpora"].add_column("shard_tokens", int)  # the --shard-tokens cap, kept for refreshes
 
 
-MIGRATIONS = [_m1, _m2, _m3]
+def _m4(db: sqlite_utils.Database) -> None:
+    # What each model load found out (cag.model.facts), keyed by its files and settings: commands that
+    # only compare fingerprints read them instead of loading the model.
+    db["model_facts"].create({"key": str, "facts": str, "recorded": float}, pk="key")
+
+
+MIGRATIONS = [_m1, _m2, _m3, _m4]
 
 
 class Index:
@@ -253,6 +259,14 @@ class Index:
             log.warning("%s", e)
             return str(e)
         return None
+
+    def model_facts(self, key: str) -> dict | None:
+        rows = self._rows("model_facts", "key = ?", [key])
+        return rows[0] if rows else None
+
+    def record_model_facts(self, key: str, facts: str) -> None:
+        with self.atomic("cannot record the model's facts"):
+            self.db["model_facts"].upsert({"key": key, "facts": facts, "recorded": time.time()}, pk="key")
 
     def queries(self, corpus: str | None = None, limit: int = 100) -> list[dict]:
         where, args = ("corpus = ?", [corpus]) if corpus else (None, None)

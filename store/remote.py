@@ -41,7 +41,7 @@ import blake3
 
 from cag.errors import BadSettings, StoreConflict, StoreCorrupt, StoreUnreachable
 
-from .snapshots import SnapshotError, decode_header
+from .snapshot_header import SnapshotError, decode_header
 
 # A single PUT carries up to 5 GiB; larger blobs go as a multipart upload (also atomic: the object
 # appears only when the upload completes).

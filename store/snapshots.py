@@ -36,11 +36,18 @@ from safetensors.torch import save_file
 from cag.errors import IndexUnusable, StorageFull
 
 from . import kv_int8
+from .snapshot_header import (  # noqa: F401 (re-exported: the header's names are the file's names)
+    FORMAT_VERSION,
+    SnapshotError,
+    _check_header,
+    _decode,
+    _encode,
+    decode_header,
+    read_header,
+    spans_of,
+)
 from .stamps import Passed, stamp
 
-# "2": the checksum covers dtype and shape. A version-1 file is refused as an unknown format,
-# and since the version is part of every snapshot key, `cag ingest` rebuilds it.
-FORMAT_VERSION = "2"
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32, "int8": torch.int8}
 CHECKSUMS = Passed()  # files whose checksum passed (load's trust=True skips the blake3 pass, most of a cold load)
 
@@ -48,10 +55,6 @@ CHECKSUMS = Passed()  # files whose checksum passed (load's trust=True skips the
 def codec(kv_dtype: str) -> str:
     """How a storage dtype encodes the tensors, for the snapshot key: int8 names its scheme."""
     return kv_int8.CODEC if kv_dtype == "int8" else kv_dtype
-
-
-class SnapshotError(Exception):
-    """The file is missing, truncated, tampered with, or not the snapshot that was asked for."""
 
 
 @dataclass
@@ -76,56 +79,6 @@ def _checksum(tensors: dict[str, torch.Tensor]) -> str:
         h.update(f"{name}|{str(t.dtype).removeprefix('torch.')}|{shape}|".encode())
         h.update(t.contiguous().view(torch.uint8).numpy().data if t.numel() else b"")
     return "blake3:" + h.hexdigest()
-
-
-def _encode(meta: dict) -> dict[str, str]:
-    raw = {k: json.dumps(v, ensure_ascii=False) for k, v in meta.items()}  # every value JSON: types survive
-    raw["header_checksum"] = json.dumps(_header_checksum(raw))
-    return raw
-
-
-def _header_checksum(raw: dict[str, str]) -> str:
-    """blake3 over every metadata field but itself, as stored (name and JSON text), in name order."""
-    fields = sorted((k, v) for k, v in raw.items() if k != "header_checksum")
-    return "blake3:" + blake3.blake3(json.dumps(fields, ensure_ascii=False).encode()).hexdigest()
-
-
-def _decode(raw: dict[str, str], name: str = "snapshot") -> dict:
-    try:
-        return {k: json.loads(v) for k, v in raw.items()}
-    except (TypeError, ValueError):
-        raise SnapshotError(f"{name}: header is not valid JSON metadata") from None
-
-
-def _check_header(raw: dict[str, str], meta: dict, name: str) -> None:
-    if "header_checksum" in meta and meta["header_checksum"] != _header_checksum(raw):
-        raise SnapshotError(f"{name}: header checksum mismatch (its metadata was edited or damaged)")
-
-
-def decode_header(raw: dict[str, str], name: str = "snapshot") -> dict:
-    """The metadata's values parsed, after its `header_checksum` (when it has one) is checked."""
-    meta = _decode(raw, name)
-    _check_header(raw, meta, name)
-    return meta
-
-
-def spans_of(meta: dict, name: str = "snapshot") -> list[dict]:
-    """The header's document spans, validated: [{path, content_hash, start, end}] in prompt order,
-    0 <= start <= end <= n_tokens, none overlapping. Everything that builds on a snapshot's documents
-    (a refresh's reuse, the index's rows, freshness) reads them; a file written before the header
-    checksum has only this check."""
-    spans, n = meta.get("spans"), meta.get("n_tokens")
-    ok = isinstance(spans, list) and type(n) is int
-    end = 0
-    for s in spans if ok else []:
-        ok = (isinstance(s, dict) and isinstance(s.get("path"), str) and isinstance(s.get("content_hash"), str)
-              and type(s.get("start")) is int and type(s.get("end")) is int and end <= s["start"] <= s["end"] <= n)
-        if not ok:
-            break
-        end = s["end"]
-    if not ok:
-        raise SnapshotError(f"{name}: header field 'spans' missing or invalid")
-    return spans
 
 
 def _write_error(e: Exception, path: Path) -> Exception:
@@ -211,19 +164,6 @@ def save(path: Path, kv, ids: list[int], meta: dict, dtype: torch.dtype) -> int:
     finally:
         tmp.unlink(missing_ok=True)
     return path.stat().st_size
-
-
-def read_header(path: Path) -> dict:
-    """The header's metadata, its header checksum checked (the tensors are not read)."""
-    try:
-        with safe_open(str(path), framework="pt") as f:
-            return decode_header(f.metadata() or {}, f"snapshot {path.name}")
-    except SnapshotError:
-        raise
-    except FileNotFoundError:
-        raise SnapshotError(f"snapshot file missing: {path}") from None
-    except Exception as e:
-        raise SnapshotError(f"snapshot unreadable (truncated or corrupt): {path.name}: {e}") from None
 
 
 def read_ids(path: Path) -> list[int]:

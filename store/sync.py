@@ -29,7 +29,7 @@ from cag.knowledge.names import name_problem
 from . import cache
 from .index import Index
 from .remote import Ref, RemoteStore
-from .snapshots import SnapshotError, spans_of
+from .snapshot_header import SnapshotError, spans_of
 
 
 def shared_store(settings, index: Index) -> Shared | LocalOnly:
@@ -174,7 +174,7 @@ class Shared:
         for digest in ref.shards:
             path = self.folder / f"{digest}.safetensors"
             if path.exists():
-                from .snapshots import read_header
+                from .snapshot_header import read_header
 
                 meta, size = read_header(path), path.stat().st_size
             else:

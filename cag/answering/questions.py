@@ -52,11 +52,6 @@ def check(engine, corpus: str, question: str | None, mode: str = "cag", max_toke
           on_stale: str = "serve", decoding: DecodeConfig | None = None, messages: list | None = None) -> Question:
     """Everything a question (or a conversation: `messages`) needs before any model work; applies
     the stale policy. A conversation's fit in the context is checked once its prefix is known."""
-    lm = engine.lm  # loading the model is a one-time cost of the process, not of the question
-    if engine.settings.threads > 0:
-        import torch
-
-        torch.set_num_threads(engine.settings.threads)  # process-wide; the same value from every thread
     t_start = time.perf_counter()
     try:
         mode, policy = Mode(mode), StalePolicy(on_stale)
@@ -79,6 +74,15 @@ def check(engine, corpus: str, question: str | None, mode: str = "cag", max_toke
     if max_tokens < 1:
         raise BadInput("max_tokens must be at least 1")
     d = (decoding or DecodeConfig()).within(min(max_tokens, engine.settings.answer_room))
+    # what a name or a setting can refuse is refused above, before the model loads (a one-time cost
+    # of the process, not of the question: t_start excludes it)
+    t_load = time.perf_counter()
+    lm = engine.lm
+    if engine.settings.threads > 0:
+        import torch
+
+        torch.set_num_threads(engine.settings.threads)  # process-wide; the same value from every thread
+    t_start += time.perf_counter() - t_load
     _, layout, turn = engine._layouts()
     # one user message gives a plain question's tokens; as a conversation it may use the context's room
     suffix = build_suffix(lm.tokenizer, layout, question) if turns is None else chat.encode(lm.tokenizer, layout, turn, turns)

@@ -9,6 +9,7 @@ from pathlib import Path
 from cag.errors import NotFound
 from cag.knowledge import documents
 from cag.knowledge.shards import doc_of
+from cag.model.facts import ModelFacts
 from cag.results import CorpusStatus
 
 
@@ -81,35 +82,36 @@ def stale_reasons(
     return reasons
 
 
-def corpus_reasons(engine, row: dict, check_model: bool = True) -> list[str]:
-    """Why a corpus (all its shards) is stale, as `cag status` lists it."""
-    snap = engine.index.snapshot(row["current_snapshot"]) if row.get("current_snapshot") else None
-    lm = engine.lm if check_model else None
-    shards = engine.index.shards(row["name"]) if snap else []
-    spans = [dict(d, shard=r["shard"]) for r in shards for d in engine.index.snapshot_documents(r["snapshot"])]
+def corpus_reasons(index, remote, settings, row: dict, facts: ModelFacts | None) -> list[str]:
+    """Why a corpus (all its shards) is stale, as `cag status` lists it. `facts`: the configured
+    model's (cag.model.facts), None to leave the model out of it."""
+    snap = index.snapshot(row["current_snapshot"]) if row.get("current_snapshot") else None
+    shards = index.shards(row["name"]) if snap else []
+    spans = [dict(d, shard=r["shard"]) for r in shards for d in index.snapshot_documents(r["snapshot"])]
     return stale_reasons(
-        row, snap, spans or (engine.index.snapshot_documents(snap["digest"]) if snap else []),
-        engine.index.documents(row["name"]), lm.fingerprint if lm else None,
-        lm.tokenizer_fingerprint if lm else None, engine.settings.ttl_s,
-        more_shards=[engine.index.snapshot(r["snapshot"]) for r in shards[1:]],
+        row, snap, spans or (index.snapshot_documents(snap["digest"]) if snap else []),
+        index.documents(row["name"]), facts.fingerprint if facts else None,
+        facts.tokenizer_fingerprint if facts else None, settings.ttl_s,
+        more_shards=[index.snapshot(r["snapshot"]) for r in shards[1:]],
         # with a shared store, a machine that only serves has no copy of the source: the documents
         # are checked where the corpus is ingested, and the store's ref says which snapshots are current
-        check_documents=not (engine.remote and not Path(row["source"]).exists()),
-        kv_dtype=engine.kv_name if lm else None,
+        check_documents=not (remote and not Path(row["source"]).exists()),
+        kv_dtype=facts.kv_name(settings.kv_dtype) if facts else None,
     )
 
 
-def status(engine, corpus: str, check_model: bool = True) -> CorpusStatus:
+def status(index, remote, settings, corpus: str, facts: ModelFacts | None) -> CorpusStatus:
     """A corpus's snapshot(s), size and freshness; sizes add up over its shards."""
-    row = engine.index.corpus(corpus)
+    remote.lookup(corpus)  # a corpus this machine knows only from the shared store
+    row = index.corpus(corpus)
     if row is None:
         raise NotFound(f"unknown corpus {corpus!r}; `cag list` shows the known ones")
-    snap = engine.index.snapshot(row["current_snapshot"]) if row.get("current_snapshot") else None
-    snaps = [x for x in (engine.index.snapshot(r["snapshot"]) for r in engine.index.shards(corpus)) if x] or ([snap] if snap else [])
-    reasons = corpus_reasons(engine, row, check_model)
+    snap = index.snapshot(row["current_snapshot"]) if row.get("current_snapshot") else None
+    snaps = [x for x in (index.snapshot(r["snapshot"]) for r in index.shards(corpus)) if x] or ([snap] if snap else [])
+    reasons = corpus_reasons(index, remote, settings, row, facts)
     return CorpusStatus(
         name=row["name"], source=row["source"], model=row["model"],
-        snapshot=snap["digest"] if snap else None, n_documents=len(engine.index.documents(corpus)) if snap else 0,
+        snapshot=snap["digest"] if snap else None, n_documents=len(index.documents(corpus)) if snap else 0,
         n_tokens=sum(x["n_tokens"] for x in snaps), bytes=sum(x["bytes"] for x in snaps),
         created=snap["created"] if snap else None, last_used=snap["last_used"] if snap else None,
         stale=bool(reasons), reasons=reasons, n_shards=len(snaps) or 1,
