@@ -32,6 +32,9 @@ class Settings(BaseSettings):
     # (attention on AMX tiles / by AVX512-BF16 dot products; int4 and bf16 products; fused norm and
     # rope), torch = torch's; auto: avx512 where it can run over bf16 K/V (faster than amx on AMX CPUs), else torch
     decode_kernels: Literal["auto", "amx", "avx512", "avx2", "torch"] = "auto"
+    # keep the packed weights (int4, int8, q8) under CAG_MODELS_DIR/packed and read them at the next load
+    # instead of packing again (cag/model/packed_cache.py): most of a load's time, for the file's bytes on disk
+    keep_packed: bool = True
     # storage dtype of snapshot tensors; auto: bfloat16 where decode attends in bf16 (no conversion at
     # load), else float16; int8: quantized blocks with one fp16 scale each (store/kv_int8.py)
     kv_dtype: Literal["auto", "float16", "bfloat16", "float32", "int8"] = "auto"

@@ -64,7 +64,8 @@ class Engine:
                 s, t = self.settings, time.perf_counter()
                 if self.on_load:
                     self.on_load(None)
-                self._lm = load_model(s.model, s.models_dir, s.threads, s.dtype, s.weights, s.device, s.decode_kernels)
+                self._lm = load_model(s.model, s.models_dir, s.threads, s.dtype, s.weights, s.device, s.decode_kernels,
+                                      s.keep_packed)
                 model_facts.record(self.index, s, self._facts_of(self._lm))
                 if self.on_load:
                     self.on_load(time.perf_counter() - t)

@@ -208,10 +208,11 @@ def resolve_device(device: str) -> str:
 
 
 def load_model(name: str, models_dir: Path, threads: int = 0, dtype: str = "auto", weights: str = "fp32",
-               device: str = "auto", kernels: str = "auto") -> LoadedModel:
+               device: str = "auto", kernels: str = "auto", keep_packed: bool = False) -> LoadedModel:
     """dtype: compute dtype (auto: auto_weights.compute_dtype); weights: the format decode
     multiplies in (cag.model.weights; auto measures); device: cpu, cuda or auto; kernels: auto, amx,
-    avx512, avx2 or torch (cag.kernels.native)."""
+    avx512, avx2 or torch (cag.kernels.native); keep_packed: read the packed weights from, and keep them in,
+    `models_dir`/packed (cag.model.packed_cache)."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
@@ -249,7 +250,16 @@ def load_model(name: str, models_dir: Path, threads: int = 0, dtype: str = "auto
         raise ModelError(why)
     lm.weights = fmt
     lm.kernels, lm.kernels_why = decode_kernels(kernels, lm)  # before packing: cag's products take their own layout
-    lm.packed_bytes = wformats.apply(model, fmt, native=lm.kernels in ("amx", "avx512"), compute=compute, avx2=lm.kernels == "avx2")
+    on_cag, avx2 = lm.kernels in ("amx", "avx512"), lm.kernels == "avx2"
+    cache = None
+    if keep_packed and fmt != "fp32":
+        from cag.model.packed_cache import PackedCache
+
+        cache = PackedCache(models_dir / "packed", lm.fingerprint, {"format": fmt, "native": on_cag, "avx2": avx2,
+                                                                    "compute": str(compute), "device": device})
+    lm.packed_bytes = wformats.apply(model, fmt, native=on_cag, compute=compute, avx2=avx2, cache=cache)
+    if cache is not None:
+        cache.save()
     model.config.dtype = compute
     file_pages.watch(model)  # a prefill refuses to read weights whose file changed since
     setattr(model, native.ATTR, lm.kernels)  # read by cag.runtime.step

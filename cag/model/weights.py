@@ -49,7 +49,7 @@ import torch
 import torch.nn.functional as F
 
 from cag.kernels import native as cag_native
-from cag.model import file_pages, stacked_products
+from cag.model import file_pages, packed_cache, stacked_products
 
 FORMATS = ("fp32", "bf16", "int8", "int4")
 NATIVE_MM = {"int4": "int4_mm", "q8": "q8_mm", "bf16": "bf16_mm"}  # cag.kernels.native's product per packed format
@@ -304,7 +304,8 @@ class NativePacked(Packed):
                  questions: bool = True):
         super().__init__(w, bias, fmt, out_dtype)
         w = w.detach()
-        self.packed = {"int4": pack_int4_native, "q8": pack_q8, "bf16": lambda w: w.to(torch.bfloat16).contiguous()}[fmt](w)
+        self.packed = (w.to(torch.bfloat16).contiguous() if fmt == "bf16" else
+                       packed_cache.packed(f"native-{fmt}", {"int4": pack_int4_native, "q8": pack_q8}[fmt], w))
         self.mm = getattr(torch.ops.cag, NATIVE_MM[fmt])
         self.plain = bias is None and self.out_dtype == torch.float32
         self._direct = self.plain and fmt in ("int4", "q8")  # called as the step hands rows over: nothing to convert
@@ -331,7 +332,8 @@ class TorchPacked(Packed):
                  questions: bool = True):
         super().__init__(w, bias, fmt, out_dtype)
         w = w.detach()
-        self.packed = {"bf16": lambda w: _pack_bf16(w, FEW), "int8": _pack_int8, "int4": _pack_int4}[fmt](w)
+        self.packed = (_pack_bf16(w, FEW) if fmt == "bf16" else  # oneDNN's layout: no storage to keep
+                       packed_cache.packed(f"torch-{fmt}", {"int8": _pack_int8, "int4": _pack_int4}[fmt], w))
         if fmt == "bf16":
             self.many = _pack_bf16(w, 1) if self.out_features < WIDE else None
         else:
@@ -380,7 +382,7 @@ class Avx2Packed(Packed):
 
     def __init__(self, w: torch.Tensor, bias: torch.Tensor | None, fmt: str, out_dtype: torch.dtype | None = None):
         super().__init__(w, bias, fmt, out_dtype)
-        self.packed = {"int4": pack_int4, "q8": pack_q8}[fmt](w.detach())
+        self.packed = packed_cache.packed(f"avx2-{fmt}", {"int4": pack_int4, "q8": pack_q8}[fmt], w.detach())
         self.mm = getattr(torch.ops.cag_avx2, NATIVE_MM[fmt])
 
     def _rows(self, x2: torch.Tensor, question: bool) -> torch.Tensor:
@@ -465,12 +467,14 @@ def packable(lin: torch.nn.Linear, fmt: str) -> bool:
     return fmt != "int4" or (lin.in_features % GROUP == 0 and lin.out_features % 16 == 0)
 
 
-def apply(model: torch.nn.Module, fmt: str, native: bool = False, compute: torch.dtype | None = None, avx2: bool = False) -> int:
+def apply(model: torch.nn.Module, fmt: str, native: bool = False, compute: torch.dtype | None = None, avx2: bool = False,
+          cache: packed_cache.PackedCache | None = None) -> int:
     """Widen the model to the `compute` dtype (None: its own) but for the layer matrices a packed copy is
     made from, then swap every nn.Linear of `model` for a FastLinear in `fmt` (fp32: none) and stack
     each group left as it is (cag.model.stacked_products); `native`: decode rows through
-    cag.kernels.native's products where it has them (`avx2`: its AVX2 products). Returns the bytes the
-    packed copies take.
+    cag.kernels.native's products where it has them (`avx2`: its AVX2 products). `cache`: packed copies
+    kept on disk, read instead of packed where it holds them (cag.model.packed_cache). Returns the bytes
+    the packed copies take.
 
     The model's own layer matrices then serve the knowledge prefill alone: they stay in their
     checkpoint's dtype (a bf16 checkpoint loaded as bf16, or `narrowed`), which FastLinear.forward
@@ -496,6 +500,8 @@ def apply(model: torch.nn.Module, fmt: str, native: bool = False, compute: torch
     maps = file_pages.mappings()
     _widen(model, compute, keep, maps)
     packs: dict[int, Packed] = {}
+    qualified = {id(m): n for n, m in model.named_modules()}
+    scope = (lambda m: cache.matrix(qualified[id(m)])) if cache is not None else (lambda m: contextlib.nullcontext())  # noqa: E731
     token = _file_maps.set(maps)  # _by_rows releases a file-backed matrix's pages as it packs it
     try:
         for parent, names, lins in groups:  # one packed copy of each group, made from its members stacked
@@ -511,7 +517,8 @@ def apply(model: torch.nn.Module, fmt: str, native: bool = False, compute: torch
             # bits can depend on where its weight lies, and a snapshot must not depend on the format
             mapped = any(file_pages.file_backed(m.weight, maps) for m in lins)
             # with cag's kernels a question's rows take the decode rows' copy (cag.runtime.rows.flat): no second copy
-            group = pack(w, b, fmt, native, torch.float32, avx2, questions=not mapped and not kernels)
+            with scope(lins[0]):
+                group = pack(w, b, fmt, native, torch.float32, avx2, questions=not mapped and not kernels)
             packs[id(group)], lo = group, 0
             file_pages.release((m.weight for m in lins), maps)
             trim_heap()
@@ -529,7 +536,8 @@ def apply(model: torch.nn.Module, fmt: str, native: bool = False, compute: torch
             # an int4 head (on its grid) multiplies a question's rows as its decode rows: a bf16 copy of a
             # vocabulary-sized matrix would cost more memory than the product saves time (one row a question)
             copy = not mapped and not kernels and not (lin is head and own(lin) == "int4")
-            fast = FastLinear(lin, own(lin), native=native, out_dtype=torch.float32, avx2=avx2, questions=copy)
+            with scope(lin):
+                fast = FastLinear(lin, own(lin), native=native, out_dtype=torch.float32, avx2=avx2, questions=copy)
             setattr(parent, name.rsplit(".", 1)[-1], fast)
             packs[id(fast.packs)] = fast.packs
             if not fast.packs.holds_source():
