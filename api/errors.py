@@ -25,6 +25,18 @@ class Unauthorized(CagError):
     code = "invalid_api_key"
 
 
+class Unsupported(CagError):
+    """A request field the OpenAI-compatible route does not honour, set to a value that would change
+    the answer (`logprobs: true`, `n: 2` ...): refused with the field as `param`, as OpenAI names it."""
+
+    http_status = 400
+    code = "unsupported_parameter"
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
+
+
 class QueueFull(CagError):
     http_status = 429
     code = "queue_full"
@@ -51,10 +63,12 @@ def status_of(e: CagError | type[CagError]) -> int:
 
 # Every status the API answers with an error body: its codes, and when.
 STATUSES: dict[int, tuple[tuple[str, ...], str]] = {
-    400: (("invalid_request", "bad_request", "model_error", "context_length_exceeded"),
+    400: (("invalid_request", "bad_request", "unsupported_parameter", "model_error", "context_length_exceeded"),
           "Bad input: a body that is not JSON or does not fit the schema (invalid_request), input the engine "
-          "refuses, e.g. a blank question or no user message (bad_request), a model it cannot use (model_error), "
-          "a conversation longer than the context left after the knowledge (context_length_exceeded)."),
+          "refuses, e.g. a blank question or no user message (bad_request), an OpenAI field cag does not honour set "
+          "to a value that would change the answer, e.g. logprobs, tools, n > 1 (unsupported_parameter, `param` "
+          "names it), a model it cannot use (model_error), a conversation longer than the context left after the "
+          "knowledge (context_length_exceeded)."),
     401: (("invalid_api_key",), "Missing or wrong API key (only when CAG_API_KEYS is set)."),
     403: (("host_not_allowed", "cross_site"), "A Host header naming something other than this server: localhost, "
                                               "127.0.0.1, [::1], an IP address, its bound address or CAG_ALLOWED_HOSTS "
@@ -112,7 +126,7 @@ def cag_error_response(e: CagError) -> JSONResponse:
         headers["Retry-After"] = str(getattr(e, "retry_after", 1))
     if status == 401:
         headers["WWW-Authenticate"] = "Bearer"
-    return error_response(status, str(e), e.code, headers)
+    return error_response(status, str(e), e.code, headers, param=getattr(e, "param", None))
 
 
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:

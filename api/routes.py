@@ -32,6 +32,7 @@ from .schemas import (
     JobInfo,
     ModelCard,
     ModelList,
+    stop_sequences,
 )
 from .service import Service
 from .streaming import EventStream, TextTrim, event
@@ -65,6 +66,9 @@ open_router = APIRouter()
 
 
 def finish_reason(svc: Service, answer: Answer, requested: int | None) -> str:
+    """`stop`: a stop token, or a stop sequence (also on the answer's last allowed token); `length`: max_tokens."""
+    if answer.stopped:
+        return "stop"
     return "length" if answer.completion_tokens >= svc.effective_max_tokens(requested) else "stop"
 
 
@@ -103,7 +107,8 @@ def start_ask(svc: Service, body: AskRequest, scope: str | None = None) -> Gener
             svc.check_question(text, body.mode)
     call = AskCall(body.corpus, body.question if messages is None else None, mode=body.mode, max_tokens=body.max_tokens,
                    on_stale=body.on_stale, shards=body.shards, stream=body.stream,
-                   decoding=DecodeConfig(min_tokens=body.min_tokens), messages=messages, k=body.k, scope=scope)
+                   decoding=DecodeConfig(min_tokens=body.min_tokens, stop=stop_sequences(body.stop)), messages=messages,
+                   k=body.k, scope=scope)
     return svc.runner.start(svc.answers.work(call))
 
 

@@ -27,12 +27,24 @@ def _integral(v):
 # bounds first: then they land in the JSON schema as minimum/maximum
 Count = Annotated[int, Field(ge=1), BeforeValidator(_integral)]
 Count0 = Annotated[int, Field(ge=0), BeforeValidator(_integral)]
-One = Annotated[int, Field(ge=1, le=1), BeforeValidator(_integral)]
 Integer = Annotated[int, BeforeValidator(_integral)]
 
 
 class _Request(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
+
+
+MAX_STOPS, MAX_STOP_CHARS = 4, 256  # OpenAI's limit of 4; a length bound keeps the per-token check cheap
+StopText = Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]
+Stop = StopText | Annotated[list[StopText], Field(max_length=MAX_STOPS)] | None
+STOP = ("Up to 4 stop sequences (a string or a list): the answer ends before the first one its text holds "
+        "(searched from its first character that is not whitespace), finish_reason `stop`; the tokens before it are "
+        "those decoded without `stop`, and decoding halts there. A stream never sends text that may start one.")
+
+
+def stop_sequences(stop: str | list[str] | None) -> tuple[str, ...]:
+    """`stop` as the engine takes it (cag.runtime.generate.DecodeConfig.stop)."""
+    return () if stop is None else (stop,) if isinstance(stop, str) else tuple(stop)
 
 
 # -- /v1/ask -------------------------------------------------------------------------------------
@@ -52,6 +64,7 @@ class AskRequest(_Request):
                                                                 "`question`, as in /v1/chat/completions.")
     shards: Count = Field(1, description="Sharded corpora: answer from the S best shards (BM25 routing) and keep the most "
                                          "confident answer; more than the corpus has means all.")
+    stop: Stop = Field(None, description=STOP)
 
 
 class Usage(BaseModel):
@@ -192,6 +205,10 @@ class StreamOptions(_Request):
     include_usage: bool = False
 
 
+class ResponseFormat(_Request):
+    type: str = Field(description="Only `text` is accepted: json_object and json_schema are refused (unsupported_parameter).")
+
+
 class ChatRequest(_Request):
     model: str = Field(min_length=1, description="The corpus name (GET /v1/models).")
     messages: list[ChatMessage] = Field(min_length=1, description="The conversation: system messages, earlier user and "
@@ -205,14 +222,31 @@ class ChatRequest(_Request):
     temperature: float | None = Field(None, ge=0, le=2, description="Unset, 0 or below 1e-5: greedy (exact).")
     top_p: float | None = Field(None, gt=0, le=1, description="Nucleus sampling; the most likely token is always kept.")
     seed: Integer | None = Field(None, description="Sampling seed, any integer: taken modulo 2**64 (-1 is 2**64-1).")
-    n: One | None = Field(None, description="Only 1 is supported.")
+    stop: Stop = Field(None, description=STOP)
+    n: Count | None = Field(None, description="Only 1 is supported (more: 400 unsupported_parameter).")
     mode: Mode = Field("cag", description="Extension: cag | cag+rag | full | rag.")
     k: Count | None = Field(None, description="Extension: rag and cag+rag: passages to retrieve (BM25); default 3 for rag, "
                                              "1 for cag+rag.")
     on_stale: StalePolicy = Field("serve", description="Extension: serve | refuse | refresh.")
     shards: Count = Field(1, description="Extension: sharded corpora answer from the S best shards.")
+    # OpenAI's fields that cag does not honour: accepted where their value changes nothing, else refused with
+    # 400 unsupported_parameter naming the field (api/openai_compat.py unsupported)
     tools: list[Any] | None = Field(None, description="Refused when not empty: cag answers from its corpus and calls no tools.")
     functions: list[Any] | None = Field(None, description="Refused when not empty (as `tools`).")
+    tool_choice: str | dict[str, Any] | None = Field(None, description="Only `none` or `auto` (with no tools: none).")
+    function_call: str | dict[str, Any] | None = Field(None, description="Only `none` or `auto` (as `tool_choice`).")
+    parallel_tool_calls: bool | None = Field(None, description="Accepted and ignored: no tools are called.")
+    frequency_penalty: float | None = Field(None, ge=-2, le=2, description="Only 0: no penalties are applied.")
+    presence_penalty: float | None = Field(None, ge=-2, le=2, description="Only 0: no penalties are applied.")
+    logit_bias: dict[str, Any] | None = Field(None, description="Only empty: no biases are applied.")
+    logprobs: bool | None = Field(None, description="Only false: log-probabilities are not returned.")
+    top_logprobs: Count0 | None = Field(None, description="Only 0 (as `logprobs`).")
+    response_format: ResponseFormat | None = Field(None, description="Only `{\"type\": \"text\"}`.")
+    modalities: list[str] | None = Field(None, description="Only `[\"text\"]`.")
+    audio: dict[str, Any] | None = Field(None, description="Refused when set: answers are text.")
+    reasoning_effort: str | None = Field(None, description="Refused when set: the model does not reason first.")
+    verbosity: str | None = Field(None, description="Refused when set.")
+    web_search_options: dict[str, Any] | None = Field(None, description="Refused when set: answers come from the corpus.")
     user: str | None = Field(None, description="Accepted and ignored: conversations are matched by their tokens.")
 
 

@@ -108,6 +108,7 @@ class Answer:
     passages: list[dict] = field(default_factory=list, repr=False)  # rag mode: what was retrieved
     conversation_tokens: int = 0  # prompt tokens of earlier turns reused from the kept conversation (cag.runtime.kept_conversations)
     decode: dict = field(default_factory=dict)  # what decoded it: weights, kernels, fast step or forward (cag.runtime.describe)
+    stopped: bool = False  # the answer ends before a stop sequence (DecodeConfig.stop): its finish reason is `stop`
 
     def to_dict(self) -> dict:
         d = asdict(self)

@@ -28,6 +28,7 @@ from pathlib import Path
 from cag.errors import BadInput, CagError, TooLarge
 from cag.model.prompt import build_prefix
 from cag.results import Mode
+from cag.runtime.generate import stop_at
 
 from .hybrid import HYBRID_K, answer_hybrid
 from .index import DEFAULT_PASSAGE_TOKENS, Index, clear_indexes, get_index, index_key, passage_name  # noqa: F401 - also used from here
@@ -69,14 +70,18 @@ def ask(engine, corpus: str, question: str | None, mode: str = "cag", max_tokens
     conversations a `cag` answer may reuse (an API key's; cag.runtime.kept_conversations)."""
     k = k if k is not None else HYBRID_K if mode == Mode.HYBRID.value else RAG_K
     if mode == Mode.HYBRID.value:
-        return answer_hybrid(engine, corpus, question, k, retriever, messages, max_tokens=max_tokens, on_text=on_text,
-                             should_stop=should_stop, on_stale=on_stale, decoding=decoding, shards=shards, scope=scope)
-    if mode != Mode.RAG.value:
-        return engine.ask(corpus, question, mode=mode, max_tokens=max_tokens, on_text=on_text,
-                          should_stop=should_stop, on_stale=on_stale, decoding=decoding, shards=shards, messages=messages,
-                          scope=scope)
-    q = engine.check(corpus, question, mode, max_tokens, on_stale, decoding, messages)
-    return answer_rag(engine, q, k, retriever, on_text, should_stop)
+        a = answer_hybrid(engine, corpus, question, k, retriever, messages, max_tokens=max_tokens, on_text=on_text,
+                          should_stop=should_stop, on_stale=on_stale, decoding=decoding, shards=shards, scope=scope)
+    elif mode != Mode.RAG.value:
+        a = engine.ask(corpus, question, mode=mode, max_tokens=max_tokens, on_text=on_text,
+                       should_stop=should_stop, on_stale=on_stale, decoding=decoding, shards=shards, messages=messages,
+                       scope=scope)
+    else:
+        q = engine.check(corpus, question, mode, max_tokens, on_stale, decoding, messages)
+        a = answer_rag(engine, q, k, retriever, on_text, should_stop)
+    if decoding is not None and decoding.stop:  # the decoder cut the text there and decoded no further
+        a.stopped = stop_at(engine.lm.tokenizer.decode(a.token_ids, skip_special_tokens=True), decoding.stop) is not None
+    return a
 
 
 def ask_many(engine, corpus: str, questions: list[str], workers: int | None = None, **kw) -> Iterator:

@@ -331,7 +331,7 @@ def _value(metrics: str, name: str) -> float:
 
 @pytest.mark.parametrize("body,code", [
     ({"messages": [{"role": "tool", "content": "42", "tool_call_id": "x"}, {"role": "user", "content": "q?"}]}, "bad_request"),
-    ({"messages": [{"role": "user", "content": "q?"}], "tools": [{"type": "function", "function": {"name": "f"}}]}, "bad_request"),
+    ({"messages": [{"role": "user", "content": "q?"}], "tools": [{"type": "function", "function": {"name": "f"}}]}, "unsupported_parameter"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:,"}}]}]}, "bad_request"),
     ({"messages": [{"role": "user", "content": ""}]}, "bad_request"),
     ({"messages": [{"role": "user", "content": "q?"}, {"role": "assistant", "content": "a"}]}, "bad_request"),

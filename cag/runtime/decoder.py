@@ -7,7 +7,8 @@ scheduler thread owns the model's decode work: a request (from any thread) is qu
 alone when nothing else runs, else riding along the decode step (its rows share the step's weight
 reads, in the decode format CAG_WEIGHTS), so one long prompt never stalls the requests decoding
 (the shortest prompt left goes first: Decoder._pieces); it then decodes with the batch and leaves when
-it stops: a stop token, max_tokens, or its `should_stop` (client gone, timeout: also between pieces).
+it stops: a stop token, a stop sequence in its text (DecodeConfig.stop), max_tokens, or its `should_stop`
+(client gone, timeout: also between pieces).
 Its own failure (a callback raising) ends only that request.
 
 Exactness: a request's tokens are the same alone and batched. On the CPU every product and the
@@ -286,7 +287,7 @@ class Decoder:
                 continue  # more pieces to come: its logits say nothing yet
             self._filling.remove(r)
             r.length = len(r.suffix)
-            r.stream, r.gen = TextStream(self.lm.tokenizer), sampler(r.cfg)
+            r.stream, r.gen = TextStream(self.lm.tokenizer, r.cfg.stop), sampler(r.cfg)
             self._active.append(r)
             self._emit(r, logits[0])
 
@@ -319,7 +320,7 @@ class Decoder:
             piece = req.stream.push(tok)
             if req.on_text and piece:
                 req.on_text(piece)
-            stop = req.should_stop is not None and req.should_stop()
+            stop = req.stream.stopped or (req.should_stop is not None and req.should_stop())  # a stop sequence, or gone
         except Exception as e:  # noqa: BLE001 - a failing callback ends its own request only
             return self._finish(req, e)
         if len(req.ids) >= cfg.max_tokens or stop or req.length >= self.room:

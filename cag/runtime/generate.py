@@ -21,6 +21,9 @@ class DecodeConfig:
     top_p: float = 1.0
     seed: int | None = None
     min_tokens: int = 0  # no stop token is picked before this many answer tokens (vLLM's min_tokens)
+    # stop sequences (OpenAI's `stop`): the answer ends before the first one its text holds (TextStream), a cut
+    # on the text of the same tokens (decoding halts there: the tokens before it are those decoded without it)
+    stop: tuple[str, ...] = ()
 
     def within(self, limit: int) -> DecodeConfig:
         """This decoding with `limit` answer tokens at most (min_tokens clamped to it)."""
@@ -90,30 +93,66 @@ def decode(
         pos += 1
 
 
-class TextStream:
-    """Turns token ids into text increments; holds back a trailing partial UTF-8 character."""
+def stop_at(text: str, stops: tuple[str, ...]) -> int | None:
+    """Where the first of the stop sequences `stops` starts in `text`, or None. The search starts at the
+    text's first character that is not whitespace, where the answer (stripped) starts."""
+    start = len(text) - len(text.lstrip())
+    found = [i for s in stops if s and (i := text.find(s, start)) >= 0]
+    return min(found) if found else None
 
-    def __init__(self, tokenizer):
+
+def _undecided(text: str, stops: tuple[str, ...]) -> int:
+    """How many characters at the end of `text` (after its leading whitespace) may be the start of a
+    stop sequence: held back until the next tokens decide it."""
+    tail = text.lstrip()
+    n = 0
+    for s in stops:
+        for k in range(min(len(s) - 1, len(tail)), n, -1):  # the longest proper prefix of s that ends the text
+            if tail.endswith(s[:k]):
+                n = k
+                break
+    return n
+
+
+class TextStream:
+    """Turns token ids into text increments; holds back a trailing partial UTF-8 character and, with
+    stop sequences, the end of the text while it may be the start of one (a piece handed out is never
+    part of a stop sequence). Once the text holds one, `stopped` is true and the text ends before it."""
+
+    def __init__(self, tokenizer, stops: tuple[str, ...] = ()):
         self.tok = tokenizer
         self.ids: list[int] = []
         self.sent = ""
+        self.stops = tuple(s for s in stops if s)
+        self.cut: int | None = None  # where the first stop sequence starts in the decoded text
+
+    @property
+    def stopped(self) -> bool:
+        return self.cut is not None
 
     def push(self, tok: int) -> str:
         self.ids.append(tok)
         text = self.tok.decode(self.ids, skip_special_tokens=True)
+        if self.stops and (cut := stop_at(text, self.stops)) is not None:
+            self.cut = cut
+            return self._send(text[:cut])
         if text.endswith("\ufffd"):
             return ""
+        return self._send(text[: len(text) - _undecided(text, self.stops)] if self.stops else text)
+
+    def _send(self, text: str) -> str:
         piece, self.sent = text[len(self.sent) :], text
         return piece
 
     def flush(self) -> str:
-        """What `push` held back (an incomplete UTF-8 sequence at the very end), as decoded."""
-        piece, self.sent = self.text[len(self.sent):], self.text
-        return piece
+        """What `push` held back (an incomplete UTF-8 sequence at the very end, the possible start of a
+        stop sequence that never came), as decoded."""
+        return self._send(self.text)
 
     @property
     def text(self) -> str:
-        return self.tok.decode(self.ids, skip_special_tokens=True)
+        text = self.tok.decode(self.ids, skip_special_tokens=True)
+        return text if self.cut is None else text[: self.cut]
 
 
 @dataclass
@@ -132,7 +171,7 @@ def generate(lm, cache, n_prefix: int, suffix: list[int], cfg: DecodeConfig, chu
     at n_prefix.., then decode into the same buffer. `lm` is a cag.model.loading.LoadedModel."""
     t_start = time.perf_counter() if t_start is None else t_start
     logits = kv_cache.prefill(lm.model, cache, suffix, n_prefix, chunk, should_stop=should_stop)
-    stream, ids, t_first = TextStream(lm.tokenizer), [], None
+    stream, ids, t_first = TextStream(lm.tokenizer, cfg.stop), [], None
     for tok in decode(lm.model, cache, logits, n_prefix + len(suffix), cfg, lm.stops, should_stop):
         if t_first is None:
             t_first = time.perf_counter()
@@ -140,6 +179,8 @@ def generate(lm, cache, n_prefix: int, suffix: list[int], cfg: DecodeConfig, chu
         piece = stream.push(tok)
         if on_text and piece:
             on_text(piece)
+        if stream.stopped:  # a stop sequence: the answer ends before it, no more tokens are decoded
+            break
     if on_text and (tail := stream.flush()):
         on_text(tail)  # a trailing partial character held back: the pieces add up to the text
     return generated(stream.text, ids, t_start, t_first, time.perf_counter())
