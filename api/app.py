@@ -4,7 +4,7 @@ The lifespan starts loading the model in a thread and returns at once: the serve
 the first moment, `/health` with 503 until the model is loaded, then 200; routes that need the
 model answer 503 (not_ready) until then.
 
-With CAG_API_KEYS set, every route but /health (the API, /metrics, /docs and /openapi.json) carries
+With CAG_API_KEYS set, every route but /health (the API, /mcp, /metrics, /docs and /openapi.json) carries
 the `RequireKey` security dependency: the check and its OpenAPI declaration are one thing.
 
 The chat page (api/ui.py: `/` and `/ui/<file>`, static files that hold no data) is open too, unless
@@ -31,7 +31,7 @@ import cag
 from cag.config import Settings, get_settings
 from cag.engine import Engine
 
-from . import errors, openai_compat, routes, ui
+from . import errors, mcp_server, openai_compat, routes, ui
 from .auth import RequireKey
 from .middleware import BodyLimit, RequestMetrics, SameSite
 from .runner import ClientGone
@@ -98,6 +98,7 @@ def create_app(settings: ApiSettings | None = None, cag_settings: Settings | Non
     app.include_router(routes.router, **guarded)
     app.include_router(openai_compat.router, **guarded)
     app.include_router(docs, dependencies=guarded.get("dependencies"))
+    mcp_server.mount(app, service, guarded.get("dependencies"))  # /mcp for MCP clients, behind the same key
     if settings.ui:
         app.include_router(ui.router)
 
