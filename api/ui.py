@@ -1,5 +1,7 @@
 """The chat page: a few static files shipped as package data (api/static/), served at `/` and
-`/ui/<file>`. No build step, no CDN, no inline script: the page's own script and style only.
+`/ui/<file>`. No build step, no CDN, no inline script: the page's own script and style, and two
+libraries vendored from npm unchanged (api/static/vendor/README.md): marked renders answers as
+markdown, DOMPurify sanitizes what it made.
 
 The page and its files are open (a browser cannot send a bearer key when it navigates); they hold
 no data. Everything the page shows comes from the API with the key the user types, which the page
@@ -8,7 +10,8 @@ keeps in the tab's memory. `CAG_UI=false` or `cag serve --no-ui` leave these rou
 Every file is sent with a Content-Security-Policy that allows scripts, styles and connections to
 this origin only (no inline script, no eval, no plugins, no framing) and `nosniff`: a document or
 answer that holds `<script>` or `<img onerror=...>` cannot run, even if text were ever turned into
-HTML by mistake (the page renders answers and names with textContent only).
+HTML by mistake. The page renders names, file names, questions and errors with textContent only;
+answers go through marked (raw HTML in them is shown as text) and then DOMPurify's allow-list.
 """
 
 from __future__ import annotations
@@ -26,6 +29,8 @@ FILES = {
     "app.js": "text/javascript; charset=utf-8",
     "style.css": "text/css; charset=utf-8",
     "icon.svg": "image/svg+xml",
+    "vendor/marked.umd.js": "text/javascript; charset=utf-8",
+    "vendor/purify.min.js": "text/javascript; charset=utf-8",
 }
 
 CSP = "; ".join((
@@ -51,7 +56,7 @@ router = APIRouter(include_in_schema=False)
 
 
 def read(name: str) -> bytes:
-    return resources.files("cag.api").joinpath("static", name).read_bytes()
+    return resources.files("cag.api").joinpath("static", *name.split("/")).read_bytes()
 
 
 def _file(name: str) -> Response:
@@ -65,6 +70,6 @@ def page() -> Response:
     return _file("index.html")
 
 
-@router.get("/ui/{name}")
+@router.get("/ui/{name:path}")
 def asset(name: str) -> Response:
-    return _file(name)
+    return _file(name)  # only FILES' keys: `..`, `%2f` and the like name nothing there
