@@ -32,7 +32,7 @@ import torch
 
 from cag.config import get_settings
 from cag.engine import Engine
-from cag.kernels import native
+from cag.kernels import backends, native
 from cag.model import auto_weights, weights
 from cag.model.loading import attn_dtype
 from cag.runtime import kv_cache
@@ -158,8 +158,8 @@ def main() -> None:
         for fmt in formats:
             for ker in ["torch"] if fmt == "fp32" else [k for k in kernels if k != "avx2" or fmt == "int4"]:  # avx2: int4's products
                 m = lm.model if fmt == "fp32" else copy.deepcopy(lm.model)  # cag's products pack their own layout
-                weights.apply(m, fmt, native=ker in ("amx", "avx512"), avx2=ker == "avx2")
-                object.__setattr__(m, native.ATTR, ker)
+                weights.apply(m, fmt, backends.BY_NAME[ker])
+                backends.attach(m, backends.BY_NAME[ker])
                 models[fmt, ker] = m
         auto = auto_weights.choose(lm.model, "auto", get_settings().models_dir)  # the verdict a server here uses (cached)
         bw, cbw = read_bandwidth(), copy_bandwidth()

@@ -96,12 +96,12 @@ def attention_times(dims: list[int], n: int, heads: int, rows: int, layers: int,
     of both, each run one call per layer over `layers` prefixes of n keys, the two alternating."""
     import torch
 
-    from cag.kernels import native
+    from cag.kernels import backends, native
     from cag.store import kv_int8
 
     if native.load() is None:
         raise SystemExit(f"cag's kernels cannot run here: {native.reason()}")
-    op, g, out = native.attention("avx512"), torch.Generator().manual_seed(0), []
+    op, g, out = backends.AVX512.attention_kernel, torch.Generator().manual_seed(0), []
     for d in dims:
         q = torch.randn(1, heads, rows, d, generator=g)
         ks, vs = (torch.randn(1, heads, 64, d, generator=g).bfloat16() for _ in range(2))  # a 1-key suffix

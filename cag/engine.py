@@ -282,7 +282,7 @@ class Engine:
     def _read(self, codes: list | None) -> list | None:
         """An int8 snapshot's codes where decode rows read them (cag.kernels.native's AVX-512 attention, heads of
         native.INT8_HEAD_DIMS, 80 included), else None: the prefix is then its dequantized K/V."""
-        return codes if self.lm.kernels == "avx512" and self.lm.head_dim in native.INT8_HEAD_DIMS else None
+        return codes if self.lm.backend.int8_codes and self.lm.head_dim in native.INT8_HEAD_DIMS else None
 
     def _finish(self, q: Question, gen: Generated, n_prefix: int, cached: int, load_ms: float,
                 snapshot: str | None, **extra) -> Answer:

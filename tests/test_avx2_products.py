@@ -5,7 +5,7 @@ the other rows and the thread count, and an engine on them exact: `cag` == `full
 import pytest
 import torch
 
-from cag.kernels import native
+from cag.kernels import backends, native
 from cag.model import weights
 from tests.test_batch import QUESTIONS, together
 
@@ -56,14 +56,14 @@ def test_products_are_the_held_weights_and_row_invariant(fmt, out_f, in_f):
 
 def test_int4_takes_the_avx2_products_for_every_row_and_its_head_in_q8():
     lin = torch.nn.Linear(128, 96, bias=False)
-    fl = weights.FastLinear(lin, "int4", avx2=True, out_dtype=torch.float32)
+    fl = weights.FastLinear(lin, "int4", backend=backends.AVX2, out_dtype=torch.float32)
     assert type(fl.packs) is weights.Avx2Packed and weights._head_format("int4", native=True) == "q8"
     x = torch.randn(7, 128)
     with torch.inference_mode():
         decode = fl.decode(x)
         assert torch.equal(fl.decode(x, [(3, False), (4, True)]), decode)  # a question's rows: the same copy, the same bits
-    assert type(weights.pack(lin.weight, None, "int4", avx2=True)) is weights.Avx2Packed
-    assert type(weights.pack(torch.randn(96, 96), None, "int4", avx2=True)) is weights.TorchPacked  # 96 inputs: not int4's 64s
+    assert type(weights.pack(lin.weight, None, "int4", backends.AVX2)) is weights.Avx2Packed
+    assert type(weights.pack(torch.randn(96, 96), None, "int4", backends.AVX2)) is weights.TorchPacked  # 96 inputs: not int4's 64s
 
 
 @pytest.fixture

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from cag.errors import TooLarge
-from cag.kernels import native
+from cag.kernels import backends, native
 from cag.rag.answer import ask_many
 from tests.conftest import REPO
 from tests.cpu import formats
@@ -90,7 +90,7 @@ def test_packed_products_are_row_invariant(kernels):
         for fmt in ("bf16", "int8", "int4"):
             # (576, 960), (576, 3072): SmolLM2's stacked q/k/v and gate/up; the last: an LM head's shape
             for i, o in ((64, 128), (576, 1536), (1536, 576), (576, 960), (576, 3072), (576, 49152)):
-                fl = FastLinear(torch.nn.Linear(i, o, bias=False), fmt, native=kernels == "native")
+                fl = FastLinear(torch.nn.Linear(i, o, bias=False), fmt, backend=backends.AVX512 if kernels == "native" else backends.TORCH)
                 x = torch.randn(256, i)
                 alone = torch.cat([fl.decode(x[r : r + 1]) for r in range(256)])
                 for m in (6, 9, 17, 40, 128, 160, 200, 256):  # over 128 rows: oneDNN's bf16 can re-block the sum

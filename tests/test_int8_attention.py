@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cag.kernels import native
+from cag.kernels import backends, native
 from cag.store import kv_int8
 from tests.test_native import case, library  # noqa: F401 (the fixture, used by every test here)
 
@@ -16,7 +16,7 @@ pytestmark = pytest.mark.usefixtures("library")
 
 
 def op(*args):
-    return native.attention("avx512")(*args)
+    return backends.AVX512.attention_kernel(*args)
 
 
 def int8_case(B, R, n, lens, D=64, seed=0):

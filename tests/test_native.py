@@ -16,7 +16,7 @@ import torch
 from cag.config import get_settings
 from cag.engine import Engine
 from cag.errors import ModelError
-from cag.kernels import native
+from cag.kernels import backends, native
 from cag.model import weights as weights_mod
 from cag.runtime import one_call
 from cag.runtime import step as lean
@@ -45,14 +45,14 @@ HERE = ["avx512", "avx2"] + (["amx"] if native.tiles() else [])  # the attention
 @pytest.fixture(params=HERE)
 def kernel(request):
     request.getfixturevalue("avx2_library" if request.param == "avx2" else "library")
-    return native.attention(request.param)
+    return backends.BY_NAME[request.param].attention_kernel
 
 
 @pytest.fixture(params=["cag", "cag_avx2"])
 def ops(request):
     """The step's glue (rms_bf16, rms_f32, rope_write, silu_mul_bf16) of either library: the same signatures."""
     request.getfixturevalue("avx2_library" if request.param == "cag_avx2" else "library")
-    return native.ops("avx2" if request.param == "cag_avx2" else "avx512")
+    return (backends.AVX2 if request.param == "cag_avx2" else backends.AVX512).ops()
 
 
 def case(B, R, n, lens, D=64, H=2, S=4, room=300, seed=0):
@@ -215,7 +215,7 @@ def test_the_amx_op_refuses_on_a_library_built_without_it(library):
     if native.tiles():
         pytest.skip("this CPU has AMX: the library holds the AMX attention")
     with pytest.raises(RuntimeError, match="without AMX"):
-        native.attention("amx")(*case(1, 3, 64, [4]), 0.125)
+        backends.AMX.attention_kernel(*case(1, 3, 64, [4]), 0.125)
 
 
 def test_modes(library):

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cag.kernels import native
+from cag.kernels import backends, native
 from cag.model import weights
 
 
@@ -207,10 +207,10 @@ def test_bad_inputs_are_refused():
 def test_packed_takes_the_native_layout_only_where_it_fits():
     """int4 needs inputs in whole pairs of groups (in % 64 == 0): other widths keep torch's kernel for
     decode rows (a question's rows still take the native bf16 product)."""
-    assert type(weights.pack(weight(64, 576), None, "int4", native=True)) is weights.NativePacked
-    assert type(weights.pack(weight(64, 544), None, "int4", native=True)) is weights.TorchPackedNativeQuestions
+    assert type(weights.pack(weight(64, 576), None, "int4", backends.AVX512)) is weights.NativePacked
+    assert type(weights.pack(weight(64, 544), None, "int4", backends.AVX512)) is weights.TorchPackedNativeQuestions
     assert type(weights.pack(weight(64, 576), None, "int4")) is weights.TorchPacked
-    assert type(weights.pack(weight(64, 576), None, "int8", native=True)) is weights.TorchPackedNativeQuestions
+    assert type(weights.pack(weight(64, 576), None, "int8", backends.AVX512)) is weights.TorchPackedNativeQuestions
     # int4's LM head is int8 in groups of 32 with cag's kernels, bf16 with torch's
     assert weights._head_format("int4", native=True) == "q8"
     assert weights._head_format("int4", native=True, four_bit=True) == "int4"  # a head on int4's grid already

@@ -171,3 +171,32 @@ def test_every_room_of_cag_is_packaged():
     rooms = {"cag." + p.parent.name for p in (REPO / "cag").glob("*/__init__.py")}
     assert rooms and rooms <= set(project["packages"])
     assert {"*.cpp", "*.h"} <= set(project["package-data"]["cag.kernels"])
+
+
+# Where a kernel's name may appear as a string: the backends themselves, the library that builds and
+# resolves them, the one resolver at load, and the setting's declaration.
+KERNEL_NAMES = {"amx", "avx512", "avx2"}
+RESOLVERS = {"cag.kernels.backends", "cag.kernels.native", "cag.model.loading", "cag.config"}
+
+
+def _kernel_names(path: Path) -> list[int]:
+    """Lines of `path` whose code holds a kernel's name as a string (docstrings and comments aside)."""
+    tree = ast.parse(path.read_text(), str(path))
+    docs = {id(n.body[0].value) for n in ast.walk(tree)
+            if isinstance(n, (ast.Module, ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
+            and n.body and isinstance(n.body[0], ast.Expr) and isinstance(n.body[0].value, ast.Constant)}
+    return [n.lineno for n in ast.walk(tree)
+            if isinstance(n, ast.Constant) and n.value in KERNEL_NAMES and id(n) not in docs]
+
+
+def test_kernel_names_are_compared_only_where_the_backend_is_resolved():
+    """What a model decodes on is a Backend object (cag.kernels.backends): no module outside the resolvers
+    compares or passes a kernel's name as a string."""
+    found = {name: lines for name, path in _modules().items() if name not in RESOLVERS and (lines := _kernel_names(path))}
+    assert not found, f"kernel names as strings outside cag.kernels.backends: {found}"
+
+
+def test_the_kernel_name_check_sees_a_string(tmp_path):
+    bad = tmp_path / "bad.py"
+    bad.write_text('"""Runs on "avx2" CPUs."""\nif mode == "avx2":\n    pass\n')
+    assert _kernel_names(bad) == [2]

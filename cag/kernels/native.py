@@ -57,7 +57,6 @@ SOURCES = tuple(Path(__file__).parent / f for f in ("decode_attention.cpp", "int
                                                                  "layer.cpp"))
 HEADERS = tuple(Path(__file__).parent / f for f in ("kernels.h", "product_args.h", "step_args.h"))
 MODES = ("auto", "amx", "avx512", "avx2", "torch")
-ATTR = "cag_decode_kernels"  # on a loaded model: what CAG_DECODE_KERNELS resolved to ("amx", "avx512", "avx2" or "torch")
 # a library of its own: int4 and q8 products, and the decode attention and glue of a step (avx2_step.cpp)
 AVX2_SOURCES = tuple(Path(__file__).parent / f for f in ("avx2_products.cpp", "avx2_step.cpp", "product_args.h", "step_args.h", "kernels.h"))
 AVX2_FLAGS = ("avx2", "fma", "f16c")
@@ -246,24 +245,6 @@ def _fall_back(why: str) -> None:
     if not _state.get("warned"):
         _state["warned"] = True
         log.warning("cag: decode falls back to torch's kernels (slower): %s", why)
-
-
-def attention(mode: str) -> Callable:
-    """The decode attention op of a resolved mode ("amx", "avx512" or "avx2")."""
-    if mode == "avx2":
-        return torch.ops.cag_avx2.decode_attention
-    return torch.ops.cag.decode_attention if mode == "amx" else torch.ops.cag.decode_attention_avx512
-
-
-def ops(mode: str):
-    """The op namespace of a resolved mode's step (its glue: rms_bf16, rms_f32, rope_write, silu_mul_bf16):
-    torch.ops.cag_avx2 for "avx2", else torch.ops.cag."""
-    return torch.ops.cag_avx2 if mode == "avx2" else torch.ops.cag
-
-
-def paired(kernel) -> bool:
-    """Whether a decode attention op takes a prefix pre-paired (pair_kv): the avx512 one alone."""
-    return _state.get("fn") is not None and kernel is torch.ops.cag.decode_attention_avx512
 
 
 def resolve(mode: str, device: torch.device | str = "cpu") -> str:

@@ -30,7 +30,7 @@ from typing import NamedTuple
 
 import torch
 
-from cag.kernels import native
+from cag.kernels import backends
 
 
 class Family(NamedTuple):
@@ -93,7 +93,7 @@ def refs(model) -> tuple:
     """Every object the step calls or reads, in a fixed order: a swapped module (weights.apply on a
     copy of the model) makes the tuple differ, and the step is rebuilt."""
     inner, fam = model.model, family(model)
-    out = [getattr(model, native.ATTR, "torch"), inner.embed_tokens, inner.embed_tokens.weight, inner.rotary_emb,
+    out = [backends.of(model), inner.embed_tokens, inner.embed_tokens.weight, inner.rotary_emb,
            inner.norm, inner.norm.weight, model.lm_head]
     for layer in inner.layers[: model.config.num_hidden_layers]:
         a, m = layer.self_attn, layer.mlp

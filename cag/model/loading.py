@@ -21,7 +21,8 @@ import torch
 from cag.config import DEFAULT_MODEL
 from cag.errors import ModelError
 from cag.hashing import hash_obj
-from cag.kernels import native
+from cag.kernels import backends, native
+from cag.kernels.backends import Backend
 from cag.model import file_pages, gguf, prefill_attention
 from cag.store.snapshots import expected_bytes
 
@@ -46,8 +47,13 @@ class LoadedModel:
     stops: frozenset[int] = frozenset()  # token ids that end an answer
     weights: str = "fp32"  # format of the decode-step products (cag.model.weights)
     packed_bytes: int = 0  # memory of the packed weight copies
-    kernels: str = "torch"  # what decode rows run on: "amx", "avx512" (cag.kernels.native) or "torch"
-    kernels_why: str = ""  # why those (one line, no paths: /health shows it)
+    backend: Backend = backends.TORCH  # what decode rows run on (cag.kernels.backends), resolved at load
+    kernels_why: str = ""  # why that one (one line, no paths: /health shows it)
+
+    @property
+    def kernels(self) -> str:
+        """The backend's name, as `cag info`, answers and /health report it."""
+        return self.backend.name
 
     @property
     def device(self) -> torch.device:
@@ -249,20 +255,19 @@ def load_model(name: str, models_dir: Path, threads: int = 0, dtype: str = "auto
     if why := wformats.supported(fmt, model):
         raise ModelError(why)
     lm.weights = fmt
-    lm.kernels, lm.kernels_why = decode_kernels(kernels, lm)  # before packing: cag's products take their own layout
-    on_cag, avx2 = lm.kernels in ("amx", "avx512"), lm.kernels == "avx2"
+    lm.backend, lm.kernels_why = resolve_backend(kernels, lm)  # before packing: cag's products take their own layout
     cache = None
     if keep_packed and fmt != "fp32":
         from cag.model.packed_cache import PackedCache
 
-        cache = PackedCache(models_dir / "packed", lm.fingerprint, {"format": fmt, "native": on_cag, "avx2": avx2,
+        cache = PackedCache(models_dir / "packed", lm.fingerprint, {"format": fmt, "products": lm.backend.products,
                                                                     "compute": str(compute), "device": device})
-    lm.packed_bytes = wformats.apply(model, fmt, native=on_cag, compute=compute, avx2=avx2, cache=cache)
+    lm.packed_bytes = wformats.apply(model, fmt, lm.backend, compute=compute, cache=cache)
     if cache is not None:
         cache.save()
     model.config.dtype = compute
     file_pages.watch(model)  # a prefill refuses to read weights whose file changed since
-    setattr(model, native.ATTR, lm.kernels)  # read by cag.runtime.step
+    backends.attach(model, lm.backend)  # read by cag.runtime.step (backends.of)
     return lm
 
 
@@ -274,7 +279,14 @@ def checkpoint_dtype(config) -> torch.dtype | None:
     return own if own in (torch.bfloat16, torch.float16) else None
 
 
-def decode_kernels(mode: str, lm: LoadedModel) -> tuple[str, str]:
+def resolve_backend(mode: str, lm: LoadedModel) -> tuple[Backend, str]:
+    """The backend CAG_DECODE_KERNELS `mode` means for this model here (cag.kernels.backends: CUDA on a GPU),
+    and why (one line): the one place a kernel name is compared."""
+    name, why = _kernels(mode, lm)
+    return (backends.BY_NAME[name] if lm.device.type == "cpu" else backends.CUDA), why
+
+
+def _kernels(mode: str, lm: LoadedModel) -> tuple[str, str]:
     """What CAG_DECODE_KERNELS means for this model here: "amx", "avx512", "avx2" or "torch"
     (cag.kernels.native, which also refuses an unknown mode), and why (one line). The attention reads
     bf16 K/V with heads of 64, 80, 96, 128 or 256 (native.HEAD_DIMS) on the CPU; `amx` or `avx512` where those do not hold is refused.

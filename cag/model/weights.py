@@ -11,7 +11,7 @@ the transformers forward: prefill of the knowledge) and adds a packed copy used 
   int4  groups of 32 along the input, asymmetric: w = (q - 8) * scale + zero, q in 0..15
         (`aten._weight_int4pack_mm_for_cpu`); the embedded model's GGUF Q4_1 has this exact shape
   (int8 and int4 keep the LM head in bf16: _head_format)
-With cag's own kernels (CAG_DECODE_KERNELS amx or avx512: `native`), decode rows multiply int4 and bf16
+With cag's own kernels (the AVX-512 or AMX backend: cag.kernels.backends), decode rows multiply int4 and bf16
 weights through cag.kernels.native instead, at the speed of reading them: int4 as GGUF Q4_1 holds it (a
 float16 step and min per group of 32: w = m + q * d), int4's LM head as GGUF Q8_0 does ("q8"), bf16
 as a plain matrix, and a question's rows (int8, int4) through the bf16 product; all return float32.
@@ -48,7 +48,8 @@ import threading
 import torch
 import torch.nn.functional as F
 
-from cag.kernels import native as cag_native
+from cag.kernels import backends
+from cag.kernels.backends import Backend
 from cag.model import file_pages, packed_cache, stacked_products
 
 FORMATS = ("fp32", "bf16", "int8", "int4")
@@ -389,15 +390,16 @@ class Avx2Packed(Packed):
         return self.mm(x2.contiguous(), *self.packed)
 
 
-def pack(w: torch.Tensor, bias: torch.Tensor | None, fmt: str, native: bool = False, out_dtype: torch.dtype | None = None,
-         avx2: bool = False, questions: bool = True) -> Packed:
-    """The packed copy of an (out, in) weight for `fmt` on the kernel path this machine has: cag's own
-    products where `native` (or `avx2`: its AVX2 products, int4 and q8) and the shapes allow (the input a
-    multiple of 32, of 64 for int4), else torch's. `questions`: int8 / int4 may keep a bf16 copy for a
-    question's rows (else they take the decode rows' copy)."""
-    if avx2 and (fmt == "q8" and w.shape[1] % 32 == 0 or fmt == "int4" and w.shape[1] % 64 == 0) and cag_native.load_avx2():
+def pack(w: torch.Tensor, bias: torch.Tensor | None, fmt: str, backend: Backend = backends.TORCH,
+         out_dtype: torch.dtype | None = None, questions: bool = True) -> Packed:
+    """The packed copy of an (out, in) weight for `fmt` on `backend`'s products (cag.kernels.backends):
+    cag's own (AVX-512, or AVX2: int4 and q8) where the shapes allow (the input a multiple of 32, of 64
+    for int4), else torch's. `questions`: int8 / int4 may keep a bf16 copy for a question's rows (else
+    they take the decode rows' copy)."""
+    if (backend.avx2_products and (fmt == "q8" and w.shape[1] % 32 == 0 or fmt == "int4" and w.shape[1] % 64 == 0)
+            and backend.loaded()):
         return Avx2Packed(w, bias, fmt, out_dtype)
-    native = native and w.shape[1] % 32 == 0 and cag_native.load() is not None
+    native = backend.cag_products and w.shape[1] % 32 == 0 and backend.loaded()
     if native and (fmt in ("bf16", "q8") or fmt == "int4" and w.shape[1] % 64 == 0):
         return NativePacked(w, bias, fmt, out_dtype, questions)
     if native and fmt in ("int8", "int4"):
@@ -422,11 +424,11 @@ class FastLinear(torch.nn.Module):
     output columns, never a column's sum: tests/test_batch.py)."""
 
     def __init__(self, linear: torch.nn.Linear, fmt: str, packs: Packed | None = None, cols: tuple[int, int] | None = None,
-                 native: bool = False, out_dtype: torch.dtype | None = None, avx2: bool = False, questions: bool = True):
+                 backend: Backend = backends.TORCH, out_dtype: torch.dtype | None = None, questions: bool = True):
         super().__init__()
         self.in_features, self.out_features, self.fmt = linear.in_features, linear.out_features, fmt
         self.weight, self.bias = linear.weight, linear.bias  # the model's own (shared if tied)
-        self.packs = packs or pack(linear.weight, linear.bias, fmt, native, out_dtype, avx2, questions)
+        self.packs = packs or pack(linear.weight, linear.bias, fmt, backend, out_dtype, questions)
         self.cols = cols
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -467,12 +469,12 @@ def packable(lin: torch.nn.Linear, fmt: str) -> bool:
     return fmt != "int4" or (lin.in_features % GROUP == 0 and lin.out_features % 16 == 0)
 
 
-def apply(model: torch.nn.Module, fmt: str, native: bool = False, compute: torch.dtype | None = None, avx2: bool = False,
+def apply(model: torch.nn.Module, fmt: str, backend: Backend = backends.TORCH, compute: torch.dtype | None = None,
           cache: packed_cache.PackedCache | None = None) -> int:
     """Widen the model to the `compute` dtype (None: its own) but for the layer matrices a packed copy is
     made from, then swap every nn.Linear of `model` for a FastLinear in `fmt` (fp32: none) and stack
-    each group left as it is (cag.model.stacked_products); `native`: decode rows through
-    cag.kernels.native's products where it has them (`avx2`: its AVX2 products). `cache`: packed copies
+    each group left as it is (cag.model.stacked_products); decode rows through `backend`'s products where
+    it has them (cag.kernels.backends: cag's AVX-512 or AVX2 ones, else torch's). `cache`: packed copies
     kept on disk, read instead of packed where it holds them (cag.model.packed_cache). Returns the bytes
     the packed copies take.
 
@@ -486,7 +488,7 @@ def apply(model: torch.nn.Module, fmt: str, native: bool = False, compute: torch
         stacked_products.stack(model)
         return 0
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    kernels = native or avx2
+    kernels = backend.own_products
     # the head's format; whether it lies on int4's grid is read only where it decides (int4 on cag's products)
     head_fmt = None if head is None else _head_format(fmt, kernels and head.in_features % GROUP == 0,
                                                       fmt == "int4" and kernels and packable(head, "int4") and on_grid4(head.weight))
@@ -518,7 +520,7 @@ def apply(model: torch.nn.Module, fmt: str, native: bool = False, compute: torch
             mapped = any(file_pages.file_backed(m.weight, maps) for m in lins)
             # with cag's kernels a question's rows take the decode rows' copy (cag.runtime.rows.flat): no second copy
             with scope(lins[0]):
-                group = pack(w, b, fmt, native, torch.float32, avx2, questions=not mapped and not kernels)
+                group = pack(w, b, fmt, backend, torch.float32, questions=not mapped and not kernels)
             packs[id(group)], lo = group, 0
             file_pages.release((m.weight for m in lins), maps)
             trim_heap()
@@ -537,7 +539,7 @@ def apply(model: torch.nn.Module, fmt: str, native: bool = False, compute: torch
             # vocabulary-sized matrix would cost more memory than the product saves time (one row a question)
             copy = not mapped and not kernels and not (lin is head and own(lin) == "int4")
             with scope(lin):
-                fast = FastLinear(lin, own(lin), native=native, out_dtype=torch.float32, avx2=avx2, questions=copy)
+                fast = FastLinear(lin, own(lin), backend=backend, out_dtype=torch.float32, questions=copy)
             setattr(parent, name.rsplit(".", 1)[-1], fast)
             packs[id(fast.packs)] = fast.packs
             if not fast.packs.holds_source():

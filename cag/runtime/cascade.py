@@ -13,8 +13,8 @@ Two ways, same math:
     merge of five elementwise kernels; the same math, other last bits;
   * one softmax (elsewhere, or without those kernels): scores against the prefix and the suffix
     concatenated, one softmax, two products.
-Decode parts (one token per request) over bf16 K/V go to cag.kernels.native's kernel instead where
-CAG_DECODE_KERNELS resolved to amx or avx512: prefix and suffix in one call, nothing to merge here.
+Decode parts (one token per request) over bf16 K/V go to the backend's attention instead (cag.kernels.backends:
+AVX-512, AMX or AVX2): prefix and suffix in one call, nothing to merge here.
 Query heads that share a K/V head are folded into the query rows (GQA without repeating K/V):
 (B, H_kv, M, D), M = m * rep, row t*rep + r = token t, head r of the group.
 """
@@ -22,8 +22,6 @@ Query heads that share a K/V head are folded into the query rows (GQA without re
 from __future__ import annotations
 
 import torch
-
-from cag.kernels import native
 
 _FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 _CUDA_FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention", None)
@@ -194,16 +192,17 @@ def _merge_out(o: torch.Tensor, B: int, m: int, n_kv: int, rep: int, d: int, dty
 
 
 def attend(r, q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, i: int, scale: float, up: bool,
-           kernel=None, few: bool = False) -> torch.Tensor:
+           kernel=None, few: bool = False, paired: bool = False) -> torch.Tensor:
     """One part's attention in layer i: q (B*m, H, D) roped -> (B*m, H*D), head-major as o_proj expects.
-    `kernel`: cag.kernels.native's decode attention (CAG_DECODE_KERNELS amx or avx512), used for decode parts (one
-    token per request) over bf16 K/V; a part's role, not its batch, picks the kernel. `few`: the
+    `kernel`: the backend's decode attention (cag.kernels.backends: AVX-512, AMX or AVX2), used for decode parts (one
+    token per request) over bf16 K/V, `paired` where it takes a prefix pre-paired; a part's role, not its batch,
+    picks the kernel. `few`: the
     few-kernel cascade (_few; the step's on CUDA) where its kernels take the part."""
     B, m, M = r.B, r.m, r.M
     n_kv, d = K.shape[1], K.shape[3]
     rep = M // m
     if kernel is not None and m == 1 and not r.question and K.dtype == torch.bfloat16:
-        return _native(kernel, r, q.view(B, n_kv, rep, d), K, V, i, scale).reshape(B, n_kv * rep * d).to(q.dtype)
+        return _native(kernel, r, q.view(B, n_kv, rep, d), K, V, i, scale, paired).reshape(B, n_kv * rep * d).to(q.dtype)
     q = q.view(B, m, n_kv, rep, d).transpose(1, 2).reshape(B, n_kv, M, d)
     Ks = K[r.slots, :, : r.L] if r.one is None else K[r.one, None, :, : r.L]  # (B, H_kv, L, D): only the suffix is per request
     Vs = V[r.slots, :, : r.L] if r.one is None else V[r.one, None, :, : r.L]
@@ -238,12 +237,11 @@ def attend(r, q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, i: int, scale: 
     return _merge_out(o, B, m, n_kv, rep, d, K.dtype)
 
 
-def _native(kernel, r, q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, i: int, scale: float) -> torch.Tensor:
+def _native(kernel, r, q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, i: int, scale: float, paired: bool) -> torch.Tensor:
     """Decode rows through the native kernel: q (B, H_kv, rep, D) -> (B, H_kv, rep, D) float32, each
     request over its prefix (read once per group of requests sharing it) and its own suffix keys
     [0, r.lens[b]) in its slot, in one call per prefix; no K/V gathered or copied."""
     q = q.float().contiguous()
-    paired = native.paired(kernel)
     if len(r.groups) == 1:
         prefix = r.groups[0][0]
         Kp, Vp = _bf16(prefix.kv[i])

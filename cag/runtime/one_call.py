@@ -72,8 +72,8 @@ def weights(step, model):
 
 
 def applies(step, rows: list, roles, kernel) -> bool:
-    """A pass decode_layers computes: decode rows only, one part, the pre-paired kernel."""
-    return step.fused is not None and roles is None and len(rows) == 1 and kernel is torch.ops.cag.decode_attention_avx512
+    """A pass decode_layers computes: decode rows only, one part, the backend's attention (one_call's: pre-paired)."""
+    return step.fused is not None and roles is None and len(rows) == 1 and kernel is not None
 
 
 def _flat(prefix, n_layers: int) -> list[torch.Tensor]:

@@ -40,7 +40,7 @@ from typing import NamedTuple
 
 import torch
 
-from cag.kernels import native
+from cag.kernels import backends
 from cag.model.families import FAMILIES, family, norms, projections, qk_norms, refs, why_not  # noqa: F401 (FAMILIES, why_not: the step's API)
 from cag.model.stacked_products import group_of, product, together
 from cag.model.stacked_products import stacked as together_weights
@@ -122,24 +122,21 @@ class LeanStep:
             ))
             packed = packed and self.fns[-1].qkv_packed is not None and self.fns[-1].gu_packed is not None and one_call.is_silu(act)
         half = self.head_dim // 2
-        # decode rows over bf16 K/V through cag.kernels.native's kernel (CAG_DECODE_KERNELS resolved to amx, avx512 or avx2 at load)
-        mode = getattr(model, native.ATTR, "torch")
-        if mode == "amx" and self.head_dim % 64:  # the AMX attention sums values 64 dims at a time: avx512's takes 80 and 96
-            mode = "avx512"
-        loaded = native.load_avx2() if mode == "avx2" else mode in ("amx", "avx512") and native.load() is not None
-        self.kernel = native.attention(mode) if loaded and self.head_dim in native.HEAD_DIMS else None
+        # decode rows over bf16 K/V through the attention of the backend the model loaded with (cag.kernels.backends)
+        self.backend = backends.of(model).for_heads(self.head_dim)
+        self.kernel = self.backend.attention(self.head_dim)
         # and with it, for a float32 step over packed products, the glue around them in one call each: RMSNorm
         # straight to the products' bf16 input, rope of q and k with the K/V write (same bits as the formulas
         # below), silu(gate) x up rounded to bf16 (its own bits); with int4/bf16 weights, all layers in one call (cag.runtime.one_call)
         glue = self.kernel and packed and self.dtype == torch.float32
-        ops = native.ops(mode)  # the AVX2 library's glue on CPUs below the AVX-512 floor (avx2_step.cpp), same signatures
+        ops = self.backend.ops()  # the AVX2 library's glue on CPUs below the AVX-512 floor (avx2_step.cpp), same signatures
         self.glue = (ops.rms_bf16, ops.rope_write, ops.silu_mul_bf16) if glue else None
         # a family's q/k norms and post-norms then run natively too (rms_f32: what the one-call layers compute)
         self.branch_rms = ops.rms_f32 if glue else self.rms
         if glue and fam.qk_norm:
             self.fns = [L._replace(qk=qk_norms(layer.self_attn, fam, self.branch_rms, d, self.dtype))
                         for L, layer in zip(self.fns, inner.layers)]
-        self.fused = one_call.weights(self, model) if glue and mode == "avx512" else None
+        self.fused = one_call.weights(self, model) if glue and self.backend.one_call else None
         # with cag's kernels on the CPU over packed products (whose kernels give a row its bits at any row
         # count: cag.model.weights) every row of a pass is a decode row (rows.flat): one arithmetic for a
         # question's tokens and an answer's, so an answer's K/V are what a prefill of it writes. fp32
@@ -245,7 +242,7 @@ class LeanStep:
                 K[rows_slot, :, rows_pos] = (k * cos + k.roll(half, -1) * sin).to(K.dtype)  # roped K into the request's slot
                 V[rows_slot, :, rows_pos] = v.view(R, n_kv, d).to(V.dtype)
                 q = (q * cos + q.roll(half, -1) * sin).to(q.dtype)  # OLMo-2 ropes in float32 (its cos, sin), then casts
-            o = [cascade.attend(r, q[r.r0 : r.r1], K, V, i, L.scale, up, kernel, s.few) for r in rows]
+            o = [cascade.attend(r, q[r.r0 : r.r1], K, V, i, L.scale, up, kernel, s.few, s.backend.paired) for r in rows]
             o = o[0] if len(o) == 1 else torch.cat(o)
             y = L.o(o.to(torch.bfloat16) if glue else o, roles)  # with the glue: the products' bf16 input, as they round it
             if post:
