@@ -298,8 +298,7 @@ class Packed:
 class NativePacked(Packed):
     """cag.kernels.native's products: decode rows in int4 (GGUF Q4_1's layout), q8 (Q8_0's) or bf16,
     any number of rows in one call, float32 out; a question's rows through its bf16 product, over a
-    plain bf16 copy (int4) or the format's own product (bf16, q8). `plain`: the float32 result is the
-    answer as it is (no bias, float32 out), so cag.runtime.one_call can take the copy."""
+    plain bf16 copy (int4) or the format's own product (bf16, q8)."""
 
     def __init__(self, w: torch.Tensor, bias: torch.Tensor | None, fmt: str, out_dtype: torch.dtype | None = None,
                  questions: bool = True):
@@ -308,8 +307,8 @@ class NativePacked(Packed):
         self.packed = (w.to(torch.bfloat16).contiguous() if fmt == "bf16" else
                        packed_cache.packed(f"native-{fmt}", {"int4": pack_int4_native, "q8": pack_q8}[fmt], w))
         self.mm = getattr(torch.ops.cag, NATIVE_MM[fmt])
-        self.plain = bias is None and self.out_dtype == torch.float32
-        self._direct = self.plain and fmt in ("int4", "q8")  # called as the step hands rows over: nothing to convert
+        # called as the step hands rows over (no bias, float32 out): nothing to convert
+        self._direct = bias is None and self.out_dtype == torch.float32 and fmt in ("int4", "q8")
         self.questions = w.to(torch.bfloat16).contiguous() if fmt == "int4" and questions else None
 
     def __call__(self, x: torch.Tensor, roles: list[tuple[int, bool]] | None = None) -> torch.Tensor:

@@ -173,23 +173,18 @@ class LeanStep:
         """Still the model's modules (identity: modules define no __eq__), dtype and device."""
         return self.embed.dtype == self.model_dtype and self.embed.device == self.device and refs(model) == self.refs
 
-    def forward(self, toks: torch.Tensor, prefixes: list, slots: torch.Tensor, starts: torch.Tensor,
-                buffers, all_logits: bool = False) -> torch.Tensor:
-        """m new tokens for each of B requests, in one pass over the weights.
-
-        toks (B, m): request b's tokens, written to suffix positions starts[b] .. starts[b]+m-1 of its
-        slot slots[b] in `buffers` (cag.runtime.slots.Slots) and seen at absolute positions n_b + those, where
-        n_b = prefixes[b].n. Each token attends to all of its request's prefix (shared, read-only, never
-        copied: requests on one Prefix read it once per layer together) and causally to its own suffix.
-        Returns logits (B, V) of each request's last token, or (B, m, V) with all_logits."""
-        return self.run([Part(toks, prefixes, slots, starts)], buffers, all_logits)[0]
-
     @torch.inference_mode()
     def run(self, parts: list[Part], buffers, all_logits: bool = False) -> list[torch.Tensor]:
         """Several parts (e.g. the decode batch and a newly admitted question) in one pass over the
         weights: their rows share every product's weight reads (decode rows in CAG_WEIGHTS, a
         question's rows in its copy for questions: parts.roles), alone or not; attention is per part.
-        Returns per part what `forward` returns."""
+
+        A part (cag.runtime.rows.Part) holds m new tokens for each of B requests, toks (B, m): request b's
+        tokens, written to suffix positions starts[b] .. starts[b]+m-1 of its slot slots[b] in `buffers`
+        (cag.runtime.slots.Slots) and seen at absolute positions n_b + those, n_b = prefixes[b].n. Each
+        token attends to all of its request's prefix (shared, read-only, never copied: requests on one
+        Prefix read it once per layer together) and causally to its own suffix. Returns per part the
+        logits (B, V) of each request's last token, or (B, m, V) with all_logits."""
         s = self
         picks = None
         if s.flat:  # one part of single-token rows (rows.flat); each part's logits picked back at the end
