@@ -33,7 +33,7 @@ import torch
 from cag.config import get_settings
 from cag.engine import Engine
 from cag.kernels import backends, native
-from cag.model import auto_weights, weights
+from cag.model import auto_weights, packed, weights
 from cag.model.loading import attn_dtype
 from cag.runtime import kv_cache
 from cag.runtime import step as lean
@@ -111,7 +111,7 @@ def weight_bytes(model) -> int:
     for m in model.modules():
         if isinstance(m, weights.FastLinear) and id(m.packs) not in seen:
             seen.add(id(m.packs))
-            total += weights.packed_bytes(m.packs.packed)
+            total += packed.packed_bytes(m.packs.packed)
         elif isinstance(m, torch.nn.Linear):
             total += m.weight.nbytes
     return total

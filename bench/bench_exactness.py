@@ -31,10 +31,10 @@ from .common import machine, write
 def configs_here() -> list[tuple[str, str]]:
     """(weights, kernels) pairs this CPU runs: the default, torch's kernels, and cag's own where they load."""
     from cag.kernels import native
-    from cag.model import weights
+    from cag.model import layouts
 
     out = [("auto", "auto"), ("fp32", "torch"), ("int8", "torch"), ("int4", "torch")]
-    if weights.bf16_packs():
+    if layouts.bf16_packs():
         out.append(("bf16", "torch"))
     if native.load_avx2():
         out.append(("int4", "avx2"))

@@ -146,7 +146,7 @@ def main() -> None:
         return
 
     from bench.bench_decode import read_bandwidth
-    from cag.model.weights import bf16_packs
+    from cag.model.layouts import bf16_packs
 
     shapes = [s for g in a.shapes.split(",") for s in GROUPS.get(g, [g])]
     unknown = [s for s in shapes if s not in SHAPES]

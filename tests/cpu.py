@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from cag.model.weights import bf16_packs
+from cag.model.layouts import bf16_packs
 
 needs_bf16 = pytest.mark.skipif(not bf16_packs(), reason="CAG_WEIGHTS=bf16 needs oneDNN's bf16 products (AVX-512 or AVX-NE-CONVERT)")
 

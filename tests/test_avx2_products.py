@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from cag.kernels import backends, native
-from cag.model import weights
+from cag.model import layouts, packed, weights
 from tests.test_batch import QUESTIONS, together
 
 # Skipped only where the CPU or the compiler cannot build them: a failed build fails the tests
@@ -20,14 +20,14 @@ def _built():
 
 def _int4_reference(w: torch.Tensor) -> tuple[tuple, torch.Tensor]:
     """pack_int4's copy of w and the weights it holds (w = m + q d), in float64."""
-    qw, dm = weights.pack_int4(w)
+    qw, dm = layouts.pack_int4(w)
     g = qw.view(w.shape[0], -1, 16)
     q = torch.cat([g & 15, g >> 4], -1).double()  # byte j: input j (low nibble), j + 16 (high)
     return (qw, dm), (dm[:, 1, :, None].double() + q * dm[:, 0, :, None].double()).reshape(w.shape)
 
 
 def _q8_reference(w: torch.Tensor) -> tuple[tuple, torch.Tensor]:
-    qw, d = weights.pack_q8(w)
+    qw, d = layouts.pack_q8(w)
     return (qw, d), (qw.view(w.shape[0], -1, 32).double() * d[..., None].double()).reshape(w.shape)
 
 
@@ -36,34 +36,34 @@ def _q8_reference(w: torch.Tensor) -> tuple[tuple, torch.Tensor]:
 def test_products_are_the_held_weights_and_row_invariant(fmt, out_f, in_f):
     torch.manual_seed(0)
     w = torch.randn(out_f, in_f) * 0.05
-    packed, held = (_int4_reference if fmt == "int4" else _q8_reference)(w)
-    mm = getattr(torch.ops.cag_avx2, weights.NATIVE_MM[fmt])
+    copy, held = (_int4_reference if fmt == "int4" else _q8_reference)(w)
+    mm = getattr(torch.ops.cag_avx2, packed.NATIVE_MM[fmt])
     x = torch.randn(11, in_f).to(torch.bfloat16)
-    y = mm(x, *packed)  # (11, out) float32
+    y = mm(x, *copy)  # (11, out) float32
     ref = x.double() @ held.t()
     assert y.dtype == torch.float32 and ((y.double() - ref).abs().max() / ref.abs().max()) < 1e-5
-    alone = torch.cat([mm(x[r : r + 1].contiguous(), *packed) for r in range(11)])
+    alone = torch.cat([mm(x[r : r + 1].contiguous(), *copy) for r in range(11)])
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        one_thread = mm(x, *packed)
+        one_thread = mm(x, *copy)
     finally:
         torch.set_num_threads(threads)
     for m in (2, 4, 5, 9, 11):  # blocks of 4 rows and the rest
-        assert torch.equal(mm(x[:m].contiguous(), *packed), alone[:m]), m
+        assert torch.equal(mm(x[:m].contiguous(), *copy), alone[:m]), m
     assert torch.equal(one_thread, y)
 
 
 def test_int4_takes_the_avx2_products_for_every_row_and_its_head_in_q8():
     lin = torch.nn.Linear(128, 96, bias=False)
     fl = weights.FastLinear(lin, "int4", backend=backends.AVX2, out_dtype=torch.float32)
-    assert type(fl.packs) is weights.Avx2Packed and weights._head_format("int4", native=True) == "q8"
+    assert type(fl.packs) is packed.Avx2Packed and weights._head_format("int4", native=True) == "q8"
     x = torch.randn(7, 128)
     with torch.inference_mode():
         decode = fl.decode(x)
         assert torch.equal(fl.decode(x, [(3, False), (4, True)]), decode)  # a question's rows: the same copy, the same bits
-    assert type(weights.pack(lin.weight, None, "int4", backends.AVX2)) is weights.Avx2Packed
-    assert type(weights.pack(torch.randn(96, 96), None, "int4", backends.AVX2)) is weights.TorchPacked  # 96 inputs: not int4's 64s
+    assert type(packed.pack(lin.weight, None, "int4", backends.AVX2)) is packed.Avx2Packed
+    assert type(packed.pack(torch.randn(96, 96), None, "int4", backends.AVX2)) is packed.TorchPacked  # 96 inputs: not int4's 64s
 
 
 @pytest.fixture
@@ -83,7 +83,7 @@ def test_an_engine_on_the_avx2_products_is_exact(avx2_engine, small_corpus):
 
     assert e.lm.kernels == "avx2" and describe.decode_path(e.lm)["kernels"] == "avx2"
     layer = e.lm.model.model.layers[0]
-    assert type(layer.mlp.down_proj.packs) is weights.Avx2Packed and e.lm.model.lm_head.fmt == "q8"
+    assert type(layer.mlp.down_proj.packs) is packed.Avx2Packed and e.lm.model.lm_head.fmt == "q8"
     e.ingest(str(small_corpus))
     alone = [e.ask("corpus", q, max_tokens=16).token_ids for q in QUESTIONS]
     assert alone == [e.ask("corpus", q, max_tokens=16, mode="full").token_ids for q in QUESTIONS]  # cag == full

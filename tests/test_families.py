@@ -65,7 +65,7 @@ def build(name: str, dtype=torch.float32, **kw) -> torch.nn.Module:
     return model
 
 
-def same_attention(r, q, K, V, i, scale, up, kernel=None, few=False):
+def same_attention(r, q, K, V, i, scale, up, kernel=None, few=False, paired=False):
     """In place of cascade.attend, for one request: the forward's own attention call (cag.model.prefill_attention's
     packed GQA over transformers' causal mask) over its prefix's keys followed by its suffix's."""
     ((prefix, _),) = r.groups
@@ -266,7 +266,7 @@ def test_each_family_decodes_through_the_avx2_kernels(tmp_path, small_corpus, mo
 
 
 def test_a_product_in_panels_decodes_as_the_separate_ops_and_cag_equals_full(tmp_path, small_corpus, monkeypatch):
-    """A down projection of more than WHOLE inputs (6,400: two panels of 3,200, weights.panels) is read panel
+    """A down projection of more than WHOLE inputs (6,400: two panels of 3,200, layouts.panels) is read panel
     by panel by the one call and by the separate native calls alike: the same logits and K/V bit for bit,
     and cag == full, alone and together."""
     from tests.test_native import test_a_fused_layer_is_the_separate_ops_bit_for_bit as same_bits

@@ -53,21 +53,21 @@ def test_packing_a_file_view_by_blocks_releases_each_block_as_it_goes(tmp_path, 
     """Inside weights.apply (its file mappings set), a vocabulary-sized matrix viewing its file is packed
     block by block, each block's pages released once packed: the same copy as packing it in memory, and
     the matrix never resident whole beside it."""
-    from cag.model import weights
+    from cag.model import layouts
 
     values = (torch.randn(4096, 256) * 0.02).bfloat16()  # 2 MiB
     path = tmp_path / "w.bin"
     path.write_bytes(values.view(torch.uint8).numpy().tobytes())
     view = torch.from_file(str(path), shared=False, size=values.numel(), dtype=torch.bfloat16).view(4096, 256)
-    monkeypatch.setattr(weights, "CHUNK", 512)  # 8 blocks
-    seen, block = [], weights.pack_q8.__wrapped__
-    pack = weights._by_rows(lambda w: (seen.append(_resident(path)), block(w))[1])  # pack_q8, noting what is resident
-    token = weights._file_maps.set(file_pages.mappings())
+    monkeypatch.setattr(layouts, "CHUNK", 512)  # 8 blocks
+    seen, block = [], layouts.pack_q8.__wrapped__
+    pack = layouts._by_rows(lambda w: (seen.append(_resident(path)), block(w))[1])  # pack_q8, noting what is resident
+    token = layouts._file_maps.set(file_pages.mappings())
     try:
         packed = pack(view)
     finally:
-        weights._file_maps.reset(token)
-    assert len(seen) == 8 and all(torch.equal(a, b) for a, b in zip(packed, weights.pack_q8(values)))
+        layouts._file_maps.reset(token)
+    assert len(seen) == 8 and all(torch.equal(a, b) for a, b in zip(packed, layouts.pack_q8(values)))
     assert max(seen) <= (256 << 10) + 2 * file_pages.PAGE  # a block (256 KiB) resident at a time, not 2 MiB
     assert _resident(path) < 64 << 10 and torch.equal(view, values)
 
@@ -148,7 +148,7 @@ def test_computed_in_bf16_a_bf16_checkpoint_stays_in_its_file_under_every_format
     from cag.config import get_settings
     from cag.engine import Engine
     from cag.kernels import native
-    from cag.model import weights
+    from cag.model import layouts
     from cag.store import snapshots
 
     if kernels == "avx512" and (why := native.why_not()):
@@ -158,7 +158,7 @@ def test_computed_in_bf16_a_bf16_checkpoint_stays_in_its_file_under_every_format
     monkeypatch.setenv("CAG_DTYPE", "bfloat16")
     monkeypatch.setenv("CAG_DECODE_KERNELS", kernels)
     kv = {}
-    for fmt in ("fp32", "bf16", "int4") if weights.bf16_packs() else ("fp32", "int4"):
+    for fmt in ("fp32", "bf16", "int4") if layouts.bf16_packs() else ("fp32", "int4"):
         monkeypatch.setenv("CAG_WEIGHTS", fmt)
         e = Engine(get_settings(home=tmp_path / fmt))
         layer = e.lm.model.model.layers[0]

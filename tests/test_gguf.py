@@ -324,14 +324,14 @@ def test_the_folder_is_written_once_and_found_by_the_files_bytes(tokenizer_field
 # -- int4's grid ------------------------------------------------------------------------------------------
 @pytest.mark.parametrize(("qtype", "on_grid"), [("Q4_1", True), ("Q4_0", True), ("Q4_K", False)])
 def test_which_types_lie_on_int4s_grid(tokenizer_fields, tmp_path, qtype, on_grid):
-    """on_4bit_grid (what `auto` picks int4 by) finds each group's grid (weights.grid4): Q4_1's groups
+    """on_4bit_grid (what `auto` picks int4 by) finds each group's grid (layouts.grid4): Q4_1's groups
     span theirs min to max, Q4_0's (d * (q - 8)) are found by their value of largest magnitude (-8 d);
     Q4_K's groups of 32 need not use both q = 0 and 15, so it falls back to bf16 under `auto`. On the
     grid, int4's packed copy (cag's kernels' layout: w = m + q * d, d and m float16) holds every weight
     exactly."""
     from transformers import AutoModelForCausalLM
 
-    from cag.model.weights import pack_int4
+    from cag.model.layouts import pack_int4
 
     path = tmp_path / f"grid.{qtype}.gguf"
     write(path, T[qtype], tokenizer_fields)

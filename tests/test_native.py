@@ -17,6 +17,7 @@ from cag.config import get_settings
 from cag.engine import Engine
 from cag.errors import ModelError
 from cag.kernels import backends, native
+from cag.model import packed
 from cag.model import weights as weights_mod
 from cag.runtime import one_call
 from cag.runtime import step as lean
@@ -275,7 +276,7 @@ def test_cag_equals_full_through_the_kernels(request, tiny64_model_dir, small_co
     assert engine.lm.kernels == mode and step.kernel is not None and step.glue is not None
     assert (step.fused is not None) == (mode == "avx512")  # all layers in one call
     packs = [m.packs for m in engine.lm.model.modules() if isinstance(m, weights_mod.FastLinear)]
-    own = weights_mod.Avx2Packed if mode == "avx2" else weights_mod.NativePacked
+    own = packed.Avx2Packed if mode == "avx2" else packed.NativePacked
     assert packs and all(isinstance(p, own) for p in packs)  # every product through cag's own kernel
     assert step.native == ("layers" if mode == "avx512" else "glue")
     engine.ingest(str(small_corpus))

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from cag.kernels import backends, native
-from cag.model import weights
+from cag.model import layouts, packed, weights
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -32,13 +32,13 @@ def weight(out_f=320, in_f=576, seed=0) -> torch.Tensor:
 
 def test_int4_pack_holds_the_weight_within_half_a_step():
     w = weight()
-    qw, dm = weights.pack_int4(w)
+    qw, dm = layouts.pack_int4(w)
     assert qw.dtype == torch.uint8 and qw.shape == (320, 288) and dm.dtype == torch.float16 and dm.shape == (320, 2, 18)
     step = dm[:, 0].double().repeat_interleave(32, 1)  # (out, in)
     assert ((dequantized(qw, dm) - w.double()).abs() <= step / 2 + 1e-3 * step + 2e-4).all()
 
 
-@pytest.mark.parametrize("pack", [weights.pack_int4, weights.pack_q8, weights.pack_int4_native])
+@pytest.mark.parametrize("pack", [layouts.pack_int4, layouts.pack_q8, layouts.pack_int4_native])
 def test_packing_by_blocks_of_rows_gives_the_whole_matrix_packing(pack, monkeypatch):
     """Packing goes CHUNK rows at a time (its float32 working copies stay small): the same copy as
     packing the matrix at once, blocks ending mid-matrix and a short last block included (with a group
@@ -46,7 +46,7 @@ def test_packing_by_blocks_of_rows_gives_the_whole_matrix_packing(pack, monkeypa
     w = weight(out_f=200).bfloat16()
     w[150, 32:64] = 0
     whole = pack(w)
-    monkeypatch.setattr(weights, "CHUNK", 64)  # 200 rows: blocks of 64, 64, 64 and 8
+    monkeypatch.setattr(layouts, "CHUNK", 64)  # 200 rows: blocks of 64, 64, 64 and 8
     assert all(torch.equal(a, b) for a, b in zip(pack(w), whole))
 
 
@@ -59,12 +59,12 @@ def test_int4_pack_holds_a_q4_1_weight_exactly():
     q = torch.randint(0, 16, (64, 18, 32), generator=g)
     q[..., 0], q[..., 1] = 0, 15
     w = (m + q * d).reshape(64, 576)
-    assert torch.equal(dequantized(*weights.pack_int4(w)).float(), w)
+    assert torch.equal(dequantized(*layouts.pack_int4(w)).float(), w)
 
 
 @pytest.mark.parametrize("rows", [1, 3, 8, 11, 17])
 def test_int4_product_is_the_dequantized_product(rows):
-    qw, dm = weights.pack_int4(weight())
+    qw, dm = layouts.pack_int4(weight())
     x = torch.randn(rows, 576, generator=torch.Generator().manual_seed(rows)).bfloat16()
     got = torch.ops.cag.int4_mm(x, qw, dm)
     want = x.double() @ dequantized(qw, dm).t()
@@ -80,14 +80,14 @@ def test_q8_pack_holds_a_q8_0_weight_exactly():
     q = torch.randint(-127, 128, (64, 18, 32), generator=g)
     q[..., 3] = -127
     w = (d * q).reshape(64, 576)
-    qw, dh = weights.pack_q8(w)
+    qw, dh = layouts.pack_q8(w)
     assert qw.dtype == torch.int8 and dh.dtype == torch.float16 and dh.shape == (64, 18)
     assert torch.equal((qw.float().view(64, 18, 32) * dh.float()[..., None]).view(64, 576), w)
 
 
 @pytest.mark.parametrize("rows", [1, 8, 13])
 def test_q8_product_is_the_dequantized_product(rows):
-    qw, d = weights.pack_q8(weight(1000, 576))
+    qw, d = layouts.pack_q8(weight(1000, 576))
     x = torch.randn(rows, 576, generator=torch.Generator().manual_seed(rows)).bfloat16()
     want = x.double() @ (qw.double().view(1000, 18, 32) * d.double()[..., None]).view(1000, 576).t()
     assert (torch.ops.cag.q8_mm(x, qw, d).double() - want).abs().max() < 1e-5 * want.abs().max()
@@ -106,8 +106,8 @@ def test_rows_never_depend_on_the_call_or_the_threads(kind):
     """Each row alone, in another order, among 8 or 19 rows, and on one thread; and each output among
     others at another place in the call (a block of 16 summed at once, or not): the same bits."""
     w = weight(768 if kind == "int4" else 777, 1536)
-    of = {"int4": lambda w: lambda x, p=weights.pack_int4(w): torch.ops.cag.int4_mm(x, *p),
-          "q8": lambda w: lambda x, p=weights.pack_q8(w): torch.ops.cag.q8_mm(x, *p),
+    of = {"int4": lambda w: lambda x, p=layouts.pack_int4(w): torch.ops.cag.int4_mm(x, *p),
+          "q8": lambda w: lambda x, p=layouts.pack_q8(w): torch.ops.cag.q8_mm(x, *p),
           "bf16": lambda w: lambda x, p=w.bfloat16(): torch.ops.cag.bf16_mm(x, p)}[kind]
     mm = of(w)
     x = torch.randn(19, 1536, generator=torch.Generator().manual_seed(7)).bfloat16()
@@ -129,8 +129,8 @@ def test_stacked_columns_equal_separate_matrices():
     """A layer's q/k/v share one packed stack (cag.model.stacked_products): each column comes out as from its own matrix."""
     a, b = weight(192, 576, 1), weight(64, 576, 2)
     x = torch.randn(3, 576).bfloat16()
-    stacked = torch.ops.cag.int4_mm(x, *weights.pack_int4(torch.cat([a, b])))
-    assert torch.equal(stacked, torch.cat([torch.ops.cag.int4_mm(x, *weights.pack_int4(m)) for m in (a, b)], 1))
+    stacked = torch.ops.cag.int4_mm(x, *layouts.pack_int4(torch.cat([a, b])))
+    assert torch.equal(stacked, torch.cat([torch.ops.cag.int4_mm(x, *layouts.pack_int4(m)) for m in (a, b)], 1))
 
 
 def q4_0_weight(out_f=320, in_f=576, seed=0) -> torch.Tensor:
@@ -146,12 +146,12 @@ def test_the_q4_0_layout_gives_the_two_row_layouts_bits():
     """A matrix on Q4_0's grid packs its steps alone (18 bytes a group), and the product gives the
     bits the steps-and-mins layout gives, for any row count; other matrices keep both rows."""
     w, x = q4_0_weight(), torch.randn(9, 576).bfloat16()
-    qw, dm = weights.pack_int4_native(w)
-    assert dm.shape == (320, 1, 18) and torch.equal(qw, weights.pack_int4(w)[0])
-    full = torch.ops.cag.int4_mm(x, *weights.pack_int4(w))
+    qw, dm = layouts.pack_int4_native(w)
+    assert dm.shape == (320, 1, 18) and torch.equal(qw, layouts.pack_int4(w)[0])
+    full = torch.ops.cag.int4_mm(x, *layouts.pack_int4(w))
     assert torch.equal(torch.ops.cag.int4_mm(x, qw, dm), full)
     assert torch.equal(torch.ops.cag.int4_mm(x[:1].contiguous(), qw, dm), full[:1])
-    assert weights.pack_int4_native(weight())[1].shape == (320, 2, 18)  # off Q4_0's grid: mins kept
+    assert layouts.pack_int4_native(weight())[1].shape == (320, 2, 18)  # off Q4_0's grid: mins kept
     with pytest.raises(RuntimeError, match="K/32"):
         torch.ops.cag.int4_mm(x, qw, dm[:, :, :9].contiguous())
 
@@ -161,22 +161,22 @@ def test_panels_give_the_whole_rows_bits():
     panel is a multiple of 16 groups the product gives the whole rows' bits, for any row count (blocks
     of 4 rows and the rest, outputs carried from panel to panel in chunks) and both layouts; elsewhere
     (11,008 inputs: panels of 2,752) as near the float64 product as the whole rows are."""
-    assert [weights.panels(k) for k in (576, 6144, 8192, 11008, 14336)] == [1, 1, 2, 4, 4]
+    assert [layouts.panels(k) for k in (576, 6144, 8192, 11008, 14336)] == [1, 1, 2, 4, 4]
     g = torch.Generator().manual_seed(5)
     for w in (weight(300, 8192, 4), q4_0_weight(300, 8192, 4)):
-        qw, dm = weights.pack_int4_native(w)
-        whole = weights.to_panels(qw.permute(1, 0, 2).reshape(300, -1), dm.permute(1, 2, 0, 3).reshape(300, dm.shape[2], -1), 1)
+        qw, dm = layouts.pack_int4_native(w)
+        whole = layouts.to_panels(qw.permute(1, 0, 2).reshape(300, -1), dm.permute(1, 2, 0, 3).reshape(300, dm.shape[2], -1), 1)
         assert qw.shape == (2, 300, 2048) and dm.shape[:2] == (2, 300) and dm.shape[3] == 128
-        assert torch.equal(whole[0], weights.pack_int4(w)[0])
+        assert torch.equal(whole[0], layouts.pack_int4(w)[0])
         for m in (1, 3, 8, 11, 70):
             x = torch.randn(m, 8192, generator=g).bfloat16()
             assert torch.equal(torch.ops.cag.int4_mm(x, qw, dm), torch.ops.cag.int4_mm(x, *whole)), m
     w = q4_0_weight(40, 11008, 6)
-    qw, dm = weights.pack_int4_native(w)
+    qw, dm = layouts.pack_int4_native(w)
     assert qw.shape == (4, 40, 1376)
     x = torch.randn(5, 11008, generator=g).bfloat16()
     ref = x.double() @ w.double().t()
-    whole = torch.ops.cag.int4_mm(x, weights.pack_int4(w)[0], dm.permute(1, 2, 0, 3).reshape(40, 1, -1).contiguous())
+    whole = torch.ops.cag.int4_mm(x, layouts.pack_int4(w)[0], dm.permute(1, 2, 0, 3).reshape(40, 1, -1).contiguous())
     assert (torch.ops.cag.int4_mm(x, qw, dm).double() - ref).abs().max() <= 2 * (whole.double() - ref).abs().max()
     with pytest.raises(RuntimeError, match="in panels"):
         torch.ops.cag.int4_mm(x, qw, dm[:3].contiguous())
@@ -185,7 +185,7 @@ def test_panels_give_the_whole_rows_bits():
 
 
 def test_bad_inputs_are_refused():
-    qw, dm = weights.pack_int4(weight())
+    qw, dm = layouts.pack_int4(weight())
     x = torch.randn(2, 576).bfloat16()
     with pytest.raises(RuntimeError, match="bfloat16"):
         torch.ops.cag.int4_mm(x.float(), qw, dm)
@@ -197,7 +197,7 @@ def test_bad_inputs_are_refused():
         torch.ops.cag.int4_mm(torch.randn(1, 32).bfloat16(), qw[:, :16].contiguous(), dm[..., :1].contiguous())
     with pytest.raises(RuntimeError, match="multiple of 32"):
         torch.ops.cag.bf16_mm(torch.randn(1, 40).bfloat16(), torch.randn(8, 40).bfloat16())
-    q8, d = weights.pack_q8(weight(64, 576))
+    q8, d = layouts.pack_q8(weight(64, 576))
     with pytest.raises(RuntimeError, match="float16"):
         torch.ops.cag.q8_mm(x, q8, d.float())
     with pytest.raises(RuntimeError, match="int8"):
@@ -207,14 +207,14 @@ def test_bad_inputs_are_refused():
 def test_packed_takes_the_native_layout_only_where_it_fits():
     """int4 needs inputs in whole pairs of groups (in % 64 == 0): other widths keep torch's kernel for
     decode rows (a question's rows still take the native bf16 product)."""
-    assert type(weights.pack(weight(64, 576), None, "int4", backends.AVX512)) is weights.NativePacked
-    assert type(weights.pack(weight(64, 544), None, "int4", backends.AVX512)) is weights.TorchPackedNativeQuestions
-    assert type(weights.pack(weight(64, 576), None, "int4")) is weights.TorchPacked
-    assert type(weights.pack(weight(64, 576), None, "int8", backends.AVX512)) is weights.TorchPackedNativeQuestions
+    assert type(packed.pack(weight(64, 576), None, "int4", backends.AVX512)) is packed.NativePacked
+    assert type(packed.pack(weight(64, 544), None, "int4", backends.AVX512)) is packed.TorchPackedNativeQuestions
+    assert type(packed.pack(weight(64, 576), None, "int4")) is packed.TorchPacked
+    assert type(packed.pack(weight(64, 576), None, "int8", backends.AVX512)) is packed.TorchPackedNativeQuestions
     # int4's LM head is int8 in groups of 32 with cag's kernels, bf16 with torch's
     assert weights._head_format("int4", native=True) == "q8"
     assert weights._head_format("int4", native=True, four_bit=True) == "int4"  # a head on int4's grid already
-    assert weights._head_format("int4") == ("bf16" if weights.bf16_packs() else "int8")
+    assert weights._head_format("int4") == ("bf16" if layouts.bf16_packs() else "int8")
 
 
 @pytest.mark.real
@@ -224,9 +224,9 @@ def test_int4_holds_the_embedded_models_gguf_weights_exactly(real_lm):
     kernels computes with the very weights the GGUF holds."""
     model = real_lm.model
     head = model.get_output_embeddings().weight.detach()
-    qw, d = weights.pack_q8(head)
+    qw, d = layouts.pack_q8(head)
     assert torch.equal((qw.float().view(head.shape[0], -1, 32) * d.float()[..., None]).view_as(head), head)
     for layer in (model.model.layers[0], model.model.layers[-1]):
         for lin in (layer.self_attn.q_proj, layer.mlp.down_proj):
             w = lin.weight.detach()
-            assert torch.equal(dequantized(*weights.pack_int4(w)).float(), w)
+            assert torch.equal(dequantized(*layouts.pack_int4(w)).float(), w)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cag.model import auto_weights, stacked_products, weights
+from cag.model import auto_weights, layouts, packed, stacked_products, weights
 from tests.cpu import formats
 
 TOLERANCE = {"bf16": 0.01, "int8": 0.02, "int4": 0.12}  # relative error of one product, random weights
@@ -96,9 +96,9 @@ def test_auto_picks_a_runnable_format(tmp_path, monkeypatch):
     lin = torch.nn.Sequential(torch.nn.Linear(64, 64))
     assert auto_weights.choose(lin, "auto") in ("fp32", "bf16")
     assert auto_weights.choose(lin, "int8") == "int8"
-    fmts = ("fp32", "bf16") if weights.bf16_packs() else ("fp32", "int8")
+    fmts = ("fp32", "bf16") if layouts.bf16_packs() else ("fp32", "int8")
     assert set(auto_weights.probe(fmts)) == set(fmts)
-    monkeypatch.setattr(weights, "bf16_packs", lambda: True)  # what follows asks what `auto` would pick with bf16 products
+    monkeypatch.setattr(layouts, "bf16_packs", lambda: True)  # what follows asks what `auto` would pick with bf16 products
     # bf16 hardware decides by the CPU's flags, whatever a timing probe would say or had said
     monkeypatch.setattr(auto_weights, "probe", lambda fmts, rows=1: {"fp32": 1.0, "bf16": 9.0})
     (tmp_path / "weights-auto.json").write_text("{}")
@@ -124,7 +124,7 @@ def test_snapshots_do_not_depend_on_the_weights_format(tiny_model_dir, small_cor
     n = Engine(get_settings(home=tmp_path / "probe")).ingest(str(small_corpus)).n_tokens
     monkeypatch.setenv("CAG_CHUNK_TOKENS", str(n - 1))  # the last prefill chunk is one token
     kv = {}
-    fmts = ("fp32", "bf16", "int8") if weights.bf16_packs() else ("fp32", "int8", "int4")
+    fmts = ("fp32", "bf16", "int8") if layouts.bf16_packs() else ("fp32", "int8", "int4")
     for fmt in fmts:
         monkeypatch.setenv("CAG_WEIGHTS", fmt)
         e = Engine(get_settings(home=tmp_path / fmt))
@@ -140,7 +140,7 @@ def test_auto_takes_int4_only_where_the_weights_already_lie_on_its_grid(tmp_path
     where cag's AVX2 library runs; elsewhere never int4."""
     torch.manual_seed(4)
     model = torch.nn.Sequential(torch.nn.Linear(64, 32, bias=False), torch.nn.Linear(64, 48))
-    monkeypatch.setattr(weights, "bf16_packs", lambda: True)  # what `auto` picks where oneDNN packs bf16
+    monkeypatch.setattr(layouts, "bf16_packs", lambda: True)  # what `auto` picks where oneDNN packs bf16
     monkeypatch.setattr(auto_weights, "cpu_flags", lambda: {"avx512f", "amx_bf16"})
     assert not auto_weights.on_4bit_grid(model) and auto_weights.choose(model, "auto", tmp_path) == "bf16"
     for lin in model:
@@ -169,7 +169,7 @@ def test_a_cpu_without_bf16_products_gets_a_clear_error_and_int8_heads(tiny_mode
     from cag.engine import Engine
     from cag.errors import ModelError
 
-    monkeypatch.setattr(weights, "bf16_packs", lambda: False)
+    monkeypatch.setattr(layouts, "bf16_packs", lambda: False)
     monkeypatch.setattr(auto_weights, "probe", lambda *a, **k: pytest.fail("probed bf16 where it cannot run"))
     lin = torch.nn.Sequential(torch.nn.Linear(64, 64))
     assert "CAG_WEIGHTS=fp32" in weights.supported("bf16", lin) and auto_weights.choose(lin, "auto") == "fp32"
@@ -183,7 +183,7 @@ def test_a_cpu_without_bf16_products_gets_a_clear_error_and_int8_heads(tiny_mode
     monkeypatch.setenv("CAG_DECODE_KERNELS", "torch")  # with cag's kernels int4's head is their q8
     model = Engine(get_settings(home=tmp_path / "int4")).lm.model
     head = model.get_output_embeddings()
-    assert head.fmt == "int8" and type(head.packs) is weights.TorchPacked and head.packs.questions is None
+    assert head.fmt == "int8" and type(head.packs) is packed.TorchPacked and head.packs.questions is None
     x = torch.randn(3, head.in_features)
     with torch.inference_mode():
         ref = torch.nn.functional.linear(x, head.weight)
@@ -209,7 +209,7 @@ def test_a_packed_copy_that_is_the_weight_itself_adds_no_bytes():
     """In bf16 compute, the plain bf16 copy a format keeps (a question's rows under int4 with cag's
     kernels, bf16's decode rows) is the model's own weight: counted once, not twice."""
     w = torch.randn(64, 128).to(torch.bfloat16)
-    p = weights.Packed(w, None, "int4")
+    p = packed.Packed(w, None, "int4")
     p.packed, p.questions = (torch.zeros(64, 64, dtype=torch.uint8),), w.detach().contiguous()
     assert p.nbytes == 64 * 64
     p.questions = w.clone()

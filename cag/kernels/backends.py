@@ -2,7 +2,7 @@
 CUDA), resolved once when the model loads (cag.model.loading.resolve_backend, from CAG_DECODE_KERNELS)
 and handed to packing (cag.model.weights), the step (cag.runtime.step) and attention (cag.runtime.cascade).
 
-A backend names its packed products (whose layout `weights.pack` makes), its decode attention and the op
+A backend names its packed products (whose layout `packed.pack` makes), its decode attention and the op
 namespace of its step glue (norms, rope, silu), whether it runs all layers in one call, and what its
 attention reads (a pre-paired prefix, int8 snapshot codes). Nothing else compares kernel names: a new
 instruction set is a new Backend here and its kernels in cag/kernels/. `cag info` prints its name.

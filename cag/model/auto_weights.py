@@ -19,7 +19,9 @@ from pathlib import Path
 import torch
 
 from cag.kernels import native
-from cag.model.weights import FORMATS, on_grid4, pack, packable, supported
+from cag.model.layouts import on_grid4
+from cag.model.packed import pack
+from cag.model.weights import FORMATS, packable, supported
 
 
 @functools.lru_cache(maxsize=8)
@@ -74,7 +76,7 @@ def compute_dtype(requested: str, device: str, config) -> str:
 
 def on_4bit_grid(model: torch.nn.Module) -> bool:
     """Every product int4 would pack (all but the LM head) already lies on a 4-bit affine grid per
-    group of 32 (weights.grid4: min and max on its ends, as a GGUF's Q4_1 writes it, or Q4_0's
+    group of 32 (layouts.grid4: min and max on its ends, as a GGUF's Q4_1 writes it, or Q4_0's
     d * (q - 8)): int4 then holds these weights as they are (cag's kernels exactly; torch's up to
     bf16 rounding of each group's scale and zero), and loses nothing the model had not lost already. Any other model fails at its first matrix; SmolLM2 takes well under 0.1 s."""
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None

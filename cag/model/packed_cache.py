@@ -4,7 +4,7 @@ packing again (quantizing int4 groups was most of a load: bench/JOURNAL.md, 2026
 One safetensors file per model and packing under `CAG_MODELS_DIR/packed/`, named
 `<model fingerprint>-<packing key>.safetensors`. The key holds everything the packed bytes depend
 on: the model fingerprint (its weights and config), the format, the kernel layout (cag's AVX-512 or
-AVX2 products, or torch's), the compute dtype, the code that packs (a digest of cag/model/weights.py)
+AVX2 products, or torch's), the compute dtype, the code that packs (a digest of cag/model/layouts.py and packed.py)
 and torch's version. Tensors are named `<matrix>/<packing>/<i>`; the header holds the key and a blake3
 checksum over every tensor's name, dtype, shape and bytes, checked at each load: a file whose
 checksum or key does not match is deleted and the weights packed again. A file is written once
@@ -33,8 +33,11 @@ _current: contextvars.ContextVar[tuple[PackedCache, str] | None] = contextvars.C
 
 
 def _code_digest() -> str:
-    src = Path(__file__).with_name("weights.py").read_bytes()
-    return hashlib.sha256(src).hexdigest()[:16]
+    """The code that makes the packed bytes: the layouts, and which layout each kernel path takes."""
+    h = hashlib.sha256()
+    for name in ("layouts.py", "packed.py"):
+        h.update(Path(__file__).with_name(name).read_bytes())
+    return h.hexdigest()[:16]
 
 
 def _checksum(tensors: dict[str, torch.Tensor]) -> str:

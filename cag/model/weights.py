@@ -39,7 +39,6 @@ Both `cag` and `full` decode through the same modules, so cag == full holds in e
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import ctypes
 import functools
 import os
@@ -50,22 +49,11 @@ import torch.nn.functional as F
 
 from cag.kernels import backends
 from cag.kernels.backends import Backend
-from cag.model import file_pages, packed_cache, stacked_products
+from cag.model import file_pages, layouts, packed_cache, stacked_products
+from cag.model.layouts import GROUP, on_grid4
+from cag.model.packed import Packed, pack
 
 FORMATS = ("fp32", "bf16", "int8", "int4")
-NATIVE_MM = {"int4": "int4_mm", "q8": "q8_mm", "bf16": "bf16_mm"}  # cag.kernels.native's product per packed format
-GROUP = 32  # int4 group size along the input dimension
-# Rows per packed product call. Up to 128 rows, each row's result is bit-identical whatever the
-# other rows (the kernels block the rows, never the sum); oneDNN's bf16 kernel for a 1536-wide
-# input changes its summation for some larger row counts (measured at 160-256), so a pass with more
-# rows (questions admitted together) is multiplied in calls of at most this many.
-ROWS = 128
-# bf16 holds two oneDNN layouts of each weight. The one for batches of FEW rows multiplies 1-16 rows
-# faster than the 1-row layout (bench/bench_decode.py) but re-blocks its sum above 32 rows; the 1-row layout serves calls of more rows (a
-# question admitted), row-invariant up to ROWS. Up to 32 rows the two give identical bits, so a row's
-# result never depends on which one ran (tests/test_batch.py). A vocabulary-sized output (the LM head:
-# one row per request) keeps the FEW layout alone, in calls of at most FEW rows.
-FEW, WIDE = 32, 16384
 ALIGN = 16  # bytes: the alignment from which a float32 product's bits no longer depend on it (FastLinear.forward)
 _mode = threading.local()
 
@@ -82,336 +70,6 @@ def decoding():
         yield
     finally:
         _mode.decoding = before
-
-
-def _pack_bf16(w: torch.Tensor, rows: int):
-    return torch.ops.mkldnn._reorder_linear_weight(w.to(torch.bfloat16).contiguous(), rows)
-
-
-@functools.cache
-def bf16_packs() -> bool:
-    """Whether oneDNN packs bf16 weights on this CPU: it needs AVX-512 (BW, VL, DQ) or AVX-NE-CONVERT,
-    so an AVX2-only CPU has no bf16 format (and int8 / int4 keep their own products for a question's
-    rows and an int8 LM head)."""
-    if not torch.backends.mkldnn.is_available():
-        return False
-    try:
-        _pack_bf16(torch.zeros(16, 32), 1)
-    except RuntimeError:
-        return False
-    return True
-
-
-def _pack_int8(w: torch.Tensor):
-    w = w.float()
-    scale = (w.abs().amax(dim=1) / 127).clamp(min=1e-12)  # (out,)
-    q = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8).contiguous()  # (out, in)
-    return q, scale.to(torch.bfloat16)
-
-
-def grid4(g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each group's 4-bit affine grid: groups (..., 32) -> lo, step (..., 1), the points lo + q * step,
-    q = 0..15. Where a group lies exactly on GGUF Q4_0's grid (d * (q - 8), its value of largest
-    magnitude at q = 0: lo = that value = -8 d, step = d, negative where that value is positive), that
-    grid, which holds it exactly (lo and step are the file's d times a power of two); else the grid
-    from the group's min to its max (as GGUF Q4_1 writes it)."""
-    lo, hi = g.amin(-1, keepdim=True), g.amax(-1, keepdim=True)
-    big = torch.where(hi.abs() > lo.abs(), hi, lo)  # (..., 1)
-    d = -big / 8
-    q = torch.round((g - big) / torch.where(d == 0, 1.0, d))
-    q4_0 = (d != 0) & ((q >= 0) & (q <= 15) & (big + q * d == g)).all(-1, keepdim=True)
-    return torch.where(q4_0, big, lo), torch.where(q4_0, d, ((hi - lo) / 15).clamp(min=1e-12))
-
-
-def on_grid4(w: torch.Tensor, rows: int = 16) -> bool:
-    """Whether a matrix (out, in) lies on a 4-bit affine grid per group of 32 (grid4: a GGUF's Q4_1 or
-    Q4_0 values), as its first `rows` rows tell: a matrix is stored in one quantization type."""
-    if w.dim() != 2 or w.shape[1] % GROUP:
-        return False
-    with torch.no_grad():
-        g = w.detach()[:rows].float().reshape(-1, w.shape[1] // GROUP, GROUP)  # (rows, in/32, 32)
-        lo, step = grid4(g)
-        return not ((torch.round((g - lo) / step) * step + lo - g).abs() > 1e-3 * step.abs()).any()
-
-
-CHUNK = 2048  # rows a packing converts to float32 at a time (_by_rows)
-# within `apply`: this process's file mappings (cag.model.file_pages), for _by_rows to release a
-# file-backed matrix's pages block by block as it packs
-_file_maps: contextvars.ContextVar[list | None] = contextvars.ContextVar("cag_pack_file_maps", default=None)
-
-
-def _by_rows(pack):
-    """`pack` over blocks of CHUNK rows, each block's outputs written into the whole matrix's: every value
-    depends on its own row alone, so the result is the same, and the float32 working copies of a
-    vocabulary-sized matrix (several times its bytes) never all exist at once: they were most of a large
-    model's peak memory. Inside `apply`, a matrix viewing its checkpoint file has each block's pages released
-    once it is packed (cag.model.file_pages), so the whole matrix is not resident beside its packed copy."""
-
-    @functools.wraps(pack)
-    def by_rows(w: torch.Tensor):
-        if w.shape[0] <= CHUNK:
-            return pack(w)
-        maps = _file_maps.get()
-        mapped = maps is not None and file_pages.file_backed(w, maps)
-        out = None
-        for a in range(0, w.shape[0], CHUNK):
-            block = w[a : a + CHUNK]
-            part = pack(block)
-            if out is None:  # every output has a row per row of the matrix
-                out = tuple(torch.empty((w.shape[0], *t.shape[1:]), dtype=t.dtype, device=t.device) for t in part)
-            for o, t in zip(out, part):
-                o[a : a + t.shape[0]] = t
-            if mapped:
-                file_pages.release([block], maps)
-        return out
-
-    return by_rows
-
-
-@_by_rows
-def pack_int4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """cag.kernels.native's int4 layout of an (out, in) weight, in % 64 == 0: qw (out, in/2) uint8, byte j of a
-    group's 16 holding its input j (low nibble) and j + 16 (high); dm (out, 2, in/32) float16, each
-    group's step d and min m (as GGUF Q4_1 stores them), the points m + q * d, q = 0..15."""
-    out_f, in_f = w.shape
-    g = w.detach().float().reshape(out_f, in_f // GROUP, GROUP)  # (out, in/32, 32)
-    lo, step = grid4(g)
-    d = torch.where(step.abs() < 2 ** -24, 2 ** -24, step).half()  # (out, in/32, 1); 2^-24: float16's least step
-    m = lo.half()  # (out, in/32, 1)
-    q = torch.round((g - m.float()) / d.float()).clamp(0, 15).to(torch.uint8)  # (out, in/32, 32)
-    qw = (q[..., :16] | (q[..., 16:] << 4)).reshape(out_f, in_f // 2).contiguous()
-    return qw, torch.stack([d[..., 0], m[..., 0]], 1).contiguous()
-
-
-PANEL = 4096  # the most inputs a panel of an int4 matrix holds (pack_int4_native), where it has more than WHOLE
-WHOLE = 6144
-
-
-def panels(in_f: int) -> int:
-    """How many panels of in_f / P inputs each cag.kernels.native reads an int4 matrix of in_f inputs in: 1 up
-    to WHOLE inputs, else the fewest of at most PANEL inputs, each a multiple of 64 (1 where none is).
-    Why: a product reads a row's x (2 bytes an input) once per output, and beside the weights streaming
-    through, more than ~12 KiB of it does not stay in L1 (bench/JOURNAL.md, 2026-12-04). A panel's rows
-    are read one after another as one stream."""
-    if in_f <= WHOLE:
-        return 1
-    return next((p for p in range(-(-in_f // PANEL), in_f // 64 + 1) if in_f % (64 * p) == 0 and in_f // p <= PANEL), 1)
-
-
-def pack_int4_native(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """pack_int4's copy for cag.kernels.native's AVX-512 products: where every group's min is -8 times its
-    step (a matrix on GGUF Q4_0's grid), dm (out, 1, in/32), the steps alone (18 bytes a group, not 20:
-    the kernel takes each min as -8 d, the very value it would have read, so the same bits). A group of
-    zeros (a padding token's embedding) is step 0, min 0 there: zeros exactly. A matrix of more than WHOLE
-    inputs is stored as P = panels(in) panels of in/P inputs: qw (P, out, in/2P), dm (P, out, S, in/32P),
-    the same bytes reordered; where in/P is a multiple of 512 (16 groups) the product's bits are the
-    whole rows' (the sums run over the same groups in the same order)."""
-    qw, dm, zero = _int4_zeros(w)
-    d = torch.where(zero, 0.0, dm[:, 0].float()).half()
-    if torch.equal(dm[:, 1], d * -8):
-        dm = d[:, None].contiguous()
-    return to_panels(qw, dm, panels(w.shape[1]))
-
-
-def to_panels(qw: torch.Tensor, dm: torch.Tensor, p: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """qw (out, in/2), dm (out, S, in/32) as p panels: (p, out, in/2p), (p, out, S, in/32p); as they are for p = 1."""
-    if p == 1:
-        return qw, dm
-    out_f, s = qw.shape[0], dm.shape[1]
-    return (qw.reshape(out_f, p, -1).transpose(0, 1).contiguous(),
-            dm.reshape(out_f, s, p, -1).permute(2, 0, 1, 3).contiguous())
-
-
-@_by_rows
-def _int4_zeros(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """pack_int4's copy and where a group is all zeros (out, in/32), one block of rows read once for both."""
-    return (*pack_int4.__wrapped__(w), (w.detach().reshape(w.shape[0], -1, GROUP) == 0).all(-1))
-
-
-@_by_rows
-def pack_q8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """cag.kernels.native's int8 layout (GGUF Q8_0's) of an (out, in) weight, in % 32 == 0: qw (out, in) int8,
-    d (out, in/32) float16, w = d * q per group of 32, q in -127..127."""
-    out_f, in_f = w.shape
-    g = w.detach().float().reshape(out_f, in_f // GROUP, GROUP)
-    d = (g.abs().amax(-1, keepdim=True) / 127).clamp(min=2 ** -24).half()  # (out, in/32, 1)
-    q = torch.round(g / d.float()).clamp(-127, 127).to(torch.int8).reshape(out_f, in_f).contiguous()
-    return q, d[..., 0].contiguous()
-
-
-def _pack_int4(w: torch.Tensor):
-    w = w.float()
-    out_f, in_f = w.shape
-    g = w.reshape(out_f, in_f // GROUP, GROUP)  # (out, in/32, 32)
-    lo, scale = grid4(g)  # (out, in/32, 1) each
-    q = torch.round((g - lo) / scale).clamp(0, 15).to(torch.int32).reshape(out_f, in_f)
-    lo, scale = lo[..., 0], scale[..., 0]  # (out, in/32)
-    zero = lo + 8 * scale  # the kernel computes (q - 8) * scale + zero
-    scales_zeros = torch.stack([scale.t(), zero.t()], dim=-1).to(torch.bfloat16).contiguous()  # (in/32, out, 2)
-    return torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1), scales_zeros
-
-
-class Packed:
-    """Packed copies of one (out, in) weight for a pass's rows: `packed(x, roles)` (..., in) -> (..., out).
-    One subclass per kernel path; `pack` picks it. `packed` is the decode rows' copy (a tensor, or a
-    tuple for the integer formats), `questions` the copy a question's rows use where it is another one."""
-
-    def __init__(self, w: torch.Tensor, bias: torch.Tensor | None, fmt: str, out_dtype: torch.dtype | None = None):
-        self.out_features, self.in_features = w.shape
-        self.fmt, self.bias = fmt, bias
-        # the compute dtype, whatever the input's (the step may hand over bf16 rows) or the weight's own
-        # storage (a bf16 checkpoint's weight kept in bf16 under float32 compute: `narrowed`)
-        self.out_dtype = out_dtype or w.dtype
-        self.packed = self.questions = None
-        # a copy "made" in the weight's own dtype and layout is the weight itself (bf16 compute): no bytes of its own
-        self._source = w.untyped_storage().data_ptr()
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes the packed copies add to the model's own weights."""
-        return sum(packed_bytes(c) for c in (self.packed, self.questions) if not self._shares(c))
-
-    def holds_source(self) -> bool:
-        """Whether a copy is the weight it was made from, as it is (bf16 from bf16)."""
-        return any(self._shares(c) for c in (self.packed, self.questions))
-
-    def _shares(self, copy) -> bool:
-        # an oneDNN-packed copy (layout torch._mkldnn, bf16 on AVX-512 CPUs without AMX) has no storage to share
-        return isinstance(copy, torch.Tensor) and copy.layout == torch.strided and copy.untyped_storage().data_ptr() == self._source
-
-    def __call__(self, x: torch.Tensor, roles: list[tuple[int, bool]] | None = None) -> torch.Tensor:
-        """The packed product of a pass's rows (..., in) -> (..., out). `roles`: (rows, question?) runs
-        in row order; None: all decode rows (one per request of a batch)."""
-        x2 = x.reshape(-1, self.in_features).to(torch.bfloat16)  # (rows, in)
-        if roles is None or len(roles) == 1 or self.questions is None:  # one copy, one kernel for every row
-            y = self._rows(x2, roles is not None and roles[0][1])
-        else:
-            y = torch.cat([self._rows(c, q) for c, (_, q) in zip(x2.split([n for n, _ in roles]), roles)])
-        y = y.to(self.out_dtype).reshape(*x.shape[:-1], self.out_features)  # (..., out)
-        return y if self.bias is None else y + self.bias
-
-    def _rows(self, x2: torch.Tensor, question: bool) -> torch.Tensor:
-        """(rows, in) bf16 -> (rows, out): a question's rows or decode rows, each row's bits its own."""
-        raise NotImplementedError
-
-
-class NativePacked(Packed):
-    """cag.kernels.native's products: decode rows in int4 (GGUF Q4_1's layout), q8 (Q8_0's) or bf16,
-    any number of rows in one call, float32 out; a question's rows through its bf16 product, over a
-    plain bf16 copy (int4) or the format's own product (bf16, q8)."""
-
-    def __init__(self, w: torch.Tensor, bias: torch.Tensor | None, fmt: str, out_dtype: torch.dtype | None = None,
-                 questions: bool = True):
-        super().__init__(w, bias, fmt, out_dtype)
-        w = w.detach()
-        self.packed = (w.to(torch.bfloat16).contiguous() if fmt == "bf16" else
-                       packed_cache.packed(f"native-{fmt}", {"int4": pack_int4_native, "q8": pack_q8}[fmt], w))
-        self.mm = getattr(torch.ops.cag, NATIVE_MM[fmt])
-        # called as the step hands rows over (no bias, float32 out): nothing to convert
-        self._direct = bias is None and self.out_dtype == torch.float32 and fmt in ("int4", "q8")
-        self.questions = w.to(torch.bfloat16).contiguous() if fmt == "int4" and questions else None
-
-    def __call__(self, x: torch.Tensor, roles: list[tuple[int, bool]] | None = None) -> torch.Tensor:
-        if roles is None and self._direct and x.dim() == 2 and x.dtype == torch.bfloat16 and x.is_contiguous():
-            return self.mm(x, *self.packed)
-        return super().__call__(x, roles)
-
-    def _rows(self, x2: torch.Tensor, question: bool) -> torch.Tensor:
-        if question and self.questions is not None:
-            return torch.ops.cag.bf16_mm(x2.contiguous(), self.questions)
-        return self.mm(x2.contiguous(), *(self.packed if isinstance(self.packed, tuple) else (self.packed,)))
-
-
-class TorchPacked(Packed):
-    """torch's packed CPU products: oneDNN bf16, weight-only int8 / int4, in calls of at most ROWS rows
-    (FEW in bf16's few-rows layout), row-invariant there. bf16 keeps two layouts (`many`: the 1-row
-    layout for calls of more than FEW rows); int8 / int4 multiply a question's rows by a bf16 copy in
-    the few-rows layout (`questions`)."""
-
-    def __init__(self, w: torch.Tensor, bias: torch.Tensor | None, fmt: str, out_dtype: torch.dtype | None = None,
-                 questions: bool = True):
-        super().__init__(w, bias, fmt, out_dtype)
-        w = w.detach()
-        self.packed = (_pack_bf16(w, FEW) if fmt == "bf16" else  # oneDNN's layout: no storage to keep
-                       packed_cache.packed(f"torch-{fmt}", {"int8": _pack_int8, "int4": _pack_int4}[fmt], w))
-        if fmt == "bf16":
-            self.many = _pack_bf16(w, 1) if self.out_features < WIDE else None
-        else:
-            self.many = None
-            self.questions = self._question_copy(w) if questions else None
-
-    @property
-    def nbytes(self) -> int:
-        return super().nbytes + packed_bytes(self.many)
-
-    def _question_copy(self, w: torch.Tensor):
-        return _pack_bf16(w, FEW) if bf16_packs() else None
-
-    def _rows(self, x2: torch.Tensor, question: bool) -> torch.Tensor:
-        if self.fmt == "bf16":  # both layouts give the same bits up to FEW rows: the count picks
-            many = x2.shape[0] > FEW and self.many is not None
-            fmt, w, most = ("bf16", self.many, ROWS) if many else ("bf16", self.packed, FEW)
-        elif question and self.questions is not None:  # calls of <= FEW rows: row-invariant
-            fmt, w, most = "bf16", self.questions, FEW
-        else:
-            fmt, w, most = self.fmt, self.packed, ROWS
-        if x2.shape[0] <= most:
-            return _torch_mm(x2, w, fmt)
-        return torch.cat([_torch_mm(c, w, fmt) for c in x2.split(most)])
-
-
-class TorchPackedNativeQuestions(TorchPacked):
-    """torch's products for decode rows in a format cag.kernels.native has none for (int8, or int4 whose
-    input is not a multiple of 64), a question's rows through the native bf16 product over a plain
-    bf16 copy: any number of rows in one call. oneDNN's bf16 sums depend on the row count on some CPUs
-    (AMD Zen 4), the native product's never do."""
-
-    def _question_copy(self, w: torch.Tensor):
-        return w.to(torch.bfloat16).contiguous()
-
-    def _rows(self, x2: torch.Tensor, question: bool) -> torch.Tensor:
-        if question and self.questions is not None:
-            return torch.ops.cag.bf16_mm(x2.contiguous(), self.questions)
-        return super()._rows(x2, question)
-
-
-class Avx2Packed(Packed):
-    """cag.kernels.native's AVX2 products (CAG_DECODE_KERNELS=avx2): int4 in GGUF Q4_1's layout, q8 in
-    Q8_0's (int4's LM head), float32 out. Any number of rows in one call, a row's bits its own, so a
-    question's rows take the same copy as decode rows: no second copy."""
-
-    def __init__(self, w: torch.Tensor, bias: torch.Tensor | None, fmt: str, out_dtype: torch.dtype | None = None):
-        super().__init__(w, bias, fmt, out_dtype)
-        self.packed = packed_cache.packed(f"avx2-{fmt}", {"int4": pack_int4, "q8": pack_q8}[fmt], w.detach())
-        self.mm = getattr(torch.ops.cag_avx2, NATIVE_MM[fmt])
-
-    def _rows(self, x2: torch.Tensor, question: bool) -> torch.Tensor:
-        return self.mm(x2.contiguous(), *self.packed)
-
-
-def pack(w: torch.Tensor, bias: torch.Tensor | None, fmt: str, backend: Backend = backends.TORCH,
-         out_dtype: torch.dtype | None = None, questions: bool = True) -> Packed:
-    """The packed copy of an (out, in) weight for `fmt` on `backend`'s products (cag.kernels.backends):
-    cag's own (AVX-512, or AVX2: int4 and q8) where the shapes allow (the input a multiple of 32, of 64
-    for int4), else torch's. `questions`: int8 / int4 may keep a bf16 copy for a question's rows (else
-    they take the decode rows' copy)."""
-    if (backend.avx2_products and (fmt == "q8" and w.shape[1] % 32 == 0 or fmt == "int4" and w.shape[1] % 64 == 0)
-            and backend.loaded()):
-        return Avx2Packed(w, bias, fmt, out_dtype)
-    native = backend.cag_products and w.shape[1] % 32 == 0 and backend.loaded()
-    if native and (fmt in ("bf16", "q8") or fmt == "int4" and w.shape[1] % 64 == 0):
-        return NativePacked(w, bias, fmt, out_dtype, questions)
-    if native and fmt in ("int8", "int4"):
-        return TorchPackedNativeQuestions(w, bias, fmt, out_dtype, questions)
-    return TorchPacked(w, bias, fmt, out_dtype, questions)
-
-
-def _torch_mm(x2: torch.Tensor, w, fmt: str) -> torch.Tensor:
-    if fmt == "bf16":
-        return torch.ops.mkldnn._linear_pointwise(x2, w, None, "none", [], "")
-    if fmt == "int8":
-        return torch.ops.aten._weight_int8pack_mm(x2, *w)
-    return torch.ops.aten._weight_int4pack_mm_for_cpu(x2, w[0], GROUP, w[1])
 
 
 class FastLinear(torch.nn.Module):
@@ -457,7 +115,7 @@ def supported(fmt: str, model: torch.nn.Module) -> str | None:
         return None
     if next(model.parameters()).device.type != "cpu":
         return f"weights format {fmt} is a CPU kernel; on {next(model.parameters()).device.type} use fp32 (CAG_DTYPE sets the dtype)"
-    if fmt == "bf16" and not bf16_packs():
+    if fmt == "bf16" and not layouts.bf16_packs():
         return ("weights format bf16 needs oneDNN's bf16 products, which this CPU lacks (they need AVX-512 or "
                 "AVX-NE-CONVERT); use CAG_WEIGHTS=fp32, int8 or int4 (auto picks fp32 here)")
     return None
@@ -503,7 +161,7 @@ def apply(model: torch.nn.Module, fmt: str, backend: Backend = backends.TORCH, c
     packs: dict[int, Packed] = {}
     qualified = {id(m): n for n, m in model.named_modules()}
     scope = (lambda m: cache.matrix(qualified[id(m)])) if cache is not None else (lambda m: contextlib.nullcontext())  # noqa: E731
-    token = _file_maps.set(maps)  # _by_rows releases a file-backed matrix's pages as it packs it
+    token = layouts._file_maps.set(maps)  # _by_rows releases a file-backed matrix's pages as it packs it
     try:
         for parent, names, lins in groups:  # one packed copy of each group, made from its members stacked
             for m in lins:
@@ -545,7 +203,7 @@ def apply(model: torch.nn.Module, fmt: str, backend: Backend = backends.TORCH, c
                 file_pages.release([lin.weight], maps)
             trim_heap()
     finally:
-        _file_maps.reset(token)
+        layouts._file_maps.reset(token)
     stacked_products.stack(model)  # groups not packed (int4's odd shapes): one product each, in the compute dtype
     return sum(p.nbytes for p in packs.values())
 
@@ -605,12 +263,5 @@ def _head_format(fmt: str, native: bool = False, four_bit: bool = False) -> str:
     if fmt == "int4" and native:
         return "int4" if four_bit else "q8"
     if fmt in ("int8", "int4"):
-        return "bf16" if bf16_packs() else "int8"
+        return "bf16" if layouts.bf16_packs() else "int8"
     return fmt
-
-
-def packed_bytes(packed) -> int:
-    """Bytes of a packed copy (a tensor, or a tuple of them for int8/int4; None: no copy)."""
-    if packed is None:
-        return 0
-    return sum(t.nbytes for t in (packed if isinstance(packed, tuple) else (packed,)))

@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 
 from cag.model.families import family
-from cag.model.weights import NativePacked
+from cag.model.packed import NativePacked
 from cag.runtime import cascade
 
 _NONE = torch.empty(0)  # the second tensor of a bf16 product (int4 has two: weights and scales)

@@ -11,7 +11,7 @@ Same math as transformers, op for op where it matters for the bits:
   * products: the model's own Linear / FastLinear modules (so every CAG_WEIGHTS format is used), a
     layer's q/k/v and gate/up in one call each over their stacked weights (cag.model.stacked_products, same bits);
     with cag's kernels on the CPU every row a decode row (rows.flat: a question's tokens and an answer's
-    get the same K/V); elsewhere a question's rows (rows.Part.asks) in bf16 under int8/int4 (rows.roles, weights.Packed);
+    get the same K/V); elsewhere a question's rows (rows.Part.asks) in bf16 under int8/int4 (rows.roles, packed.Packed);
   * RMSNorm: the formula of LlamaRMSNorm with the model's weights and eps (float32 inside);
   * rope: the model's own rotary embedding module (its values tabled per position: cos_sin);
     `rotate_half(x) * sin` is computed as `roll(x) * (sin with its first half negated)`, equal
