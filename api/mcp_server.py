@@ -99,6 +99,8 @@ def _error(e: CagError) -> CallToolResult:
 
 def _scope(ctx: Context | None) -> str | None:
     """The API key's scope on HTTP (set by RequireKey on this request); None on stdio or without keys."""
+    if ctx is None:
+        return None
     try:
         request = ctx.request_context.request  # the HTTP request that carried the call (a Starlette Request)
     except (AttributeError, ValueError):  # no context: called outside a request
@@ -258,12 +260,16 @@ def serve_stdio(api_settings: ApiSettings, cag_settings: Settings) -> None:
     @contextlib.asynccontextmanager
     async def lifespan(_server) -> AsyncIterator[dict]:
         loop = asyncio.get_running_loop()
-        tools.loading = loop.create_future()
+        tools.loading = loading = loop.create_future()
+
+        def loaded() -> None:  # on the loop
+            if not loading.done():
+                loading.set_result(None)
 
         def load() -> None:  # a daemon thread: a client that leaves while the model loads is not kept waiting
             service.load()
             with contextlib.suppress(RuntimeError):  # the loop is closed: the client left first
-                loop.call_soon_threadsafe(lambda: tools.loading.done() or tools.loading.set_result(None))
+                loop.call_soon_threadsafe(loaded)
 
         threading.Thread(target=load, name="cag-load", daemon=True).start()
         try:

@@ -26,7 +26,7 @@ from .errors import Unsupported
 from .routes import MODEL_ERRORS, finish_reason, sse_json, stream_errors, streamed, timings
 from .schemas import ChatCompletion, ChatRequest, stop_sequences
 from .service import Service
-from .streaming import EventStream, TextTrim, event
+from .streaming import EventStream, ServerSentEvent, TextTrim, event
 
 router = APIRouter(tags=["openai"])
 
@@ -138,7 +138,7 @@ def unsupported(body: ChatRequest) -> None:
 
 async def _chunks(svc: Service, gen, first, model: str, cid: str, created: int, max_tokens: int | None,
                   include_usage: bool):
-    def chunk(delta: dict, finish: str | None = None, fingerprint: str | None = None) -> str:
+    def chunk(delta: dict, finish: str | None = None, fingerprint: str | None = None) -> ServerSentEvent:
         c = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": model,
              "system_fingerprint": fingerprint,
              "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]}

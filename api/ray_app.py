@@ -21,13 +21,14 @@ import logging
 import os
 import threading
 import time
+from typing import cast
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from ray import serve
 from ray.exceptions import RayActorError
 from ray.serve.config import RequestRouterConfig
 from ray.serve.exceptions import ReplicaUnavailableError
-from ray.serve.handle import DeploymentHandle
+from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 
 from cag.config import Settings
 
@@ -71,7 +72,8 @@ class RemoteAnswers:
         that already sent text ends with a 503 error event instead."""
         for attempt in (1, 2):
             sent = False
-            stream = self.handle.options(multiplexed_model_id=call.corpus, stream=True).ask.remote(call)
+            replica = self.handle.options(multiplexed_model_id=call.corpus, stream=True)
+            stream = cast(DeploymentResponseGenerator, replica.ask.remote(call))  # stream=True: (kind, value) items
             try:
                 for kind, value in stream:
                     if should_stop():  # checked at each token: the replica stops at its next one
@@ -177,7 +179,7 @@ def application(api: ApiSettings, cag: Settings, rs: ReplicaSettings):
     scale = {"autoscaling_config": rs.autoscaling} if rs.autoscaling else {"num_replicas": rs.replicas}
     # no access log line per call: the ingress polls every replica's stats every POLL_S
     # questions wait for a replica holding their corpus up to spill_after_s (api/ray_router.py)
-    router = RequestRouterConfig(request_router_class="cag.api.ray_router.CorpusRouter",
+    router = RequestRouterConfig(request_router_class="cag.api.ray_router.CorpusRouter",  # type: ignore[arg-type]  # Ray types **kwargs as dicts
                                  request_router_kwargs={"spill_after_s": rs.spill_after_s})
     engine = serve.deployment(name="CorpusReplica", max_ongoing_requests=per_replica(api), **scale,
                               request_router_config=router,

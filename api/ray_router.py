@@ -37,7 +37,7 @@ class CorpusRouter(FIFOMixin, MultiplexMixin, RequestRouter):
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
         corpus = pending_request.metadata.multiplexed_model_id if pending_request else ""
-        if not corpus:  # broadcasts and health probes: any replica
+        if pending_request is None or not corpus:  # broadcasts and health probes: any replica
             return [candidate_replicas]
         pending_request.routing_context.should_backoff = True  # Serve's backoff between tries, not a busy loop
         now = time.time()

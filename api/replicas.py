@@ -23,7 +23,7 @@ from dataclasses import replace
 from ray import serve
 
 from cag.config import Settings
-from cag.engine import Engine
+from cag.engine import Answer, Engine
 from cag.errors import CagError, NotFound
 
 from .answers import AskCall
@@ -122,6 +122,7 @@ class CorpusReplica:
             while True:
                 kind, value = await gen.next()
                 if kind == "answer":
+                    assert isinstance(value, Answer)
                     with self._lock:
                         self.answers[call.corpus] += 1
                     held.digests.update(d for d in [value.snapshot, *(s.get("snapshot") for s in value.shards)] if d)

@@ -8,6 +8,7 @@ Routes that run the model are `async def` and hand the work to the runner's thre
 from __future__ import annotations
 
 import logging
+from typing import Any, Literal, cast
 
 from fastapi import APIRouter, Query, Request, Response
 from fastapi.responses import JSONResponse
@@ -30,8 +31,11 @@ from .schemas import (
     CorpusList,
     Health,
     JobInfo,
+    Mode,
     ModelCard,
     ModelList,
+    Timings,
+    Usage,
     stop_sequences,
 )
 from .service import Service
@@ -65,7 +69,7 @@ router = APIRouter()
 open_router = APIRouter()
 
 
-def finish_reason(svc: Service, answer: Answer, requested: int | None) -> str:
+def finish_reason(svc: Service, answer: Answer, requested: int | None) -> Literal["stop", "length"]:
     """`stop`: a stop token, or a stop sequence (also on the answer's last allowed token); `length`: max_tokens."""
     if answer.stopped:
         return "stop"
@@ -78,7 +82,7 @@ def timings(a: Answer) -> dict:
 
 
 def ask_response(svc: Service, a: Answer, body: AskRequest) -> dict:
-    extra = {}
+    extra: dict[str, Any] = {}
     if body.include_token_ids:
         extra["token_ids"] = list(a.token_ids)
     if a.passages:
@@ -88,11 +92,11 @@ def ask_response(svc: Service, a: Answer, body: AskRequest) -> dict:
     if a.decode:
         extra["decode"] = a.decode
     out = AskResponse(
-        answer=a.answer, corpus=a.corpus, mode=a.mode, snapshot=a.snapshot, stale=a.stale,
+        answer=a.answer, corpus=a.corpus, mode=cast(Mode, a.mode), snapshot=a.snapshot, stale=a.stale,
         stale_reasons=a.stale_reasons, finish_reason=finish_reason(svc, a, body.max_tokens),
-        usage={"prompt_tokens": a.prompt_tokens, "cached_tokens": a.cached_tokens,
-               "conversation_tokens": a.conversation_tokens, "completion_tokens": a.completion_tokens},
-        timings=timings(a),
+        usage=Usage(prompt_tokens=a.prompt_tokens, cached_tokens=a.cached_tokens,
+                    conversation_tokens=a.conversation_tokens, completion_tokens=a.completion_tokens),
+        timings=Timings(**timings(a)),
         **extra,
     )
     return out.model_dump(exclude_unset=True)  # token_ids, passages and shards only when there are any

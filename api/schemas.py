@@ -6,7 +6,7 @@ boolean, `"5"` not an integer), so what the OpenAPI description says is what the
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, get_args
 
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field
 from pydantic_core import PydanticCustomError
@@ -14,9 +14,12 @@ from pydantic_core import PydanticCustomError
 from cag import results
 from cag.answering import chat
 
-# the engine's enums, as JSON-schema enums of their values (strict validation takes plain strings)
-Mode = Literal.__getitem__(tuple(m.value for m in results.Mode))
-StalePolicy = Literal.__getitem__(tuple(p.value for p in results.StalePolicy))
+# the engine's enums, as JSON-schema enums of their values (strict validation takes plain strings);
+# spelled out for the type checker, and held to the enums here
+Mode = Literal["cag", "full", "rag", "cag+rag"]
+StalePolicy = Literal["serve", "refuse", "refresh"]
+assert get_args(Mode) == tuple(m.value for m in results.Mode), "api/schemas.py's Mode differs from cag.results.Mode"
+assert get_args(StalePolicy) == tuple(p.value for p in results.StalePolicy), "StalePolicy differs from cag.results'"
 
 
 def _integral(v):

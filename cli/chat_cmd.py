@@ -128,6 +128,10 @@ def chat(
     def interrupt(*_):
         stop["now"] = True
 
+    def show(piece: str) -> None:
+        sys.stdout.write(piece)
+        sys.stdout.flush()
+
     while True:
         try:
             line = read_turn()
@@ -169,7 +173,7 @@ def chat(
         previous = signal.signal(signal.SIGINT, interrupt)
         try:
             a = answer(engine, corpus, None, mode=mode, max_tokens=max_tokens, messages=messages,
-                       on_text=lambda piece: (sys.stdout.write(piece), sys.stdout.flush()), should_stop=lambda: stop["now"])
+                       on_text=show, should_stop=lambda: stop["now"])
         except Cancelled:
             messages.pop()
             typer.echo("(stopped)", err=True)

@@ -7,13 +7,20 @@ import json
 import re
 import sys
 import time
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
 from cag.config import get_settings
 from cag.errors import CagError
 from cag.results import human_bytes
+
+if TYPE_CHECKING:  # imported where used: `cag --help` imports none of them
+    from tqdm import tqdm
+
+    from cag.config import Settings
+    from cag.store.index import Index
+    from cag.store.sync import LocalOnly, Shared
 
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON object (for scripts).")]
 StoreOpt = Annotated[str | None, typer.Option("--store", help="Shared snapshot store, s3://bucket/prefix (default: CAG_HOME only). Env: CAG_STORE.")]
@@ -28,7 +35,7 @@ def _engine(model: str | None = None, **overrides):
     return Engine(get_settings(model=model, **overrides))
 
 
-def _catalog(model: str | None = None, **overrides):
+def _catalog(model: str | None = None, **overrides) -> tuple[Settings, Index, Shared | LocalOnly]:
     """Settings, the index and the shared store: what commands read before (or instead of) loading a
     model, with no torch imported (a name or a setting is refused at once)."""
     from cag.store.index import Index
@@ -120,7 +127,9 @@ class _TqdmReporter:
     """Estimate line and a tokens progress bar (tokens, tokens/s, ETA), drawn only on a terminal."""
 
     def __init__(self, quiet: bool):
-        self.quiet, self.bar, self.tok_bar = quiet, None, None
+        self.quiet = quiet
+        self.bar: tqdm | None = None
+        self.tok_bar: tqdm | None = None
 
     BIG = 1024**2  # inputs from this size on say what is read and show tokenizing
 

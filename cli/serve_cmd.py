@@ -64,4 +64,5 @@ def serve(
     page = f"; chat page at http://{host}:{port}/" if api_settings.ui else ""
     typer.echo(f"cag: serving on http://{host}:{port} (model loads in the background; GET /health turns 200 when ready{page})",
                err=True)
+    assert app is not None  # built above but for --replicas
     uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)

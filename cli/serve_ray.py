@@ -38,7 +38,8 @@ def serve_on_ray(host: str, port: int, api: ApiSettings, cag: Settings, rs: Repl
     signal.signal(signal.SIGTERM, _stop)
     try:
         ray.init(address=rs.ray_address, include_dashboard=False if not joined else None,
-                 logging_level=log_level.upper(), log_to_driver=log_level.lower() in ("info", "debug"))
+                 logging_level=log_level.upper(),  # type: ignore[arg-type]  # Ray hands it to logging, which takes names
+                 log_to_driver=log_level.lower() in ("info", "debug"))
     except ConnectionError as e:  # a wrong address or token: one line, like every other start-up error
         typer.echo(f"error: cannot join the Ray cluster: {e}", err=True)
         raise typer.Exit(1) from None

@@ -107,7 +107,9 @@ def first_sentence(text: str) -> str:
                 continue
             return head.strip()
         if m.group() == ".":
-            word = _WORD_BEFORE.search(head).group(1)
+            before = _WORD_BEFORE.search(head)
+            assert before is not None  # it matches an empty word too
+            word = before.group(1)
             if (len(word) == 1 and word.isupper()) or "." in word or word.lower() in _ABBREVIATIONS:
                 continue
         return text[: m.end()]

@@ -16,6 +16,7 @@ import json
 import os
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
+from typing import TextIO
 
 from cag.errors import BadInput
 
@@ -151,7 +152,7 @@ class ResultsLog:
 
     def __init__(self, path: Path):
         self.path = Path(path)
-        self._f = None
+        self._f: TextIO | None = None  # open inside `with`
 
     def __enter__(self) -> ResultsLog:
         cut = False
@@ -165,10 +166,12 @@ class ResultsLog:
         return self
 
     def append(self, row: Row) -> None:
+        assert self._f is not None, "append inside `with ResultsLog(path) as log`"
         self._f.write(json.dumps(row.to_dict(), ensure_ascii=False) + "\n")
         self._f.flush()
 
     def __exit__(self, *exc) -> None:
+        assert self._f is not None
         self._f.close()
 
 

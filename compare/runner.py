@@ -73,7 +73,7 @@ DEFAULT_MODES = ("cag", "full", "rag-bm25")
 # What must match for --resume to append to an existing run (the rest may change between runs).
 RESUME_KEYS = ("dataset", "format", "sizes", "questions", "seed", "max_sets", "max_tokens", "model_fingerprint",
                "tokenizer_fingerprint", "kv_dtype", "passage_tokens", "shard_tokens")
-RESUME_DEFAULTS = {"shard_tokens": []}  # what a run written before the key existed ran with
+RESUME_DEFAULTS: dict[str, list] = {"shard_tokens": []}  # what a run written before the key existed ran with
 
 
 @dataclass
@@ -257,7 +257,7 @@ def _start_meta(out: Path, meta: dict, resume: bool) -> dict:
 def cost_function(engine, corpus: ds.Corpus) -> Callable[[str], int]:
     """Document text -> what it costs in the prompt, with its delimiters and file name."""
     tok = engine.lm.tokenizer
-    title_of = {}
+    title_of: dict[str, str] = {}
     for d in corpus.docs:
         title_of.setdefault(d.text, d.title or d.doc_id)
     width = max(3, len(str(len(corpus.docs))))
@@ -300,7 +300,7 @@ def plan(ks: ds.KnowledgeSet, cfg: CompareConfig, modes: list[str],
     """(question index within its size, question, mode, k) in asking order: every mode of a question
     together. `first_index` is the number of questions the size's earlier sets hold, so the full and
     k-sweep samples are the first questions of the size, not of each set."""
-    out = []
+    out: list[tuple[int, ds.QAItem, str, int | None]] = []
     for qi, q in enumerate(ks.questions, start=first_index):
         for mode in modes:
             if shard_cap(mode) is not None:  # cag and the sweep's cag@N: every question
@@ -389,12 +389,12 @@ def run_compare(engine, cfg: CompareConfig, log: Callable[[str], None] = lambda 
         if cfg.batch > 1:
             notes.append(f"cag rows were answered {cfg.batch} at a time, decoded together: their TTFT and latency are "
                          "under that shared load, not a lone question's")
-        with ResultsLog(results) as results_log, ThreadPoolExecutor(cfg.batch) as pool:
+        with ResultsLog(results) as results_log, ThreadPoolExecutor(cfg.batch) as workers:
             for group in batches(todo, cfg.batch):
                 if deadline is not None and time.monotonic() > deadline:
                     stopped = f"stopped at the time budget of {cfg.max_minutes:g} minutes"
                     break
-                for row in pool.map(lambda t: ask_row(engine, t[0], t[2], t[3], t[4], t[5], decoding), group):
+                for row in workers.map(lambda t: ask_row(engine, t[0], t[2], t[3], t[4], t[5], decoding), group):
                     results_log.append(row)
                 written += len(group)
                 if bar is not None:
@@ -477,8 +477,8 @@ def _prepare(engine, cfg: CompareConfig, ks: ds.KnowledgeSet, size: int, corpora
         log(f"{ks.name} {mode}: {r.n_shards} shard{'s' if r.n_shards != 1 else ''}")
     for mode in modes:
         if mode.startswith("rag-") or mode == "cag+rag":
-            kind, size = (mode.split("-", 1)[1], None) if mode.startswith("rag-") else ("bm25", engine.settings.quote_tokens)
-            idx, _ = get_index(engine, docs, kind, *([size] if size else []))
+            kind, tokens = (mode.split("-", 1)[1], None) if mode.startswith("rag-") else ("bm25", engine.settings.quote_tokens)
+            idx, _ = get_index(engine, docs, kind, *([tokens] if tokens else []))
             info.rag_index[mode] = {"build_ms": round(idx.build_ms, 1), "n_passages": len(idx.passages),
                                     "passage_tokens": idx.passage_tokens}
     return info

@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -72,7 +73,7 @@ def _vals(rows: list[Row], name: str) -> list:
 def stats(rows: list[Row]) -> dict:
     """Quality and latency of one group of rows (one size, mode and k); Estimates or None."""
     ok = [r for r in rows if r.ok]
-    out = {"n": len(ok), "errors": len(rows) - len(ok),
+    out: dict[str, Any] = {"n": len(ok), "errors": len(rows) - len(ok),
            "em": bootstrap(_vals(ok, "em")), "f1": bootstrap(_vals(ok, "f1")),
            "f1_first": bootstrap(_vals(ok, "f1_first")), "aio": bootstrap(_vals(ok, "answer_in_output")),
            "ttft": bootstrap(_vals(ok, "ttft_ms"), "median"), "ttft_p95": bootstrap(_vals(ok, "ttft_ms"), "p95"),
@@ -89,7 +90,7 @@ def stats(rows: list[Row]) -> dict:
     routed = [r for r in ok if r.routing_recall is not None]
     if routed:  # sharded cag: is the gold in the shard that answered / in the 2 best shards
         hit = [r for r in routed if r.routing_recall == 1]
-        miss = [r for r in routed if r.routing_recall < 1]
+        miss = [r for r in routed if r.routing_recall is not None and r.routing_recall < 1]
         out.update(route1=bootstrap(_vals(routed, "routing_recall")), route2=bootstrap(_vals(routed, "routing_recall2")),
                    route_hit_rate=len(hit) / len(routed), route_f1_hit=bootstrap(_vals(hit, "f1")),
                    route_f1_miss=bootstrap(_vals(miss, "f1")), route_n_miss=len(miss),
@@ -152,7 +153,7 @@ def _value(e: Estimate | None) -> float | None:
 
 
 def _ci(e: Estimate | None) -> list[float] | None:
-    return None if e is None or e.lo is None else [e.lo, e.hi]
+    return None if e is None or e.lo is None or e.hi is None else [e.lo, e.hi]  # lo and hi: both or neither
 
 
 def summary(rows: list[Row], k_main: int | None = None) -> list[dict]:
@@ -174,9 +175,9 @@ def summary(rows: list[Row], k_main: int | None = None) -> list[dict]:
                           ("routing_recall_at_1_shard", "route1"), ("routing_recall_at_2_shards", "route2"),
                           ("routing_ms_median", "routing")):
             rec[name], rec[name + "_ci95"] = _value(st.get(key)), _ci(st.get(key))
-        p = paired.get((size, mode, k))
-        if p:
-            rec["vs_cag"] = {"n": p["n"], **{name: p[name].as_dict() if p[name] else None
+        vs = paired.get((size, mode, k))
+        if vs:
+            rec["vs_cag"] = {"n": vs["n"], **{name: vs[name].as_dict() if vs[name] else None
                                              for name in ("f1", "f1_first", "aio", "ttft_ratio")}}
         out.append(rec)
     return out

@@ -22,6 +22,7 @@ from pathlib import Path
 from cag.errors import BadInput
 from cag.model.prompt import encode_text
 
+from .chunking import Passage
 from .index import DEFAULT_PASSAGE_TOKENS, get_index, passage_name
 
 QUOTE_HEAD = "Passages quoted from the knowledge above:"
@@ -70,7 +71,8 @@ def answer_hybrid(engine, corpus: str, question: str | None, k: int = 3, retriev
     def quote_of(hs):  # corpus order, as RAG and `full` list them
         return [(passage_name(p.doc_id, p.index), p.text) for p, _ in sorted(hs, key=lambda h: (order[h[0].doc_id], h[0].index))]
 
-    room, tok, chosen = room_left(engine, q), engine.lm.tokenizer, []
+    room, tok = room_left(engine, q), engine.lm.tokenizer
+    chosen: list[tuple[Passage, float]] = []
     bare = len(encode_text(tok, q.text))
     for hit in hits:  # best first, while the quoted message fits (measured in tokens, as it will be prefilled)
         if len(encode_text(tok, quoted(quote_of(chosen + [hit]), q.text))) - bare <= room:

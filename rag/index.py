@@ -15,7 +15,7 @@ from cag.hashing import hash_obj
 from cag.model.prompt import encode_text
 
 from .chunking import DEFAULT_TARGET_TOKENS, Passage, chunk_documents
-from .retrieve import RETRIEVER_KINDS, RetrieverUnavailable, make_retriever
+from .retrieve import RETRIEVER_KINDS, Retriever, RetrieverUnavailable, make_retriever
 
 DEFAULT_PASSAGE_TOKENS = DEFAULT_TARGET_TOKENS  # 384 tokens of the model's tokenizer
 MAX_CACHED_INDEXES = 8
@@ -27,7 +27,7 @@ class Index:
 
     key: str
     passages: list[Passage]
-    retriever: object
+    retriever: Retriever
     build_ms: float  # chunking + indexing (dense: + embedding every passage)
     kind: str
     passage_tokens: int

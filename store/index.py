@@ -14,7 +14,7 @@ import logging
 import sqlite3
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -26,28 +26,28 @@ log = logging.getLogger("cag.index")
 
 
 def _m1(db: sqlite_utils.Database) -> None:
-    db["corpora"].create(
+    db.table("corpora").create(
         {"name": str, "source": str, "model": str, "ttl_s": float, "current_snapshot": str,
          "invalidated": str, "created": float, "updated": float},
         pk="name",
     )
-    db["documents"].create(
+    db.table("documents").create(
         {"corpus": str, "path": str, "content_hash": str, "size": int, "mtime": float, "ordinal": int},
         pk=("corpus", "path"),
     )
-    db["snapshots"].create(
+    db.table("snapshots").create(
         {"key": str, "digest": str, "corpus": str, "model": str, "model_fingerprint": str,
          "tokenizer_fingerprint": str, "n_tokens": int, "n_documents": int, "bytes": int,
          "dtype": str, "path": str, "status": str, "created": float, "last_used": float,
          "prefill_ms": float, "reused_tokens": int},
         pk="digest",
     )
-    db["snapshots"].create_index(["corpus"])
-    db["snapshot_documents"].create(
+    db.table("snapshots").create_index(["corpus"])
+    db.table("snapshot_documents").create(
         {"snapshot": str, "path": str, "content_hash": str, "start": int, "end": int, "ordinal": int},
         pk=("snapshot", "path"),
     )
-    db["queries"].create(
+    db.table("queries").create(
         {"id": int, "corpus": str, "snapshot": str, "question": str, "answer": str, "mode": str,
          "prompt_tokens": int, "cached_tokens": int, "completion_tokens": int, "load_ms": float,
          "ttft_ms": float, "total_ms": float, "retrieval_ms": float, "created": float},
@@ -65,16 +65,16 @@ def _m2(db: sqlite_utils.Database) -> None:
 def _m3(db: sqlite_utils.Database) -> None:
     # Sharded corpora: one snapshot per shard. Shard 0 is also corpora.current_snapshot, so a
     # corpus of one shard reads exactly as before.
-    db["shards"].create({"corpus": str, "shard": int, "snapshot": str}, pk=("corpus", "shard"))
+    db.table("shards").create({"corpus": str, "shard": int, "snapshot": str}, pk=("corpus", "shard"))
     db.execute("INSERT INTO shards (corpus, shard, snapshot) "
                "SELECT name, 0, current_snapshot FROM corpora WHERE current_snapshot IS NOT NULL")
-    db["corpora"].add_column("shard_tokens", int)  # the --shard-tokens cap, kept for refreshes
+    db.table("corpora").add_column("shard_tokens", int)  # the --shard-tokens cap, kept for refreshes
 
 
 def _m4(db: sqlite_utils.Database) -> None:
     # What each model load found out (cag.model.facts), keyed by its files and settings: commands that
     # only compare fingerprints read them instead of loading the model.
-    db["model_facts"].create({"key": str, "facts": str, "recorded": float}, pk="key")
+    db.table("model_facts").create({"key": str, "facts": str, "recorded": float}, pk="key")
 
 
 MIGRATIONS = [_m1, _m2, _m3, _m4]
@@ -218,7 +218,7 @@ class Index:
         """Record a ready snapshot and make it the corpus's current one, all in one transaction."""
         self.publish_shards(corpus, documents, [(snapshot, spans)])
 
-    def publish_shards(self, corpus: dict, documents: list[dict], shards: list[tuple[dict, Iterable[dict]]]) -> None:
+    def publish_shards(self, corpus: dict, documents: list[dict], shards: Sequence[tuple[dict, Iterable[dict]]]) -> None:
         """Record each shard's ready snapshot (with its document spans) and make them the corpus's
         current shards, all in one transaction: readers see the old set or the new one."""
         now = time.time()
@@ -227,23 +227,23 @@ class Index:
             old = self.corpus(name)
             row = dict(corpus, updated=now, current_snapshot=shards[0][0]["digest"], invalidated=None)
             row.setdefault("created", old["created"] if old else now)
-            self.db["corpora"].upsert(row, pk="name", alter=True)
-            self.db["documents"].delete_where("corpus = ?", [name])
-            self.db["documents"].insert_all([dict(d, corpus=name, ordinal=i) for i, d in enumerate(documents)])
-            self.db["shards"].delete_where("corpus = ?", [name])
-            self.db["shards"].insert_all([{"corpus": name, "shard": i, "snapshot": snap["digest"]}
+            self.db.table("corpora").upsert(row, pk="name", alter=True)
+            self.db.table("documents").delete_where("corpus = ?", [name])
+            self.db.table("documents").insert_all([dict(d, corpus=name, ordinal=i) for i, d in enumerate(documents)])
+            self.db.table("shards").delete_where("corpus = ?", [name])
+            self.db.table("shards").insert_all([{"corpus": name, "shard": i, "snapshot": snap["digest"]}
                                           for i, (snap, _) in enumerate(shards)])
             # snapshots no longer used are superseded for this corpus only: nothing to write on their rows
             for snap, spans in shards:
-                self.db["snapshots"].upsert(dict(snap, status="ready"), pk="digest")
-                self.db["snapshot_documents"].delete_where("snapshot = ?", [snap["digest"]])
-                self.db["snapshot_documents"].insert_all(
+                self.db.table("snapshots").upsert(dict(snap, status="ready"), pk="digest")
+                self.db.table("snapshot_documents").delete_where("snapshot = ?", [snap["digest"]])
+                self.db.table("snapshot_documents").insert_all(
                     [dict(s, snapshot=snap["digest"], ordinal=i) for i, s in enumerate(spans)])
 
     def set_snapshot_status(self, digest: str, status: str) -> None:
         """`ready` or `corrupt`: what the file is, the same for every corpus using it."""
         with self.atomic():
-            self.db["snapshots"].update(digest, {"status": status})
+            self.db.table("snapshots").update(digest, {"status": status})
 
     def log_query(self, row: dict) -> str | None:
         """Record an answer; a log the file refuses (read-only, disk full) never costs the answer: a
@@ -252,9 +252,9 @@ class Index:
             with self.atomic("the query log could not be written"):
                 if self._query_columns is None:  # an answer carries more fields than the log keeps
                     self._query_columns = set(self.db["queries"].columns_dict)
-                self.db["queries"].insert({k: v for k, v in dict(row, created=time.time()).items() if k in self._query_columns})
+                self.db.table("queries").insert({k: v for k, v in dict(row, created=time.time()).items() if k in self._query_columns})
                 if row.get("snapshot") and row.get("mode") == "cag":
-                    self.db["snapshots"].update(row["snapshot"], {"last_used": time.time()})
+                    self.db.table("snapshots").update(row["snapshot"], {"last_used": time.time()})
         except (IndexUnusable, StorageFull) as e:
             log.warning("%s", e)
             return str(e)
@@ -266,7 +266,7 @@ class Index:
 
     def record_model_facts(self, key: str, facts: str) -> None:
         with self.atomic("cannot record the model's facts"):
-            self.db["model_facts"].upsert({"key": key, "facts": facts, "recorded": time.time()}, pk="key")
+            self.db.table("model_facts").upsert({"key": key, "facts": facts, "recorded": time.time()}, pk="key")
 
     def queries(self, corpus: str | None = None, limit: int = 100) -> list[dict]:
         where, args = ("corpus = ?", [corpus]) if corpus else (None, None)

@@ -55,16 +55,15 @@ def spans_of(meta: dict, name: str = "snapshot") -> list[dict]:
     (a refresh's reuse, the index's rows, freshness) reads them; a file written before the header
     checksum has only this check."""
     spans, n = meta.get("spans"), meta.get("n_tokens")
-    ok = isinstance(spans, list) and type(n) is int
+    invalid = f"{name}: header field 'spans' missing or invalid"
+    if not isinstance(spans, list) or type(n) is not int:
+        raise SnapshotError(invalid)
     end = 0
-    for s in spans if ok else []:
-        ok = (isinstance(s, dict) and isinstance(s.get("path"), str) and isinstance(s.get("content_hash"), str)
-              and type(s.get("start")) is int and type(s.get("end")) is int and end <= s["start"] <= s["end"] <= n)
-        if not ok:
-            break
+    for s in spans:
+        if not (isinstance(s, dict) and isinstance(s.get("path"), str) and isinstance(s.get("content_hash"), str)
+                and type(s.get("start")) is int and type(s.get("end")) is int and end <= s["start"] <= s["end"] <= n):
+            raise SnapshotError(invalid)
         end = s["end"]
-    if not ok:
-        raise SnapshotError(f"{name}: header field 'spans' missing or invalid")
     return spans
 
 

@@ -84,7 +84,9 @@ def _checksum(tensors: dict[str, torch.Tensor]) -> str:
 def _write_error(e: Exception, path: Path) -> Exception:
     """A failed write of a snapshot file as one line: no room (ENOSPC, quota) is StorageFull, any
     other refusal (permissions, a read-only or failing disk) IndexUnusable: CAG_HOME cannot be used."""
-    code, reason = (e.errno, e.strerror or str(e)) if isinstance(e, OSError) else _os_error_of(e)
+    found = (e.errno, e.strerror or str(e)) if isinstance(e, OSError) else _os_error_of(e)
+    assert found is not None, e  # the caller passes OS errors, and only the SafetensorErrors that wrap one
+    code, reason = found
     if code in (errno.ENOSPC, errno.EDQUOT):
         return StorageFull(f"cannot write snapshot {path.name} in {path.parent}: {reason}; nothing was kept and the "
                            "previous snapshot still answers: free space and run the ingest again")
@@ -135,8 +137,8 @@ def save(path: Path, kv, ids: list[int], meta: dict, dtype: torch.dtype) -> int:
     if dtype == torch.int8:  # quantized blocks + fp16 scales (store/kv_int8.py)
         block, codes = kv_int8.quantize_layers(kv)
         extra = {"codec": kv_int8.CODEC, "int8_block": block}
-        for i, layer in enumerate(codes):
-            for name, q, scale in (("keys", *layer[:2]), ("values", *layer[2:])):
+        for i, (k_codes, k_scales, v_codes, v_scales) in enumerate(codes):
+            for name, q, scale in (("keys", k_codes, k_scales), ("values", v_codes, v_scales)):
                 tensors[f"layers.{i}.{name}"], tensors[f"layers.{i}.{name}.scale"] = q.contiguous(), scale.contiguous()
     else:
         for i, (k, v) in enumerate(kv):
@@ -231,17 +233,18 @@ def load(path: Path, expect_key: str | None = None, verify: bool = True, dequant
     if block is not None:
         scales = []
         for i in range(n_layers):
-            pair = tuple(tensors.get(f"layers.{i}.{name}.scale") for name in ("keys", "values"))
-            for t in pair:
-                if t is None or t.dtype != torch.float16 or tuple(t.shape) != (*shape[:3], shape[3] // block):
-                    raise SnapshotError(f"snapshot {path.name}: layer {i} int8 scales missing or misshapen")
-            scales.append(pair)
+            assert shape is not None  # None only without layers
+            ks, vs = (tensors.get(f"layers.{i}.{name}.scale") for name in ("keys", "values"))
+            if ks is None or vs is None or any(t.dtype != torch.float16 or tuple(t.shape) != (*shape[:3], shape[3] // block)
+                                               for t in (ks, vs)):
+                raise SnapshotError(f"snapshot {path.name}: layer {i} int8 scales missing or misshapen")
+            scales.append((ks, vs))
     if verify and not (trust and CHECKSUMS.holds(path, seen)):
         CHECKSUMS.forget(path)
         if _checksum(tensors) != meta.get("checksum"):
             raise SnapshotError(f"snapshot {path.name}: checksum mismatch (file was modified or damaged)")
         CHECKSUMS.remember(path, seen, t0)  # unchanged from before the read to after the check
-    codes = None
+    codes: list[tuple[torch.Tensor, ...]] | None = None
     if block is not None and decode:  # dequantized once here; the request buffer copy casts to the model's dtype
         dequant = dequant or torch.float16
         codes = [(k, ks, v, vs) for (k, v), (ks, vs) in zip(kv, scales)]

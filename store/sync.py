@@ -21,7 +21,9 @@ import os
 import socket
 import threading
 import time
+from collections.abc import Set as AbstractSet
 from pathlib import Path
+from typing import Literal
 
 from cag.errors import StoreCorrupt, StoreUnreachable
 from cag.knowledge.names import name_problem
@@ -41,7 +43,7 @@ def shared_store(settings, index: Index) -> Shared | LocalOnly:
 class LocalOnly:
     """No shared store: snapshots live in CAG_HOME only."""
 
-    def __bool__(self) -> bool:
+    def __bool__(self) -> Literal[False]:  # `if remote:` tells the type checker it is a Shared
         return False
 
     def lookup(self, corpus: str) -> bool:
@@ -86,7 +88,7 @@ class Shared:
         cache.touch(path)
         return path
 
-    def trim(self, keep: set[str] = frozenset()) -> list[str]:
+    def trim(self, keep: AbstractSet[str] = frozenset()) -> list[str]:
         sizes: dict[str, int] | None = None
 
         def in_store(digest: str, size: int) -> bool:

@@ -50,7 +50,8 @@ class Router:
 
 
 def _passages(text: str) -> list[str]:
-    out, current = [], []
+    out: list[str] = []
+    current: list[str] = []
     for para in re.split(r"\n\s*\n|\n", text):
         words = para.split()
         while words:

@@ -4,6 +4,7 @@ model or tokenizer configured (by fingerprint), an explicit invalidation, or an 
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 from cag.errors import NotFound
@@ -46,7 +47,7 @@ def stale_reasons(
     tokenizer_fingerprint: str | None = None,
     ttl_s: float = 0.0,
     now: float | None = None,
-    more_shards: list[dict] = (),
+    more_shards: Sequence[dict] = (),
     check_documents: bool = True,
     kv_dtype: str | None = None,
 ) -> list[str]:

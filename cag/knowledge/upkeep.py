@@ -6,6 +6,7 @@ import os
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 from cag.config import Settings
 from cag.errors import NotFound
@@ -28,9 +29,10 @@ class GcResult:
 def invalidate(index: Index, corpus: str | None, doc: str | None = None) -> list[str]:
     """Mark a corpus, or every corpus whose current snapshot contains `doc`, as invalid.
     Returns the corpora marked. The snapshot stays on disk; `--on-stale` decides what asks do."""
-    rows = [index.corpus(corpus)] if corpus else index.corpora()
-    if corpus and rows[0] is None:
+    one = index.corpus(corpus) if corpus else None
+    if corpus and one is None:
         raise NotFound(f"unknown corpus {corpus!r}; `cag list` shows the known ones")
+    rows = [one] if one is not None else index.corpora()
     marked = []
     with index.atomic():
         for row in rows:
@@ -41,7 +43,7 @@ def invalidate(index: Index, corpus: str | None, doc: str | None = None) -> list
                 reason = f"document {doc} invalidated by user"
             else:
                 reason = "invalidated by user"
-            index.db["corpora"].update(row["name"], {"invalidated": reason, "updated": time.time()})
+            index.db.table("corpora").update(row["name"], {"invalidated": reason, "updated": time.time()})
             marked.append(row["name"])
     if doc is not None and not marked:
         raise NotFound(f"no {'such corpus contains' if corpus else 'corpus contains'} document {doc!r}")
@@ -84,8 +86,8 @@ def gc(settings: Settings, index: Index, max_bytes: int | None = None, dry_run: 
             if using and not include_current:  # became some corpus's current since the listing above
                 out.kept.append(_entry(r, f"now the current snapshot of {', '.join(using)}"))
                 continue
-            index.db["snapshot_documents"].delete_where("snapshot = ?", [r["digest"]])
-            index.db["snapshots"].delete(r["digest"])
+            index.db.table("snapshot_documents").delete_where("snapshot = ?", [r["digest"]])
+            index.db.table("snapshots").delete(r["digest"])
             index.db.execute("UPDATE corpora SET current_snapshot = NULL WHERE current_snapshot = ?", [r["digest"]])
             index.db.execute("DELETE FROM shards WHERE snapshot = ?", [r["digest"]])
         try:
@@ -203,10 +205,10 @@ def reindex(settings: Settings, index: Index) -> dict:
     digests = {path.stem for path, _ in found}
     with index.atomic():
         for table in ("snapshot_documents", "snapshots"):
-            index.db[table].delete_where()
+            index.db.table(table).delete_where()
         for path, meta in found:
             digest = path.stem
-            index.db["snapshots"].insert({  # "superseded" is derived from the corpora, never stored
+            index.db.table("snapshots").insert({  # "superseded" is derived from the corpora, never stored
                 "key": meta["key"], "digest": digest, "corpus": meta["corpus"], "model": meta.get("model"),
                 "model_fingerprint": meta.get("model_fingerprint"), "tokenizer_fingerprint": meta.get("tokenizer_fingerprint"),
                 "n_tokens": meta["n_tokens"], "n_documents": len(meta["spans"]), "bytes": path.stat().st_size,
@@ -214,24 +216,24 @@ def reindex(settings: Settings, index: Index) -> dict:
                 "created": meta["created"], "last_used": None, "prefill_ms": meta.get("prefill_ms"),
                 "reused_tokens": meta.get("reused_tokens", 0),
             })
-            index.db["snapshot_documents"].insert_all(
+            index.db.table("snapshot_documents").insert_all(
                 [dict(s, snapshot=digest, ordinal=i) for i, s in enumerate(meta["spans"])]
             )
         for name, (path, meta) in newest.items():
             old = index.corpus(name) or {}
             if old.get("current_snapshot") in digests:
                 continue  # a surviving corpus row already points to a file that is here: its choice stands
-            index.db["corpora"].upsert({
+            index.db.table("corpora").upsert({
                 "name": name, "source": meta.get("source") or old.get("source"), "model": meta.get("model"),
                 "ttl_s": meta.get("ttl_s"), "current_snapshot": path.stem, "invalidated": None,
                 "created": old.get("created") or meta["created"], "updated": time.time(),
             }, pk="name")
             if not index.documents(name):  # size -1: the next freshness check hashes the file
-                index.db["documents"].insert_all([
+                index.db.table("documents").insert_all([
                     {"corpus": name, "path": s["path"], "content_hash": s["content_hash"], "size": -1,
                      "mtime": 0.0, "ordinal": i} for i, s in enumerate(meta["spans"])
                 ])
-    out = {"snapshots": len(found), "corpora": sorted(newest), "unreadable": bad}
+    out: dict[str, Any] = {"snapshots": len(found), "corpora": sorted(newest), "unreadable": bad}
     if settings.store:  # the store's refs say what is current: the index is this machine's cache of them
         from cag.store.sync import Shared
 

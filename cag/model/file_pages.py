@@ -25,6 +25,7 @@ import re
 import weakref
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -49,7 +50,8 @@ def mappings() -> list[Mapping]:
     """This process's private mappings of regular files (/proc/self/smaps); [] off Linux."""
     if platform.system() != "Linux":
         return []
-    out, cur = [], None
+    out: list[list[Any]] = []  # start, end, path, inode, clean
+    cur: list[Any] | None = None
     for line in Path("/proc/self/smaps").read_text().splitlines():
         if m := _HEADER.match(line):
             start, end, perms, inode, path = m.groups()
@@ -91,9 +93,10 @@ def release(tensors, maps: list[Mapping] | None = None) -> int:
     done = 0
     for t in tensors:
         m = _holder(t, maps)
-        if m is None or not m.clean:  # never on anonymous memory (DONTNEED zeroes it) or a written page
-            continue
-        a, b = _span(t)
+        span = _span(t)
+        if m is None or not m.clean or span is None:  # never on anonymous memory (DONTNEED zeroes it) or a written page
+            continue  # (span is None only where m is: _holder found none)
+        a, b = span
         a, b = -(-a // PAGE) * PAGE, b // PAGE * PAGE
         if b > a and madvise(a, b - a, MADV_DONTNEED) == 0:
             done += b - a

@@ -31,7 +31,7 @@ import shutil
 import tempfile
 import time
 from pathlib import Path
-from typing import NamedTuple
+from typing import Literal, NamedTuple
 
 import blake3
 import numpy as np
@@ -135,7 +135,7 @@ def check(path: Path) -> Header:
     key_length = reader.fields.get(f"{arch}.attention.key_length")
     head_dim = int(key_length.contents()) if key_length is not None else None
     freqs = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
-    rope = None
+    rope: dict | None = None
     if freqs is not None:
         from gguf import quants
 
@@ -146,12 +146,13 @@ def check(path: Path) -> Header:
         heads = meta("attention.head_count")
         dim = meta("rope.dimension_count") or head_dim or (meta("embedding_length") // heads if heads else None)
         factors = quants.dequantize(freqs.data, freqs.tensor_type).reshape(-1)  # (rotary dim / 2,)
-        rope = llama3_rope(factors, base=float(meta("rope.freq_base", 10000.0)), dim=dim,
-                           context=meta("context_length"), original=meta("rope.scaling.original_context_length"))
-        if rope is False:
+        scaling = llama3_rope(factors, base=float(meta("rope.freq_base", 10000.0)), dim=dim,
+                              context=meta("context_length"), original=meta("rope.scaling.original_context_length"))
+        if scaling is False:
             raise ModelError(f"GGUF file {path.name}: its rope scaling (tensor rope_freqs.weight) is not Llama 3's: "
                              "no factor, low/high_freq_factor and original context reproduce it; "
                              "use the model's Hugging Face folder instead")
+        rope = scaling
     return Header(arch, head_dim, rope)
 
 
@@ -243,8 +244,8 @@ def _check_tensors(reader, arch: str, name: str) -> None:
     tokens = fields.get("tokenizer.ggml.tokens")
     vocab = whole(f"{arch}.vocab_size", len(tokens.data) if tokens is not None else None)  # transformers' order
     # Shapes in ggml's order (the input width first), as the file lists them and llama.cpp checks them
-    top = {"token_embd.weight": (e, vocab), "output_norm.weight": (e,)}
-    block = {"attn_norm.weight": (e,)}
+    top: dict[str, tuple[int, ...]] = {"token_embd.weight": (e, vocab), "output_norm.weight": (e,)}
+    block: dict[str, tuple[int, ...]] = {"attn_norm.weight": (e,)}
     if arch == "phi3":  # q, k, v in one matrix, gate and up in another
         block |= {"attn_qkv.weight": (e, (h + 2 * kv) * d), "attn_output.weight": (h * d, e), "ffn_norm.weight": (e,),
                   "ffn_up.weight": (e, 2 * ff), "ffn_down.weight": (ff, e)}
@@ -290,7 +291,7 @@ def _check_tensors(reader, arch: str, name: str) -> None:
 
 
 def llama3_rope(factors: np.ndarray, base: float, dim: int | None, context: int | None = None,
-                original: int | None = None) -> dict | None | bool:
+                original: int | None = None) -> dict | None | Literal[False]:
     """Llama 3's rope scaling (transformers' rope_parameters: rope_type "llama3", factor, low_freq_factor,
     high_freq_factor, original_max_position_embeddings) that makes llama.cpp's rope_freqs tensor
     `factors`, (dim / 2,): None where every factor is 1 (no scaling), False where none makes it.
@@ -378,7 +379,7 @@ def _dequantized(path: Path, header: Header):
         raise ModelError(f"cannot read GGUF file {path.name}: {_line(e)}") from None
     # Its weights are plain float32 tensors already; only the GGUF marks stop save_pretrained. Dropping
     # them, rather than copying into a fresh model, keeps one copy of the weights in memory, not two
-    gguf_model.hf_quantizer = None
+    gguf_model.hf_quantizer = None  # type: ignore[assignment]  # torch types any attribute of a Module as a submodule
     if hasattr(gguf_model.config, "quantization_config"):
         del gguf_model.config.quantization_config
     return gguf_model, tok

@@ -20,11 +20,11 @@ STACK = "_cag_stack"  # on a group's first Linear: (weight (sum of outs, in), bi
 def groups(model: torch.nn.Module) -> list[tuple[torch.nn.Module, tuple[str, ...], list[torch.nn.Linear]]]:
     """(parent, member names, members) of every group of plain Linears that can be stacked: one input
     width, dtype and device, biases on all or none."""
-    out = []
+    out: list[tuple[torch.nn.Module, tuple[str, ...], list[torch.nn.Linear]]] = []
     for parent in model.modules():
         for names in GROUPS:
-            lins = [getattr(parent, n, None) for n in names]
-            if all(type(m) is torch.nn.Linear for m in lins) and len(
+            lins = [m for m in (getattr(parent, n, None) for n in names) if type(m) is torch.nn.Linear]
+            if len(lins) == len(names) and len(
                     {(m.in_features, m.weight.dtype, m.weight.device, m.bias is None) for m in lins}) == 1:
                 out.append((parent, names, lins))
     return out
@@ -74,7 +74,7 @@ def stacked(*mods) -> tuple[torch.Tensor, torch.Tensor | None] | None:
 
 
 def group_of(*mods):
-    """The packed copy (weights.Packed) `mods` share, in this order, covering all of it; else None."""
+    """The packed copy (packed.Packed) `mods` share, in this order, covering all of it; else None."""
     packs = getattr(mods[0], "packs", None)
     cols = [getattr(m, "cols", None) for m in mods]
     if packs is None or any(getattr(m, "packs", None) is not packs for m in mods) or None in cols:
@@ -85,12 +85,12 @@ def group_of(*mods):
 
 def product(lin):
     """(x, roles) -> `lin`'s product: FastLinear.decode (packed weights, any number of rows; roles:
-    weights.Packed) where the module has one, else its forward (roles do not apply)."""
+    packed.Packed) where the module has one, else its forward (roles do not apply)."""
     return lin.decode if hasattr(lin, "decode") else (lambda x, roles=None, f=lin.forward: f(x))
 
 
 def together(*mods):
-    """(x, roles) -> the products of `mods` (which read the same input; roles: weights.Packed): one call
+    """(x, roles) -> the products of `mods` (which read the same input; roles: packed.Packed): one call
     where their packed weights or own weights are stacked (GROUPS), else one call each."""
     sizes = [m.out_features for m in mods]
     packs = group_of(*mods)

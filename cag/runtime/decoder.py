@@ -35,6 +35,7 @@ import weakref
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 
@@ -196,8 +197,10 @@ class Decoder:
         if req.should_stop and req.should_stop():
             self._finish(req, kv_cache.Cancelled("stopped before its question was prefilled"))
             return False
+        assert self.slots is not None  # made before the scheduler thread starts
         req.slot = self.slots.take()
         if self._keeps(req):
+            assert self.kept is not None and req.key is not None  # as _keeps checked
             kept, n = self.kept.match(req.key, req.suffix)
             if kept is not None:  # the conversation so far: copied into the slot, prefill starts after it
                 for (k, v), K, V in zip(kept.kv, self.slots.k, self.slots.v):
@@ -214,7 +217,8 @@ class Decoder:
         at the next multiple of `chunk` of its suffix, so a request's pieces are the same whatever else
         runs: the kernels that are not row-invariant (torch's, CUDA's) then see one split of a question,
         batched or alone, in `full` or not (those paths keep no conversation: every suffix starts at 0)."""
-        out, rows = [], 0
+        out: list[tuple[Request, int]] = []
+        rows = 0
         for r in sorted(self._filling, key=lambda r: len(r.suffix) - r.filled):
             if r.filled > r.start and r.should_stop:  # between pieces (_take_slot asked before the first)
                 try:
@@ -238,24 +242,31 @@ class Decoder:
         replayed graph where CAG_CUDA_GRAPHS, and each piece has a forward of its own."""
         if self.rows:
             for chunk, seen in chunks(batch, self.rows, self.graph_room):
-                self._forward(chunk, [], lambda c=chunk, s=seen: [self._fixed(c, s)])
+                self._forward(chunk, [], partial(self._fixed, chunk, seen))
             for piece in new:
-                self._forward([], [piece], lambda p=piece: self.step.run(self._parts([], [p]), self.slots))
+                self._forward([], [piece], partial(self._step, [], [piece]))
             return
-        self._forward(batch, new, lambda: self.step.run(self._parts(batch, new), self.slots))
+        self._forward(batch, new, partial(self._step, batch, new))
 
-    def _fixed(self, chunk: list[Request], seen: int | None) -> torch.Tensor:
-        """Logits (B, V) of a decode step of `rows` rows: the chunk's requests (one prefix), then padding
+    def _step(self, batch: list[Request], new: list[tuple[Request, int]]) -> list[torch.Tensor]:
+        """Logits per part of one step (see _forward)."""
+        assert self.step is not None and self.slots is not None  # the scheduler thread runs only with both
+        return self.step.run(self._parts(batch, new), self.slots)
+
+    def _fixed(self, chunk: list[Request], seen: int | None) -> list[torch.Tensor]:
+        """[logits (B, V)] of a decode step of `rows` rows: the chunk's requests (one prefix), then padding
         rows (token 0 at position 0 of the padding slot). `seen`: the suffix keys every row's attention
         reads (graph_room), or None for a request past it (alone, reading its own width)."""
+        assert self.step is not None and self.slots is not None  # the scheduler thread runs only with both
         W, B, prefix = self.rows, len(chunk), chunk[0].prefix
         toks = [r.next_tok for r in chunk] + [0] * (W - B)
         slots = [r.slot for r in chunk] + [self.pad] * (W - B)
         starts = [r.length for r in chunk] + [0] * (W - B)
         if self.graphs is not None and seen is not None:
-            return self.graphs.run(prefix, toks, slots, starts)[:B]
+            # a decoding request has its slot and next token; the padding slot is taken with the slots
+            return [self.graphs.run(prefix, toks, slots, starts)[:B]]  # type: ignore[arg-type]
         part = Part(torch.tensor(toks)[:, None], [prefix] * W, torch.tensor(slots), torch.tensor(starts), seen=seen)
-        return self.step.run([part], self.slots)[0][:B]
+        return [self.step.run([part], self.slots)[0][:B]]
 
     @staticmethod
     def _parts(batch: list[Request], new: list[tuple[Request, int]]) -> list[Part]:
@@ -303,6 +314,7 @@ class Decoder:
         """Keep the K/V of the request's first len(ids) suffix positions (its question and answer) for a
         later turn."""
         n = len(ids)
+        assert self.kept is not None and req.key is not None and self.slots is not None  # as _keeps checked
         self.kept.keep(req.key, ids, [(K[req.slot, :, :n], V[req.slot, :, :n]) for K, V in zip(self.slots.k, self.slots.v)])
 
     def _emit(self, req: Request, logits: torch.Tensor) -> None:
@@ -317,6 +329,7 @@ class Decoder:
         if req.score:
             req.logprobs.append(float(torch.log_softmax(logits.float(), -1)[tok]))
         try:
+            assert req.stream is not None  # made as it joined the batch (_forward)
             piece = req.stream.push(tok)
             if req.on_text and piece:
                 req.on_text(piece)
@@ -335,16 +348,18 @@ class Decoder:
         if error is None and req.slot is not None and self._keeps(req):
             self._keep(req, req.suffix + req.ids[: req.length - len(req.suffix)])  # with the answer's rows
         if req.slot is not None:  # zeroed as far as it may have been written (a failed pass: its whole suffix)
+            assert self.slots is not None  # a slot was taken from them
             self.slots.give(req.slot, max(req.length, len(req.suffix)) + 1)
             req.slot = None
         if error is None:
             try:
+                assert req.stream is not None  # an end without error comes from _emit: the request decoded
                 if req.on_text and (tail := req.stream.flush()):
                     req.on_text(tail)  # a partial character held back: the pieces add up to the text
             except Exception as e:  # noqa: BLE001
                 error = e
-        if error is None:
-            req.result = generated(req.stream.text, req.ids, req.t_start, req.t_first, time.perf_counter())
+            else:
+                req.result = generated(req.stream.text, req.ids, req.t_start, req.t_first, time.perf_counter())
         req.error = error
         req.done.set()
 

@@ -32,13 +32,13 @@ def to_device(tensors: list[torch.Tensor], device: torch.device | str, chunk: in
         for a in range(0, flat_src.numel(), chunk):
             n = min(chunk, flat_src.numel() - a)
             b = i % 2
-            if done[b] is not None:
-                done[b].synchronize()  # its last copy to the device has read it
+            if (last := done[b]) is not None:
+                last.synchronize()  # its last copy to the device has read it
             buf = stage[b][:n]
             buf.copy_(flat_src[a : a + n])
             flat_dst[a : a + n].copy_(buf, non_blocking=cuda)
             if cuda:
-                done[b] = torch.cuda.Event()
-                done[b].record()
+                done[b] = event = torch.cuda.Event()
+                event.record()
             i += 1
     return out

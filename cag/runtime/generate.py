@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import time
 from collections.abc import Callable, Iterator
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, replace
 
 import torch
@@ -38,7 +39,7 @@ def _stop_index(stops: frozenset[int], device: torch.device) -> torch.Tensor:
     return torch.tensor(sorted(stops), device=device)
 
 
-def _pick(logits: torch.Tensor, cfg: DecodeConfig, gen: torch.Generator | None, stops: set[int] = frozenset(),
+def _pick(logits: torch.Tensor, cfg: DecodeConfig, gen: torch.Generator | None, stops: AbstractSet[int] = frozenset(),
           n: int = 0) -> int:
     """The next token from logits (V,), the n-th of the answer: stop tokens are ruled out while
     n < cfg.min_tokens (on a copy: the caller's logits are not written)."""

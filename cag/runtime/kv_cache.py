@@ -14,9 +14,13 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, cast
 
 import torch
 from transformers import StaticCache
+
+if TYPE_CHECKING:
+    from transformers import StaticLayer
 
 from cag.errors import ModelError
 from cag.model import file_pages
@@ -31,6 +35,17 @@ KV = list[tuple[torch.Tensor, torch.Tensor]]  # per layer: keys, values, each (1
 
 def new_cache(model, max_len: int) -> StaticCache:
     return StaticCache(config=model.config, max_cache_len=max_len)
+
+
+def _layers(cache: StaticCache) -> list[StaticLayer]:
+    """The cache's layers: a StaticCache makes StaticLayers (transformers types them as any kind of layer)."""
+    return cast("list[StaticLayer]", cache.layers)
+
+
+def _buffers(layer: StaticLayer) -> tuple[torch.Tensor, torch.Tensor]:
+    """A layer's keys and values (1, H_kv, max_len, D), allocated by its first write (lazy_initialization)."""
+    assert layer.keys is not None and layer.values is not None, "the cache's layers are not allocated yet"
+    return layer.keys, layer.values
 
 
 @torch.inference_mode()
@@ -67,6 +82,8 @@ def prefill(
         logits = out.logits[0, -1]
         if on_progress:
             on_progress(piece.shape[1])
+    if logits is None:
+        raise ValueError("nothing to prefill: no ids")
     return logits
 
 
@@ -127,12 +144,13 @@ def _writes_rounded(cache: StaticCache, store: torch.dtype | None):
                              "(CAG_DTYPE=float32) or store them in bfloat16 (CAG_KV_DTYPE=bfloat16)")
         return fn(t)
 
-    for i, layer in enumerate(cache.layers):
-        layer.update = lambda k, v, *a, _update=layer.update, _i=i, **kw: _update(stored(k, _i, "keys"), stored(v, _i, "values"), *a, **kw)
+    for i, layer in enumerate(_layers(cache)):
+        layer.update = lambda k, v, *a, _update=layer.update, _i=i, **kw: _update(  # type: ignore[method-assign]  # undone below
+            stored(k, _i, "keys"), stored(v, _i, "values"), *a, **kw)
     try:
         yield
     finally:
-        for layer in cache.layers:
+        for layer in _layers(cache):
             del layer.update  # the class's method again
 
 
@@ -173,19 +191,19 @@ def prefill_knowledge(
 
 
 def max_len(cache: StaticCache) -> int:
-    return cache.layers[0].max_cache_len
+    return _layers(cache)[0].max_cache_len
 
 
 def set_length(cache: StaticCache, n: int) -> None:
     """trim_to: the next write lands at position n. Slots >= n hold stale values that the
     causal mask built from cache_position never lets a query see."""
-    for layer in cache.layers:
+    for layer in _layers(cache):
         layer.cumulative_length.fill_(n)
 
 
 def views(cache: StaticCache, n: int) -> KV:
     """Views of the first n positions of every layer, where they are: (1, H_kv, n, D)."""
-    return [(layer.keys[:, :, :n], layer.values[:, :, :n]) for layer in cache.layers]
+    return [(k[:, :, :n], v[:, :, :n]) for k, v in map(_buffers, _layers(cache))]
 
 
 def stored(kv: KV, dtype: torch.dtype) -> tuple[KV, list | None]:
@@ -202,7 +220,7 @@ def stored(kv: KV, dtype: torch.dtype) -> tuple[KV, list | None]:
 
 # the largest magnitude each storage dtype holds: past it a value is stored as inf (fp16) or its
 # block's fp16 scale is (int8: |x| / 127 per block)
-FINITE_MAX = {torch.float16: 65504.0, torch.int8: 65504.0 * 127}
+FINITE_MAX: dict[torch.dtype | None, float] = {torch.float16: 65504.0, torch.int8: 65504.0 * 127}
 
 
 def nonfinite(kv: KV, dtype: torch.dtype | None = None) -> str | None:
@@ -230,11 +248,12 @@ def export(cache: StaticCache, n: int) -> KV:
 def load_into(cache: StaticCache, kv: KV, dtype: torch.dtype, device: torch.device | str = "cpu") -> None:
     """Copy a snapshot's tensors (any storage dtype, any device) into a fresh cache of the model's
     dtype on the model's device."""
-    for layer, (k, v) in zip(cache.layers, kv, strict=True):
+    for layer, (k, v) in zip(_layers(cache), kv, strict=True):
         if not layer.is_initialized:
             layer.lazy_initialization(k[:, :, :0].to(device, dtype), v[:, :, :0].to(device, dtype))
-        layer.keys[:, :, : k.shape[2]].copy_(k)  # casts fp16 -> model dtype in the copy
-        layer.values[:, :, : v.shape[2]].copy_(v)
+        keys, values = _buffers(layer)
+        keys[:, :, : k.shape[2]].copy_(k)  # casts fp16 -> model dtype in the copy
+        values[:, :, : v.shape[2]].copy_(v)
     set_length(cache, kv[0][0].shape[2] if kv else 0)
 
 

@@ -76,7 +76,8 @@ def flat(parts: list[Part]) -> tuple[Part, list[torch.Tensor]]:
         starts.append((p.starts[:, None] + torch.arange(m)).reshape(-1))
         picks.append(r + torch.arange(B) * m + (m - 1))
         r += B * m
-    seen = max(p.seen for p in parts) if all(p.seen is not None for p in parts) else None
+    seens = [p.seen for p in parts if p.seen is not None]
+    seen = max(seens) if len(seens) == len(parts) else None
     one = Part(torch.cat(toks), prefixes, torch.cat(slots), torch.cat(starts), seen=seen, question=False)
     return one, picks
 
@@ -106,7 +107,7 @@ def suffix_keys(seen: int, room: int) -> int:
 
 
 def roles(parts: list[Part]) -> list[tuple[int, bool]] | None:
-    """(rows, question?) runs of the pass in row order, for the packed products (weights.Packed): a
+    """(rows, question?) runs of the pass in row order, for the packed products (packed.Packed): a
     question part (Part.asks) is one run; None when every row decodes."""
     if not any(p.asks for p in parts):
         return None

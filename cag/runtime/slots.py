@@ -48,7 +48,7 @@ class Prefix:
             kv = list(zip(flat[0::2], flat[1::2]))
         kv = [(_cast(k, device, dtype), _cast(v, device, dtype)) for k, v in kv]
         keep = codes is not None and torch.device(device).type == "cpu"
-        return cls(kv, kv[0][0].shape[2] if kv else 0, codes=list(codes) if keep else None)
+        return cls(kv, kv[0][0].shape[2] if kv else 0, codes=list(codes) if codes is not None and keep else None)
 
     @property
     def nbytes(self) -> int:  # with the pairs made for the AVX-512 attention (bf16: as many bytes again; int8: ~half)
