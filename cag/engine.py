@@ -213,6 +213,7 @@ class Engine:
         if q.mode is Mode.FULL and len(self.index.shards(corpus)) > 1:  # no context holds it all: the routed shard
             rows, (route, *_), routing_ms = across_shards.route(self, corpus, q.search_text, 1)
             snap = self.index.snapshot(rows[route.shard]["snapshot"])
+            assert snap is not None  # a shard row names a snapshot the index holds (published together)
             ids = snapfiles.read_ids(self.remote.ensure_local(snap["digest"], Path(snap["path"])))
             return self.answer_prompt(q, ids, on_text, should_stop, held=snap, routing_ms=round(routing_ms, 2),
                                       shards=[{"shard": route.shard, "score": round(route.score, 4), "n_tokens": len(ids)}])
@@ -270,11 +271,15 @@ class Engine:
         """Decode over `prefix`; `key` (a snapshot digest) keeps the suffix for, and reuses, kept conversations."""
         questions.fit(q, prefix.n, self.lm.max_context, self.suffix_room)
         req = self.decoder.run(Request(prefix, q.suffix, q.decoding, on_text, should_stop, q.t_start, score, key=key))
+        assert req.result is not None  # run returns a finished request, or raises its error
         req.result.reused = req.start
         return req.result, req.mean_logprob()
 
     def _load_resident(self, digest: str) -> Resident:
-        snap = self.open_snapshot(self.index.snapshot(digest))
+        row = self.index.snapshot(digest)
+        if row is None:  # gone from the index since it was routed to (a gc, a reindex): as a missing file
+            raise NotFound(f"snapshot {digest[:12]} is no longer in the index; `cag ingest` the corpus again")
+        snap = self.open_snapshot(row)
         prefix = Prefix.of(snap.kv, self.lm.attn_dtype, self.lm.device, self._read(snap.codes))  # once: every request reads it
         snap.kv, snap.codes = [], None  # the storage-dtype tensors are not needed again
         return Resident(snap, prefix)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -66,9 +67,11 @@ class Backend:
     @property
     def attention_kernel(self) -> Callable:
         """The attention op itself (its library loaded), whatever the heads: for kernel tests and benchmarks."""
+        if self.attention_op is None:
+            raise ValueError(f"the {self.name} backend has no attention of its own")
         return getattr(self.ops(), self.attention_op)
 
-    def ops(self):
+    def ops(self) -> Any:
         """The op namespace of its step glue (rms_bf16, rms_f32, rope_write, silu_mul_bf16); None: torch's."""
         return getattr(torch.ops, self.library) if self.library is not None else None
 

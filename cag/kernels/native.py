@@ -129,6 +129,7 @@ def _build(sources: tuple[Path, ...], stem: str) -> tuple[Path, int]:
     from torch.utils.cpp_extension import include_paths
 
     cxx, lib = _compiler(), Path(torch.__file__).parent / "lib"
+    assert cxx is not None  # load() builds only where _compiler_why_not() found one
     flags = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c++17", "-ffp-contract=off",
              f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"]
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=30).stdout
@@ -275,7 +276,7 @@ def resolve(mode: str, device: torch.device | str = "cpu") -> str:
             return "avx2"
         below_floor(cpu)  # warns where the AVX2 library could run here (no compiler ...)
     else:  # a CPU that could run them (no compiler, a failed build): say so, once
-        _fall_back(reason())
+        _fall_back(reason() or "it did not load")
     return "torch"
 
 

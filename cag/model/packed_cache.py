@@ -91,7 +91,7 @@ class PackedCache:
         """The copy `make(w)` of matrix `name` packed as `how` (a tuple of tensors): stored, or made and recorded."""
         prefix = f"{name}/{how}/"
         if self.stored is not None and f"{prefix}0" in self.stored:
-            out = []
+            out: list[torch.Tensor] = []
             while f"{prefix}{len(out)}" in self.stored:
                 out.append(self.stored[f"{prefix}{len(out)}"])
             return tuple(out)

@@ -43,6 +43,7 @@ import ctypes
 import functools
 import os
 import threading
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -144,16 +145,16 @@ def apply(model: torch.nn.Module, fmt: str, backend: Backend = backends.TORCH, c
         _widen(model, compute, set(), file_pages.mappings())
         stacked_products.stack(model)
         return 0
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    head = _call(model, "get_output_embeddings")
     kernels = backend.own_products
     # the head's format; whether it lies on int4's grid is read only where it decides (int4 on cag's products)
     head_fmt = None if head is None else _head_format(fmt, kernels and head.in_features % GROUP == 0,
                                                       fmt == "int4" and kernels and packable(head, "int4") and on_grid4(head.weight))
-    own = lambda m: head_fmt if m is head else fmt  # noqa: E731
+    own = lambda m: (head_fmt or fmt) if m is head else fmt  # noqa: E731 (head_fmt is None only without a head)
     groups = [g for g in stacked_products.groups(model) if all(packable(m, fmt) for m in g[2])]
     grouped = {id(m) for _, _, lins in groups for m in lins}
     singles = [(n, m) for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and id(m) not in grouped and packable(m, own(m))]
-    emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    emb = _call(model, "get_input_embeddings")
     tied = {id(emb.weight)} if emb is not None else set()  # the token embedding (and a head tied to it): widened
     keep = {id(m.weight) for _, _, lins in groups for m in lins} | {id(m.weight) for _, m in singles} - tied
     maps = file_pages.mappings()
@@ -206,6 +207,12 @@ def apply(model: torch.nn.Module, fmt: str, backend: Backend = backends.TORCH, c
         layouts._file_maps.reset(token)
     stacked_products.stack(model)  # groups not packed (int4's odd shapes): one product each, in the compute dtype
     return sum(p.nbytes for p in packs.values())
+
+
+def _call(model: torch.nn.Module, name: str) -> Any:
+    """model.name() where the model has that method (transformers' get_input_embeddings ...), else None."""
+    fn = getattr(model, name, None)
+    return fn() if callable(fn) else None
 
 
 def trim_heap() -> bool:

@@ -21,15 +21,18 @@ Query heads that share a K/V head are folded into the query rows (GQA without re
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
-_FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
-_CUDA_FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention", None)
-_CUDA_EFFICIENT = getattr(torch.ops.aten, "_scaled_dot_product_efficient_attention", None)
+# torch's fused kernels, where this build has them (op handles: typed Any, as torch.ops are)
+_FLASH: Any = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+_CUDA_FLASH: Any = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention", None)
+_CUDA_EFFICIENT: Any = getattr(torch.ops.aten, "_scaled_dot_product_efficient_attention", None)
 # what the few-kernel CUDA attention reads the suffix with: "efficient" (torch's memory-efficient kernel,
 # masked, with its log-sum-exps: one kernel), or why not ("softmax: ..." and the float32 softmax of
 # _cuda_suffix). Decided once by probe_cuda (cag.runtime.step, at the step's build), before any capture
-CUDA_SUFFIX = {"way": None}
+CUDA_SUFFIX: dict[str, str | None] = {"way": None}
 
 
 def _runs(n: int) -> tuple[int, int]:
@@ -87,6 +90,7 @@ def _flash_parts(r, q: torch.Tensor, Ks: torch.Tensor, Vs: torch.Tensor, i: int,
             o = og
         else:
             o[idx] = og.to(o.dtype)
+    assert o is not None  # a part has one group at least
     return o
 
 
@@ -218,7 +222,7 @@ def attend(r, q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, i: int, scale: 
     if up:  # scores of bf16/fp16 products rounded to 8 bits would move the softmax: attend in float32
         q, Ks, Vs = q.float(), Ks.float(), Vs.float()
     ss = torch.matmul(q, Ks.transpose(-1, -2)).mul_(scale).masked_fill_(r.hidden, float("-inf"))  # (B, H_kv, M, L)
-    o = torch.empty_like(q) if len(r.groups) > 1 else None
+    acc = torch.empty_like(q) if len(r.groups) > 1 else None
     for prefix, idx in r.groups:
         Kp, Vp = prefix.kv[i]  # (1, H_kv, n, D), shared
         if up:
@@ -230,11 +234,12 @@ def attend(r, q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, i: int, scale: 
         p = torch.softmax(p, -1)  # one softmax over prefix and suffix keys
         og = torch.matmul(p[..., :n].transpose(0, 1).reshape(n_kv, b * M, n), Vp[0])  # (H_kv, b*M, D)
         og = og.view(n_kv, b, M, d).transpose(0, 1) + torch.matmul(p[..., n:], vg)  # (b, H_kv, M, D)
-        if o is None:
-            o = og
+        if acc is None:
+            acc = og
         else:
-            o[idx] = og
-    return _merge_out(o, B, m, n_kv, rep, d, K.dtype)
+            acc[idx] = og
+    assert acc is not None  # a part has one group at least
+    return _merge_out(acc, B, m, n_kv, rep, d, K.dtype)
 
 
 def _native(kernel, r, q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, i: int, scale: float, paired: bool) -> torch.Tensor:

@@ -35,7 +35,7 @@ mode), and `why_not(model)` says why; the caller then runs the transformers forw
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 import torch
@@ -97,6 +97,9 @@ class LeanStep:
         self.rms = _rms_fused if self.few else _rms_fp32 if self.dtype == torch.float32 else _rms_w32 if fam.norm_weight_fp32 else _rms
         self.post = fam.post_norms  # OLMo-2: norms on the attention's and the MLP's outputs
         # Granite: the embedding x embedding_multiplier, each branch x residual_multiplier, logits / logits_scaling
+        self.embed_mult: float | None
+        self.residual: float | None
+        self.logits_div: float | None
         self.embed_mult, self.residual, self.logits_div = (
             (config.embedding_multiplier, config.residual_multiplier, config.logits_scaling) if fam.multipliers else (None,) * 3)
         self.embed = inner.embed_tokens.weight  # (V, hidden)
@@ -130,7 +133,7 @@ class LeanStep:
         # below), silu(gate) x up rounded to bf16 (its own bits); with int4/bf16 weights, all layers in one call (cag.runtime.one_call)
         glue = self.kernel and packed and self.dtype == torch.float32
         ops = self.backend.ops()  # the AVX2 library's glue on CPUs below the AVX-512 floor (avx2_step.cpp), same signatures
-        self.glue = (ops.rms_bf16, ops.rope_write, ops.silu_mul_bf16) if glue else None
+        self.glue: tuple[Callable, Callable, Callable] | None = (ops.rms_bf16, ops.rope_write, ops.silu_mul_bf16) if glue else None
         # a family's q/k norms and post-norms then run natively too (rms_f32: what the one-call layers compute)
         self.branch_rms = ops.rms_f32 if glue else self.rms
         if glue and fam.qk_norm:
@@ -194,7 +197,7 @@ class LeanStep:
         rms, n_kv, rep, d, half = s.rms, s.n_kv, s.rep, s.head_dim, s.head_dim // 2
         kernel = s.kernel if s.device.type == "cpu" else None
         rows = [Rows(p, s, r0, buffers.room) for p, r0 in zip(parts, offsets(parts))]
-        fns = s.fns
+        fns: Sequence[Layer] = s.fns
         R = rows[-1].r1
         h = s.embed.index_select(0, torch.cat([p.toks.reshape(-1) for p in parts]).to(s.device)).to(s.dtype)  # (R, hidden)
         if s.embed_mult is not None:
@@ -216,6 +219,7 @@ class LeanStep:
         for i, (L, K, V) in enumerate(zip(fns, buffers.k, buffers.v)):  # L: the layer's Layer
             x = h if post else norm(h, L.norm1, L.eps1)
             if glue:  # roped q (R, H, D); roped k and v written to each row's slot and position
+                assert L.qkv_packed is not None  # the glue is built only where q/k/v and gate/up are packed
                 qkv = L.qkv_packed(x, roles)
                 if L.qk is not None:  # q and k normed in torch, then the native rope over them
                     q, k, v = qkv.split(widths, -1)
@@ -237,14 +241,15 @@ class LeanStep:
                 K[rows_slot, :, rows_pos] = (k * cos + k.roll(half, -1) * sin).to(K.dtype)  # roped K into the request's slot
                 V[rows_slot, :, rows_pos] = v.view(R, n_kv, d).to(V.dtype)
                 q = (q * cos + q.roll(half, -1) * sin).to(q.dtype)  # OLMo-2 ropes in float32 (its cos, sin), then casts
-            o = [cascade.attend(r, q[r.r0 : r.r1], K, V, i, L.scale, up, kernel, s.few, s.backend.paired) for r in rows]
-            o = o[0] if len(o) == 1 else torch.cat(o)
+            outs = [cascade.attend(r, q[r.r0 : r.r1], K, V, i, L.scale, up, kernel, s.few, s.backend.paired) for r in rows]
+            o = outs[0] if len(outs) == 1 else torch.cat(outs)
             y = L.o(o.to(torch.bfloat16) if glue else o, roles)  # with the glue: the products' bf16 input, as they round it
             if post:
                 y = branch_rms(y, L.norm1, L.eps1)
             h = h + y if mult is None else h + y * mult
             x = h if post else norm(h, L.norm2, L.eps2)
             if glue:  # silu(gate) x up straight to the down product's bf16 input
+                assert L.gu_packed is not None  # as above: the glue is built only where it is
                 y = L.down(silu_mul(L.gu_packed(x, roles)), roles)
             else:
                 g, u = L.gate_up(x, roles)
