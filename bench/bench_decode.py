@@ -223,7 +223,7 @@ def main() -> None:
             "'rest' is a decode step less its weight products: attention over the cache, norms, rope, sampling and "
             "the Python of 30 layers; the lean step (cag/runtime/step.py) cuts the forward's per-layer Python, mask and cache "
             "bookkeeping. The products are timed as separate calls, each with its own overhead: int4 on cag's kernels "
-            "runs all layers of a step in one call (cag/runtime/one_call.py), so there 'rest' is what the step takes beyond those "
+            "runs all layers of a step in one call (cag/runtime/all_layers.py), so there 'rest' is what the step takes beyond those "
             "separate calls.\n")
     write(args.name, {"machine": machine(), "auto": auto, "read_bandwidth": bw, "copy_bandwidth": cbw, "load_before": load_before,
                      "load_after": os.getloadavg(), "rows": rows}, head + body + foot)

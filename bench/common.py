@@ -91,12 +91,12 @@ def step_decode_rate(model, prefix_kv: list, n: int, first: int, room: int = 64,
     from cag.model.weights import FastLinear
     from cag.runtime import step as lean
     from cag.runtime.rows import Part
-    from cag.runtime.slots import Prefix, Slots
+    from cag.runtime.slots import PrefixKV, Slots
 
     built = lean.for_model(model)
     fmt = next((m.fmt for m in model.modules() if isinstance(m, FastLinear)), "fp32")
     dtype, device = attn_dtype(fmt, built.dtype, built.device), built.device  # what a served request reads
-    prefix = Prefix.of(prefix_kv, dtype, device, codes)
+    prefix = PrefixKV.of(prefix_kv, dtype, device, codes)
     cfg = model.config
     slots = Slots(cfg.num_hidden_layers, cfg.num_key_value_heads, built.head_dim, max(room, n + 1), 1, dtype, device)
     slot = torch.tensor([slots.take()])

@@ -373,7 +373,7 @@ def run(args, save=lambda report: None) -> dict:
 
     from cag.config import get_settings
     from cag.engine import Engine
-    from cag.runtime import cascade
+    from cag.runtime import attention
 
     report: dict = {"torch": torch.__version__, "transformers": transformers.__version__,
                     "cuda_available": torch.cuda.is_available(),
@@ -393,7 +393,7 @@ def run(args, save=lambda report: None) -> dict:
         args.exact_questions = args.exact_questions or (200 if on_cuda else 2 * args.questions)
         args.questions_pool = question_pool(max(args.exact_questions, 16, 10))
         report.update(Check(engine, args, home / "a", primary=True, save=lambda r: save({**report, **r})).run())
-        report["cuda_suffix"] = cascade.CUDA_SUFFIX["way"]  # the suffix attention CUDA decodes with (cag.runtime.cascade.probe_cuda)
+        report["cuda_suffix"] = attention.CUDA_SUFFIX["way"]  # the suffix attention CUDA decodes with (cag.runtime.attention.probe_cuda)
         del engine
         if on_cuda and not args.no_1b and time.monotonic() > args.deadline:
             report.setdefault("skipped", []).append(BIG)

@@ -42,7 +42,7 @@ class Writes(TorchDispatchMode):
 
 
 def _one_step(model, prefix, rows: int, few: bool, seen: int):
-    """A function running one decode step of `rows` rows over `prefix` (cag.runtime.slots.Prefix), the
+    """A function running one decode step of `rows` rows over `prefix` (cag.runtime.slots.PrefixKV), the
     lean step's few-kernel path or the op-for-op one, run once already (the position table made)."""
     from cag.runtime import step as lean
     from cag.runtime.rows import Part
@@ -86,14 +86,14 @@ def main() -> None:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from cag.model import stacked_products
-    from cag.runtime.slots import Prefix
+    from cag.runtime.slots import PrefixKV
 
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
                       num_key_value_heads=3, max_position_embeddings=8192, tie_word_embeddings=True)
     model = LlamaForCausalLM(cfg).eval().to(torch.bfloat16)
     stacked_products.stack(model)
-    prefix = Prefix.of([(torch.randn(1, 3, 700, 64), torch.randn(1, 3, 700, 64)) for _ in range(30)], torch.bfloat16, "cpu")
+    prefix = PrefixKV.of([(torch.randn(1, 3, 700, 64), torch.randn(1, 3, 700, 64)) for _ in range(30)], torch.bfloat16, "cpu")
     print("| rows | op-for-op | few kernels |\n|---|---|---|")
     for rows in (1, 16):
         print(f"| {rows} | {step_writes(model, prefix, rows, False).n} | {step_writes(model, prefix, rows, True).n} |")

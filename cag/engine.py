@@ -33,7 +33,7 @@ from cag.runtime import describe, kv_cache
 from cag.runtime.decoder import Decoder, Request
 from cag.runtime.generate import DecodeConfig, Generated
 from cag.runtime.kept_conversations import KeptConversations
-from cag.runtime.slots import Prefix
+from cag.runtime.slots import PrefixKV
 from cag.store import snapshots as snapfiles
 from cag.store.index import Index
 from cag.store.sync import shared_store
@@ -243,7 +243,7 @@ class Engine:
         cache = kv_cache.new_cache(lm.model, kv_cache.padded(n, self.prefill_block))
         kv_cache.prefill_knowledge(lm.model, cache, prefix_ids, 0, self.prefill_block, store, should_stop=should_stop)
         views, codes = kv_cache.stored(kv_cache.views(cache, n), store)
-        gen, _ = self._generate(Prefix.of(views, lm.attn_dtype, lm.device, self._read(codes)), q, on_text, should_stop)
+        gen, _ = self._generate(PrefixKV.of(views, lm.attn_dtype, lm.device, self._read(codes)), q, on_text, should_stop)
         return self._finish(q, gen, n, 0, 0.0, None if q.mode is Mode.RAG else q.row["current_snapshot"], **extra)
 
     def _answer_cached(self, q: Question, on_text, should_stop, shards: int = 1) -> Answer:
@@ -267,7 +267,7 @@ class Engine:
         gen, logprob = self._generate(res.prefix, q, on_text, should_stop, score, key=key)
         return gen, res.prefix.n, load_ms, logprob
 
-    def _generate(self, prefix: Prefix, q: Question, on_text, should_stop, score: bool = False, key: str | None = None):
+    def _generate(self, prefix: PrefixKV, q: Question, on_text, should_stop, score: bool = False, key: str | None = None):
         """Decode over `prefix`; `key` (a snapshot digest) keeps the suffix for, and reuses, kept conversations."""
         questions.fit(q, prefix.n, self.lm.max_context, self.suffix_room)
         req = self.decoder.run(Request(prefix, q.suffix, q.decoding, on_text, should_stop, q.t_start, score, key=key))
@@ -280,7 +280,7 @@ class Engine:
         if row is None:  # gone from the index since it was routed to (a gc, a reindex): as a missing file
             raise NotFound(f"snapshot {digest[:12]} is no longer in the index; `cag ingest` the corpus again")
         snap = self.open_snapshot(row)
-        prefix = Prefix.of(snap.kv, self.lm.attn_dtype, self.lm.device, self._read(snap.codes))  # once: every request reads it
+        prefix = PrefixKV.of(snap.kv, self.lm.attn_dtype, self.lm.device, self._read(snap.codes))  # once: every request reads it
         snap.kv, snap.codes = [], None  # the storage-dtype tensors are not needed again
         return Resident(snap, prefix)
 

@@ -31,7 +31,7 @@ from cag.results import Mode
 from cag.runtime.generate import stop_at
 
 from .hybrid import HYBRID_K, answer_hybrid
-from .index import DEFAULT_PASSAGE_TOKENS, Index, clear_indexes, get_index, index_key, passage_name  # noqa: F401 - also used from here
+from .index import DEFAULT_PASSAGE_TOKENS, PassageIndex, clear_indexes, get_index, index_key, passage_name  # noqa: F401 - also used from here
 
 RAG_K = 3  # passages a `rag` answer reads by default (docs/comparison.md)
 

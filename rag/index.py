@@ -22,7 +22,7 @@ MAX_CACHED_INDEXES = 8
 
 
 @dataclass
-class Index:
+class PassageIndex:
     """A built retriever over one corpus's passages, and what building it cost."""
 
     key: str
@@ -33,7 +33,7 @@ class Index:
     passage_tokens: int
 
 
-_indexes: OrderedDict[str, Index] = OrderedDict()
+_indexes: OrderedDict[str, PassageIndex] = OrderedDict()
 _indexes_lock = threading.Lock()
 
 
@@ -51,7 +51,7 @@ def index_key(docs: list[tuple[str, str]], kind: str, passage_tokens: int, token
                      "tokenizer": tokenizer_fingerprint})
 
 
-def get_index(engine, docs, kind: str = "bm25", passage_tokens: int = DEFAULT_PASSAGE_TOKENS) -> tuple[Index, bool]:
+def get_index(engine, docs, kind: str = "bm25", passage_tokens: int = DEFAULT_PASSAGE_TOKENS) -> tuple[PassageIndex, bool]:
     """The retriever for these documents (engine `Document`s), built once per content; (index, was_cached)."""
     if kind not in RETRIEVER_KINDS:
         raise BadInput(f"unknown retriever {kind!r}; use one of {', '.join(RETRIEVER_KINDS)}")
@@ -71,7 +71,7 @@ def get_index(engine, docs, kind: str = "bm25", passage_tokens: int = DEFAULT_PA
         retriever = make_retriever(kind, passages)
     except RetrieverUnavailable as e:
         raise BadInput(str(e)) from None
-    built = Index(key, passages, retriever, (time.perf_counter() - t0) * 1e3, kind, passage_tokens)
+    built = PassageIndex(key, passages, retriever, (time.perf_counter() - t0) * 1e3, kind, passage_tokens)
     with _indexes_lock:
         _indexes[key] = built
         _indexes.move_to_end(key)

@@ -134,10 +134,10 @@ def test_suffix_attention_is_row_invariant():
 def test_cascade_attention_rows_do_not_depend_on_the_batch_at_any_prefix_length(dtype):
     """Requests on one prefix attend together: a row's output must be its output alone, and the right
     attention. torch's float32 flash kernel broke the first for prefixes of 1-3 keys past a multiple
-    of 512 (513, 1027, 2049 below), which cag.runtime.cascade reads in two parts."""
+    of 512 (513, 1027, 2049 below), which cag.runtime.attention reads in two parts."""
     from types import SimpleNamespace
 
-    from cag.runtime import cascade
+    from cag.runtime import attention
 
     torch.manual_seed(0)
     heads, rows, d, room, seen, B = 3, 3, 64, 16, 5, 4
@@ -148,8 +148,8 @@ def test_cascade_attention_rows_do_not_depend_on_the_batch_at_any_prefix_length(
         bias = torch.zeros(B, 1, rows, room)
         bias[..., seen:] = float("-inf")
         group = [(SimpleNamespace(kv=[(Kp, Vp)]), None)]
-        together = cascade._flash_parts(SimpleNamespace(bias=bias, groups=group), q, Ks, Vs, 0, d ** -0.5)
-        alone = torch.cat([cascade._flash_parts(SimpleNamespace(bias=bias[b : b + 1], groups=group),
+        together = attention._flash_parts(SimpleNamespace(bias=bias, groups=group), q, Ks, Vs, 0, d ** -0.5)
+        alone = torch.cat([attention._flash_parts(SimpleNamespace(bias=bias[b : b + 1], groups=group),
                                                 q[b : b + 1], Ks[b : b + 1], Vs[b : b + 1], 0, d ** -0.5) for b in range(B)])
         assert torch.equal(together, alone), n
         K = torch.cat([Kp.expand(B, -1, -1, -1), Ks[:, :, :seen]], 2).double()
@@ -329,25 +329,25 @@ def test_min_tokens_holds_back_stop_tokens_alone_and_batched(tiny_engine, small_
 
 @pytest.mark.parametrize("src,dst", [(torch.float16, torch.bfloat16), (torch.bfloat16, torch.float16)])
 def test_a_prefix_converted_through_float32_has_the_direct_conversions_bits(src, dst):
-    """Prefix.of converts fp16 <-> bf16 snapshots through float32 (twice as fast): every finite value,
+    """PrefixKV.of converts fp16 <-> bf16 snapshots through float32 (twice as fast): every finite value,
     subnormal and infinity must get exactly the bits of torch's direct conversion."""
-    from cag.runtime.slots import Prefix
+    from cag.runtime.slots import PrefixKV
 
     torch.manual_seed(0)
     x = (torch.randn(1, 3, 512, 64) * torch.logspace(-9, 5, 64)).to(src)  # spans both types' subnormals and overflow
     x[0, 0, 0, :3] = torch.tensor([float("inf"), -float("inf"), -0.0]).to(src)
-    k, v = Prefix.of([(x, x.neg())], dst, "cpu").kv[0]
+    k, v = PrefixKV.of([(x, x.neg())], dst, "cpu").kv[0]
     assert torch.equal(k.view(torch.int16), x.to(dst).view(torch.int16))
     assert torch.equal(v.view(torch.int16), x.neg().to(dst).view(torch.int16))
 
 
 def test_cuda_cascade_pieces_merge_to_the_attention():
-    """cag.runtime.cascade's CUDA way, its pieces run on the CPU: the suffix by a float32 softmax (keys past a
+    """cag.runtime.attention's CUDA way, its pieces run on the CPU: the suffix by a float32 softmax (keys past a
     request's own masked, a different count per request), the prefix by a kernel that returns its
     log-sum-exp (the CPU flash kernel standing in for CUDA's), merged: the attention over both."""
     from types import SimpleNamespace
 
-    from cag.runtime import cascade
+    from cag.runtime import attention
 
     torch.manual_seed(0)
     heads, rows, d, room, B, n = 3, 3, 64, 32, 2, 700
@@ -357,7 +357,7 @@ def test_cuda_cascade_pieces_merge_to_the_attention():
     q = torch.randn(B, heads, rows, d).bfloat16()
     hidden = (torch.arange(room) >= seen[:, None])[:, None, None, :].expand(B, 1, rows, room)  # (B, 1, M, L)
     r = SimpleNamespace(hidden=hidden, groups=[(SimpleNamespace(kv=[(Kp, Vp)]), None)])
-    got = cascade._flash_parts(r, q, Ks, Vs, 0, d ** -0.5, cascade._cuda_suffix, cascade._prefix_parts)
+    got = attention._flash_parts(r, q, Ks, Vs, 0, d ** -0.5, attention._cuda_suffix, attention._prefix_parts)
     assert got.dtype == torch.float32 and got.shape == (B, heads, rows, d)
     for b in range(B):
         K = torch.cat([Kp[0], Ks[b, :, : seen[b]]], 1).double()  # (H, n + seen, D)

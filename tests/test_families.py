@@ -25,9 +25,9 @@ from cag.config import get_settings
 from cag.engine import Engine
 from cag.kernels import native
 from cag.model import prefill_attention
-from cag.runtime import cascade, describe
+from cag.runtime import attention, describe
 from cag.runtime import step as lean
-from cag.runtime.slots import Prefix, Slots
+from cag.runtime.slots import PrefixKV, Slots
 from tests import test_step as ts
 from tests.conftest import HANDBOOK, _train_tokenizer
 from tests.cpu import formats
@@ -66,7 +66,7 @@ def build(name: str, dtype=torch.float32, **kw) -> torch.nn.Module:
 
 
 def same_attention(r, q, K, V, i, scale, up, kernel=None, few=False, paired=False):
-    """In place of cascade.attend, for one request: the forward's own attention call (cag.model.prefill_attention's
+    """In place of attention.attend, for one request: the forward's own attention call (cag.model.prefill_attention's
     packed GQA over transformers' causal mask) over its prefix's keys followed by its suffix's."""
     ((prefix, _),) = r.groups
     slot, seen, m = int(r.slots_cpu[0]), int(r.lens[0]), r.m
@@ -85,7 +85,7 @@ def test_the_step_is_the_forward_bit_for_bit(name, dtype, monkeypatch):
     transformers forward's over one contiguous cache, bit for bit, with the attention call made the same."""
     model = build(name, dtype)
     assert type(model).__name__ == CLASSES[name] + "ForCausalLM" and lean.why_not(model) is None
-    monkeypatch.setattr(cascade, "attend", same_attention)
+    monkeypatch.setattr(attention, "attend", same_attention)
     monkeypatch.setitem(ts.TOLERANCE, dtype, 0.0)
     ts.assert_steps_match(model)
 
@@ -170,7 +170,7 @@ def glue_is_near_torch(model, name: str) -> None:
     products), and the same with a family's piece left out (test_the_native_glue_computes_the_family)."""
     step = lean.for_model(model)
     assert step.glue is not None
-    prefix = Prefix.of(ts.prefix_of(model).kv, torch.bfloat16, "cpu")  # what decode reads: bf16 K/V
+    prefix = PrefixKV.of(ts.prefix_of(model).kv, torch.bfloat16, "cpu")  # what decode reads: bf16 K/V
 
     def logits(glue, kernel=step.kernel, fused=None):
         saved = step.glue, step.kernel, step.fused

@@ -12,7 +12,7 @@ import torch
 from cag.runtime.decoder import Request, chunks, fixed_rows
 from cag.runtime.generate import DecodeConfig
 from cag.runtime.rows import Part
-from cag.runtime.slots import Prefix, Slots
+from cag.runtime.slots import PrefixKV, Slots
 from tests.conftest import _tiny
 from tests.test_batch import QUESTIONS, cached_is_full_alone_and_together, together
 
@@ -46,7 +46,7 @@ def test_fixed_rows_resolves_auto_per_device():
 
 
 def test_chunks_group_by_prefix_and_cap_rows():
-    a, b = Prefix([], 0), Prefix([], 0)
+    a, b = PrefixKV([], 0), PrefixKV([], 0)
     reqs = [Request(p, [1], DecodeConfig()) for p in (a, b, a, a, b, a)]
     reqs[5].length = 512  # past the room the fixed steps read: alone
     got = chunks(reqs, 2, 512)
@@ -65,7 +65,7 @@ def test_a_row_is_the_same_at_any_place_beside_any_rows(wide_model_dir, one_thre
     cfg = model.config
     d = cfg.hidden_size // cfg.num_attention_heads
     torch.manual_seed(1)
-    prefix = Prefix.of([(torch.randn(1, 3, 40, d), torch.randn(1, 3, 40, d)) for _ in range(2)], torch.float32, "cpu")
+    prefix = PrefixKV.of([(torch.randn(1, 3, 40, d), torch.randn(1, 3, 40, d)) for _ in range(2)], torch.float32, "cpu")
     W, seen = 4, 64
 
     def step(toks, slots, starts, buffers):
@@ -152,7 +152,7 @@ def test_the_few_kernel_step_is_the_same_math_and_row_invariant(family, one_thre
     model = build(family, hidden=128, heads=4, kv_heads=2)  # heads of 32
     stacked_products.stack(model)
     torch.manual_seed(2)
-    prefix = Prefix.of([(torch.randn(1, 2, 30, 32), torch.randn(1, 2, 30, 32)) for _ in range(2)], torch.bfloat16, "cpu")
+    prefix = PrefixKV.of([(torch.randn(1, 2, 30, 32), torch.randn(1, 2, 30, 32)) for _ in range(2)], torch.bfloat16, "cpu")
     W = 4
 
     def run(s, toks, slots, starts):

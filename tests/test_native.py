@@ -19,7 +19,7 @@ from cag.errors import ModelError
 from cag.kernels import backends, native
 from cag.model import packed
 from cag.model import weights as weights_mod
-from cag.runtime import one_call
+from cag.runtime import all_layers
 from cag.runtime import step as lean
 from tests.test_batch import cached_is_full_alone_and_together
 from tests.test_exactness import QUESTIONS
@@ -291,11 +291,11 @@ def test_the_resident_budget_counts_the_pairs(library):
     """A prefix's pairs (as many bytes again) count in its size, and the pool evicts for them at the next
     request, not only at the next load."""
     from cag.answering.resident import Resident, ResidentPool
-    from cag.runtime import cascade
-    from cag.runtime.slots import Prefix
+    from cag.runtime import attention
+    from cag.runtime.slots import PrefixKV
 
     def resident(n):
-        return Resident(None, Prefix([(torch.zeros(1, 3, n, 64, dtype=torch.bfloat16),) * 2], n))
+        return Resident(None, PrefixKV([(torch.zeros(1, 3, n, 64, dtype=torch.bfloat16),) * 2], n))
 
     a, b = resident(256), resident(256)
     pool = ResidentPool(budget_bytes=a.nbytes * 2 + 1)
@@ -303,7 +303,7 @@ def test_the_resident_budget_counts_the_pairs(library):
     pool.get("b", lambda: b)
     assert "a" in pool and "b" in pool
     before = b.nbytes
-    cascade._pairs(b.prefix, 0, *b.prefix.kv[0])  # what b's first decode step makes
+    attention._pairs(b.prefix, 0, *b.prefix.kv[0])  # what b's first decode step makes
     assert b.nbytes == 2 * before
     pool.get("b", lambda: b)  # a hit
     assert "a" not in pool and "b" in pool
@@ -365,7 +365,7 @@ def _fused_engine(tiny64_model_dir, monkeypatch, weights="int4"):
 def test_a_fused_layer_is_the_separate_ops_bit_for_bit(library, tiny64_model_dir, request, monkeypatch, n, starts, which, weights, family):
     """decode_layers (all layers in one parallel region) gives the logits and the K/V the separate ops
     give, bit for bit, over several steps (Qwen2: with its q/k/v biases)."""
-    from cag.runtime.slots import Prefix, Slots
+    from cag.runtime.slots import PrefixKV, Slots
 
     folder = request.getfixturevalue("qwen2_64_dir") if family == "qwen2" else tiny64_model_dir
     engine, step = _fused_engine(folder, monkeypatch, weights)
@@ -373,7 +373,7 @@ def test_a_fused_layer_is_the_separate_ops_bit_for_bit(library, tiny64_model_dir
     assert (step.fns[0].qkv_packed.bias is not None) == (family == "qwen2")
     cfg, D = engine.lm.model.config, engine.lm.head_dim
     g = torch.Generator().manual_seed(1)
-    prefixes = [Prefix([tuple(torch.randn(1, cfg.num_key_value_heads, m, D, generator=g).bfloat16() for _ in "kv")
+    prefixes = [PrefixKV([tuple(torch.randn(1, cfg.num_key_value_heads, m, D, generator=g).bfloat16() for _ in "kv")
                         for _ in range(cfg.num_hidden_layers)], m) for m in (n, n // 2 + 5)]
     fused, B = step.fused, len(starts)
 
@@ -398,15 +398,15 @@ def test_a_fused_layer_is_the_separate_ops_bit_for_bit(library, tiny64_model_dir
 
 def test_decode_layers_refuses_bad_inputs(library, tiny64_model_dir, monkeypatch):
     """Each layer's weights are checked by name once, when added; each call's buffers and rows on the call."""
-    from cag.runtime import cascade
-    from cag.runtime.slots import Prefix, Slots
+    from cag.runtime import attention
+    from cag.runtime.slots import PrefixKV, Slots
 
     engine, step = _fused_engine(tiny64_model_dir, monkeypatch)
     cfg = engine.lm.model.config
     L = cfg.num_hidden_layers
-    prefix = Prefix([tuple(torch.zeros(1, cfg.num_key_value_heads, 20, 64, dtype=torch.bfloat16) for _ in "kv")] * L, 20)
+    prefix = PrefixKV([tuple(torch.zeros(1, cfg.num_key_value_heads, 20, 64, dtype=torch.bfloat16) for _ in "kv")] * L, 20)
     slots = Slots(L, cfg.num_key_value_heads, 64, 8, 1, torch.bfloat16)
-    flat = [t for i in range(L) for t in cascade.paired(prefix, i)]
+    flat = [t for i in range(L) for t in attention.paired(prefix, i)]
     h, cs, one = torch.zeros(1, cfg.hidden_size), torch.zeros(1, 64), torch.tensor([0])
     assert len(step.fused) == L
 
@@ -427,9 +427,9 @@ def test_decode_layers_refuses_bad_inputs(library, tiny64_model_dir, monkeypatch
                                             hidden=cfg.hidden_size, scale=0.125)
     layer = engine.lm.model.model.layers[0]
     f = step.fns[0]
-    qkv = one_call._packed(f.qkv_packed, bias=True)
-    o = one_call._packed(one_call.own(layer.self_attn.o_proj))
-    gu, dn = one_call._packed(f.gu_packed), one_call._packed(one_call.own(layer.mlp.down_proj))
+    qkv = all_layers._packed(f.qkv_packed, bias=True)
+    o = all_layers._packed(all_layers.own(layer.self_attn.o_proj))
+    gu, dn = all_layers._packed(f.gu_packed), all_layers._packed(all_layers.own(layer.mlp.down_proj))
     named = dict(input_norm=f.norm1, input_eps=f.eps1, qkv=qkv[0], qkv_scales=qkv[1], o=o[0], o_scales=o[1],
                  post_norm=f.norm2, post_eps=f.eps2, gate_up=gu[0], gate_up_scales=gu[1], down=dn[0], down_scales=dn[1],
                  qkv_bias=torch.empty(0), q_norm=torch.empty(0), q_eps=0.0, k_norm=torch.empty(0), k_eps=0.0,

@@ -11,7 +11,7 @@ from cag.model import prefill_attention, stacked_products, weights
 from cag.runtime import kv_cache
 from cag.runtime import step as lean
 from cag.runtime.rows import Part
-from cag.runtime.slots import Prefix, Slots
+from cag.runtime.slots import PrefixKV, Slots
 from tests.cpu import formats, needs_bf16
 
 PROMPT = list(range(3, 43))  # 40 token ids, any will do on a random model
@@ -38,11 +38,11 @@ def shapes(model) -> tuple[int, int, int]:
     return c.num_hidden_layers, c.num_key_value_heads, getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
 
 
-def prefix_of(model, ids=PROMPT) -> Prefix:
+def prefix_of(model, ids=PROMPT) -> PrefixKV:
     """A prefix prefilled by transformers, as ingest builds a snapshot."""
     cache = kv_cache.new_cache(model, len(ids))
     kv_cache.prefill(model, cache, ids, 0)
-    return Prefix(kv_cache.views(cache, len(ids)), len(ids))
+    return PrefixKV(kv_cache.views(cache, len(ids)), len(ids))
 
 
 def new_slots(model, room: int = 32, capacity: int = 4) -> Slots:

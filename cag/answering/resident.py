@@ -1,4 +1,4 @@
-"""Snapshots kept in memory between questions: an LRU of loaded snapshots, each as a `Prefix`
+"""Snapshots kept in memory between questions: an LRU of loaded snapshots, each as a `PrefixKV`
 (its K/V in the compute dtype on the compute device), held once and read by every request on it.
 
 A request never writes the prefix: its question and answer go to its own suffix slot (cag.runtime.slots),
@@ -13,7 +13,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from cag.runtime.slots import Prefix
+from cag.runtime.slots import PrefixKV
 from cag.store.snapshots import Snapshot
 
 
@@ -22,7 +22,7 @@ class Resident:
     """A loaded, verified snapshot (its header and ids; its tensors live on as `prefix`)."""
 
     snap: Snapshot
-    prefix: Prefix
+    prefix: PrefixKV
 
     @property
     def nbytes(self) -> int:
@@ -48,7 +48,7 @@ class ResidentPool:
             if res is not None:
                 self._items.move_to_end(digest)
                 self.stats["snapshot_hits"] += 1
-                self._shrink()  # a prefix grows once decoding makes its pairs (cag.runtime.cascade): the budget holds then too
+                self._shrink()  # a prefix grows once decoding makes its pairs (cag.runtime.attention): the budget holds then too
                 return res
         res = load()
         with self._lock:

@@ -1,6 +1,6 @@
 """What a model's decode rows run on: one `Backend` per kind (AVX-512, AMX, AVX2, torch's CPU kernels,
 CUDA), resolved once when the model loads (cag.model.loading.resolve_backend, from CAG_DECODE_KERNELS)
-and handed to packing (cag.model.weights), the step (cag.runtime.step) and attention (cag.runtime.cascade).
+and handed to packing (cag.model.weights), the step (cag.runtime.step) and attention (cag.runtime.attention).
 
 A backend names its packed products (whose layout `packed.pack` makes), its decode attention and the op
 namespace of its step glue (norms, rope, silu), whether it runs all layers in one call, and what its
@@ -27,8 +27,8 @@ class Backend:
     products: str | None  # whose packed products decode rows multiply by: "avx512" (cag's library), "avx2" (its AVX2 one), None: torch's
     library: str | None  # torch.ops namespace of its attention and step glue: "cag", "cag_avx2"; None: torch's ops
     attention_op: str | None  # its decode attention op in that namespace
-    one_call: bool = False  # every decoder layer in one native call (cag.runtime.one_call)
-    paired: bool = False  # the attention takes a prefix's K/V pre-paired (cascade.pair_kv)
+    all_layers: bool = False  # every decoder layer in one native call (cag.runtime.all_layers)
+    paired: bool = False  # the attention takes a prefix's K/V pre-paired (attention.pair_kv)
     int8_codes: bool = False  # the attention reads an int8 snapshot's codes as stored (store/kv_int8.py)
     floor: tuple[str, ...] = ()  # CPU flags its library needs (cag.kernels.native)
 
@@ -76,7 +76,7 @@ class Backend:
         return getattr(torch.ops, self.library) if self.library is not None else None
 
 
-AVX512 = Backend("avx512", "avx512", "cag", "decode_attention_avx512", one_call=True, paired=True, int8_codes=True,
+AVX512 = Backend("avx512", "avx512", "cag", "decode_attention_avx512", all_layers=True, paired=True, int8_codes=True,
                  floor=native.FLAGS)
 AMX = Backend("amx", "avx512", "cag", "decode_attention", floor=native.FLAGS + native.TILES)
 AVX2 = Backend("avx2", "avx2", "cag_avx2", "decode_attention", floor=native.AVX2_FLAGS)

@@ -20,7 +20,7 @@ from cag.hashing import short
 from cag.knowledge import documents
 from cag.knowledge.corpus import read_corpus
 from cag.knowledge.shards import Unit, pack, units_of
-from cag.model.prompt import Prefix, document_text, encode_template, encode_text
+from cag.model.prompt import PrefixTokens, document_text, encode_template, encode_text
 from cag.results import human_bytes
 from cag.runtime import kv_cache
 from cag.store import snapshots as snapfiles
@@ -32,7 +32,7 @@ class Shard:
 
     index: int
     units: list[Unit]
-    prefix: Prefix
+    prefix: PrefixTokens
     key: str
 
     @property
@@ -106,7 +106,7 @@ def plan(engine, name: str, source: Path, ttl_s: float | None, shard_tokens: int
             spans.append((u.name, start, len(ids)))
         ids += mid
         engine.require_fit(len(ids), "a shard's knowledge")
-        out.shards.append(Shard(i, sp.units, Prefix(ids, spans), engine.snapshot_key(ids)))
+        out.shards.append(Shard(i, sp.units, PrefixTokens(ids, spans), engine.snapshot_key(ids)))
     check_room(engine, out)
     return out
 

@@ -17,7 +17,7 @@ Families (FAMILIES) and the transformers classes that take the step:
 Partial rotary embeddings (rope on part of a head) and longrope (its frequencies switch with a call's
 longest position) are refused. With cag's kernels every family decodes its attention, products, glue
 (RMSNorm to bf16, rope with the K/V write, silu x up), q/k norms and post-norms natively; with int4 or bf16
-weights on the AVX-512 kernels all layers run in one native call (cag.runtime.one_call), which computes
+weights on the AVX-512 kernels all layers run in one native call (cag.runtime.all_layers), which computes
 every difference above (q/k norms, post-norms, the residual multiplier; Granite's embedding and logits
 multipliers stay outside the layers).
 """

@@ -36,7 +36,7 @@ class Layout:
 
 
 @dataclass
-class Prefix:
+class PrefixTokens:
     ids: list[int]
     spans: list[tuple[str, int, int]] = field(default_factory=list)  # (doc name, start, end) token spans
 
@@ -115,7 +115,7 @@ def encode_template(tokenizer, text: str) -> list[int]:
         return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
-def build_prefix(tokenizer, layout: Layout, docs: list[tuple[str, str]]) -> Prefix:
+def build_prefix(tokenizer, layout: Layout, docs: list[tuple[str, str]]) -> PrefixTokens:
     ids = encode_template(tokenizer, layout.head)
     spans = []
     for name, text in docs:
@@ -123,7 +123,7 @@ def build_prefix(tokenizer, layout: Layout, docs: list[tuple[str, str]]) -> Pref
         ids += encode_text(tokenizer, document_text(name, text))
         spans.append((name, start, len(ids)))
     ids += encode_template(tokenizer, layout.mid)
-    return Prefix(ids, spans)
+    return PrefixTokens(ids, spans)
 
 
 def build_suffix(tokenizer, layout: Layout, question: str) -> list[int]:

@@ -7,7 +7,7 @@ docs/performance.md). A CUDA graph records the step's kernels once and launches 
 What is captured: the step of W rows (CAG_DECODE_ROWS: requests over one resident prefix, the rest
 padding rows; cag.runtime.decoder), one token each, their attention reading the first `room` keys of
 their suffix slots (the question and answer room; the keys past a request's own masked; a longer
-conversation steps eagerly past them), so one graph per prefix, kept on the Prefix (Prefix.made, keyed by
+conversation steps eagerly past them), so one graph per prefix, kept on the PrefixKV (PrefixKV.made, keyed by
 the Graphs: a rebuilt decoder captures its own) and gone with it; the first decode step on a prefix pays the capture (an eager step and a recording). The
 rows' tokens, slots and suffix starts are copied into one static device tensor before each replay, and
 the position table is filled up to the prefix's end plus the slots' room before the capture: nothing

@@ -48,7 +48,7 @@ from cag.runtime.generate import DecodeConfig, Generated, TextStream, _pick, gen
 from cag.runtime.kept_conversations import KeptConversations
 from cag.runtime.omp_pools import release as release_workers
 from cag.runtime.rows import Part
-from cag.runtime.slots import Prefix, Slots
+from cag.runtime.slots import PrefixKV, Slots
 
 log = logging.getLogger("cag")
 IDLE_EXIT_S = 30.0  # an idle decode thread ends, so a dropped engine (and its slots) can be freed
@@ -65,7 +65,7 @@ def _stop_all() -> None:
 
 @dataclass(eq=False)
 class Request:
-    prefix: Prefix
+    prefix: PrefixKV
     suffix: list[int]  # question (or conversation) tokens, prefilled at the prefix's end
     cfg: DecodeConfig
     on_text: Callable[[str], None] | None = None

@@ -48,7 +48,7 @@ class Rows:
         self.pos = (suf + n).reshape(-1)  # (B*m,) absolute positions
         self.top = max(p.n for p in part.prefixes) + seen  # every position of the part is below this
         self.hidden = (torch.arange(self.L, device=dev) > suf.repeat_interleave(rep, 1)[:, :, None])[:, None]  # (B, 1, M, L)
-        # float32 additive mask for torch's CPU flash kernel (cag.runtime.cascade); the other way reads `hidden`
+        # float32 additive mask for torch's CPU flash kernel (cag.runtime.attention); the other way reads `hidden`
         self.bias = torch.zeros(self.hidden.shape, device=dev).masked_fill_(self.hidden, float("-inf")) if cpu else None
         self.slots = part.slots.to(dev)
         self.rows_slot, self.rows_pos = self.slots.repeat_interleave(self.m), suf.reshape(-1)
@@ -122,7 +122,7 @@ def roles(parts: list[Part]) -> list[tuple[int, bool]] | None:
 
 
 def groups(prefixes: list, device) -> list[tuple]:
-    """[(prefix, row indices or None for all rows)]: requests that share a Prefix read it together."""
+    """[(prefix, row indices or None for all rows)]: requests that share a PrefixKV read it together."""
     if all(p is prefixes[0] for p in prefixes):
         return [(prefixes[0], None)]
     by: dict[int, tuple] = {}

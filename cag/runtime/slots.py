@@ -1,6 +1,6 @@
 """What a decode step reads: a shared prefix per snapshot, and one small suffix buffer per request.
 
-A `Prefix` is a snapshot's K/V in the compute dtype on the compute device, held once however many
+A `PrefixKV` is a snapshot's K/V in the compute dtype on the compute device, held once however many
 requests read it (cag.runtime.step attends to it without copying), and never written after it is built.
 
 `Slots` are the requests' own positions: per layer one tensor (capacity, H_kv, room, D) for keys
@@ -29,18 +29,18 @@ from cag.runtime import device_copy
 
 
 @dataclass(eq=False)  # identity: requests on the same object share one read of it per layer
-class Prefix:
+class PrefixKV:
     kv: list[tuple[torch.Tensor, torch.Tensor]]  # per layer keys, values (1, H_kv, n, D)
     n: int
     # what kernels made from it once, kept with it and gone with it: "pairs" {layer: (kt, vt)} for
-    # cag.kernels.native's AVX-512 attention (cag.runtime.cascade), a Graphs its captured decode step (cag.runtime.cuda_graphs)
+    # cag.kernels.native's AVX-512 attention (cag.runtime.attention), a Graphs its captured decode step (cag.runtime.cuda_graphs)
     made: dict = field(default_factory=dict, repr=False)
     # an int8 snapshot's codes per layer (store.snapshots.Snapshot.codes), on the CPU: the AVX-512
-    # attention pairs them (cag.runtime.cascade) and reads them in place of kv; a layer's entry is None once paired
+    # attention pairs them (cag.runtime.attention) and reads them in place of kv; a layer's entry is None once paired
     codes: list | None = field(default=None, repr=False)
 
     @classmethod
-    def of(cls, kv: list, dtype: torch.dtype, device: torch.device | str, codes: list | None = None) -> Prefix:
+    def of(cls, kv: list, dtype: torch.dtype, device: torch.device | str, codes: list | None = None) -> PrefixKV:
         """A prefix in the compute dtype and device (a copy when either differs; a view otherwise). Host
         tensors bound for CUDA go through pinned staging (cag.runtime.device_copy), then cast there."""
         if kv and torch.device(device).type == "cuda" and kv[0][0].device.type == "cpu":

@@ -27,7 +27,7 @@ Families: cag.model.families (FAMILIES): Llama, Mistral, Qwen2, Qwen3 (q/k norms
 q/k/v and gate/up), Granite (multipliers), OLMo-2 (post-norms, q/k norms over the projection). With
 cag's kernels every family's attention, products, glue, q/k norms and post-norms run natively (Granite's
 multipliers in torch between them); with int4 or bf16 weights on the AVX-512 kernels all layers run in one
-native call (cag.runtime.one_call) for every family.
+native call (cag.runtime.all_layers) for every family.
 
 `for_model(model)` returns None for anything else (other families or layer structures, hooks, training
 mode), and `why_not(model)` says why; the caller then runs the transformers forward.
@@ -44,7 +44,7 @@ from cag.kernels import backends
 from cag.model.families import FAMILIES, family, norms, projections, qk_norms, refs, why_not  # noqa: F401 (FAMILIES, why_not: the step's API)
 from cag.model.stacked_products import group_of, product, together
 from cag.model.stacked_products import stacked as together_weights
-from cag.runtime import cascade, one_call
+from cag.runtime import all_layers, attention
 from cag.runtime.rows import Part, Rows, offsets
 from cag.runtime.rows import flat as flat_rows
 from cag.runtime.rows import roles as role_runs
@@ -88,12 +88,12 @@ class LeanStep:
         self.dtype = torch.float32 if self.device.type == "cpu" and every else self.model_dtype
         wide = lambda t: t.to(self.dtype)  # noqa: E731 (a float32 weight as it is: no copy)
         self.n_kv = config.num_key_value_heads
-        # few kernels a step (CUDA, where each kernel's launch costs more than its work; cascade.attend_few):
+        # few kernels a step (CUDA, where each kernel's launch costs more than its work; attention.attend_few):
         # fused norms, q and k roped in one pass, an attention merge of three kernels. Other bits than the
         # op-for-op formulas below, the same in every request's rows and in `cag` and `full`
         self.few = self.device.type == "cuda" if few is None else few  # few=True on the CPU: tests/test_fixed_rows.py
         if self.few and self.device.type == "cuda":
-            cascade.probe_cuda(self.device)  # which kernel reads the suffix, decided before any capture
+            attention.probe_cuda(self.device)  # which kernel reads the suffix, decided before any capture
         self.rms = _rms_fused if self.few else _rms_fp32 if self.dtype == torch.float32 else _rms_w32 if fam.norm_weight_fp32 else _rms
         self.post = fam.post_norms  # OLMo-2: norms on the attention's and the MLP's outputs
         # Granite: the embedding x embedding_multiplier, each branch x residual_multiplier, logits / logits_scaling
@@ -123,14 +123,14 @@ class LeanStep:
                 wide(n2.weight), n2.variance_epsilon, _together(gu, (inter, inter)), f(m.down_proj), act.forward,
                 _shared(qkv), _shared(gu), qk_norms(a, fam, self.rms, d, self.dtype), _one(qkv),
             ))
-            packed = packed and self.fns[-1].qkv_packed is not None and self.fns[-1].gu_packed is not None and one_call.is_silu(act)
+            packed = packed and self.fns[-1].qkv_packed is not None and self.fns[-1].gu_packed is not None and all_layers.is_silu(act)
         half = self.head_dim // 2
         # decode rows over bf16 K/V through the attention of the backend the model loaded with (cag.kernels.backends)
         self.backend = backends.of(model).for_heads(self.head_dim)
         self.kernel = self.backend.attention(self.head_dim)
         # and with it, for a float32 step over packed products, the glue around them in one call each: RMSNorm
         # straight to the products' bf16 input, rope of q and k with the K/V write (same bits as the formulas
-        # below), silu(gate) x up rounded to bf16 (its own bits); with int4/bf16 weights, all layers in one call (cag.runtime.one_call)
+        # below), silu(gate) x up rounded to bf16 (its own bits); with int4/bf16 weights, all layers in one call (cag.runtime.all_layers)
         glue = self.kernel and packed and self.dtype == torch.float32
         ops = self.backend.ops()  # the AVX2 library's glue on CPUs below the AVX-512 floor (avx2_step.cpp), same signatures
         self.glue: tuple[Callable, Callable, Callable] | None = (ops.rms_bf16, ops.rope_write, ops.silu_mul_bf16) if glue else None
@@ -139,7 +139,7 @@ class LeanStep:
         if glue and fam.qk_norm:
             self.fns = [L._replace(qk=qk_norms(layer.self_attn, fam, self.branch_rms, d, self.dtype))
                         for L, layer in zip(self.fns, inner.layers)]
-        self.fused = one_call.weights(self, model) if glue and self.backend.one_call else None
+        self.fused = all_layers.weights(self, model) if glue and self.backend.all_layers else None
         # with cag's kernels on the CPU over packed products (whose kernels give a row its bits at any row
         # count: cag.model.weights) every row of a pass is a decode row (rows.flat): one arithmetic for a
         # question's tokens and an answer's, so an answer's K/V are what a prefill of it writes. fp32
@@ -150,7 +150,7 @@ class LeanStep:
 
     @property
     def native(self) -> str:
-        """Which of cag's native kernels decode rows run on: "layers" (all layers in one call, cag.runtime.one_call),
+        """Which of cag's native kernels decode rows run on: "layers" (all layers in one call, cag.runtime.all_layers),
         "glue" (attention, products, norm / rope / silu glue and a family's q/k norms and post-norms, each its
         own call; multipliers in torch between them), "attention" (the attention alone) or "none"."""
         return "layers" if self.fused else "glue" if self.glue else "attention" if self.kernel else "none"
@@ -186,7 +186,7 @@ class LeanStep:
         tokens, written to suffix positions starts[b] .. starts[b]+m-1 of its slot slots[b] in `buffers`
         (cag.runtime.slots.Slots) and seen at absolute positions n_b + those, n_b = prefixes[b].n. Each
         token attends to all of its request's prefix (shared, read-only, never copied: requests on one
-        Prefix read it once per layer together) and causally to its own suffix. Returns per part the
+        PrefixKV read it once per layer together) and causally to its own suffix. Returns per part the
         logits (B, V) of each request's last token, or (B, m, V) with all_logits."""
         s = self
         picks = None
@@ -213,8 +213,8 @@ class LeanStep:
         if glue:
             norm, rope_write, silu_mul = glue
             cos2, sin2 = cos.view(R, d), sin.view(R, d)
-        if glue and one_call.applies(s, rows, roles, kernel):  # all layers in one native call
-            h = one_call.layers(s, rows[0], h, cos2, sin2, buffers, rows_slot, rows_pos)
+        if glue and all_layers.applies(s, rows, roles, kernel):  # all layers in one native call
+            h = all_layers.layers(s, rows[0], h, cos2, sin2, buffers, rows_slot, rows_pos)
             fns = ()
         for i, (L, K, V) in enumerate(zip(fns, buffers.k, buffers.v)):  # L: the layer's Layer
             x = h if post else norm(h, L.norm1, L.eps1)
@@ -241,7 +241,7 @@ class LeanStep:
                 K[rows_slot, :, rows_pos] = (k * cos + k.roll(half, -1) * sin).to(K.dtype)  # roped K into the request's slot
                 V[rows_slot, :, rows_pos] = v.view(R, n_kv, d).to(V.dtype)
                 q = (q * cos + q.roll(half, -1) * sin).to(q.dtype)  # OLMo-2 ropes in float32 (its cos, sin), then casts
-            outs = [cascade.attend(r, q[r.r0 : r.r1], K, V, i, L.scale, up, kernel, s.few, s.backend.paired) for r in rows]
+            outs = [attention.attend(r, q[r.r0 : r.r1], K, V, i, L.scale, up, kernel, s.few, s.backend.paired) for r in rows]
             o = outs[0] if len(outs) == 1 else torch.cat(outs)
             y = L.o(o.to(torch.bfloat16) if glue else o, roles)  # with the glue: the products' bf16 input, as they round it
             if post:
@@ -320,7 +320,7 @@ def _one(mods: tuple) -> Callable | None:
 
 def _shared(mods: tuple):
     """The packed copy a group's product reads: the members' shared one, or a fused Linear's own."""
-    return group_of(*mods) if len(mods) > 1 else one_call.own(mods[0])
+    return group_of(*mods) if len(mods) > 1 else all_layers.own(mods[0])
 
 
 def for_model(model) -> LeanStep | None:

@@ -268,7 +268,7 @@ def paired(prefix, i: int) -> list[torch.Tensor]:
 
 def _pairs(prefix, i: int, Kp: torch.Tensor, Vp: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Layer i of a prefix as the AVX-512 kernel reads it (cag.kernels.native's pair_kv: K's dim pairs per
-    16 keys, V's key pairs per dim), made at its first decode step and kept on it (Prefix.made): the
+    16 keys, V's key pairs per dim), made at its first decode step and kept on it (PrefixKV.made): the
     kernel no longer rearranges the prefix at every step. Same values: same bits. A prefix with int8
     codes (CAG_KV_DTYPE=int8) is paired from them (pair_kv8): decode rows then read 8-bit K/V."""
     pairs = prefix.made.setdefault("pairs", {})

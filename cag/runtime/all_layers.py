@@ -21,7 +21,7 @@ import torch
 
 from cag.model.families import family
 from cag.model.packed import NativePacked
-from cag.runtime import cascade
+from cag.runtime import attention
 
 _NONE = torch.empty(0)  # the second tensor of a bf16 product (int4 has two: weights and scales)
 
@@ -72,7 +72,7 @@ def weights(step, model):
 
 
 def applies(step, rows: list, roles, kernel) -> bool:
-    """A pass decode_layers computes: decode rows only, one part, the backend's attention (one_call's: pre-paired)."""
+    """A pass decode_layers computes: decode rows only, one part, the backend's attention (all_layers': pre-paired)."""
     return step.fused is not None and roles is None and len(rows) == 1 and kernel is not None
 
 
@@ -81,7 +81,7 @@ def _flat(prefix, n_layers: int) -> list[torch.Tensor]:
     its pairs (no bytes of their own)."""
     flat = prefix.made.get("layers")
     if flat is None or len(flat) != 4 * n_layers:
-        flat = [t for i in range(n_layers) for t in cascade.paired(prefix, i)]
+        flat = [t for i in range(n_layers) for t in attention.paired(prefix, i)]
         if prefix.kv[0][0].dtype == torch.bfloat16:
             prefix.made["layers"] = flat
     return flat
