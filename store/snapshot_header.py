@@ -4,6 +4,7 @@ JSON encoding and `header_checksum`, the document spans (store/snapshots.py has 
 from __future__ import annotations
 
 import json
+from contextlib import contextmanager
 from pathlib import Path
 
 import blake3
@@ -67,11 +68,24 @@ def spans_of(meta: dict, name: str = "snapshot") -> list[dict]:
     return spans
 
 
+@contextmanager
+def reading(path: Path):
+    """Any failure to read snapshot file `path` inside it as one SnapshotError line (missing, truncated, corrupt)."""
+    try:
+        yield
+    except SnapshotError:
+        raise
+    except FileNotFoundError:
+        raise SnapshotError(f"snapshot file missing: {path}") from None
+    except Exception as e:
+        raise SnapshotError(f"snapshot unreadable (truncated or corrupt): {path.name}: {e}") from None
+
+
 def read_header(path: Path) -> dict:
     """The header's metadata, its header checksum checked (the tensors are not read). Read as the
     safetensors format lays it out (8 bytes little-endian length, then that much JSON), without torch:
     `cag list` and the store's refs read headers in commands that never load a model."""
-    try:
+    with reading(path):
         with open(path, "rb") as f:
             head = f.read(8)
             n = int.from_bytes(head, "little") if len(head) == 8 else -1
@@ -84,9 +98,3 @@ def read_header(path: Path) -> dict:
             if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
                 raise ValueError("metadata is not a map of strings")
         return decode_header(meta, f"snapshot {path.name}")
-    except SnapshotError:
-        raise
-    except FileNotFoundError:
-        raise SnapshotError(f"snapshot file missing: {path}") from None
-    except Exception as e:
-        raise SnapshotError(f"snapshot unreadable (truncated or corrupt): {path.name}: {e}") from None

@@ -44,6 +44,7 @@ from .snapshot_header import (  # noqa: F401 (re-exported: the header's names ar
     _encode,
     decode_header,
     read_header,
+    reading,
     spans_of,
 )
 from .stamps import Passed, stamp
@@ -170,13 +171,8 @@ def save(path: Path, kv, ids: list[int], meta: dict, dtype: torch.dtype) -> int:
 
 def read_ids(path: Path) -> list[int]:
     """The prefix token ids alone (no KV read, no verification: for routing, never for serving)."""
-    try:
-        with safe_open(str(path), framework="pt") as f:
-            return f.get_tensor("prefix_ids").tolist()
-    except FileNotFoundError:
-        raise SnapshotError(f"snapshot file missing: {path}") from None
-    except Exception as e:
-        raise SnapshotError(f"snapshot unreadable (truncated or corrupt): {path.name}: {e}") from None
+    with reading(path), safe_open(str(path), framework="pt") as f:
+        return f.get_tensor("prefix_ids").tolist()
 
 
 def load(path: Path, expect_key: str | None = None, verify: bool = True, dequant: torch.dtype | None = None,
@@ -189,23 +185,16 @@ def load(path: Path, expect_key: str | None = None, verify: bool = True, dequant
     `trust=True` skips the checksum of a file this process already checked and that has not changed
     since (CHECKSUMS); every other check still runs."""
     seen, t0 = stamp(path), time.time_ns()
-    try:
-        with safe_open(str(path), framework="pt") as f:
-            raw = f.metadata() or {}
-            meta = _decode(raw, f"snapshot {path.name}")
-            if meta.get("format") != FORMAT_VERSION:
-                raise SnapshotError(f"snapshot {path.name}: unknown format {meta.get('format')!r}")
-            if expect_key is not None and meta.get("key") != expect_key:
-                raise SnapshotError(f"snapshot {path.name} was built for another key; refusing to serve it")
-            if verify:
-                _check_header(raw, meta, f"snapshot {path.name}")
-            tensors = {name: f.get_tensor(name) for name in f.keys()}
-    except SnapshotError:
-        raise
-    except FileNotFoundError:
-        raise SnapshotError(f"snapshot file missing: {path}") from None
-    except Exception as e:
-        raise SnapshotError(f"snapshot unreadable (truncated or corrupt): {path.name}: {e}") from None
+    with reading(path), safe_open(str(path), framework="pt") as f:
+        raw = f.metadata() or {}
+        meta = _decode(raw, f"snapshot {path.name}")
+        if meta.get("format") != FORMAT_VERSION:
+            raise SnapshotError(f"snapshot {path.name}: unknown format {meta.get('format')!r}")
+        if expect_key is not None and meta.get("key") != expect_key:
+            raise SnapshotError(f"snapshot {path.name} was built for another key; refusing to serve it")
+        if verify:
+            _check_header(raw, meta, f"snapshot {path.name}")
+        tensors = {name: f.get_tensor(name) for name in f.keys()}
     try:
         n_layers, n_tokens = int(meta["n_layers"]), int(meta["n_tokens"])
         dtype = DTYPES[meta["dtype"]]
