@@ -30,9 +30,10 @@ from cag.model.loading import LoadedModel, load_model
 from cag.model.prompt import Layout, build_prefix, layout_for
 from cag.results import Answer, CorpusStatus, IngestResult, Mode, Reporter, StalePolicy
 from cag.runtime import describe, kv_cache
-from cag.runtime.decoder import Decoder, Request
+from cag.runtime.decoder import Decoder
 from cag.runtime.generate import DecodeConfig, Generated
 from cag.runtime.kept_conversations import KeptConversations
+from cag.runtime.requests import Request
 from cag.runtime.slots import PrefixKV
 from cag.store import snapshots as snapfiles
 from cag.store.index import Index

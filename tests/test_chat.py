@@ -206,8 +206,8 @@ def test_an_answers_rows_hold_what_a_prefill_of_its_tokens_writes(tiny64_model_d
     conversation, equal bit for bit what its tokens prefilled as a question's rows write."""
     if not (native.load_avx2() if kernels == "avx2" else native.load() is not None):
         pytest.skip(f"cag's {kernels} kernels do not run here")
-    from cag.runtime.decoder import Request
     from cag.runtime.generate import DecodeConfig
+    from cag.runtime.requests import Request
 
     monkeypatch.setenv("CAG_MODEL", str(tiny64_model_dir))
     monkeypatch.setenv("CAG_WEIGHTS", "int4")

@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cag.runtime.decoder import Request, chunks, fixed_rows
 from cag.runtime.generate import DecodeConfig
+from cag.runtime.requests import Request, chunks, fixed_rows
 from cag.runtime.rows import Part
 from cag.runtime.slots import PrefixKV, Slots
 from tests.conftest import _tiny
