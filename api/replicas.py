@@ -24,7 +24,8 @@ from ray import serve
 
 from cag.config import Settings
 from cag.engine import Answer, Engine
-from cag.errors import CagError, NotFound
+from cag.errors import CagError
+from cag.store.sync import known_corpus
 
 from .answers import AskCall
 from .runner import Runner
@@ -40,10 +41,7 @@ def make_resident(engine: Engine, digest: str) -> None:
 
 def corpus_snapshots(engine: Engine, corpus: str) -> list[str]:
     """The snapshots a question on `corpus` reads now (one per shard), after the store's ref lookup."""
-    engine.remote.lookup(corpus)
-    row = engine.index.corpus(corpus)
-    if row is None:
-        raise NotFound(f"unknown corpus {corpus!r}; `cag list` shows the known ones")
+    row = known_corpus(engine.index, engine.remote, corpus)
     shards = [s["snapshot"] for s in engine.index.shards(corpus) if s.get("snapshot")]
     return shards or [d for d in [row.get("current_snapshot")] if d]
 

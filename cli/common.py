@@ -48,11 +48,9 @@ def _catalog(model: str | None = None, **overrides) -> tuple[Settings, Index, Sh
 
 def require_corpus(index, remote, corpus: str) -> None:
     """NotFound for a corpus neither the index nor the shared store knows, before a model loads."""
-    from cag.errors import NotFound
+    from cag.store.sync import known_corpus
 
-    remote.lookup(corpus)
-    if index.corpus(corpus) is None:
-        raise NotFound(f"unknown corpus {corpus!r}; `cag list` shows the known ones")
+    known_corpus(index, remote, corpus)
 
 
 def require_mode(mode: str) -> None:

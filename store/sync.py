@@ -25,7 +25,7 @@ from collections.abc import Set as AbstractSet
 from pathlib import Path
 from typing import Literal
 
-from cag.errors import StoreCorrupt, StoreUnreachable
+from cag.errors import NotFound, StoreCorrupt, StoreUnreachable
 from cag.knowledge.names import name_problem
 
 from . import cache
@@ -51,6 +51,16 @@ class LocalOnly:
 
     def ensure_local(self, digest: str, path: Path) -> Path:
         return path
+
+
+def known_corpus(index: Index, remote: Shared | LocalOnly, corpus: str) -> dict:
+    """The index row of `corpus`, after the shared store's ref is looked up (on a miss, and every
+    CAG_STORE_REF_TTL_S); NotFound for a corpus neither knows. No model, no torch."""
+    remote.lookup(corpus)
+    row = index.corpus(corpus)
+    if row is None:
+        raise NotFound(f"unknown corpus {corpus!r}; `cag list` shows the known ones")
+    return row
 
 
 def _host() -> str:

@@ -8,10 +8,11 @@ import time
 from dataclasses import dataclass
 
 from cag.answering import chat
-from cag.errors import BadInput, ContextExceeded, NotFound, StaleRefused, TooLarge
+from cag.errors import BadInput, ContextExceeded, StaleRefused, TooLarge
 from cag.model.prompt import build_suffix
 from cag.results import Mode, StalePolicy, choices
 from cag.runtime.generate import DecodeConfig
+from cag.store.sync import known_corpus
 
 MAX_SUFFIX = 32768  # a conversation's tokens: a slot's room is virtual memory, bounded for long-context models
 
@@ -66,10 +67,7 @@ def check(engine, corpus: str, question: str | None, mode: str = "cag", max_toke
         raise BadInput("empty question")
     if turns is None and (why := chat.unicode_problem(question)):  # a conversation's turns are checked already
         raise BadInput(f"the question {why}")
-    engine.remote.lookup(corpus)  # a shared store's ref: on a miss, and every CAG_STORE_REF_TTL_S
-    row = engine.index.corpus(corpus)
-    if row is None:
-        raise NotFound(f"unknown corpus {corpus!r}; `cag list` shows the known ones")
+    row = known_corpus(engine.index, engine.remote, corpus)
     max_tokens = engine.settings.max_tokens if max_tokens is None else max_tokens
     if max_tokens < 1:
         raise BadInput("max_tokens must be at least 1")

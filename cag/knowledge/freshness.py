@@ -7,11 +7,11 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from cag.errors import NotFound
 from cag.knowledge import documents
 from cag.knowledge.shards import doc_of
 from cag.model.facts import ModelFacts
 from cag.results import CorpusStatus
+from cag.store.sync import known_corpus
 
 
 def document_changes(source: Path, snap_docs: list[dict], known: list[dict]) -> list[str]:
@@ -103,10 +103,7 @@ def corpus_reasons(index, remote, settings, row: dict, facts: ModelFacts | None)
 
 def status(index, remote, settings, corpus: str, facts: ModelFacts | None) -> CorpusStatus:
     """A corpus's snapshot(s), size and freshness; sizes add up over its shards."""
-    remote.lookup(corpus)  # a corpus this machine knows only from the shared store
-    row = index.corpus(corpus)
-    if row is None:
-        raise NotFound(f"unknown corpus {corpus!r}; `cag list` shows the known ones")
+    row = known_corpus(index, remote, corpus)  # a corpus this machine may know only from the shared store
     snap = index.snapshot(row["current_snapshot"]) if row.get("current_snapshot") else None
     snaps = [x for x in (index.snapshot(r["snapshot"]) for r in index.shards(corpus)) if x] or ([snap] if snap else [])
     reasons = corpus_reasons(index, remote, settings, row, facts)
