@@ -55,10 +55,10 @@ def require_corpus(index, remote, corpus: str) -> None:
 
 def require_mode(mode: str) -> None:
     from cag.errors import BadInput
-    from cag.results import Mode
+    from cag.results import Mode, choices
 
-    if mode not in {m.value for m in Mode}:
-        raise BadInput(f"unknown mode {mode!r}; use one of {', '.join(m.value for m in Mode)}")
+    if mode not in {m.value for m in Mode}:  # the line questions.check would give, before the model loads
+        raise BadInput(f"unknown mode {mode!r}; use one of {choices(Mode)}")
 
 
 def announce_load(engine, quiet: bool = False):
