@@ -500,13 +500,34 @@ def test_the_mode_picker_asks_cag_rag_and_the_answer_says_so(page, site):
     assert a["sources"] == [p["name"] for p in want["passages"] if p.get("quoted", True)] and a["sources"]
 
 
+LONG_ANSWERS = 1000  # tokens a probe asks for: Stop must land while the page's answer is still running
+
+
+def long_question(url: str) -> str:
+    """A question the model answers for at least LONG_ANSWERS tokens on this CPU. The random model
+    ends some answers after ~200 tokens, which a busy CI machine decoded before Stop was clicked; a
+    probe through the API with the body the page sends picks a long one. Greedy decoding is exact,
+    so the page's answer starts with the probe's tokens and runs at least as long."""
+    for q in ("What happens in the notes, step by step?", "Describe the harbour town in detail.",
+              "List every place and person the notes mention.", "Write a long story about the ferry.",
+              "Tell me everything about the lighthouse, the ferry and the bakery."):
+        body = {"model": "notes", "messages": [{"role": "user", "content": q}], "temperature": 0,
+                "max_tokens": LONG_ANSWERS}
+        r = httpx.post(f"{url}/v1/chat/completions", headers=AUTH, json=body, timeout=120)
+        assert r.status_code == 200, r.text
+        if r.json()["choices"][0]["finish_reason"] == "length":
+            return q
+    pytest.fail(f"no probe question ran to {LONG_ANSWERS} tokens: Stop cannot be tested mid-answer")
+
+
 def test_stop_ends_the_stream_and_frees_the_slot(page, site):
+    q = long_question(site.url)
     page.open()
     page.pick("notes")
     page.el("details.options summary").click()
     page.el("#max-tokens").send_keys("2000")
     before = metric(site.url, 'cag_generations_stopped_total{reason="disconnect"}')
-    page.send("Tell me everything about the lighthouse, the ferry and the bakery.")
+    page.send(q)
     page.wait(lambda: (page.answers() or [{}])[0].get("text"), message="the first tokens should arrive")
     assert page.answers()[0]["busy"] and page.el("#stop").is_enabled()
     page.el("#stop").click()
