@@ -252,3 +252,52 @@ def test_bench_decode_table_without_fp32():
     rows.append({"n_tokens": 100, "weights": "fp32", "decode_tok_s": 20.0})
     vs_fp32(rows)
     assert [r["vs_fp32"] for r in rows] == [2.5, 2.0, 1.0]
+
+
+def _included(source: Path) -> set[Path]:
+    """The files `source` includes with quotes, and theirs (as the compiler finds them: beside the including
+    file, else under cag/kernels/, the -I of native._build)."""
+    import re
+
+    found: set[Path] = set()
+    todo = [source]
+    while todo:
+        f = todo.pop()
+        for name in re.findall(r'^\s*#include\s+"([^"]+)"', f.read_text(), re.M):
+            dep = next((p for p in (f.parent / name, native.KERNELS / name) if p.is_file()), None)
+            assert dep is not None, f"{f}: #include {name!r} is not under cag/kernels"
+            dep = dep.resolve()
+            if dep not in found:
+                found.add(dep)
+                todo.append(dep)
+    return found
+
+
+def test_a_library_is_built_again_when_any_file_it_compiles_changes():
+    """A stale library after an edit would run the old kernels: each library's cache key reads every .cpp it
+    compiles and every header they include (transitively), by path and text, and each backend names the
+    sources its library compiles."""
+    from cag.kernels import backends
+
+    for namespace, files in native.LIBRARIES.items():
+        keyed = {f.resolve() for f in files}
+        cpp = {f for f in keyed if f.suffix == ".cpp"}
+        assert cpp, namespace
+        for f in cpp:
+            assert _included(f) <= keyed, (namespace, f, sorted(map(str, _included(f) - keyed)))
+        for b in backends.BY_NAME.values():
+            if b.library == namespace:
+                assert {f.resolve() for f in b.sources} == cpp, (b.name, namespace)
+    on_disk = {f.resolve() for f in native.KERNELS.rglob("*") if f.suffix in (".cpp", ".h")}
+    assert on_disk == {f.resolve() for files in native.LIBRARIES.values() for f in files}, "a kernel file no library builds"
+    h = native.KERNELS / "common" / "attention_plan.h"
+    key = native.build_key(native.LIBRARIES["cag"], "c++", "v", ["-O3"])
+    assert key == native.build_key(native.LIBRARIES["cag"], "c++", "v", ["-O3"])
+    assert key != native.build_key(tuple(f for f in native.LIBRARIES["cag"] if f != h), "c++", "v", ["-O3"])
+
+
+def test_no_kernel_file_is_over_350_lines():
+    """Files of one idea (issue 52): the kernels by instruction set (arch/<isa>/), split by role."""
+    long = {str(f.relative_to(native.KERNELS)): n for f in native.KERNELS.rglob("*")
+            if f.suffix in (".cpp", ".h", ".py") and (n := len(f.read_text().splitlines())) > 350}
+    assert not long, long

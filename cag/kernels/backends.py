@@ -4,14 +4,18 @@ and handed to packing (cag.model.weights), the step (cag.runtime.step) and atten
 
 A backend names its packed products (whose layout `packed.pack` makes), its decode attention and the op
 namespace of its step glue (norms, rope, silu), whether it runs all layers in one call, and what its
-attention reads (a pre-paired prefix, int8 snapshot codes). Nothing else compares kernel names: a new
-instruction set is a new Backend here and its kernels in cag/kernels/. `cag info` prints its name.
+attention reads (a pre-paired prefix, int8 snapshot codes), and the C++ sources of its library (`sources`:
+cag/kernels/arch/<instruction set>/, built by cag.kernels.native). AMX is the AVX-512 library's backend with
+its attention on AMX tiles (arch/amx/ is compiled into that library): the two name the same sources. Nothing
+else compares kernel names: a new instruction set is a new Backend here, its folder under cag/kernels/arch/
+and its library in cag.kernels.native. `cag info` prints its name.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -31,6 +35,7 @@ class Backend:
     paired: bool = False  # the attention takes a prefix's K/V pre-paired (attention.pair_kv)
     int8_codes: bool = False  # the attention reads an int8 snapshot's codes as stored (store/kv_int8.py)
     floor: tuple[str, ...] = ()  # CPU flags its library needs (cag.kernels.native)
+    sources: tuple[Path, ...] = ()  # the .cpp files its library compiles (cag/kernels/arch/...); none: torch's kernels
 
     @property
     def cag_products(self) -> bool:
@@ -77,9 +82,9 @@ class Backend:
 
 
 AVX512 = Backend("avx512", "avx512", "cag", "decode_attention_avx512", all_layers=True, paired=True, int8_codes=True,
-                 floor=native.FLAGS)
-AMX = Backend("amx", "avx512", "cag", "decode_attention", floor=native.FLAGS + native.TILES)
-AVX2 = Backend("avx2", "avx2", "cag_avx2", "decode_attention", floor=native.AVX2_FLAGS)
+                 floor=native.FLAGS, sources=native.SOURCES)
+AMX = Backend("amx", "avx512", "cag", "decode_attention", floor=native.FLAGS + native.TILES, sources=native.SOURCES)
+AVX2 = Backend("avx2", "avx2", "cag_avx2", "decode_attention", floor=native.AVX2_FLAGS, sources=native.AVX2_SOURCES)
 TORCH = Backend("torch", None, None, None)
 CUDA = Backend("cuda", None, None, None)  # torch's kernels on the GPU: the step's few-kernel cascade and graphs
 BY_NAME = {b.name: b for b in (AVX512, AMX, AVX2, TORCH, CUDA)}

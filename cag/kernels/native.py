@@ -21,8 +21,17 @@ owns is refused (torch's kernels, with a warning). The floor is a Linux x86-64 C
 in where the CPU has AMX.
 
 A CPU below that floor with AVX2, FMA and F16C gets cag's int4 and q8 products, decode attention and
-step glue from a library of their own (avx2_products.cpp, avx2_step.cpp, built and trusted the same way:
-`load_avx2`, torch.ops.cag_avx2.*; the glue and attention ops have the main library's signatures).
+step glue from a library of their own (arch/avx2/, built and trusted the same way: `load_avx2`,
+torch.ops.cag_avx2.*; the glue and attention ops have the main library's signatures).
+
+Where the sources live (as llama.cpp's ggml-cpu/arch/): one folder per instruction set under arch/, the same
+file names for the same role in each (products.cpp, attention.cpp, attention_item.cpp, step.cpp, and
+kernels.h, vec.h: what the folder's files share), and common/ for what every instruction set shares (the
+ops' argument checks, an attention call's items and merge weights, the q8 product's op). A library is the
+.cpp files of its folders (SOURCES: arch/avx512/ and arch/amx/, whose AMX attention item is compiled in where
+the CPU has AMX tiles and to stubs elsewhere; AVX2_SOURCES: arch/avx2/), compiled with the kernels' root on
+the include path; its cache key covers those files and every header under cag/kernels/ (HEADERS), by path
+and content. A new instruction set is a folder here, a library entry below and a Backend in backends.py.
 
 CAG_DECODE_KERNELS picks them: `auto` = avx512 where the library builds (on AMX CPUs too: its
 attention decodes faster than the AMX one there, bench/bench_decode.py), avx2 below its floor where
@@ -53,15 +62,26 @@ from cag.errors import ModelError
 from cag.kernels.build_cache import UnsafeCache, _open_trusted, _sha256_fd, _write_new, digest_path, private_folder, verify  # noqa: F401 (digest_path: tests)
 
 log = logging.getLogger(__name__)
-SOURCES = tuple(Path(__file__).parent / f for f in ("decode_attention.cpp", "int8_attention.cpp", "products.cpp",
-                                                                 "layer.cpp"))
-HEADERS = tuple(Path(__file__).parent / f for f in ("kernels.h", "product_args.h", "step_args.h"))
+KERNELS = Path(__file__).parent  # arch/<instruction set>/ and common/ below it; the compiler's include path
+
+
+def _sources(*folders: str) -> tuple[Path, ...]:
+    """The .cpp files of `folders` (under KERNELS), in path order: a library's translation units."""
+    return tuple(sorted(f for folder in folders for f in (KERNELS / folder).glob("*.cpp")))
+
+
+# The AVX-512 library: products, attention (AMX's item compiled in where the CPU has tiles), glue, all layers.
+SOURCES = _sources("arch/avx512", "arch/amx")
+# Every header of every folder, keyed with each library (a header edit rebuilds what may include it).
+HEADERS = tuple(sorted(KERNELS.rglob("*.h")))
 MODES = ("auto", "amx", "avx512", "avx2", "torch")
-# a library of its own: int4 and q8 products, and the decode attention and glue of a step (avx2_step.cpp)
-AVX2_SOURCES = tuple(Path(__file__).parent / f for f in ("avx2_products.cpp", "avx2_step.cpp", "product_args.h", "step_args.h", "kernels.h"))
+# a library of its own: int4 and q8 products, and the decode attention and glue of a step
+AVX2_SOURCES = _sources("arch/avx2")
+# What each library (by its torch.ops namespace) compiles and keys: its sources and every header.
+LIBRARIES = {"cag": SOURCES + HEADERS, "cag_avx2": AVX2_SOURCES + HEADERS}
 AVX2_FLAGS = ("avx2", "fma", "f16c")
-HEAD_DIMS = (64, 80, 96, 128, 256)  # the head widths the attention kernels take (kernels.h: head_dim_ok)
-# and those whose int8 snapshot codes they read (kernels.h: int8_blocks): all of them, in the snapshot's
+HEAD_DIMS = (64, 80, 96, 128, 256)  # the head widths the attention kernels take (common/attention_plan.h: head_dim_ok)
+# and those whose int8 snapshot codes they read (common/attention_plan.h: int8_blocks): all of them, in the snapshot's
 # blocks (store/kv_int8.py): of 32 along the head, or one a head of 80 (80 codes and one scale per key)
 INT8_HEAD_DIMS = HEAD_DIMS
 FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512_vnni")  # the library's floor (every CPU with bf16 has VNNI)
@@ -123,6 +143,14 @@ def _compiler_why_not() -> str | None:
     return None
 
 
+def build_key(sources: tuple[Path, ...], cxx: str, version: str, flags: list[str]) -> str:
+    """The cache key of the library of `sources` (.cpp and .h, each by its path under KERNELS and its text),
+    built by `cxx` (`version`: its --version) with `flags` against this torch for this CPU."""
+    texts = [f"{f.relative_to(KERNELS)}\n{f.read_text()}" for f in sources]
+    return hashlib.sha256("\n".join([*texts, torch.__version__, cxx, version, " ".join(flags),
+                                      " ".join(sorted(_cpu_flags()))]).encode()).hexdigest()[:16]
+
+
 def _build(sources: tuple[Path, ...], stem: str) -> tuple[Path, int]:
     """The library of `sources` (.cpp compiled, .h only keyed) for this machine and a descriptor on it,
     verified (`verify`); built first when it is missing or not trusted."""
@@ -133,8 +161,7 @@ def _build(sources: tuple[Path, ...], stem: str) -> tuple[Path, int]:
     flags = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c++17", "-ffp-contract=off",
              f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"]
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=30).stdout
-    key = hashlib.sha256("\n".join([*(f.read_text() for f in sources), torch.__version__, cxx, version, " ".join(flags),
-                                    " ".join(sorted(_cpu_flags()))]).encode()).hexdigest()[:16]
+    key = build_key(sources, cxx, version, flags)
     folder = cache_dir()
     exposed = private_folder(folder)
     out = folder / f"{stem}-{key}.so"
@@ -150,8 +177,8 @@ def _build(sources: tuple[Path, ...], stem: str) -> tuple[Path, int]:
             stale.unlink(missing_ok=True)
         tmp = out.with_name(f".{out.name}.{os.getpid()}.{threading.get_ident()}")
         log.warning("cag: building cag's decode kernels for this machine (once, a few seconds)")
-        cmd = [cxx, *flags, *(f"-I{p}" for p in include_paths()), *(str(f) for f in sources if f.suffix == ".cpp"), "-o", str(tmp),
-               f"-L{lib}", "-lc10", "-ltorch_cpu", f"-Wl,-rpath,{lib}"]
+        cmd = [cxx, *flags, f"-I{KERNELS}", *(f"-I{p}" for p in include_paths()), *(str(f) for f in sources if f.suffix == ".cpp"),
+               "-o", str(tmp), f"-L{lib}", "-lc10", "-ltorch_cpu", f"-Wl,-rpath,{lib}"]
         try:
             done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
             if done.returncode != 0:
@@ -180,7 +207,7 @@ def load() -> Callable | None:
     it cannot run (the reason: `reason()`)."""
     with _lock:
         if not _state:
-            path, why = _open(why_not(), SOURCES + HEADERS, "cag_kernels")
+            path, why = _open(why_not(), LIBRARIES["cag"], "cag_kernels")
             if path is not None:
                 _state["fn"], _state["path"] = torch.ops.cag.decode_attention, path
             _state["why"] = why
@@ -214,7 +241,7 @@ def load_avx2() -> bool:
     with _lock:
         if not _avx2:
             _avx2["cpu_ok"] = cpu_why_not(AVX2_FLAGS) is None  # else the CPU is why, and nothing to warn about
-            path, _avx2["why"] = _open(avx2_why_not(), AVX2_SOURCES, "cag_avx2")
+            path, _avx2["why"] = _open(avx2_why_not(), LIBRARIES["cag_avx2"], "cag_avx2")
             _avx2["ok"] = path is not None
         return bool(_avx2.get("ok"))
 

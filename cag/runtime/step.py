@@ -132,7 +132,7 @@ class LeanStep:
         # straight to the products' bf16 input, rope of q and k with the K/V write (same bits as the formulas
         # below), silu(gate) x up rounded to bf16 (its own bits); with int4/bf16 weights, all layers in one call (cag.runtime.all_layers)
         glue = self.kernel and packed and self.dtype == torch.float32
-        ops = self.backend.ops()  # the AVX2 library's glue on CPUs below the AVX-512 floor (avx2_step.cpp), same signatures
+        ops = self.backend.ops()  # the AVX2 library's glue on CPUs below the AVX-512 floor (kernels/arch/avx2/step.cpp), same signatures
         self.glue: tuple[Callable, Callable, Callable] | None = (ops.rms_bf16, ops.rope_write, ops.silu_mul_bf16) if glue else None
         # a family's q/k norms and post-norms then run natively too (rms_f32: what the one-call layers compute)
         self.branch_rms = ops.rms_f32 if glue else self.rms

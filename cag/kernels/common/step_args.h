@@ -1,12 +1,12 @@
-// What the step's glue and decode attention share in both libraries (decode_attention.cpp on AVX512-BF16,
-// avx2_step.cpp on AVX2): their arguments' checks, so the two ops of a name refuse the same inputs alike.
+// What the step's glue and decode attention share in both libraries (arch/avx512/ and arch/avx2/: step.cpp,
+// attention.cpp): their arguments' checks, so the two ops of a name refuse the same inputs alike.
 #pragma once
 #include <ATen/core/Tensor.h>
 #include <c10/util/Exception.h>
 #include <algorithm>
 #include <cstdint>
 
-#include "kernels.h"
+#include "attention_plan.h"
 
 namespace cagk {
 

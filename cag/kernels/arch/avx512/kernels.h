@@ -1,22 +1,15 @@
-// What the kernel files share: the pieces of a decode step that layer.cpp runs inside one parallel
-// region (each piece also serves its own op in the file that defines it, with the same bits).
+// What the AVX-512 library's files share (arch/avx512/, with arch/amx/ compiled in): the pieces of a decode
+// step that layer.cpp runs inside one parallel region (each piece also serves its own op in the file that
+// defines it, with the same bits), and the attention items attention.cpp runs.
 #pragma once
 #include <ATen/core/Tensor.h>
 #include <cstdint>
 #include <optional>
 #include <vector>
 
-namespace cagk {
+#include "common/attention_plan.h"
 
-constexpr int64_t CHUNK = 256;  // keys per attention item: its K and V stay in L2
-constexpr int64_t MAXD = 256;   // the widest head
-// The head widths the attention kernels are compiled for (each a template instance: accumulators in registers).
-// A width of 32 g + 16 (80) takes its last 16 dims as a half group (masked loads, no lane past the row).
-constexpr bool head_dim_ok(int64_t D) { return D == 64 || D == 80 || D == 96 || D == 128 || D == 256; }
-// The int8 prefix (int8_attention.cpp) takes the same widths and reads the snapshot's blocks as
-// store/kv_int8.py makes them: of 32 along D, or one a head where D is not a multiple of 32 (80: 80 codes and
-// one scale per key, per K and per V).
-constexpr int64_t int8_blocks(int64_t D) { return D % 32 == 0 ? D / 32 : 1; }  // per key (kv_int8.block_for)
+namespace cagk {
 
 // products.cpp. int4: x (M, K) bf16 -> xp (M, K) bf16 in the order the nibbles unpack, xs (M, K/32)
 // float32 group sums; then outputs [n0, n1) of y (M, N) float32 from qw (N, K/2), dm (N, S, K/32) (S = 1:
@@ -27,7 +20,7 @@ void int4_outputs(const uint8_t* qw, const uint16_t* dm, int64_t K, int64_t M, c
 // bf16: outputs [n0, n1) of y (M, N) float32 from w (N, K) bf16 and x (M, K) bf16.
 void bf16_outputs(const uint16_t* w, int64_t K, int64_t M, const uint16_t* x, float* y, int64_t N, int64_t n0, int64_t n1);
 
-// decode_attention.cpp: the step's glue, row by row.
+// step.cpp: the step's glue, row by row.
 // LlamaRMSNorm of x (R, N) float32 with weight w, rounded once to bf16 (rms_bf16).
 void rms_rows(const float* x, const float* w, int64_t R, int64_t N, float eps, uint16_t* out);
 // The same norm in place over R rows of N floats, ld apart, not rounded (rms_f32): q/k norms, post-norms.
@@ -41,12 +34,19 @@ void silu_mul_rows(const float* gu, int64_t R, int64_t I, uint16_t* y);
 // float32 -> bf16 rounded to nearest even, NaN to 0x7FC0: torch's conversion, bit for bit.
 void to_bf16(const float* x, int64_t n, uint16_t* y);
 
-struct Partial { float m, l; };
-
-// decode_attention.cpp: the softmax of nr rows of scores s (rows CHUNK apart, keys [0, w) of wp, w <= wp <= CHUNK,
+// attention_item.cpp: the softmax of nr rows of scores s (rows CHUNK apart, keys [0, w) of wp, w <= wp <= CHUNK,
 // wp a multiple of 64), keys past w masked: the probabilities rounded to bf16 into pb (rows CHUNK apart), and
 // part[r] = (max, sum of the rounded values). Scores are multiplied by `scale` first.
 void softmax_block(float* s, uint16_t* pb, int64_t nr, int64_t w, int64_t wp, float scale, Partial* part);
+
+// attention_item.cpp: one item by AVX512-BF16 dot products: `rows` query rows (fp32, D floats at q[r]) over keys
+// [0, w) whose K and V rows (bf16, D each) start at k and v, `stride` elements apart; part[r] = (max score,
+// probability sum), acc[r] (D floats) = sum_t p_t V[t]. kpre, vpre: the item's K and V as pair_kv gives them (then
+// read in place of k's and v's rows); nk, nv (nkb, nvb bytes): the item this thread takes next, to prefetch.
+void item_avx512(const float* const* q, int64_t rows, const at::BFloat16* k, const at::BFloat16* v, int64_t stride,
+                 int64_t w, int64_t D, float scale, Partial* part, float* const* acc,
+                 const uint32_t* kpre = nullptr, const uint32_t* vpre = nullptr,
+                 const char* nk = nullptr, int64_t nkb = 0, const char* nv = nullptr, int64_t nvb = 0);
 
 // int8_attention.cpp: a prefix item over int8 codes (pair_kv8's layout; kc, vc the item's bytes), the
 // unnormalized sum of p_t V_t per row into acc[r] (D floats) and (max, sum) into part[r]; nk, nv: the
@@ -57,10 +57,10 @@ void item_int8(const float* const* q, int64_t rows, const uint8_t* kc, const uin
 // scales per block (int8_blocks).
 constexpr int64_t int8_item_bytes(int64_t D) { return D * CHUNK + int8_blocks(D) * CHUNK * 2; }
 
-// One decode attention call (decode_attention_avx512's): checked and laid out by the constructor, its
-// items run by `work(p, nt)` on each of nt threads (items p, p + nt, ...), merged by `merge`. q is
-// read when the items run, so it may be filled after construction.
-struct Attention {
+// attention.cpp: one decode attention call (decode_attention_avx512's, or decode_attention's on AMX tiles): checked
+// and laid out by the constructor (its items: common/attention_plan.h), its items run by `work(p, nt)` on each of nt
+// threads (items p, p + nt, ...), merged by `merge`. q is read when the items run, so it may be filled after construction.
+struct Attention : AttentionPlan {
   Attention(const float* q, int64_t B, int64_t H, int64_t R, int64_t D, const at::Tensor& kp, const at::Tensor& vp,
             const at::Tensor& ks, const at::Tensor& vs, const at::Tensor& slots, const at::Tensor& lens, double scale,
             const std::optional<at::Tensor>& kt, const std::optional<at::Tensor>& vt, bool amx);
@@ -69,15 +69,12 @@ struct Attention {
   int64_t items_n() const { return (int64_t)items.size(); }
 
   const float* qd;
-  int64_t B, H, R, D, n, np, most, chunks, n_pre;
   at::Tensor kp, vp, ks, vs;
-  const int64_t *slot, *len;
   float scale;
   const uint32_t *ktd = nullptr, *vtd = nullptr;  // a bf16 prefix pre-paired (pair_kv)
   const uint8_t *k8 = nullptr, *v8 = nullptr;     // or an int8 prefix (pair_kv8): kp, vp then give its shape only
   std::vector<Partial> part;
   std::vector<float> acc;
-  std::vector<int64_t> items;  // prefix items (h, c), then suffix items (b, h, c)
 };
 
 }  // namespace cagk

@@ -1,10 +1,13 @@
-// What the weight products of both libraries share (products.cpp, avx2_products.cpp: the same
-// layouts): their arguments' checks, and their rows in float32.
+// What the weight products of both libraries share (arch/avx512/products.cpp, arch/avx2/products.cpp: the
+// same layouts): their arguments' checks, their rows in float32, and the q8 product's op around each one's rows.
 #pragma once
 #include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/Parallel.h>
 #include <c10/util/Exception.h>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 namespace cagk {
 
@@ -55,6 +58,24 @@ inline int64_t check_q8(const at::Tensor& x, const at::Tensor& qw, const at::Ten
 // n bf16 values (as their bits) -> float32, exactly.
 inline void bf16_to_float(const uint16_t* x, int64_t n, float* y) {
   for (int64_t i = 0; i < n; i++) { const uint32_t b = (uint32_t)x[i] << 16; std::memcpy(y + i, &b, 4); }
+}
+
+// The q8 product x (M, K) bf16, qw (N, K) int8, d (N, K/32) float16 -> (M, N) float32 (int4's LM head), around an
+// instruction set's `output(q, d, K, M, xf, y, N, n)`: output n of all M rows into y (M, N), from the rows in
+// float32 (xf (M, K), exact). Outputs go over torch's threads in runs of 64; a row's bits are its own.
+template <class Output>
+at::Tensor q8_product(const at::Tensor& x, const at::Tensor& qw, const at::Tensor& d, Output output) {
+  const int64_t K = check_q8(x, qw, d), N = qw.size(0), M = x.size(0);
+  std::vector<float> xf(M * K);  // the rows in float32 (exact)
+  bf16_to_float(reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()), M * K, xf.data());
+  at::Tensor y = at::empty({M, N}, x.options().dtype(at::kFloat));
+  const int8_t* q = qw.data_ptr<int8_t>();
+  const uint16_t* dd = reinterpret_cast<const uint16_t*>(d.data_ptr<at::Half>());
+  float* yd = y.data_ptr<float>();
+  at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
+    for (int64_t n = n0; n < n1; n++) output(q, dd, K, M, xf.data(), yd, N, n);
+  });
+  return y;
 }
 
 }  // namespace cagk

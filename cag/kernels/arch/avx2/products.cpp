@@ -1,8 +1,8 @@
 // Weight products of decode rows on CPUs with AVX2, FMA and F16C but not the AVX512-BF16 floor of the
 // rest of cag's kernels (AMD Zen 2/3, Intel before Cooper Lake): int4 groups (CAG_WEIGHTS=int4) and
-// int8 groups (int4's LM head), the layouts products.cpp takes (cag.model.weights.pack_int4, pack_q8).
-// Built alone into its own library by cag/kernels/native.py (CAG_DECODE_KERNELS=avx2); called by
-// cag/model/weights.py (Avx2Packed) for a pass's rows, decode and question rows alike.
+// int8 groups (int4's LM head), the layouts arch/avx512/products.cpp takes (cag.model.layouts: pack_int4, pack_q8).
+// Built with the rest of arch/avx2/ into a library of its own by cag/kernels/native.py (CAG_DECODE_KERNELS=avx2);
+// called by cag/model/packed.py (Avx2Packed) for a pass's rows, decode and question rows alike.
 //
 // torch's int4 kernel for one row runs at a fraction of the read rate (bench/bench_models.py shows
 // the step beside its bound). Here a group's dot product of q (exact in float32) with x, times its
@@ -19,18 +19,12 @@
 #include <cstring>
 #include <vector>
 
-#include "product_args.h"
+#include "arch/avx2/vec.h"
+#include "common/product_args.h"
 
 namespace {
 
 constexpr int MB = 4;  // rows held in registers at a time (16 ymm: 4 weight vectors, a sum and a total per row)
-
-// The 8 lanes of v summed in one fixed order: ((l0 + l4) + (l2 + l6)) + ((l1 + l5) + (l3 + l7)).
-inline float hsum(__m256 v) {
-  const __m128 a = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));  // l0+l4 .. l3+l7
-  const __m128 b = _mm_add_ps(a, _mm_movehl_ps(a, a));                                   // (0+2), (1+3)
-  return _mm_cvtss_f32(_mm_add_ss(b, _mm_movehdup_ps(b)));
-}
 
 // xf (M, K) float32 -> xs (M, K/32): each group's sum, in one fixed order.
 void group_sums(const float* xf, int64_t M, int64_t K, float* xs) {
@@ -144,20 +138,12 @@ at::Tensor int4_mm(const at::Tensor& x, const at::Tensor& qw, const at::Tensor& 
   return y;
 }
 
-// x (M, K) bf16, qw (N, K) int8, d (N, K/32) float16 -> (M, N) float32.
+// x (M, K) bf16, qw (N, K) int8, d (N, K/32) float16 -> (M, N) float32 (common/product_args.h's q8_product).
 at::Tensor q8_mm(const at::Tensor& x, const at::Tensor& qw, const at::Tensor& d) {
-  const int64_t K = cagk::check_q8(x, qw, d), N = qw.size(0), M = x.size(0);
-  std::vector<float> xf(M * K);
-  cagk::bf16_to_float(reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()), M * K, xf.data());
-  at::Tensor y = at::empty({M, N}, x.options().dtype(at::kFloat));
-  const int8_t* q = qw.data_ptr<int8_t>();
-  const uint16_t* dd = reinterpret_cast<const uint16_t*>(d.data_ptr<at::Half>());
-  float* yd = y.data_ptr<float>();
-  at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
-    for (int64_t n = n0; n < n1; n++)
-      blocks(M, [&](auto nr, int64_t r) { q8_out<decltype(nr)::value>(q, dd, K, xf.data() + r * K, yd + r * N, N, n); });
+  return cagk::q8_product(x, qw, d, [](const int8_t* q, const uint16_t* dd, int64_t K, int64_t M, const float* xf, float* yd,
+                                       int64_t N, int64_t n) {
+    blocks(M, [&](auto nr, int64_t r) { q8_out<decltype(nr)::value>(q, dd, K, xf + r * K, yd + r * N, N, n); });
   });
-  return y;
 }
 
 }  // namespace

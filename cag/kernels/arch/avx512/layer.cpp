@@ -1,5 +1,5 @@
 // The decoder layers of a decode step (one new token per request, int4 or bf16 weights, float32 compute) in one
-// call and one parallel region, for cag/runtime/step.py (cag/runtime/one_call.py).
+// call and one parallel region, for cag/runtime/step.py (cag/runtime/all_layers.py).
 //
 // Why: as separate ops a layer costs about 13 torch calls, 5 OpenMP regions and 15 allocations, whose
 // fixed costs are a large share of a step on a short prefix (bench/bench_decode.py), and a call per
@@ -19,8 +19,8 @@
 #include <algorithm>
 #include <vector>
 
-#include "kernels.h"
-#include "product_args.h"
+#include "arch/avx512/kernels.h"
+#include "common/product_args.h"
 
 namespace {
 

@@ -1,7 +1,7 @@
 // Weight products of decode rows on AVX512-BF16, at the speed of reading the weights: int4 groups
 // (CAG_WEIGHTS=int4), int8 groups (the LM head under int4) and plain bf16 (CAG_WEIGHTS=bf16, and a
-// question's rows). Built with decode_attention.cpp
-// into one library by cag/kernels/native.py; called by cag/model/weights.py (Packed) for decode rows.
+// question's rows). Built with the rest of arch/avx512/ into one library by cag/kernels/native.py; called by
+// cag/model/packed.py for decode rows.
 //
 // torch's int4 kernel dequantizes each weight row to float per input row, well below the read rate
 // (bench/bench_decode.py measures both); here the nibbles become bf16 in registers with two integer ops and go straight into
@@ -30,8 +30,8 @@
 #include <type_traits>
 #include <vector>
 
-#include "kernels.h"
-#include "product_args.h"
+#include "arch/avx512/kernels.h"
+#include "common/product_args.h"
 
 namespace {
 
@@ -275,20 +275,12 @@ at::Tensor int4_mm(const at::Tensor& x, const at::Tensor& qw, const at::Tensor& 
   return y;
 }
 
-// x (M, K) bf16, qw (N, K) int8, d (N, K/32) float16 -> (M, N) float32.
+// x (M, K) bf16, qw (N, K) int8, d (N, K/32) float16 -> (M, N) float32 (common/product_args.h's q8_product).
 at::Tensor q8_mm(const at::Tensor& x, const at::Tensor& qw, const at::Tensor& d) {
-  const int64_t K = cagk::check_q8(x, qw, d), N = qw.size(0), M = x.size(0);
-  std::vector<float> xf(M * K);  // the rows in float32 (exact)
-  cagk::bf16_to_float(reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()), M * K, xf.data());
-  at::Tensor y = at::empty({M, N}, x.options().dtype(at::kFloat));
-  const int8_t* q = qw.data_ptr<int8_t>();
-  const uint16_t* dd = reinterpret_cast<const uint16_t*>(d.data_ptr<at::Half>());
-  float* yd = y.data_ptr<float>();
-  at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
-    for (int64_t n = n0; n < n1; n++)
-      blocks(M, [&](auto nr, int64_t r) { q8_rows<decltype(nr)::value>(q, dd, K, xf.data() + r * K, yd + r * N, N, n); });
+  return cagk::q8_product(x, qw, d, [](const int8_t* q, const uint16_t* dd, int64_t K, int64_t M, const float* xf, float* yd,
+                                       int64_t N, int64_t n) {
+    blocks(M, [&](auto nr, int64_t r) { q8_rows<decltype(nr)::value>(q, dd, K, xf + r * K, yd + r * N, N, n); });
   });
-  return y;
 }
 
 // x (M, K) bf16, w (N, K) bf16 -> (M, N) float32.

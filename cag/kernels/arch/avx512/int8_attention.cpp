@@ -20,7 +20,7 @@
 #include <cstring>
 #include <tuple>
 
-#include "kernels.h"
+#include "arch/avx512/kernels.h"
 
 namespace {
 

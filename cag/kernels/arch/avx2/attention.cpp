@@ -1,0 +1,102 @@
+// Decode attention on CPUs with AVX2, FMA and F16C (arch/avx2/): the query rows of each request (one new
+// token: its heads that share a K/V head) over the prefix the requests share and each request's own suffix, in
+// one call, with the signature of the main library's `decode_attention` (arch/avx512/attention.cpp).
+//
+// Work: keys in items of C (a prefix chunk for the rows of every request on it, or a suffix chunk for one
+// request's rows: common/attention_plan.h), spread over torch's threads; each item (attention_item.cpp) leaves
+// per row its max score m, its sum l of e^(s - m) and sum_t e^(s_t - m) v_t, merged per row in chunk order. A
+// row's result depends on its own query and keys only, in a fixed order of operations: a request's bits never
+// depend on its neighbours or on the thread count.
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+#include <immintrin.h>
+#include <algorithm>
+#include <vector>
+
+#include "arch/avx2/kernels.h"
+#include "common/step_args.h"
+
+namespace {
+
+constexpr int64_t C = cagk::CHUNK;
+using cagk::Partial;
+
+// q (B, H, R, D) float32: request b, K/V head h, row r (the query heads sharing h); kp, vp (H, n, D) bf16:
+// the prefix the requests share (n may be 0); ks, vs (S, H, room, D) bf16: the request slots; slots (B,),
+// lens (B,) int64: request b reads keys [0, lens[b]) of slot slots[b]. -> (B, H, R, D) float32.
+at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& kp, const at::Tensor& vp, const at::Tensor& ks,
+                            const at::Tensor& vs, const at::Tensor& slots, const at::Tensor& lens, double scale_) {
+  cagk::check_attention_q(q);
+  const int64_t B = q.size(0), H = q.size(1), R = q.size(2), D = q.size(3);
+  const int64_t most = cagk::check_attention(B, H, D, kp, vp, ks, vs, slots, lens, false);  // suffix chunks of the longest suffix
+  cagk::AttentionPlan plan;  // prefix items (h, c), then suffix items (b, h, c)
+  plan.lay_out(B, H, R, D, kp.size(1), most, slots.data_ptr<int64_t>(), lens.data_ptr<int64_t>());
+  const int64_t n = plan.n, np = plan.np, chunks = plan.chunks, n_pre = plan.n_pre;
+  const int64_t *slot = plan.slot, *len = plan.len;
+  const std::vector<int64_t>& items = plan.items;
+  std::vector<Partial> part(B * H * R * chunks);
+  std::vector<float> acc(B * H * R * chunks * D);
+  const float* qd = q.data_ptr<float>();
+  const float scale = (float)scale_;
+  auto at_ = [&](int64_t b, int64_t h, int64_t r, int64_t c) { return plan.at(b, h, r, c); };
+  const uint16_t* kpd = reinterpret_cast<const uint16_t*>(kp.data_ptr<at::BFloat16>());
+  const uint16_t* vpd = reinterpret_cast<const uint16_t*>(vp.data_ptr<at::BFloat16>());
+  const uint16_t* ksd = reinterpret_cast<const uint16_t*>(ks.data_ptr<at::BFloat16>());
+  const uint16_t* vsd = reinterpret_cast<const uint16_t*>(vs.data_ptr<at::BFloat16>());
+  at::parallel_for(0, (int64_t)items.size(), 1, [&](int64_t i0, int64_t i1) {
+    std::vector<const float*> qs(B * R);
+    std::vector<float*> accs(B * R);
+    std::vector<Partial> ps(B * R);
+    for (int64_t i = i0; i < i1; i++) {
+      if (i < n_pre) {  // a prefix chunk: every request's rows
+        const int64_t h = items[i] / np, c = items[i] % np, t0 = c * C;
+        for (int64_t b = 0; b < B; b++)
+          for (int64_t r = 0; r < R; r++) {
+            qs[b * R + r] = qd + ((b * H + h) * R + r) * D;
+            accs[b * R + r] = acc.data() + at_(b, h, r, c) * D;
+          }
+        cagk::item_avx2(qs.data(), B * R, kpd + h * kp.stride(0) + t0 * kp.stride(1), vpd + h * vp.stride(0) + t0 * vp.stride(1),
+                        kp.stride(1), std::min(C, n - t0), D, scale, ps.data(), accs.data());
+        for (int64_t b = 0; b < B; b++)
+          for (int64_t r = 0; r < R; r++) part[at_(b, h, r, c)] = ps[b * R + r];
+      } else {  // a suffix chunk: one request's rows
+        const int64_t f = items[i], c = f % most, b = f / most / H, h = (f / most) % H, t0 = c * C;
+        for (int64_t r = 0; r < R; r++) {
+          qs[r] = qd + ((b * H + h) * R + r) * D;
+          accs[r] = acc.data() + at_(b, h, r, np + c) * D;
+        }
+        const int64_t off_k = slot[b] * ks.stride(0) + h * ks.stride(1) + t0 * ks.stride(2);
+        const int64_t off_v = slot[b] * vs.stride(0) + h * vs.stride(1) + t0 * vs.stride(2);
+        cagk::item_avx2(qs.data(), R, ksd + off_k, vsd + off_v, ks.stride(2), std::min(C, len[b] - t0), D, scale, ps.data(), accs.data());
+        for (int64_t r = 0; r < R; r++) part[at_(b, h, r, np + c)] = ps[r];
+      }
+    }
+  });
+  at::Tensor out = at::empty(q.sizes(), q.options());
+  float* od = out.data_ptr<float>();
+  std::vector<float> ev(chunks);
+  for (int64_t b = 0; b < B; b++)  // each row's chunks merged in a fixed order: prefix, then suffix
+    for (int64_t h = 0; h < H; h++)
+      for (int64_t r = 0; r < R; r++) {
+        const int64_t k0 = at_(b, h, r, 0), kn = plan.row_chunks(b);
+        const float l = cagk::merge_weights(part.data() + k0, kn, ev.data());
+        float* dst = od + ((b * H + h) * R + r) * D;
+        for (int64_t j = 0; j < D; j += 8) {
+          __m256 o = _mm256_setzero_ps();
+          for (int64_t c = 0; c < kn; c++) o = _mm256_fmadd_ps(_mm256_set1_ps(ev[c]), _mm256_loadu_ps(acc.data() + (k0 + c) * D + j), o);
+          _mm256_storeu_ps(dst + j, _mm256_div_ps(o, _mm256_set1_ps(l)));
+        }
+      }
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(cag_avx2, m) {
+  m.def("decode_attention(Tensor q, Tensor kp, Tensor vp, Tensor ks, Tensor vs, Tensor slots, Tensor lens, float scale) -> Tensor");
+}
+TORCH_LIBRARY_IMPL(cag_avx2, CPU, m) {
+  m.impl("decode_attention", decode_attention);
+}
