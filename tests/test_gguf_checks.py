@@ -1,5 +1,5 @@
 """GGUF files whose metadata and tensors disagree, or whose metadata is absurdly large (issue 55, E2 and E3),
-refused by cag.model.gguf.check in one line before transformers builds anything, so no model folder is
+refused by cag.model.gguf_checks.check in one line before transformers builds anything, so no model folder is
 written: missing tensors (transformers would initialize them at random), hyperparameters the tensors do not
 have (a 100000-block model to allocate), and metadata strings and arrays past cag's caps (transformers'
 reader turns each into Python objects). Each file is the tiny random model of tests/test_gguf.py,
@@ -14,7 +14,7 @@ import pytest
 from typer.testing import CliRunner
 
 from cag.cli.main import app
-from cag.model import gguf
+from cag.model import gguf_checks
 from tests.test_gguf import tokenizer_fields, write  # noqa: F401  (tokenizer_fields: a fixture used here)
 
 V = gg.GGUFValueType
@@ -66,7 +66,7 @@ def refused(path: Path, tmp_path: Path, monkeypatch, *messages: str) -> str:
 
 
 def test_the_good_file_passes_the_checks(good):
-    assert gguf.check(good).arch == "llama"
+    assert gguf_checks.check(good).arch == "llama"
 
 
 # -- E2: tensors the architecture needs ---------------------------------------------------------------------
@@ -140,4 +140,4 @@ def test_a_256k_token_vocabulary_is_within_the_caps(tmp_path):
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    gguf.check_metadata_sizes(path)  # no error
+    gguf_checks.check_metadata_sizes(path)  # no error
