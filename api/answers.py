@@ -1,7 +1,8 @@
 """Where an answer is computed: the seam between the routes and the engine.
 
-A route describes the question once as an `AskCall` (plain data: it can travel to another process)
-and asks the service's `answers` for the work the runner runs. `LocalAnswers` runs it on this
+A route describes the question once as an `AskCall`: the engine's Query (cag.answering.query) and whether
+its text streams (plain data: it can travel to another process); it asks the service's `answers` for the
+work the runner runs. `LocalAnswers` runs it on this
 process's engine (plain `cag serve`); `cag.api.ray_app.RemoteAnswers` sends it to an engine replica
 on Ray Serve. The routes, the runner (limits, timeouts, cancel on disconnect) and the streaming code
 are the same either way.
@@ -14,8 +15,7 @@ from functools import partial
 from typing import TYPE_CHECKING
 
 from cag.answering import chat
-from cag.rag.answer import ask as answer_question
-from cag.runtime.generate import DecodeConfig
+from cag.answering.query import Query
 
 from .runner import Work
 
@@ -27,26 +27,19 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class AskCall:
-    """One question (or conversation) as the routes parsed it (the native and the OpenAI route alike)."""
+    """One question (or conversation) as the routes parsed it (the native and the OpenAI route alike): its
+    Query (a conversation's messages as (role, text) pairs; `scope`: the API key's, whose kept conversations
+    it may reuse: api.auth), and whether its text pieces go to on_text as they come."""
 
-    corpus: str
-    question: str | None  # None when `messages` carry the conversation
-    mode: str = "cag"
-    max_tokens: int | None = None
-    on_stale: str = "serve"
-    shards: int = 1
-    stream: bool = False  # hand text pieces to on_text as they come
-    decoding: DecodeConfig | None = None
-    messages: tuple[tuple[str, str], ...] | None = None  # (role, text): a conversation (cag.answering.chat)
-    k: int | None = None  # rag and cag+rag: passages retrieved (None: the mode's default)
-    scope: str | None = None  # the API key's scope: kept conversations are reused within it only (api.auth)
+    query: Query
+    stream: bool = False
+
+    @property
+    def corpus(self) -> str:
+        return self.query.corpus
 
     def run(self, engine: Engine, on_text, should_stop) -> Answer:
-        return answer_question(engine, self.corpus, self.question, mode=str(self.mode), max_tokens=self.max_tokens,
-                               on_text=on_text if self.stream else None, should_stop=should_stop,
-                               on_stale=str(self.on_stale), decoding=self.decoding, shards=self.shards,
-                               messages=list(self.messages) if self.messages is not None else None, k=self.k,
-                               scope=self.scope)
+        return engine.answer(self.query, on_text if self.stream else None, should_stop)
 
 
 def messages_of(messages: list[ChatMessage]) -> tuple[tuple[str, str], ...]:

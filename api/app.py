@@ -30,6 +30,7 @@ from pydantic.json_schema import models_json_schema
 import cag
 from cag.config import Settings, get_settings
 from cag.engine import Engine
+from cag.rag.index import retrieve
 
 from . import errors, mcp_server, openai_compat, routes, ui
 from .auth import RequireKey
@@ -71,7 +72,9 @@ def create_app(settings: ApiSettings | None = None, cag_settings: Settings | Non
     BadSettings). An `engine` may be passed (tests, embedding); its index is then served through
     per-thread SQLite connections."""
     settings = settings or load_api_settings()
-    engine = engine or Engine(cag_settings or get_settings())
+    engine = engine or Engine(cag_settings or get_settings(), retrieval=retrieve)
+    if engine.retrieval is None:  # an engine built elsewhere: rag and cag+rag through cag.rag's retriever
+        engine.retrieval = retrieve
     service = Service(settings, engine)
 
     @asynccontextmanager

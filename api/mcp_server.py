@@ -41,9 +41,11 @@ from mcp.types import CallToolResult, TextContent, ToolAnnotations
 from pydantic import Field
 
 import cag
+from cag.answering.query import Query
 from cag.config import Settings
 from cag.engine import Engine
 from cag.errors import CagError
+from cag.rag.index import retrieve
 from cag.results import Mode, human_bytes
 
 from .answers import AskCall
@@ -168,7 +170,7 @@ class CagTools:
         the corpus is stale, and for rag and cag+rag the retrieved passages and their documents (sources)."""
         async def work(svc: Service) -> dict:
             svc.check_question(question, mode)
-            call = AskCall(corpus, question, mode=mode, max_tokens=max_tokens, scope=_scope(ctx))
+            call = AskCall(Query(corpus, question, mode=str(mode), max_tokens=max_tokens, scope=_scope(ctx)))
             gen = svc.runner.start(svc.answers.work(call))
             try:
                 a = await gen.result()
@@ -254,7 +256,7 @@ def mount(app: FastAPI, service: Service, dependencies: list | None = None) -> M
 def serve_stdio(api_settings: ApiSettings, cag_settings: Settings) -> None:
     """Serve MCP on stdin/stdout until the client closes stdin. The SDK points fd 1 at stderr while it
     serves, so nothing but the protocol reaches stdout."""
-    service = Service(api_settings, Engine(cag_settings))
+    service = Service(api_settings, Engine(cag_settings, retrieval=retrieve))
     tools: CagTools  # built below, with this lifespan
 
     @contextlib.asynccontextmanager

@@ -17,6 +17,7 @@ import time
 
 from fastapi import APIRouter, Request
 
+from cag.answering.query import Query
 from cag.runtime.generate import DecodeConfig
 
 from .answers import AskCall, messages_of
@@ -77,8 +78,9 @@ async def chat_completions(body: ChatRequest, request: Request, svc: ReadyServic
     seed = None if body.seed is None else body.seed % 2**64
     decoding = DecodeConfig(temperature=body.temperature or 0.0, top_p=body.top_p or 1.0, seed=seed,
                             min_tokens=body.min_tokens, stop=stop_sequences(body.stop))
-    call = AskCall(body.model, None, mode=body.mode, messages=messages, max_tokens=max_tokens, on_stale=body.on_stale,
-                   shards=body.shards, stream=body.stream, decoding=decoding, k=body.k, scope=key_scope(request))
+    query = Query(body.model, None, mode=str(body.mode), messages=messages, max_tokens=max_tokens, on_stale=str(body.on_stale),
+                  shards=body.shards, decoding=decoding, k=body.k, scope=key_scope(request))
+    call = AskCall(query, stream=body.stream)
     gen = svc.runner.start(svc.answers.work(call))
     cid, created = "chatcmpl-" + secrets.token_hex(12), int(time.time())
     if not body.stream:

@@ -25,6 +25,7 @@ from ray import serve
 from cag.config import Settings
 from cag.engine import Answer, Engine
 from cag.errors import CagError
+from cag.rag.index import retrieve
 from cag.store.sync import known_corpus
 
 from .answers import AskCall
@@ -64,7 +65,7 @@ class CorpusReplica:
     routes to a replica only once it can answer."""
 
     def __init__(self, cag_settings: Settings, api_settings: ApiSettings, corpora_per_replica: int, threads: int):
-        self.engine = Engine(cag_settings)
+        self.engine = Engine(cag_settings, retrieval=retrieve)
         self.engine.lm  # noqa: B018 - load the model now (seconds), before Serve calls the replica ready
         self.engine.layout()
         # one queued request per worker at most: Serve's max_ongoing_requests is 2 x workers

@@ -13,6 +13,7 @@ from typing import Any, Literal, cast
 from fastapi import APIRouter, Query, Request, Response
 from fastapi.responses import JSONResponse
 
+from cag.answering.query import Query as AskQuery
 from cag.engine import Answer
 from cag.errors import CagError, NotFound
 from cag.runtime import describe
@@ -109,10 +110,10 @@ def start_ask(svc: Service, body: AskRequest, scope: str | None = None) -> Gener
         messages = (*messages_of(body.history), ("user", body.question))
         for _, text in messages:
             svc.check_question(text, body.mode)
-    call = AskCall(body.corpus, body.question if messages is None else None, mode=body.mode, max_tokens=body.max_tokens,
-                   on_stale=body.on_stale, shards=body.shards, stream=body.stream,
-                   decoding=DecodeConfig(min_tokens=body.min_tokens, stop=stop_sequences(body.stop)), messages=messages,
-                   k=body.k, scope=scope)
+    query = AskQuery(body.corpus, body.question if messages is None else None, mode=str(body.mode), max_tokens=body.max_tokens,
+                  on_stale=str(body.on_stale), shards=body.shards, messages=messages, scope=scope, k=body.k,
+                  decoding=DecodeConfig(min_tokens=body.min_tokens, stop=stop_sequences(body.stop)))
+    call = AskCall(query, stream=body.stream)
     return svc.runner.start(svc.answers.work(call))
 
 

@@ -1,6 +1,6 @@
 """Bounded, cancellable model work for async routes.
 
-The event loop never runs the model. A request becomes a `Generation`: `engine.ask` runs on a
+The event loop never runs the model. A request becomes a `Generation`: `engine.answer` runs on a
 small dedicated thread pool (`workers` threads) and hands text pieces and the final Answer back
 through an asyncio queue. At most `workers + max_queue` generations are admitted at once; one
 more is refused at once with 429 and a Retry-After estimate. A generation stops at its next token

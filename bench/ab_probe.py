@@ -11,6 +11,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from cag.answering.query import Query
+
 QUESTIONS = ["What does the author say about startups?", "Why do founders fail?", "What is the best way to get ideas?",
              "How should you pick a cofounder?", "What matters most in a startup's early days?"]
 TURNS = ["What does the author say about working on hard problems, and why does it matter to him?",
@@ -29,14 +31,14 @@ def probe(corpus_tokens: int, questions: int) -> dict:
     r = engine.ingest(str(folder), name="essays")
     out = {"weights": engine.lm.weights, "kernels": engine.lm.kernels, "tokens": r.n_tokens,
            "prefill_tok_s": round(r.n_tokens / (r.prefill_ms / 1e3), 1)}
-    engine.ask("essays", "Warm up.", max_tokens=2)
-    ttft = [engine.ask("essays", q, max_tokens=4).ttft_ms for q in QUESTIONS[:questions]]
+    engine.answer(Query("essays", "Warm up.", max_tokens=2))
+    ttft = [engine.answer(Query("essays", q, max_tokens=4)).ttft_ms for q in QUESTIONS[:questions]]
     out["ttft_ms"] = round(sum(ttft) / len(ttft), 1)
-    out["decode_tok_s"] = engine.ask("essays", "Tell me everything about the essays.", max_tokens=64).decode_tok_s
+    out["decode_tok_s"] = engine.answer(Query("essays", "Tell me everything about the essays.", max_tokens=64)).decode_tok_s
     history, turns = [], []
     for q in TURNS:
         messages = history + [{"role": "user", "content": q}]
-        a = engine.ask("essays", None, messages=messages, max_tokens=48)
+        a = engine.answer(Query("essays", None, messages=messages, max_tokens=48))
         turns.append(a.ttft_ms)
         history = messages + [{"role": "assistant", "content": a.answer}]
     out["turn1_ttft_ms"], out["turn6_ttft_ms"] = round(turns[0], 1), round(turns[-1], 1)
@@ -53,13 +55,12 @@ def stall(engine, folder: Path, long_tokens: int = 2000) -> dict:
     text = " ".join(p.read_text() for p in sorted(folder.iterdir()))
     long_text = tok.decode(tok(text)["input_ids"][:long_tokens])
     short = "Who wrote these essays?"
-    alone = min(engine.ask("essays", short, max_tokens=4).ttft_ms for _ in range(2))
+    alone = min(engine.answer(Query("essays", short, max_tokens=4)).ttft_ms for _ in range(2))
     got: dict = {}
-    t = threading.Thread(target=lambda: got.update(long=engine.ask(
-        "essays", None, messages=[{"role": "user", "content": long_text + "\n\nSummarize this."}], max_tokens=4)))
+    t = threading.Thread(target=lambda: got.update(long=engine.answer(Query("essays", None, messages=[{"role": "user", "content": long_text + "\n\nSummarize this."}], max_tokens=4))))
     t.start()
     time.sleep(0.5)  # the long prompt's prefill is under way
-    during = engine.ask("essays", short, max_tokens=4).ttft_ms
+    during = engine.answer(Query("essays", short, max_tokens=4)).ttft_ms
     t.join()
     return {"short_alone_ttft_ms": round(alone, 1), "short_during_long_ttft_ms": round(during, 1),
             "long_ttft_ms": round(got["long"].ttft_ms, 1)}

@@ -35,6 +35,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from cag.answering.query import Query
+
 from .bench_models import SHAPES
 from .common import essay_corpus, machine, timed, write
 
@@ -187,19 +189,19 @@ def main() -> None:
             def cold(corpus=f"essays{size}"):
                 engine.evict()
                 engine.kept.clear()
-                return engine.ask(corpus, QUESTION, max_tokens=1)
+                return engine.answer(Query(corpus, QUESTION, max_tokens=1))
 
             def warm(corpus=f"essays{size}"):
                 engine.kept.clear()
-                return engine.ask(corpus, QUESTION, max_tokens=1)
+                return engine.answer(Query(corpus, QUESTION, max_tokens=1))
 
-            engine.ask(f"essays{size}", QUESTION, max_tokens=1)  # untimed: the first answer's one-time setup
+            engine.answer(Query(f"essays{size}", QUESTION, max_tokens=1))  # untimed: the first answer's one-time setup
             c_ttft_cold = timed(cold, args.repeat)[0] * 1e3
             c_ttft_warm = timed(warm, args.repeat)[0] * 1e3
             # decode: the two engines alternate, best of `rounds` each (a load spike hits both alike)
             c_decode = l_decode = 0.0
             for _ in range(args.rounds):
-                ans = engine.ask(f"essays{size}", QUESTION, max_tokens=n, decoding=DecodeConfig(max_tokens=n, min_tokens=n))
+                ans = engine.answer(Query(f"essays{size}", QUESTION, max_tokens=n, decoding=DecodeConfig(max_tokens=n, min_tokens=n)))
                 c_decode = max(c_decode, ans.decode_tok_s)
                 anchor.load_file(state_file, len(prefix))
                 l_tokens, rate = anchor.decode(anchor.first_token(question), n)

@@ -19,6 +19,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from cag.answering.query import Query
 from cag.config import get_settings
 from cag.engine import Engine
 from cag.rag.answer import ask_many
@@ -48,11 +49,11 @@ def main() -> None:
         for name, _ in sets:
             engine.ingest(str(REPO / "corpora/handbook") if name == "handbook" else str(Path(tmp) / name), name=name)
             print("ingested", name, flush=True)
-        engine.ask("handbook", handbook[0], max_tokens=2)  # first forwards (allocator, kernels) outside the timings
+        engine.answer(Query("handbook", handbook[0], max_tokens=2))  # first forwards (allocator, kernels) outside the timings
         rows, t_alone, t_batch, tok_alone, tok_batch, steps, batch_rows = [], 0.0, 0.0, 0, 0, 0, 0
         for name, questions in sets:
             t0 = time.perf_counter()
-            alone = [engine.ask(name, q, max_tokens=args.max_tokens) for q in questions]
+            alone = [engine.answer(Query(name, q, max_tokens=args.max_tokens)) for q in questions]
             t1 = time.perf_counter()
             before = engine.stats
             batched = [a for _, a in ask_many(engine, name, questions, max_tokens=args.max_tokens)]

@@ -23,6 +23,7 @@ import threading
 import time
 from pathlib import Path
 
+from cag.answering.query import Query
 from cag.config import get_settings
 from cag.engine import Engine
 from cag.runtime.generate import DecodeConfig
@@ -32,8 +33,7 @@ from .common import machine, write
 
 
 def turn(engine: Engine, messages: list[dict], mode: str, max_tokens: int, min_tokens: int = 0):
-    return engine.ask("chat", None, mode=mode, max_tokens=max_tokens, messages=messages,
-                      decoding=DecodeConfig(min_tokens=min_tokens))
+    return engine.answer(Query("chat", None, mode=mode, max_tokens=max_tokens, messages=messages, decoding=DecodeConfig(min_tokens=min_tokens)))
 
 
 def conversation(engine: Engine, questions: list[str], max_tokens: int, min_tokens: int = 0, compare: bool = True) -> list[dict]:

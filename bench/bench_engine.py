@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from cag.answering.query import Query
 from cag.config import get_settings
 from cag.engine import Engine
 from cag.store import snapshots
@@ -51,10 +52,10 @@ def main() -> None:
             def cag_ttft():
                 engine.evict()  # not resident: the snapshot is read from its file
                 engine.kept.clear()  # and the question prefilled (no kept conversation's K/V reused)
-                return engine.ask(f"essays{size}", QUESTION, max_tokens=1)
+                return engine.answer(Query(f"essays{size}", QUESTION, max_tokens=1))
 
             def full_ttft():
-                return engine.ask(f"essays{size}", QUESTION, max_tokens=1, mode="full")
+                return engine.answer(Query(f"essays{size}", QUESTION, max_tokens=1, mode="full"))
 
             t_cag, a_cag = timed(cag_ttft, args.repeat)
             t_full, a_full = timed(full_ttft, args.repeat)

@@ -30,6 +30,7 @@ import time
 from pathlib import Path
 
 from bench.common import REPO, machine, write
+from cag.answering.query import Query
 
 MAX_TOKENS = 32
 
@@ -44,7 +45,8 @@ def _engines(root: Path, base: str, weights: str):
 
 
 def _squad_sets(lm, n: int, size: int) -> list[tuple[Path, list[dict]]]:
-    from cag.compare.datasets import knowledge_sets_from_corpus, load_corpus
+    from cag.compare.datasets import load_corpus
+    from cag.compare.knowledge_sets import knowledge_sets_from_corpus
 
     corpus = load_corpus("squad", None)
     count = lambda text: len(lm.tokenizer.encode(text, add_special_tokens=False))  # noqa: E731
@@ -73,8 +75,8 @@ def _run(fp16, int8, sets: list[tuple[Path, list[dict]]], label: str) -> dict:
         for eng in (fp16, int8):
             eng.ingest(str(folder), name=name)
         for q in questions:
-            a = fp16.ask(name, q["question"], max_tokens=MAX_TOKENS)
-            b = int8.ask(name, q["question"], max_tokens=MAX_TOKENS)
+            a = fp16.answer(Query(name, q["question"], max_tokens=MAX_TOKENS))
+            b = int8.answer(Query(name, q["question"], max_tokens=MAX_TOKENS))
             same = a.token_ids == b.token_ids
             split = next((j for j, (x, y) in enumerate(zip(a.token_ids, b.token_ids)) if x != y),
                          None if same else min(len(a.token_ids), len(b.token_ids)))

@@ -30,6 +30,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from cag.answering.query import Query
+
 from .common import essay_corpus, family_config, machine, write
 
 # name: (family, hidden, layers, heads, kv heads, intermediate, tied embeddings)
@@ -104,7 +106,7 @@ def child(phase: str, corpus: str, questions: int) -> dict:
         return {"n_tokens": r.n_tokens, "ingest_tok_s": r.n_tokens / (r.prefill_ms / 1e3), "ingest_peak_rss": peak_rss()}
     name = next(iter(engine.index.corpora()))["name"]
     cfg = DecodeConfig(max_tokens=32, min_tokens=32)  # every answer 32 tokens: rates over the same count
-    rows = [engine.ask(name, q, max_tokens=32, decoding=cfg) for q in (QUESTIONS * 4)[: questions + 1]][1:]  # the first warms
+    rows = [engine.answer(Query(name, q, max_tokens=32, decoding=cfg)) for q in (QUESTIONS * 4)[: questions + 1]][1:]  # the first warms
     n_tokens = engine.index.snapshot(engine.index.corpus(name)["current_snapshot"])["n_tokens"]
     params = sum(p.numel() * p.element_size() for p in lm.model.parameters())
     bf16 = sum(p.numel() * 2 for p in lm.model.parameters())  # the model's weights as a bf16 checkpoint holds them

@@ -21,6 +21,7 @@ import statistics
 import tempfile
 from pathlib import Path
 
+from cag.answering.query import Query
 from cag.config import get_settings
 from cag.engine import Engine
 
@@ -66,13 +67,13 @@ def main() -> None:
             shard_rows.append({**s, "formula_bytes": formula, "bytes_over_formula": s["bytes"] / formula - 1})
 
         load_before = os.getloadavg()
-        engine.ask("essays", "warm up", max_tokens=1)  # the router is built once per set of shard snapshots
+        engine.answer(Query("essays", "warm up", max_tokens=1))  # the router is built once per set of shard snapshots
         rows = []
         for q in QUESTIONS:
             def cold(corpus, **kw):
                 engine.evict()  # read the snapshot from its file each time
                 engine.kept.clear()  # and prefill the question (no kept conversation's K/V reused)
-                return engine.ask(corpus, q, max_tokens=1, **kw)
+                return engine.answer(Query(corpus, q, max_tokens=1, **kw))
 
             big_times, one_times = [], []
             for _ in range(args.repeat):  # alternating: a load spike on this shared host hits both sides
@@ -81,11 +82,11 @@ def main() -> None:
                 t, a_one = timed(lambda: cold("essays7k"), 1)
                 one_times.append(t)
             t_big, t_one = statistics.median(big_times), statistics.median(one_times)
-            t_full, a_full = timed(lambda: engine.ask("essays", q, max_tokens=1, mode="full"), 1)
+            t_full, a_full = timed(lambda: engine.answer(Query("essays", q, max_tokens=1, mode="full")), 1)
             shard = a_big.shards[0]["shard"]
-            long = engine.ask("essays", q, max_tokens=args.max_tokens)
-            two = engine.ask("essays", q, max_tokens=args.max_tokens, shards=2)
-            full = engine.ask("essays", q, max_tokens=args.max_tokens, mode="full")
+            long = engine.answer(Query("essays", q, max_tokens=args.max_tokens))
+            two = engine.answer(Query("essays", q, max_tokens=args.max_tokens, shards=2))
+            full = engine.answer(Query("essays", q, max_tokens=args.max_tokens, mode="full"))
             rows.append({
                 "question": q, "shard": shard, "shard_tokens": a_big.cached_tokens, "routing_ms": a_big.routing_ms,
                 "ttft_sharded_ms": t_big * 1e3, "ttft_single_7k_ms": t_one * 1e3, "ratio_vs_7k": t_big / t_one,

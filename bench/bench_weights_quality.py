@@ -15,6 +15,7 @@ import json
 import tempfile
 from pathlib import Path
 
+from cag.answering.query import Query
 from cag.compare import metrics, stats
 from cag.compare.datasets import load_squad
 from cag.config import get_settings
@@ -70,10 +71,10 @@ def main() -> None:
         for f, engine in engines.items():
             for name, items in sets:
                 for q, golds in items:
-                    a = engine.ask(name, q, max_tokens=args.max_tokens)
+                    a = engine.answer(Query(name, q, max_tokens=args.max_tokens))
                     answers[f].append((a.token_ids, a.answer, golds, name == "handbook", a.decode_tok_s))
                     if name == "handbook":
-                        full = engine.ask(name, q, max_tokens=args.max_tokens, mode="full")
+                        full = engine.answer(Query(name, q, max_tokens=args.max_tokens, mode="full"))
                         cag_eq_full[f].append(full.token_ids == a.token_ids)
             engine.evict()
             print(f, "done", flush=True)

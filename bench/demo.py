@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import sys
 
+from cag.answering.query import Query
 from cag.config import get_settings
 from cag.engine import Engine
 
@@ -12,7 +13,7 @@ from cag.engine import Engine
 def main() -> None:
     question = sys.argv[1] if len(sys.argv) > 1 else "What is the name of the company VPN?"
     engine = Engine(get_settings())
-    rows = [engine.ask("handbook", question, mode=m, max_tokens=48) for m in ("cag", "full")]
+    rows = [engine.answer(Query("handbook", question, mode=m, max_tokens=48)) for m in ("cag", "full")]
     print(f"\nQ: {question}\n")
     print(f"{'mode':<6} {'load ms':>8} {'ttft ms':>9} {'total ms':>9} {'cached':>7}  answer")
     for a in rows:

@@ -41,6 +41,8 @@ import traceback
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from cag.answering.query import Query
+
 QUESTIONS = [
     "What does the author say about startups?",
     "Why do hackers like hard problems?",
@@ -139,7 +141,7 @@ class Check:
     def ask(self, q: str, n: int, **kw):
         from cag.runtime.generate import DecodeConfig
 
-        return self.engine.ask("check", q, max_tokens=n, decoding=DecodeConfig(max_tokens=n, min_tokens=kw.pop("min_tokens", 0)), **kw)
+        return self.engine.answer(Query("check", q, max_tokens=n, decoding=DecodeConfig(max_tokens=n, min_tokens=kw.pop("min_tokens", 0)), **kw))
 
     def run(self) -> dict:
         e, lm = self.engine, self.engine.lm

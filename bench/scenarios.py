@@ -28,6 +28,8 @@ from pathlib import Path
 
 import torch
 
+from cag.answering.query import Query
+
 from .common import REPO
 
 HANDBOOK = REPO / "corpora" / "handbook"
@@ -155,7 +157,7 @@ def _tensors(engine, corpus: str) -> dict[str, torch.Tensor]:
 
 
 def _ask(engine, messages: list[dict], mode: str, max_tokens: int) -> list[int]:
-    return engine.ask("s", None, mode=mode, max_tokens=max_tokens, messages=messages).token_ids
+    return engine.answer(Query("s", None, mode=mode, max_tokens=max_tokens, messages=messages)).token_ids
 
 
 def _beside(engine, messages: list[dict], max_tokens: int, others: list[str]) -> list[int]:

@@ -51,7 +51,7 @@ class Settings(BaseSettings):
     max_corpus_bytes: int = Field(128 * 1024**2, ge=1)  # all the documents of a corpus together
     question_room: int = Field(256, ge=1)  # tokens reserved after the knowledge for the question suffix
     answer_room: int = Field(256, ge=1)  # tokens reserved for the answer; also the max_tokens ceiling
-    # cag+rag (rag/hybrid.py): the size of a quoted passage, in tokens of the model's tokenizer; 0 = RAG's (384)
+    # cag+rag (cag.answering.retrieval): the size of a quoted passage, in tokens of the model's tokenizer; 0 = RAG's (384)
     quote_tokens: int = Field(0, ge=0, le=8192)
     max_tokens: int = Field(128, ge=1)  # default answer length
     threads: int = Field(0, ge=0)  # torch intra-op threads; 0 = torch's default

@@ -1,10 +1,11 @@
 """The engine: ingest a corpus into a snapshot, answer a question from it, say how fresh it is.
 
 Read top to bottom: ingest (plan the prefix, reuse a verified snapshot, else prefill and save)
-and ask (check the question, take the prefix for the mode, generate). The pieces live in their
-own rooms: corpus.py (files, lock), prompt.py (layout), kv.py (cache), generate.py (decode),
-resident.py (snapshots kept in memory), results.py (what comes back), store/ (files, SQLite).
-RAG is a `full` prompt over retrieved passages, built above the engine in cag.rag.
+and answer (check the Query once, take the prefix for its mode, generate). The pieces live in their
+own rooms: knowledge/ (corpus files, ingest steps, verify), answering/ (query, questions, chat, resident
+snapshots, shards, retrieval), runtime/ (decode), model/ (prompt layout), results.py (what comes back),
+store/ (files, SQLite). Every mode enters at `Engine.answer(Query)`; `rag` and `cag+rag` retrieve
+through the Retrieval the engine is given (cag.answering.retrieval; cag.rag implements it).
 """
 
 from __future__ import annotations
@@ -13,17 +14,18 @@ import threading
 import time
 from pathlib import Path
 
-from cag.answering import across_shards, chat, questions
+from cag.answering import across_shards, answers, chat, questions, retrieval
+from cag.answering.query import Query
 from cag.answering.questions import Question, suffix_room
-from cag.answering.resident import Resident, ResidentPool
+from cag.answering.resident import Resident, ResidentPool, codes_read
+from cag.answering.retrieval import Retrieval
 from cag.config import Settings
-from cag.errors import BadInput, NotFound, TooLarge
-from cag.hashing import hash_obj
-from cag.kernels import native
+from cag.errors import BadInput, NotFound
 from cag.knowledge import corpus as corpora
 from cag.knowledge import freshness, verify
 from cag.knowledge import ingest as steps
 from cag.knowledge.names import check_corpus_name
+from cag.knowledge.setup import SnapshotSetup
 from cag.model import facts as model_facts
 from cag.model.facts import ModelFacts
 from cag.model.loading import LoadedModel, load_model
@@ -31,7 +33,7 @@ from cag.model.prompt import Layout, build_prefix, layout_for
 from cag.results import Answer, CorpusStatus, IngestResult, Mode, Reporter, StalePolicy
 from cag.runtime import describe, kv_cache
 from cag.runtime.decoder import Decoder
-from cag.runtime.generate import DecodeConfig, Generated
+from cag.runtime.generate import stop_at
 from cag.runtime.kept_conversations import KeptConversations
 from cag.runtime.requests import Request
 from cag.runtime.slots import PrefixKV
@@ -39,12 +41,14 @@ from cag.store import snapshots as snapfiles
 from cag.store.index import Index
 from cag.store.sync import shared_store
 
-__all__ = ["Answer", "CorpusStatus", "Engine", "IngestResult", "Mode", "Reporter", "StalePolicy"]
+__all__ = ["Answer", "CorpusStatus", "Engine", "IngestResult", "Mode", "Query", "Reporter", "StalePolicy"]
 
 
 class Engine:
-    def __init__(self, settings: Settings, lm: LoadedModel | None = None):
+    def __init__(self, settings: Settings, lm: LoadedModel | None = None, retrieval: Retrieval | None = None):
+        """`retrieval`: how `rag` and `cag+rag` find passages (cag.rag.index.retrieve); without one they are refused."""
         self.settings = settings
+        self.retrieval = retrieval
         self.index = Index(settings.index_path)
         self._lm = lm
         self._lm_lock = threading.Lock()
@@ -124,10 +128,6 @@ class Engine:
         """Rows of each knowledge-prefill forward on this model's device (kv_cache.BLOCK: part of the key)."""
         return self.settings.prefill_block or kv_cache.block_for(self.lm.device)
 
-    @property
-    def suffix_room(self) -> int:
-        return suffix_room(self.lm)
-
     def layout(self) -> Layout:
         return self._layouts()[1]
 
@@ -138,21 +138,10 @@ class Engine:
             self._layout = (lm, layout, chat.turn_piece(lm.tokenizer, layout))
         return self._layout
 
-    def require_fit(self, n_prefix: int, what: str) -> None:
-        lm = self.lm
-        if not lm.fits(n_prefix, self.room):
-            raise TooLarge(f"{what} is {n_prefix} tokens; with {self.room} reserved for question and answer the "
-                           f"model's context of {lm.max_context} leaves room for {lm.max_context - self.room}")
-
-    def snapshot_key(self, ids: list[int], kv_name: str | None = None) -> str:
-        """Everything that determines the tensors (stored as `kv_name`, default the configured dtype);
-        docs/concepts.md (snapshot keys)."""
-        lm = self.lm
-        return hash_obj({
-            "format": snapfiles.FORMAT_VERSION, "model": lm.fingerprint, "tokenizer": lm.tokenizer_fingerprint,
-            "layout": self.layout().as_dict(), "ids": hash_obj(ids), "dtype": snapfiles.codec(kv_name or self.kv_name),
-            "compute_dtype": str(lm.dtype), "prefill_block": self.prefill_block,
-        })
+    def snapshots(self) -> SnapshotSetup:
+        """What keying, building and verifying snapshots read (cag.knowledge.setup): the model loads here."""
+        return SnapshotSetup(self.settings, self.index, self.remote, self.lm, self.layout(), self.kv_name,
+                             self.prefill_block)
 
     def read_corpus(self, source: Path, corpus: str | None):
         return corpora.read_corpus(self.index, source, corpus, self.settings)  # within the input limits
@@ -176,9 +165,11 @@ class Engine:
         name = check_corpus_name(name)
         reporter = reporter or Reporter()
         with corpora.writer_lock(self.settings.home, name):
-            plan = steps.plan(self, name, source, ttl_s, shard_tokens, reporter)
-            fresh = [None if force else steps.reuse_fresh(self, s) for s in plan.shards]
-            reuse = [(0, None) if f or force else steps.reusable(self, name, s) for f, s in zip(fresh, plan.shards)]
+            plan = steps.read(self.index, self.remote, self.settings, name, source, ttl_s, shard_tokens, reporter)
+            setup = self.snapshots()
+            steps.pack_shards(setup, plan, reporter)
+            fresh = [None if force else steps.reuse_fresh(setup, s) for s in plan.shards]
+            reuse = [(0, None) if f or force else steps.reusable(setup, name, s) for f, s in zip(fresh, plan.shards)]
             todo = sum(len(s.prefix.ids) - r for (r, _), s, f in zip(reuse, plan.shards, fresh) if not f)
             n = sum(len(s.prefix.ids) for s in plan.shards)
             est = [self.lm.kv_bytes(len(s.prefix.ids), self.kv_dtype) for s in plan.shards]
@@ -187,56 +178,105 @@ class Engine:
             if todo:
                 reporter.estimate(n, sum(est), n - todo)
                 tick = reporter.progress(todo)
-            built = [f or steps.build(self, plan, s, r, old, tick) for f, s, (r, old) in zip(fresh, plan.shards, reuse)]
+            built = [f or self._build(setup, plan, s, r, old, tick) for f, s, (r, old) in zip(fresh, plan.shards, reuse)]
             if todo:
                 reporter.done()
-            steps.publish(self, plan, built)
+            steps.publish(setup, plan, built)
         return IngestResult.of(plan, built, est)
+
+    def _build(self, setup: SnapshotSetup, plan: steps.Plan, shard: steps.Shard, reused: int, old_kv, tick) -> steps.Built:
+        built = steps.build(setup, plan, shard, reused, old_kv, tick)
+        self.resident.evict(shard.digest)  # a copy of the file just replaced is not served again
+        return built
 
     def open_snapshot(self, row: dict, dequant=None) -> snapfiles.Snapshot:
         """Load a snapshot file and verify it (cag.knowledge.verify); a failure marks it corrupt."""
-        return verify.open_snapshot(self, row, dequant)
+        return verify.open_snapshot(self.snapshots(), row, dequant)
 
-    # -- ask -------------------------------------------------------------------------------------
-    def ask(self, corpus: str, question: str | None, mode: str = "cag", max_tokens: int | None = None,
-            on_text=None, should_stop=None, on_stale: str = "serve", decoding: DecodeConfig | None = None,
-            shards: int = 1, messages: list | None = None, scope: str | None = None, search: str | None = None) -> Answer:
-        """Answer from the snapshot (`cag`) or from the whole corpus prefilled again (`full`). A
-        sharded corpus answers from its `shards` best shards (more than it has: all of them).
-        `messages` (chat messages, cag.answering.chat) in place of `question`: answer a conversation's last
-        user message with the whole conversation in the prompt. `scope`: whose kept conversations the
-        answer may reuse and extend (an API key's; None: the one user's). `search`: what a sharded corpus
-        routes by, in place of the question (cag+rag's quote is not what the question asks)."""
-        q = self.check(corpus, question, mode, max_tokens, on_stale, decoding, messages)
-        q.scope, q.search = scope, search
-        if q.mode in (Mode.RAG, Mode.HYBRID):
-            raise BadInput(f"mode {q.mode.value!r} is answered by cag.rag.answer.ask, above the engine")
-        if q.mode is Mode.FULL and len(self.index.shards(corpus)) > 1:  # no context holds it all: the routed shard
-            rows, (route, *_), routing_ms = across_shards.route(self, corpus, q.search_text, 1)
+    # -- answer ----------------------------------------------------------------------------------
+    def answer(self, query: Query, on_text=None, should_stop=None) -> Answer:
+        """Answer a Query in any mode, its question checked once: `cag` from the snapshot (a sharded corpus from
+        its `shards` best shards), `full` from the whole corpus prefilled again, `rag` from a `full` prompt of
+        the retrieved passages, `cag+rag` from the snapshot with the passages quoted before the question.
+        `on_text` gets the answer's text as it is decoded; `should_stop` is polled between tokens."""
+        if query.mode == Mode.HYBRID.value and query.k is not None and query.k < 1:
+            raise BadInput("k must be at least 1")
+        q = self.check(query)
+        if q.mode is Mode.RAG:
+            a = self._answer_rag(q, query, on_text, should_stop)
+        elif q.mode is Mode.HYBRID:
+            a = self._answer_hybrid(q, query, on_text, should_stop)
+        else:
+            a = self._answer(q, on_text, should_stop, query.shards)
+        if query.decoding is not None and query.decoding.stop:  # the decoder cut the text there and decoded no further
+            text = self.lm.tokenizer.decode(a.token_ids, skip_special_tokens=True)  # type: ignore[attr-defined]
+            a.stopped = stop_at(text, query.decoding.stop) is not None
+        return a
+
+    def check(self, query: Query) -> Question:
+        """Everything a query needs before any model work (cag.answering.questions), the stale policy applied
+        (a refresh ingests the corpus again from its recorded source)."""
+        q = questions.check(query, self.settings, self.index, self.remote, self._layouts, self.stale_reasons)
+        if q.refresh:  # the recorded source, never a same-named folder in cwd
+            self.ingest(q.row["source"], name=q.corpus)
+            q.row, q.reasons, q.refresh = self.index.corpus(q.corpus) or q.row, [], False
+        return q
+
+    def _answer(self, q: Question, on_text, should_stop, shards: int = 1) -> Answer:
+        """`cag` or `full`, for a checked question."""
+        if q.mode is Mode.FULL and len(self.index.shards(q.corpus)) > 1:  # no context holds it all: the routed shard
+            rows, (route, *_), routing_ms = across_shards.route(self.index, self.remote, self.lm.tokenizer, q.corpus,
+                                                                q.search_text, 1)
             snap = self.index.snapshot(rows[route.shard]["snapshot"])
             assert snap is not None  # a shard row names a snapshot the index holds (published together)
             ids = snapfiles.read_ids(self.remote.ensure_local(snap["digest"], Path(snap["path"])))
-            return self.answer_prompt(q, ids, on_text, should_stop, held=snap, routing_ms=round(routing_ms, 2),
-                                      shards=[{"shard": route.shard, "score": round(route.score, 4), "n_tokens": len(ids)}])
+            return self._answer_prompt(q, ids, on_text, should_stop, held=snap, routing_ms=round(routing_ms, 2),
+                                       shards=[{"shard": route.shard, "score": round(route.score, 4), "n_tokens": len(ids)}])
         if q.mode is Mode.FULL:
-            docs, _ = self.read_corpus(Path(q.row["source"]), corpus)
+            docs, _ = self.read_corpus(Path(q.row["source"]), q.corpus)
             prefix = build_prefix(self.lm.tokenizer, self.layout(), [(d.name, d.text) for d in docs])
-            return self.answer_prompt(q, prefix.ids, on_text, should_stop)
+            return self._answer_prompt(q, prefix.ids, on_text, should_stop)
         return self._answer_cached(q, on_text, should_stop, max(1, shards))  # across_shards.route clamps to the count
 
-    def check(self, corpus: str, question: str | None, mode: str = "cag", max_tokens: int | None = None,
-              on_stale: str = "serve", decoding: DecodeConfig | None = None, messages: list | None = None) -> Question:
-        """Everything a question (or a conversation: `messages`) needs before any model work (cag.answering.questions)."""
-        return questions.check(self, corpus, question, mode, max_tokens, on_stale, decoding, messages)
+    def _retrieve(self, q: Question, query: Query, k: int, passage_tokens: int | None):
+        """(the corpus's documents, the k best passages for the question, retrieval ms)."""
+        if self.retrieval is None:
+            raise BadInput(f"mode {q.mode.value!r} needs a retriever: this engine was built without one "
+                           "(Engine(settings, retrieval=cag.rag.index.retrieve))")
+        docs, _ = self.read_corpus(Path(q.row["source"]), q.corpus)
+        t0 = time.perf_counter()
+        hits = self.retrieval(docs, q.search_text, k, query.retriever, passage_tokens, self.lm)
+        return docs, hits, (time.perf_counter() - t0) * 1e3
 
-    def answer_prompt(self, q: Question, prefix_ids: list[int], on_text=None, should_stop=None,
-                      held: dict | None = None, **extra) -> Answer:
+    def _answer_rag(self, q: Question, query: Query, on_text, should_stop) -> Answer:
+        """`rag`: the `full` prompt of a corpus made only of the top-k passages (cag.answering.retrieval)."""
+        k = retrieval.RAG_K if query.k is None else query.k
+        if k < 1:
+            raise BadInput("k must be at least 1")
+        docs, hits, retrieval_ms = self._retrieve(q, query, k, query.passage_tokens)
+        ids = retrieval.rag_prefix(self.lm, self.layout(), self.room, docs, hits)
+        return self._answer_prompt(q, ids, on_text, should_stop, retrieval_ms=round(retrieval_ms, 2),
+                                   passages=retrieval.described(hits))
+
+    def _answer_hybrid(self, q: Question, query: Query, on_text, should_stop) -> Answer:
+        """`cag+rag`: the snapshot, and the top-k passages that fit quoted in the last user message, answered as
+        that conversation in `cag` (routed by the question, not by its quote)."""
+        k = retrieval.HYBRID_K if query.k is None else query.k
+        docs, hits, retrieval_ms = self._retrieve(q, query, k, query.passage_tokens or self.settings.quote_tokens or None)
+        lm, layout, turn = self._layouts()
+        chosen = retrieval.fitting(lm.tokenizer, docs, hits, q.text, retrieval.quote_room(self.index, q, lm.max_context))
+        messages = retrieval.messages_with_quote(query.question, query.messages, q.text, retrieval.in_corpus_order(docs, chosen))
+        a = self._answer(questions.conversation(q, messages, Mode.CAG, lm, layout, turn), on_text, should_stop, query.shards)
+        return retrieval.quoting(a, hits, chosen, retrieval_ms)
+
+    def _answer_prompt(self, q: Question, prefix_ids: list[int], on_text=None, should_stop=None,
+                       held: dict | None = None, **extra) -> Answer:
         """Answer over a prefix prefilled now, with no snapshot (`full`, and RAG's passages): the same
         prefill as ingest's, then the same question and decode path as `cag`'s. `full` holds its K/V
         at the precision of the snapshot `cag` reads (`held`, else the corpus's), which may differ
         from the setting's (stale, still served): cag == full, bitwise."""
         lm, n = self.lm, len(prefix_ids)
-        self.require_fit(n, "the prompt's knowledge")
+        self.snapshots().require_fit(n, "the prompt's knowledge")
         store = self.kv_dtype
         if q.mode is not Mode.RAG:  # RAG's passages have no snapshot to match
             held = held or (self.index.snapshot(q.row["current_snapshot"]) if q.row.get("current_snapshot") else None)
@@ -244,21 +284,24 @@ class Engine:
         cache = kv_cache.new_cache(lm.model, kv_cache.padded(n, self.prefill_block))
         kv_cache.prefill_knowledge(lm.model, cache, prefix_ids, 0, self.prefill_block, store, should_stop=should_stop)
         views, codes = kv_cache.stored(kv_cache.views(cache, n), store)
-        gen, _ = self._generate(PrefixKV.of(views, lm.attn_dtype, lm.device, self._read(codes)), q, on_text, should_stop)
-        return self._finish(q, gen, n, 0, 0.0, None if q.mode is Mode.RAG else q.row["current_snapshot"], **extra)
+        gen, _ = self._generate(PrefixKV.of(views, lm.attn_dtype, lm.device, codes_read(lm, codes)), q, on_text, should_stop)
+        snapshot = None if q.mode is Mode.RAG else q.row["current_snapshot"]
+        return answers.finish(self.index, self.lm, q, gen, n, 0, 0.0, snapshot, **extra)
 
     def _answer_cached(self, q: Question, on_text, should_stop, shards: int = 1) -> Answer:
         if len(self.index.shards(q.corpus)) > 1:
-            best, tried, routing_ms = across_shards.answer(self, q, shards, on_text, should_stop)
-            return self._finish(q, best.gen, best.n_tokens, best.n_tokens + best.gen.reused, best.load_ms, best.snapshot,
-                                shards=[t.info() | {"chosen": t is best} for t in tried], routing_ms=round(routing_ms, 2))
+            best, tried, routing_ms = across_shards.answer(self.index, self.remote, self.lm.tokenizer, self._generate_cached,
+                                                           q, shards, on_text, should_stop)
+            return answers.finish(self.index, self.lm, q, best.gen, best.n_tokens, best.n_tokens + best.gen.reused,
+                                  best.load_ms, best.snapshot, shards=[t.info() | {"chosen": t is best} for t in tried],
+                                  routing_ms=round(routing_ms, 2))
         digest = q.row["current_snapshot"]
         if not digest or self.index.snapshot(digest) is None:
             raise NotFound(f"corpus {q.corpus!r} has no snapshot: run `cag ingest {q.corpus}`")
-        gen, n, load_ms, _ = self.generate_cached(q, digest, on_text, should_stop)
-        return self._finish(q, gen, n, n + gen.reused, load_ms, digest)
+        gen, n, load_ms, _ = self._generate_cached(q, digest, on_text, should_stop)
+        return answers.finish(self.index, self.lm, q, gen, n, n + gen.reused, load_ms, digest)
 
-    def generate_cached(self, q: Question, digest: str, on_text=None, should_stop=None, score: bool = False):
+    def _generate_cached(self, q: Question, digest: str, on_text=None, should_stop=None, score: bool = False):
         """Answer over resident snapshot `digest`: (Generated, prefix tokens, load ms, mean
         log-probability of the answer's tokens when `score`)."""
         t0 = time.perf_counter()
@@ -270,7 +313,7 @@ class Engine:
 
     def _generate(self, prefix: PrefixKV, q: Question, on_text, should_stop, score: bool = False, key: str | None = None):
         """Decode over `prefix`; `key` (a snapshot digest) keeps the suffix for, and reuses, kept conversations."""
-        questions.fit(q, prefix.n, self.lm.max_context, self.suffix_room)
+        questions.fit(q, prefix.n, self.lm.max_context, suffix_room(self.lm))
         req = self.decoder.run(Request(prefix, q.suffix, q.decoding, on_text, should_stop, q.t_start, score, key=key))
         assert req.result is not None  # run returns a finished request, or raises its error
         req.result.reused = req.start
@@ -280,29 +323,7 @@ class Engine:
         row = self.index.snapshot(digest)
         if row is None:  # gone from the index since it was routed to (a gc, a reindex): as a missing file
             raise NotFound(f"snapshot {digest[:12]} is no longer in the index; `cag ingest` the corpus again")
-        snap = self.open_snapshot(row)
-        prefix = PrefixKV.of(snap.kv, self.lm.attn_dtype, self.lm.device, self._read(snap.codes))  # once: every request reads it
-        snap.kv, snap.codes = [], None  # the storage-dtype tensors are not needed again
-        return Resident(snap, prefix)
-
-    def _read(self, codes: list | None) -> list | None:
-        """An int8 snapshot's codes where decode rows read them (cag.kernels.native's AVX-512 attention, heads of
-        native.INT8_HEAD_DIMS, 80 included), else None: the prefix is then its dequantized K/V."""
-        return codes if self.lm.backend.int8_codes and self.lm.head_dim in native.INT8_HEAD_DIMS else None
-
-    def _finish(self, q: Question, gen: Generated, n_prefix: int, cached: int, load_ms: float,
-                snapshot: str | None, **extra) -> Answer:
-        ans = Answer(answer=gen.text, mode=q.mode.value, corpus=q.corpus, snapshot=snapshot, stale=bool(q.reasons),
-                     stale_reasons=q.reasons, prompt_tokens=n_prefix + len(q.suffix), cached_tokens=cached,
-                     completion_tokens=len(gen.ids), load_ms=round(load_ms, 2), ttft_ms=round(gen.ttft_ms, 2),
-                     total_ms=round((time.perf_counter() - q.t_start) * 1e3, 2), decode_tok_s=gen.decode_tok_s,
-                     token_ids=gen.ids, conversation_tokens=gen.reused, decode=describe.decode_path(self.lm), **extra)
-        row = ans.to_dict()
-        for k in ("stale", "stale_reasons", "passages", "decode_tok_s", "shards", "routing_ms", "conversation_tokens"):
-            row.pop(k)
-        if (failed := self.index.log_query(dict(row, question=q.text))) is not None:
-            ans.warnings.append(failed)  # the answer stands (a read-only index, a full disk)
-        return ans
+        return Resident.of(self.open_snapshot(row), self.lm)
 
     # -- resident snapshots ----------------------------------------------------------------------
     @property

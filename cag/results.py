@@ -22,12 +22,12 @@ def human_bytes(n: float) -> str:
 
 class Mode(str, Enum):
     """How a question reads the knowledge: from the snapshot, the whole corpus re-prefilled, or
-    the top-k retrieved passages re-prefilled (the RAG baseline, built above the engine)."""
+    the top-k retrieved passages re-prefilled (the RAG baseline; cag.answering.retrieval)."""
 
     CAG = "cag"
     FULL = "full"
     RAG = "rag"
-    HYBRID = "cag+rag"  # the snapshot, with the top-k passages quoted before the question (rag/hybrid.py)
+    HYBRID = "cag+rag"  # the snapshot, with the top-k passages quoted before the question (cag.answering.retrieval)
 
     def __str__(self) -> str:
         return self.value

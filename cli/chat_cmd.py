@@ -107,14 +107,14 @@ def chat(
     """Chat with a corpus in the terminal: the history is kept, answers stream in."""
     require_mode(mode)
     require_corpus(*_catalog(model, store=store)[1:], corpus)  # before the model loads (or torch is imported)
+    from cag.answering.query import Query
     from cag.errors import CagError
-    from cag.rag.answer import ask as answer
     from cag.runtime.kv_cache import Cancelled
 
     engine = announce_load(_engine(model, store=store))
     start = [{"role": "system", "content": system}] if system else []
     # an unknown corpus or mode, a --system that is not text: one line before the first prompt
-    engine.check(corpus, None, mode, messages=[*start, {"role": "user", "content": "ping"}])
+    engine.check(Query(corpus, None, mode, messages=[*start, {"role": "user", "content": "ping"}]))
     if isinstance(sys.stdin, io.TextIOWrapper):
         # bytes that are not UTF-8 arrive as lone surrogates, refused as one line below, where strict
         # decoding raised UnicodeDecodeError (a traceback, the session lost, the lines buffered with it too)
@@ -172,8 +172,7 @@ def chat(
         stop["now"] = False
         previous = signal.signal(signal.SIGINT, interrupt)
         try:
-            a = answer(engine, corpus, None, mode=mode, max_tokens=max_tokens, messages=messages,
-                       on_text=show, should_stop=lambda: stop["now"])
+            a = engine.answer(Query(corpus, None, mode, max_tokens, messages=list(messages)), show, lambda: stop["now"])
         except Cancelled:
             messages.pop()
             typer.echo("(stopped)", err=True)

@@ -30,9 +30,11 @@ ModelOpt = Annotated[str | None, typer.Option("--model", help="Model: the embedd
 
 
 def _engine(model: str | None = None, **overrides):
+    """The engine of a command, with cag.rag's retriever for `rag` and `cag+rag` (cag.answering.retrieval)."""
     from cag.engine import Engine
+    from cag.rag.index import retrieve
 
-    return Engine(get_settings(model=model, **overrides))
+    return Engine(get_settings(model=model, **overrides), retrieval=retrieve)
 
 
 def _catalog(model: str | None = None, **overrides) -> tuple[Settings, Index, Shared | LocalOnly]:

@@ -119,7 +119,7 @@ def ask(
         def on_text(piece: str) -> None:
             typer.echo(piece, nl=False)
             sys.stdout.flush()
-    from cag.rag.answer import ask as answer
+    from cag.answering.query import Query
 
     if mode == "cag" and shards != 1:
         n = len(engine.index.shards(corpus))
@@ -131,8 +131,8 @@ def ask(
         from cag.cli.chat_cmd import read_messages
 
         messages = read_messages(messages_file)
-    a = answer(engine, corpus, question, mode=mode, max_tokens=max_tokens, on_text=on_text, on_stale=on_stale,
-               k=k, retriever=retriever, shards=shards, decoding=decoding, messages=messages)
+    a = engine.answer(Query(corpus, question, mode, max_tokens, on_stale, decoding, shards, messages, k=k,
+                            retriever=retriever), on_text)
     if a.stale:
         typer.echo(f"warning: corpus {corpus!r} is stale: {shown('; '.join(a.stale_reasons))}", err=True)
     for w in a.warnings:  # e.g. a read-only index: the answer stands, its log was not written

@@ -1,4 +1,6 @@
-"""`cag invalidate`, `cag gc`, `cag reindex`: index upkeep commands (no model needed)."""
+"""`cag invalidate`, `cag gc`, `cag reindex`: index upkeep commands (no model needed).
+
+Only the typer layer: options, their checks, and printing; what the commands do is cag.knowledge.upkeep's."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """The files of a compare run: the results log (one `Row` per line of results.jsonl), run.json, sets.json.
 
 run.json holds the settings, machine and times of the run; sets.json one record per knowledge
-set (`runner.SetInfo`): its size, seed, documents, real prefix, questions, and the snapshot(s)
+set (`ingested_sets.SetInfo`): its size, seed, documents, real prefix, questions, and the snapshot(s)
 its corpus was ingested into.
 
 results.jsonl is append-only and flushed row by row, so a run killed at any moment keeps every
@@ -196,7 +196,7 @@ def read_run(out: Path) -> tuple[dict, list[dict], list[Row]]:
     return meta, sets, read_rows(out / RESULTS)
 
 
-# -- sets.json: one record per knowledge set (runner.SetInfo) ---------------------------------
+# -- sets.json: one record per knowledge set (ingested_sets.SetInfo) --------------------------
 
 
 def set_snapshots(s: dict, mode: str = "cag") -> list[dict]:

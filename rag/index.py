@@ -1,21 +1,27 @@
 """The retrieval index of a corpus: its passages (cut with the model's tokenizer) and a built retriever,
 cached per content (document names + content hashes, tokenizer, passage size, retriever kind), so
-repeated questions do not re-index and an edited document rebuilds it. Used by `rag` and `cag+rag`."""
+repeated questions do not re-index and an edited document rebuilds it. `retrieve` is the Retrieval an Engine is
+given for `rag` and `cag+rag` (cag.answering.retrieval lays out what it returns)."""
 
 from __future__ import annotations
 
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import PurePosixPath
+from typing import TYPE_CHECKING
 
+from cag.answering.retrieval import Document, passage_name  # noqa: F401 - passage_name: also used from here
 from cag.errors import BadInput
 from cag.hashing import hash_obj
 from cag.model.prompt import encode_text
 
 from .chunking import DEFAULT_TARGET_TOKENS, Passage, chunk_documents
 from .retrieve import RETRIEVER_KINDS, Retriever, RetrieverUnavailable, make_retriever
+
+if TYPE_CHECKING:
+    from cag.model.loading import LoadedModel
 
 DEFAULT_PASSAGE_TOKENS = DEFAULT_TARGET_TOKENS  # 384 tokens of the model's tokenizer
 MAX_CACHED_INDEXES = 8
@@ -37,25 +43,30 @@ _indexes: OrderedDict[str, PassageIndex] = OrderedDict()
 _indexes_lock = threading.Lock()
 
 
-def passage_name(doc_id: str, index: int) -> str:
-    """``dir/a.md`` passage 2 -> ``dir/a#2.md``: doc id + passage index, suffix kept last."""
-    p = PurePosixPath(doc_id)
-    if not p.suffix:
-        return f"{doc_id}#{index}"
-    return str(p.with_name(f"{p.stem}#{index}{p.suffix}"))
-
-
 def index_key(docs: list[tuple[str, str]], kind: str, passage_tokens: int, tokenizer_fingerprint: str) -> str:
     """docs: (name, content hash) in corpus order."""
     return hash_obj({"docs": [list(d) for d in docs], "kind": kind, "passage_tokens": passage_tokens,
                      "tokenizer": tokenizer_fingerprint})
 
 
+def retrieve(docs: Sequence[Document], query: str, k: int, kind: str, passage_tokens: int | None,
+             lm: LoadedModel) -> list[tuple[Passage, float]]:
+    """The k best passages of `docs` for `query`, best first: the Retrieval an Engine is given for `rag` and
+    `cag+rag` (cag.answering.retrieval); passages of `passage_tokens` (None: DEFAULT_PASSAGE_TOKENS)."""
+    idx, _ = index_for(lm, docs, kind, passage_tokens or DEFAULT_PASSAGE_TOKENS)
+    return idx.retriever.search(query, k)
+
+
 def get_index(engine, docs, kind: str = "bm25", passage_tokens: int = DEFAULT_PASSAGE_TOKENS) -> tuple[PassageIndex, bool]:
-    """The retriever for these documents (engine `Document`s), built once per content; (index, was_cached)."""
+    """The retriever for these documents (engine `Document`s) and `engine`'s model (index_for)."""
+    return index_for(engine.lm, docs, kind, passage_tokens)
+
+
+def index_for(lm: LoadedModel, docs: Sequence[Document], kind: str = "bm25",
+              passage_tokens: int = DEFAULT_PASSAGE_TOKENS) -> tuple[PassageIndex, bool]:
+    """The retriever for these documents, cut with `lm`'s tokenizer, built once per content; (index, was_cached)."""
     if kind not in RETRIEVER_KINDS:
         raise BadInput(f"unknown retriever {kind!r}; use one of {', '.join(RETRIEVER_KINDS)}")
-    lm = engine.lm
     key = index_key([(d.name, d.content_hash) for d in docs], kind, passage_tokens, lm.tokenizer_fingerprint)
     with _indexes_lock:
         hit = _indexes.get(key)

@@ -130,9 +130,10 @@ def tiny(tiny_model_dir, monkeypatch):
 def tiny_engine(tiny_model_dir, monkeypatch):
     from cag.config import get_settings
     from cag.engine import Engine
+    from cag.rag.index import retrieve
 
     monkeypatch.setenv("CAG_MODEL", str(tiny_model_dir))
-    return Engine(get_settings())
+    return Engine(get_settings(), retrieval=retrieve)
 
 
 @pytest.fixture(scope="session")
@@ -147,8 +148,9 @@ def real_lm(models_dir):
 def real_engine(real_lm, monkeypatch):
     from cag.config import get_settings
     from cag.engine import Engine
+    from cag.rag.index import retrieve
 
-    return Engine(get_settings(), lm=real_lm)
+    return Engine(get_settings(), lm=real_lm, retrieval=retrieve)
 
 
 @pytest.fixture

@@ -23,6 +23,7 @@ import pytest
 from httpx_sse import EventSource
 
 from bench.harness import cag_command, serving
+from cag.answering.query import Query
 from cag.kernels import native
 from tests.conftest import PREFILL_BLOCK, REPO
 
@@ -167,7 +168,7 @@ def test_ask_equals_cag_ask_and_the_engine(server):
 
     engine = Engine(Settings(home=server.home, model=server.env["CAG_MODEL"], answer_room=1024, weights=server.env["CAG_WEIGHTS"],
                              models_dir_override=server.env["CAG_MODELS_DIR"]))
-    direct = engine.ask("notes", q, max_tokens=24)
+    direct = engine.answer(Query("notes", q, max_tokens=24))
     assert direct.token_ids == got["token_ids"] and direct.answer == got["answer"]
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from cag.answering.query import Query
 from tests.test_api import app_client
 from tests.test_shards import DOCS
 
@@ -19,7 +20,7 @@ def test_sharded_corpus_is_served_unchanged_for_the_client(tiny_model_dir, tmp_p
     one = engine.ingest(str(root), name="probe")
     ing = engine.ingest(str(root), name="town", shard_tokens=one.n_tokens * 2 // 3)
     assert ing.n_shards == 2
-    alone = engine.ask("town", "Who teaches at the village school?", max_tokens=6)
+    alone = engine.answer(Query("town", "Who teaches at the village school?", max_tokens=6))
     with app_client(engine) as c:
         r = c.post("/v1/ask", json={"corpus": "town", "question": "Who teaches at the village school?", "max_tokens": 6})
         assert r.status_code == 200, r.text

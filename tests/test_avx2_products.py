@@ -5,6 +5,7 @@ the other rows and the thread count, and an engine on them exact: `cag` == `full
 import pytest
 import torch
 
+from cag.answering.query import Query
 from cag.kernels import backends, native
 from cag.model import layouts, packed, weights
 from tests.test_batch import QUESTIONS, together
@@ -85,9 +86,9 @@ def test_an_engine_on_the_avx2_products_is_exact(avx2_engine, small_corpus):
     layer = e.lm.model.model.layers[0]
     assert type(layer.mlp.down_proj.packs) is packed.Avx2Packed and e.lm.model.lm_head.fmt == "q8"
     e.ingest(str(small_corpus))
-    alone = [e.ask("corpus", q, max_tokens=16).token_ids for q in QUESTIONS]
-    assert alone == [e.ask("corpus", q, max_tokens=16, mode="full").token_ids for q in QUESTIONS]  # cag == full
-    assert together(e, [lambda q=q: e.ask("corpus", q, max_tokens=16).token_ids for q in QUESTIONS]) == alone  # batched == alone
+    alone = [e.answer(Query("corpus", q, max_tokens=16)).token_ids for q in QUESTIONS]
+    assert alone == [e.answer(Query("corpus", q, max_tokens=16, mode="full")).token_ids for q in QUESTIONS]  # cag == full
+    assert together(e, [lambda q=q: e.answer(Query("corpus", q, max_tokens=16)).token_ids for q in QUESTIONS]) == alone  # batched == alone
 
 
 def test_avx2_is_refused_in_one_line_where_it_cannot_run(monkeypatch):

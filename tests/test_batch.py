@@ -13,6 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
+from cag.answering.query import Query
 from cag.errors import TooLarge
 from cag.kernels import backends, native
 from cag.rag.answer import ask_many
@@ -47,11 +48,11 @@ def cached_is_full_alone_and_together(engine, questions: list[str], n: int, dist
     d = DecodeConfig(max_tokens=n, min_tokens=n)
     alone = []
     for q in questions:
-        cached = engine.ask("corpus", q, max_tokens=n, decoding=d).token_ids
-        assert len(cached) == n and cached == engine.ask("corpus", q, max_tokens=n, mode="full", decoding=d).token_ids
+        cached = engine.answer(Query("corpus", q, max_tokens=n, decoding=d)).token_ids
+        assert len(cached) == n and cached == engine.answer(Query("corpus", q, max_tokens=n, mode="full", decoding=d)).token_ids
         alone.append(cached)
     assert not distinct or len({tuple(a) for a in alone}) > 1  # different questions, different answers
-    assert together(engine, [lambda q=q: engine.ask("corpus", q, max_tokens=n, decoding=d).token_ids for q in questions]) == alone
+    assert together(engine, [lambda q=q: engine.answer(Query("corpus", q, max_tokens=n, decoding=d)).token_ids for q in questions]) == alone
     return alone
 
 
@@ -160,10 +161,10 @@ def test_cascade_attention_rows_do_not_depend_on_the_batch_at_any_prefix_length(
 
 def test_concurrent_questions_are_decoded_together_with_their_alone_tokens(tiny_engine, small_corpus):
     tiny_engine.ingest(str(small_corpus))
-    alone = [tiny_engine.ask("corpus", q, max_tokens=16).token_ids for q in QUESTIONS]
+    alone = [tiny_engine.answer(Query("corpus", q, max_tokens=16)).token_ids for q in QUESTIONS]
     steps0 = tiny_engine.stats["decode_steps"]
     rows0 = tiny_engine.stats["decode_rows"]
-    got = together(tiny_engine, [lambda q=q: tiny_engine.ask("corpus", q, max_tokens=16).token_ids for q in QUESTIONS])
+    got = together(tiny_engine, [lambda q=q: tiny_engine.answer(Query("corpus", q, max_tokens=16)).token_ids for q in QUESTIONS])
     stats = tiny_engine.stats
     assert tiny_engine.lm.attn_dtype == torch.bfloat16  # packed formats attend over bf16 K/V
     assert got == alone
@@ -179,10 +180,10 @@ def test_requests_decoded_one_row_a_step_get_their_batched_tokens(tiny_engine, s
     from cag.engine import Engine
 
     tiny_engine.ingest(str(small_corpus))
-    batched = together(tiny_engine, [lambda q=q: tiny_engine.ask("corpus", q, max_tokens=16).token_ids for q in QUESTIONS])
+    batched = together(tiny_engine, [lambda q=q: tiny_engine.answer(Query("corpus", q, max_tokens=16)).token_ids for q in QUESTIONS])
     monkeypatch.setenv("CAG_DECODE_ROWS", "1")
     engine = Engine(get_settings(), lm=tiny_engine.lm)
-    apart = together(engine, [lambda q=q: engine.ask("corpus", q, max_tokens=16).token_ids for q in QUESTIONS])
+    apart = together(engine, [lambda q=q: engine.answer(Query("corpus", q, max_tokens=16)).token_ids for q in QUESTIONS])
     decoder = engine.decoder
     assert apart == batched and decoder.rows == 1 and decoder.graphs is None
     assert decoder.stats["decode_steps"] > 0 and decoder.stats["batch_max"] == 1
@@ -197,7 +198,7 @@ def test_full_and_cag_in_one_batch_still_agree(tiny_engine, small_corpus, monkey
 
     engine = Engine(get_settings(), lm=tiny_engine.lm)
     engine.ingest(str(small_corpus))
-    calls = [lambda q=q, m=m: engine.ask("corpus", q, mode=m, max_tokens=16).token_ids
+    calls = [lambda q=q, m=m: engine.answer(Query("corpus", q, mode=m, max_tokens=16)).token_ids
              for q in QUESTIONS[:3] for m in ("cag", "full")]
     got = together(engine, calls)
     assert got[0::2] == got[1::2]
@@ -205,7 +206,7 @@ def test_full_and_cag_in_one_batch_still_agree(tiny_engine, small_corpus, monkey
 
 def test_a_failing_or_stopped_request_leaves_the_batch_and_the_others_finish(tiny_engine, small_corpus):
     tiny_engine.ingest(str(small_corpus))
-    alone = {q: tiny_engine.ask("corpus", q, max_tokens=20).token_ids for q in QUESTIONS[:4]}
+    alone = {q: tiny_engine.answer(Query("corpus", q, max_tokens=20)).token_ids for q in QUESTIONS[:4]}
 
     class Boom(Exception):
         pass
@@ -222,10 +223,10 @@ def test_a_failing_or_stopped_request_leaves_the_batch_and_the_others_finish(tin
         calls_seen["stop"] += 1
         return calls_seen["stop"] >= 3
 
-    calls = [lambda: tiny_engine.ask("corpus", QUESTIONS[0], max_tokens=20, should_stop=failing),
-             lambda: tiny_engine.ask("corpus", QUESTIONS[1], max_tokens=20, should_stop=stopping),
-             lambda: tiny_engine.ask("corpus", QUESTIONS[2], max_tokens=20).token_ids,
-             lambda: tiny_engine.ask("corpus", QUESTIONS[3], max_tokens=20).token_ids]
+    calls = [lambda: tiny_engine.answer(Query("corpus", QUESTIONS[0], max_tokens=20), should_stop=failing),
+             lambda: tiny_engine.answer(Query("corpus", QUESTIONS[1], max_tokens=20), should_stop=stopping),
+             lambda: tiny_engine.answer(Query("corpus", QUESTIONS[2], max_tokens=20)).token_ids,
+             lambda: tiny_engine.answer(Query("corpus", QUESTIONS[3], max_tokens=20)).token_ids]
     failed, stopped, a, b = together(tiny_engine, calls)
     assert isinstance(failed, Boom)
     assert stopped.token_ids == alone[QUESTIONS[1]][:2]  # checked before prefill, then after tokens 1 and 2
@@ -238,7 +239,7 @@ def test_a_request_stopped_while_waiting_never_starts(tiny_engine, small_corpus)
 
     tiny_engine.ingest(str(small_corpus))
     with pytest.raises(Cancelled):
-        tiny_engine.ask("corpus", QUESTIONS[0], should_stop=lambda: True)
+        tiny_engine.answer(Query("corpus", QUESTIONS[0]), should_stop=lambda: True)
 
 
 def test_ask_many_keeps_order_and_reports_each_failure(tiny_engine, small_corpus, monkeypatch):
@@ -247,7 +248,7 @@ def test_ask_many_keeps_order_and_reports_each_failure(tiny_engine, small_corpus
     out = list(ask_many(tiny_engine, "corpus", qs, max_tokens=8))
     assert [q for q, _ in out] == qs
     assert isinstance(out[1][1], TooLarge)
-    assert out[0][1].token_ids == tiny_engine.ask("corpus", QUESTIONS[0], max_tokens=8).token_ids
+    assert out[0][1].token_ids == tiny_engine.answer(Query("corpus", QUESTIONS[0], max_tokens=8)).token_ids
 
 
 def _cag(env: dict, *args: str, stdin: str | None = None) -> subprocess.CompletedProcess:
@@ -302,7 +303,7 @@ def test_full_equals_cag_with_fp16_snapshots_in_packed_formats(tiny_engine, smal
     the bf16 attention copy, as cag's prefix is: the same bits, so the same tokens."""
     tiny_engine.ingest(str(small_corpus))
     for q in QUESTIONS:
-        cag, full = (tiny_engine.ask("corpus", q, mode=m, max_tokens=16) for m in ("cag", "full"))
+        cag, full = (tiny_engine.answer(Query("corpus", q, mode=m, max_tokens=16)) for m in ("cag", "full"))
         assert cag.token_ids == full.token_ids, q
 
 
@@ -313,18 +314,18 @@ def test_min_tokens_holds_back_stop_tokens_alone_and_batched(tiny_engine, small_
 
     tiny_engine.ingest(str(small_corpus))
     qs = QUESTIONS[:3]
-    free = {q: tiny_engine.ask("corpus", q, max_tokens=12).token_ids for q in qs}
+    free = {q: tiny_engine.answer(Query("corpus", q, max_tokens=12)).token_ids for q in qs}
     # the tiny random model never stops by itself: make each answer's 4th token a stop token
     monkeypatch.setattr(tiny_engine.lm, "stops", tiny_engine.lm.stops | {ids[3] for ids in free.values()})
-    short = {q: tiny_engine.ask("corpus", q, max_tokens=12).token_ids for q in qs}
+    short = {q: tiny_engine.answer(Query("corpus", q, max_tokens=12)).token_ids for q in qs}
     assert all(len(ids) <= 3 for ids in short.values())
     held = DecodeConfig(min_tokens=12)
-    alone = [tiny_engine.ask("corpus", q, max_tokens=12, decoding=held).token_ids for q in qs]
+    alone = [tiny_engine.answer(Query("corpus", q, max_tokens=12, decoding=held)).token_ids for q in qs]
     assert [len(ids) for ids in alone] == [12] * 3
     assert [ids[: len(short[q])] for q, ids in zip(qs, alone)] == [short[q] for q in qs]
-    assert together(tiny_engine, [lambda q=q: tiny_engine.ask("corpus", q, max_tokens=12, decoding=held).token_ids
+    assert together(tiny_engine, [lambda q=q: tiny_engine.answer(Query("corpus", q, max_tokens=12, decoding=held)).token_ids
                                   for q in qs]) == alone
-    assert len(tiny_engine.ask("corpus", qs[0], max_tokens=5, decoding=held).token_ids) == 5  # clamped to max_tokens
+    assert len(tiny_engine.answer(Query("corpus", qs[0], max_tokens=5, decoding=held)).token_ids) == 5  # clamped to max_tokens
 
 
 @pytest.mark.parametrize("src,dst", [(torch.float16, torch.bfloat16), (torch.bfloat16, torch.float16)])

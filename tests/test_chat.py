@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from cag.answering import chat
+from cag.answering.query import Query
 from cag.config import get_settings
 from cag.engine import Engine
 from cag.errors import BadInput, ContextExceeded
@@ -27,7 +28,7 @@ def conversation(engine, turns: list[str], mode: str = "cag", system: str | None
     out = []
     for q in turns:
         messages.append({"role": "user", "content": q})
-        a = engine.ask("corpus", None, mode=mode, max_tokens=max_tokens, messages=messages)
+        a = engine.answer(Query("corpus", None, mode=mode, max_tokens=max_tokens, messages=messages))
         out.append(a)
         messages.append({"role": "assistant", "content": a.answer or "..."})
     return out
@@ -81,23 +82,23 @@ def test_a_conversation_is_exact_reused_recomputed_and_full(request, small_corpu
     recomputed, full = [], conversation(engine, [Q1, Q2, Q3], mode="full")
     for i in range(3):  # each turn recomputed from the snapshot alone, over the same history
         engine.kept.clear()
-        recomputed.append(engine.ask("corpus", None, max_tokens=12, messages=history([Q1, Q2, Q3][: i + 1], kept)))
+        recomputed.append(engine.answer(Query("corpus", None, max_tokens=12, messages=history([Q1, Q2, Q3][: i + 1], kept))))
     assert all(a.conversation_tokens == 0 for a in recomputed) and all(a.mode == "full" for a in full)
     ids = lambda answers: [a.token_ids for a in answers]  # noqa: E731
     assert ids(kept) == ids(recomputed) == ids(full)
-    again = engine.ask("corpus", Q1, max_tokens=12)  # all but its last token kept: one question row left
+    again = engine.answer(Query("corpus", Q1, max_tokens=12))  # all but its last token kept: one question row left
     if keeps:
         assert again.conversation_tokens == again.prompt_tokens - again.cached_tokens + again.conversation_tokens - 1
     assert again.token_ids == kept[0].token_ids
 
 
 def test_one_user_message_is_a_plain_question(engine):
-    plain = engine.ask("corpus", Q1, max_tokens=12)
-    assert engine.ask("corpus", None, max_tokens=12, messages=[{"role": "user", "content": Q1}]).token_ids == plain.token_ids
+    plain = engine.answer(Query("corpus", Q1, max_tokens=12))
+    assert engine.answer(Query("corpus", None, max_tokens=12, messages=[{"role": "user", "content": Q1}])).token_ids == plain.token_ids
 
 
 def test_history_and_system_messages_change_the_prompt(engine):
-    alone = engine.ask("corpus", Q2, max_tokens=12)
+    alone = engine.answer(Query("corpus", Q2, max_tokens=12))
     turns = conversation(engine, [Q1, Q2])
     assert turns[1].prompt_tokens > alone.prompt_tokens
     told = conversation(engine, [Q1], system="Answer in French.")[0]
@@ -108,10 +109,10 @@ def test_an_edited_turn_reuses_only_up_to_the_edit(keeping):
     engine = keeping
     conversation(engine, [Q1, Q2])
     edited = [{"role": "user", "content": Q3}, {"role": "assistant", "content": "rye"}, {"role": "user", "content": Q2}]
-    a = engine.ask("corpus", None, max_tokens=12, messages=edited)
+    a = engine.answer(Query("corpus", None, max_tokens=12, messages=edited))
     assert a.conversation_tokens < 5  # at most the shared first tokens of the two first questions
     engine.kept.clear()
-    assert engine.ask("corpus", None, max_tokens=12, messages=edited).token_ids == a.token_ids
+    assert engine.answer(Query("corpus", None, max_tokens=12, messages=edited)).token_ids == a.token_ids
 
 
 def test_interleaved_and_concurrent_conversations_keep_their_tokens(keeping):
@@ -156,7 +157,7 @@ def test_kept_conversations_are_bounded_and_evicted(request, monkeypatch):
 ])
 def test_bad_conversations_are_refused_with_a_message(engine, messages, match):
     with pytest.raises(BadInput, match=match):
-        engine.ask("corpus", None, messages=messages)
+        engine.answer(Query("corpus", None, messages=messages))
 
 
 def test_a_conversation_longer_than_the_context_is_refused(engine):
@@ -165,7 +166,7 @@ def test_a_conversation_longer_than_the_context_is_refused(engine):
         messages += [{"role": "user", "content": f"{Q1} {i}"}, {"role": "assistant", "content": "Mara Voss keeps it."}]
     messages.append({"role": "user", "content": Q2})
     with pytest.raises(ContextExceeded, match="maximum context length is 4096 tokens"):
-        engine.ask("corpus", None, messages=messages)
+        engine.answer(Query("corpus", None, messages=messages))
 
 
 def test_turns_join_system_text_to_the_next_user_message():

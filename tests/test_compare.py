@@ -17,9 +17,12 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from cag.compare import datasets as ds
-from cag.compare.datasets import resolve_dataset
-from cag.compare.runner import CompareConfig, batches, plan, run_compare
+from cag.compare.asking import batches, plan
+from cag.compare.dataset_sources import SQUAD_DEV_FILE, datasets_root, resolve_dataset
+from cag.compare.datasets import QAItem, load_hotpotqa
+from cag.compare.knowledge_sets import KnowledgeSet
+from cag.compare.run_config import CompareConfig
+from cag.compare.runner import run_compare
 from cag.errors import BadInput
 from cag.knowledge.shards import doc_of
 
@@ -28,7 +31,7 @@ ROW_KEYS = {"set", "size", "prefix_tokens", "qid", "question", "golds", "gold_do
             "completion_tokens", "load_ms", "ttft_ms", "total_ms", "retrieval_ms"}
 RAG_KEYS = {"retrieved", "retrieval_hit", "retrieval_recall"}
 
-needs_squad = pytest.mark.skipif(not (ds.datasets_root() / ds.SQUAD_DEV_FILE).is_file(),
+needs_squad = pytest.mark.skipif(not (datasets_root() / SQUAD_DEV_FILE).is_file(),
                                  reason="shared SQuAD v1.1 dev file not found")
 
 
@@ -298,26 +301,24 @@ def test_shard_size_sweep_labels_routing_and_bad_caps(qa_jsonl, tmp_path, tiny_m
 
 
 def test_ctrl_c_keeps_rows_and_resume_finishes(tiny_engine, qa_jsonl, tmp_path, monkeypatch):
-    from cag.compare import runner
-
     cfg = CompareConfig(str(qa_jsonl), tmp_path / "o", sizes=[2000], questions=3, full_sample=1,
                         modes=["cag", "rag-bm25"], ks=[1], k_main=1, k_sample=0, max_tokens=3)
-    real_ask, calls = runner.ask, []
+    real_answer, calls = tiny_engine.answer, []
 
-    def flaky(*a, **kw):
-        calls.append(kw.get("mode"))
+    def flaky(query, *a, **kw):
+        calls.append(query.mode)
         if len(calls) == 5:  # the warm-up, then four recorded questions, then Ctrl-C
             raise KeyboardInterrupt
-        return real_ask(*a, **kw)
+        return real_answer(query, *a, **kw)
 
-    monkeypatch.setattr(runner, "ask", flaky)
+    monkeypatch.setattr(tiny_engine, "answer", flaky)
     res = run_compare(tiny_engine, cfg, progress=False)
     assert res.interrupted and not res.complete and res.rows_written == 3
     assert len(_rows(res.out)) == 3
     assert "Incomplete run (interrupted)" in (res.out / "report.md").read_text()
     first = json.loads((res.out / "run.json").read_text())
 
-    monkeypatch.setattr(runner, "ask", real_ask)
+    monkeypatch.setattr(tiny_engine, "answer", real_answer)
     cfg.resume = True
     res = run_compare(tiny_engine, cfg, progress=False)
     assert res.complete and res.rows_written == 3 and res.rows_total == 6
@@ -349,7 +350,7 @@ def test_time_budget_stop_exits_5_and_resume_completes(qa_jsonl, tmp_path, tiny_
 
 
 def test_plan_and_inputs(qa_jsonl, tmp_path, monkeypatch, tiny_engine):
-    ks = ds.KnowledgeSet("s", [], [ds.QAItem(f"q{i}", "?", ["a"], []) for i in range(4)], 0)
+    ks = KnowledgeSet("s", [], [QAItem(f"q{i}", "?", ["a"], []) for i in range(4)], 0)
     cfg = CompareConfig("x", tmp_path, full_sample=1, ks=[1, 5], k_main=3, k_sample=2)
     p = plan(ks, cfg, ["cag", "full", "rag-bm25"])
     assert [(qi, m, k) for qi, _, m, k in p][:5] == [(0, "cag", None), (0, "full", None), (0, "rag-bm25", 1),
@@ -408,9 +409,9 @@ def _hotpot_file(path: Path, n_records: int = 6) -> Path:
 
 def _one_question_size(engine, path: Path) -> int:
     """A size that holds one record's paragraphs but never two."""
-    from cag.compare.runner import cost_function
+    from cag.compare.ingested_sets import cost_function
 
-    corpus = ds.load_hotpotqa(path)
+    corpus = load_hotpotqa(path)
     cost = cost_function(engine, corpus)
     by_id = {d.doc_id: d for d in corpus.docs}
     group_costs = [sum(cost(by_id[d].text) for d in g) for g in corpus.groups]

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
+from cag.answering.query import Query
 from cag.cli.main import app
 from cag.config import get_settings
 from cag.engine import Engine
@@ -65,7 +66,7 @@ def test_kill_9_mid_write_leaves_index_and_files_consistent(case, tiny_model_dir
     before = None
     if case == "refresh":
         old = engine.ingest(str(small_corpus), name="corpus")
-        before = engine.ask("corpus", Q, max_tokens=6).token_ids
+        before = engine.answer(Query("corpus", Q, max_tokens=6)).token_ids
         (small_corpus / "c.md").write_text("The bakery on Quay Street sells rye bread on Fridays now.\n")
         args = ["corpus"]  # a known name: an incremental refresh from the recorded source
     else:
@@ -85,7 +86,7 @@ def test_kill_9_mid_write_leaves_index_and_files_consistent(case, tiny_model_dir
         assert engine.index.corpus("corpus")["current_snapshot"] == old.snapshot
         assert engine.status("corpus").reasons == ["documents changed: c.md"]  # stale, never broken
         engine.evict()
-        assert engine.ask("corpus", Q, max_tokens=6).token_ids == before  # the old snapshot, served
+        assert engine.answer(Query("corpus", Q, max_tokens=6)).token_ids == before  # the old snapshot, served
     else:
         assert engine.index.corpus("corpus") is None and engine.index.snapshots() == []
 
@@ -95,6 +96,6 @@ def test_kill_9_mid_write_leaves_index_and_files_consistent(case, tiny_model_dir
 
     done = engine.ingest(args[0], name="corpus")
     assert done.status == ("refreshed" if case == "refresh" else "built") and Path(done.path) == final
-    assert engine.ask("corpus", Q, max_tokens=4, on_stale="refuse").completion_tokens > 0
+    assert engine.answer(Query("corpus", Q, max_tokens=4, on_stale="refuse")).completion_tokens > 0
     assert sorted(p.name for p in final.parent.iterdir()) == sorted(
         Path(r["path"]).name for r in engine.index.snapshots())  # nothing else left behind

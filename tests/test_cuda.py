@@ -9,6 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
+from cag.answering.query import Query
 from cag.config import get_settings
 from cag.engine import Engine
 from tests.conftest import _tiny
@@ -45,10 +46,10 @@ def cuda_engine(tiny_model_dir, wide_model_dir, small_corpus, monkeypatch, reque
 def test_cag_equals_full_on_cuda(cuda_engine):
     lm = cuda_engine.lm
     assert lm.device.type == "cuda" and lm.kernels == "torch" and lm.weights == "fp32"
-    cached = [cuda_engine.ask("corpus", q, max_tokens=16) for q in QUESTIONS]
+    cached = [cuda_engine.answer(Query("corpus", q, max_tokens=16)) for q in QUESTIONS]
     resident = cuda_engine.resident.values()  # the prefix every request reads lives on the GPU
     assert resident and all(r.prefix.kv[0][0].device.type == "cuda" for r in resident)
-    full = [cuda_engine.ask("corpus", q, max_tokens=16, mode="full").token_ids for q in QUESTIONS]
+    full = [cuda_engine.answer(Query("corpus", q, max_tokens=16, mode="full")).token_ids for q in QUESTIONS]
     assert all(len(a.token_ids) == 16 and a.decode_tok_s for a in cached)
     assert [a.token_ids for a in cached] == full
     graphs = cuda_engine.decoder.graphs
@@ -58,7 +59,7 @@ def test_cag_equals_full_on_cuda(cuda_engine):
 
 @pytest.mark.parametrize("cuda_engine", ["float32", "bfloat16", "float32-wide", "bfloat16-wide"], indirect=True)
 def test_batched_equals_alone_on_cuda(cuda_engine):
-    alone = [cuda_engine.ask("corpus", q, max_tokens=12).token_ids for q in QUESTIONS]
+    alone = [cuda_engine.answer(Query("corpus", q, max_tokens=12)).token_ids for q in QUESTIONS]
     with ThreadPoolExecutor(len(QUESTIONS)) as pool:
-        together = list(pool.map(lambda q: cuda_engine.ask("corpus", q, max_tokens=12).token_ids, QUESTIONS))
+        together = list(pool.map(lambda q: cuda_engine.answer(Query("corpus", q, max_tokens=12)).token_ids, QUESTIONS))
     assert together == alone

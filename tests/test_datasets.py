@@ -1,5 +1,5 @@
-"""Tests for compare.datasets: loaders on the real shared files, knowledge-set
-budgets and determinism, and the jsonl user format.
+"""Tests for compare.datasets, compare.dataset_sources and compare.knowledge_sets: loaders on the real
+shared files, knowledge-set budgets and determinism, and the jsonl user format.
 
 Token counting uses whitespace word counts as a stand-in for a tokenizer.
 """
@@ -11,19 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from cag.compare.datasets import (
-    HOTPOT_DEV_FILE,
-    SQUAD_DEV_FILE,
-    Corpus,
-    Doc,
-    QAItem,
-    build_knowledge_sets,
-    datasets_root,
-    knowledge_sets_from_corpus,
-    load_hotpotqa,
-    load_jsonl,
-    load_squad,
-)
+from cag.compare.dataset_sources import HOTPOT_DEV_FILE, SQUAD_DEV_FILE, datasets_root
+from cag.compare.datasets import Corpus, Doc, QAItem, load_hotpotqa, load_jsonl, load_squad
+from cag.compare.knowledge_sets import build_knowledge_sets, knowledge_sets_from_corpus
 
 
 def words(text: str) -> int:
@@ -300,7 +290,7 @@ def one_question_groups(n: int) -> Corpus:
 
 
 def test_pool_sets_draws_further_seeds_until_the_questions_are_reached():
-    from cag.compare.datasets import pool_sets
+    from cag.compare.knowledge_sets import pool_sets
 
     corpus = one_question_groups(30)
     pool = pool_sets(corpus, 12, words, n_questions=5, seed=4, max_sets=10)
@@ -318,7 +308,7 @@ def test_pool_sets_draws_further_seeds_until_the_questions_are_reached():
 
 
 def test_pool_sets_says_why_a_size_stays_short():
-    from cag.compare.datasets import POOL_PATIENCE, pool_sets
+    from cag.compare.knowledge_sets import POOL_PATIENCE, pool_sets
 
     corpus = one_question_groups(30)
     capped = pool_sets(corpus, 12, words, n_questions=5, seed=0, max_sets=2)
@@ -345,7 +335,7 @@ def test_pool_sets_says_why_a_size_stays_short():
 
 
 def test_resolve_dataset(tmp_path, monkeypatch):
-    from cag.compare.datasets import resolve_dataset
+    from cag.compare.dataset_sources import resolve_dataset
     from cag.errors import BadInput
 
     monkeypatch.setenv("CAG_DATASETS", str(tmp_path / "none"))

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from cag.answering.query import Query
 from cag.config import get_settings
 from cag.engine import Engine
 from tests.cpu import formats
@@ -27,8 +28,8 @@ def test_cag_equals_full_for_questions_in_a_row(tiny_model_dir, small_corpus, mo
     monkeypatch.setenv("CAG_KV_DTYPE", "float32")
     engine = Engine(get_settings())
     engine.ingest(str(small_corpus))
-    cached = [engine.ask("corpus", q, max_tokens=24).token_ids for q in QUESTIONS]
-    full = [engine.ask("corpus", q, max_tokens=24, mode="full").token_ids for q in QUESTIONS]
+    cached = [engine.answer(Query("corpus", q, max_tokens=24)).token_ids for q in QUESTIONS]
+    full = [engine.answer(Query("corpus", q, max_tokens=24, mode="full")).token_ids for q in QUESTIONS]
     assert all(len(ids) == 24 for ids in cached)  # long enough to mean something
     assert cached == full
     assert cached[0] == cached[3]
@@ -59,11 +60,11 @@ def test_float16_snapshot_is_prefilled_over_float16_keys(tiny_model_dir, small_c
 
 def test_each_question_alone_equals_in_a_row(tiny_engine, small_corpus):
     tiny_engine.ingest(str(small_corpus))
-    in_a_row = [tiny_engine.ask("corpus", q, max_tokens=16).token_ids for q in QUESTIONS[:3]]
+    in_a_row = [tiny_engine.answer(Query("corpus", q, max_tokens=16)).token_ids for q in QUESTIONS[:3]]
     alone = []
     for q in QUESTIONS[:3]:
         tiny_engine.evict()  # drop the resident snapshot: load from the file again
-        alone.append(tiny_engine.ask("corpus", q, max_tokens=16).token_ids)
+        alone.append(tiny_engine.answer(Query("corpus", q, max_tokens=16)).token_ids)
     assert in_a_row == alone
 
 
@@ -72,13 +73,13 @@ def test_asking_never_mutates_the_loaded_snapshot(tiny_engine, small_corpus):
     from concurrent.futures import ThreadPoolExecutor
 
     tiny_engine.ingest(str(small_corpus))
-    tiny_engine.ask("corpus", "warm up", max_tokens=4)
+    tiny_engine.answer(Query("corpus", "warm up", max_tokens=4))
     (res,) = tiny_engine.resident.values()
     before = [(k.clone(), v.clone()) for k, v in res.prefix.kv]
     for q in QUESTIONS:
-        tiny_engine.ask("corpus", q, max_tokens=8)
+        tiny_engine.answer(Query("corpus", q, max_tokens=8))
     with ThreadPoolExecutor(4) as pool:  # decoded together
-        list(pool.map(lambda q: tiny_engine.ask("corpus", q, max_tokens=8), QUESTIONS))
+        list(pool.map(lambda q: tiny_engine.answer(Query("corpus", q, max_tokens=8)), QUESTIONS))
     assert tiny_engine.resident.values()[0] is res
     for (k0, v0), (k1, v1) in zip(before, res.prefix.kv):
         assert torch.equal(k0, k1) and torch.equal(v0, v1)
@@ -89,7 +90,7 @@ def test_matches_transformers_generate(tiny_engine, small_corpus):
     from cag.model.prompt import build_prefix, build_suffix
 
     tiny_engine.ingest(str(small_corpus))
-    ans = tiny_engine.ask("corpus", QUESTIONS[1], max_tokens=12)
+    ans = tiny_engine.answer(Query("corpus", QUESTIONS[1], max_tokens=12))
     lm = tiny_engine.lm
     docs, _ = tiny_engine.read_corpus(small_corpus, "corpus")
     ids = build_prefix(lm.tokenizer, tiny_engine.layout(), [(d.name, d.text) for d in docs]).ids
@@ -106,7 +107,7 @@ def test_prefill_chunking_does_not_change_the_answer(tiny_model_dir, small_corpu
         monkeypatch.setenv("CAG_HOME", str(small_corpus.parent / f"home-{chunk}"))
         engine = Engine(get_settings())
         engine.ingest(str(small_corpus))
-        answers.append(engine.ask("corpus", QUESTIONS[0], max_tokens=16).token_ids)
+        answers.append(engine.answer(Query("corpus", QUESTIONS[0], max_tokens=16)).token_ids)
     assert answers[0] == answers[1]
 
 
@@ -119,7 +120,7 @@ def test_bfloat16_compute_with_bfloat16_snapshots_is_exact(tiny_model_dir, small
     assert engine.lm.dtype == torch.bfloat16
     engine.ingest(str(small_corpus))
     for q in QUESTIONS[:2]:
-        assert engine.ask("corpus", q, max_tokens=16).token_ids == engine.ask("corpus", q, max_tokens=16, mode="full").token_ids
+        assert engine.answer(Query("corpus", q, max_tokens=16)).token_ids == engine.answer(Query("corpus", q, max_tokens=16, mode="full")).token_ids
 
 
 def test_index_and_engine_work_from_other_threads(tiny_engine, small_corpus):
@@ -127,12 +128,12 @@ def test_index_and_engine_work_from_other_threads(tiny_engine, small_corpus):
     from concurrent.futures import ThreadPoolExecutor
 
     tiny_engine.ingest(str(small_corpus))
-    alone = [tiny_engine.ask("corpus", q, max_tokens=8).token_ids for q in QUESTIONS]
+    alone = [tiny_engine.answer(Query("corpus", q, max_tokens=8)).token_ids for q in QUESTIONS]
     with ThreadPoolExecutor(4) as pool:
-        together = list(pool.map(lambda q: tiny_engine.ask("corpus", q, max_tokens=8).token_ids, QUESTIONS))
+        together = list(pool.map(lambda q: tiny_engine.answer(Query("corpus", q, max_tokens=8)).token_ids, QUESTIONS))
     assert together == alone
     pieces: list[str] = []
-    answer = tiny_engine.ask("corpus", QUESTIONS[0], max_tokens=8, on_text=pieces.append)
+    answer = tiny_engine.answer(Query("corpus", QUESTIONS[0], max_tokens=8), on_text=pieces.append)
     assert "".join(pieces).strip() == answer.answer and answer.token_ids == alone[0]
 
 
@@ -147,9 +148,9 @@ def test_cag_equals_full_in_every_weights_format(tiny_model_dir, small_corpus, m
     assert engine.lm.weights == weights and (engine.lm.packed_bytes > 0) == (weights != "fp32")
     engine.ingest(str(small_corpus))
     for q in QUESTIONS[:3]:
-        cached = engine.ask("corpus", q, max_tokens=16)
+        cached = engine.answer(Query("corpus", q, max_tokens=16))
         assert len(cached.token_ids) == 16 and cached.decode_tok_s
-        assert cached.token_ids == engine.ask("corpus", q, max_tokens=16, mode="full").token_ids
+        assert cached.token_ids == engine.answer(Query("corpus", q, max_tokens=16, mode="full")).token_ids
 
 
 @pytest.mark.parametrize("weights", formats("fp32", "bf16"))
@@ -167,5 +168,5 @@ def test_cag_equals_full_over_a_snapshot_stored_in_another_dtype(tiny_model_dir,
     assert any("float16" in r for r in engine.status("corpus").reasons)
     questions = QUESTIONS[:3] + ["Where is the harbour?", "What is sold at the market?", "Who rings the bell?"]
     for q in questions:
-        cached = engine.ask("corpus", q, max_tokens=24)
-        assert cached.token_ids == engine.ask("corpus", q, max_tokens=24, mode="full").token_ids, q
+        cached = engine.answer(Query("corpus", q, max_tokens=24))
+        assert cached.token_ids == engine.answer(Query("corpus", q, max_tokens=24, mode="full")).token_ids, q

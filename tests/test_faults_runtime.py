@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from cag.answering.query import Query
 from cag.config import get_settings
 from cag.engine import Engine
 from cag.errors import ModelError, SnapshotCorrupt
@@ -54,17 +55,17 @@ def test_a_nan_snapshot_is_refused_and_never_reaches_another_corpus(request, tmp
     engine = Engine(get_settings())
     engine.ingest(str(small_corpus), name="poisoned")
     engine.ingest(str(two_corpora(tmp_path, small_corpus)), name="clean")
-    before = {m: engine.ask("clean", QUESTION, mode=m, max_tokens=12).token_ids for m in ("cag", "full")}
+    before = {m: engine.answer(Query("clean", QUESTION, mode=m, max_tokens=12)).token_ids for m in ("cag", "full")}
     poison(engine, "poisoned")
     with pytest.raises(SnapshotCorrupt, match="NaN or inf"):
-        engine.ask("poisoned", QUESTION, max_tokens=12)
+        engine.answer(Query("poisoned", QUESTION, max_tokens=12))
     assert engine.index.snapshot(engine.index.corpus("poisoned")["current_snapshot"])["status"] == "corrupt"
     # served anyway (the check bypassed): its request's NaN stays its own
     monkeypatch.setattr(kv_cache, "nonfinite", lambda *a, **k: None)
     engine.index.set_snapshot_status(engine.index.corpus("poisoned")["current_snapshot"], "ready")
-    engine.ask("poisoned", QUESTION, max_tokens=12)
+    engine.answer(Query("poisoned", QUESTION, max_tokens=12))
     for _ in range(2):
-        assert {m: engine.ask("clean", QUESTION, mode=m, max_tokens=12).token_ids for m in ("cag", "full")} == before
+        assert {m: engine.answer(Query("clean", QUESTION, mode=m, max_tokens=12)).token_ids for m in ("cag", "full")} == before
 
 
 def test_ingest_refuses_keys_and_values_its_storage_cannot_hold(tiny_model_dir, small_corpus, monkeypatch):
@@ -115,10 +116,10 @@ def test_the_finite_scan_runs_once_per_unchanged_snapshot_file(tiny_engine, smal
     scans = []
     real = kv_cache.nonfinite
     monkeypatch.setattr(kv_cache, "nonfinite", lambda *a, **k: scans.append(1) or real(*a, **k))
-    verify.open_snapshot(tiny_engine, row)
-    verify.open_snapshot(tiny_engine, row)
+    verify.open_snapshot(tiny_engine.snapshots(), row)
+    verify.open_snapshot(tiny_engine.snapshots(), row)
     assert len(scans) == 1
     st = os.stat(row["path"])
     os.utime(row["path"], ns=(st.st_atime_ns, st.st_mtime_ns))  # times put back: only the ctime moved
-    verify.open_snapshot(tiny_engine, row)
+    verify.open_snapshot(tiny_engine.snapshots(), row)
     assert len(scans) == 2

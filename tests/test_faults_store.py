@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
+from cag.answering.query import Query
 from cag.cli.main import app
 from cag.errors import IndexUnusable, SnapshotCorrupt, StorageFull, StoreCorrupt, StoreUnreachable
 from cag.store import snapshots
@@ -75,11 +76,11 @@ def _legacy_bad_spans(h):
                          ids=["deleted", "edited", "legacy-deleted", "legacy-malformed"])
 def test_an_edited_header_is_refused_as_corrupt_and_rebuilt_by_ingest(tiny_engine, small_corpus, tamper):
     r = tiny_engine.ingest(str(small_corpus), name="corpus")
-    want = tiny_engine.ask("corpus", Q, max_tokens=8).token_ids
+    want = tiny_engine.answer(Query("corpus", Q, max_tokens=8)).token_ids
     _rewrite_header(Path(r.path), tamper)
     tiny_engine.evict()
     with pytest.raises(SnapshotCorrupt, match="cag ingest corpus"):
-        tiny_engine.ask("corpus", Q, max_tokens=8)
+        tiny_engine.answer(Query("corpus", Q, max_tokens=8))
     (small_corpus / "c.md").write_text(EDIT)  # a refresh reads the old snapshot's spans to reuse its prefix
     out = cag("ingest", "corpus", "--json")
     assert out.exit_code == 0 and "Traceback" not in out.output, (out.stderr, out.exception)
@@ -88,7 +89,7 @@ def test_an_edited_header_is_refused_as_corrupt_and_rebuilt_by_ingest(tiny_engin
     again = cag("ingest", "corpus", "--json")  # back to the first contents: the same key, rebuilt over the bad file
     assert again.exit_code == 0 and json.loads(again.stdout)["snapshot"] == r.snapshot, again.stderr
     assert tiny_engine.index.snapshot(r.snapshot)["status"] == "ready"
-    assert tiny_engine.ask("corpus", Q, max_tokens=8).token_ids == want
+    assert tiny_engine.answer(Query("corpus", Q, max_tokens=8)).token_ids == want
 
 
 def test_the_header_checksum_covers_every_field_but_reads_files_without_one():
@@ -222,7 +223,7 @@ def test_a_garbage_ref_is_a_corrupt_object_and_ingest_writes_it_again(small_corp
     store.fs.pipe(ref_key, garbage)
     with app_client(machine(tmp_path, "d")) as c:
         _err(c.post("/v1/ask", json={"corpus": "corpus", "question": Q}), 503, "snapshot_corrupt")
-    assert a.ask("corpus", Q, max_tokens=4).snapshot == r.snapshot  # a machine that knows it serves its cache
+    assert a.answer(Query("corpus", Q, max_tokens=4)).snapshot == r.snapshot  # a machine that knows it serves its cache
 
 
 # -- defect 9: a read-only index -----------------------------------------------------------------------
@@ -293,7 +294,7 @@ def _full_disk(kind: str):
 def test_a_full_disk_during_ingest_is_one_line_and_the_old_snapshot_answers(
         tiny_engine, small_corpus, monkeypatch, kind):
     r = tiny_engine.ingest(str(small_corpus), name="corpus")
-    want = tiny_engine.ask("corpus", Q, max_tokens=8).token_ids
+    want = tiny_engine.answer(Query("corpus", Q, max_tokens=8)).token_ids
     folder = snapshot_path(Path(os.environ["CAG_HOME"]), r.snapshot).parent
     (small_corpus / "c.md").write_text(EDIT)
     monkeypatch.setattr(snapshots, "save_file", _full_disk(kind))
@@ -303,7 +304,7 @@ def test_a_full_disk_during_ingest_is_one_line_and_the_old_snapshot_answers(
     assert sorted(p.name for p in folder.iterdir()) == [f"{r.snapshot}.safetensors"]  # no temp file left
     assert tiny_engine.index.corpus("corpus")["current_snapshot"] == r.snapshot
     tiny_engine.evict()
-    assert tiny_engine.ask("corpus", Q, max_tokens=8).token_ids == want  # the old snapshot answers (stale)
+    assert tiny_engine.answer(Query("corpus", Q, max_tokens=8)).token_ids == want  # the old snapshot answers (stale)
 
     with app_client(tiny_engine) as c:
         job = wait_job(c, c.post("/v1/corpora/corpus/refresh").json())

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from cag.answering.query import Query
 from cag.model import file_pages
 
 pytestmark = pytest.mark.skipif(not file_pages.mappings(), reason="file mappings are read from Linux's /proc")
@@ -113,7 +114,7 @@ def test_a_bf16_checkpoint_loads_as_file_views_with_its_float32_fingerprint_and_
             assert e.lm.model.model.embed_tokens.weight.dtype == e.lm.model.model.norm.weight.dtype == torch.float32
         e.ingest(str(small_corpus))
         kv[fmt] = snapshots.load(Path(e.index.snapshot(e.index.corpus("corpus")["current_snapshot"])["path"])).kv
-        a = [e.ask("corpus", "Who keeps the lighthouse?", mode=m, max_tokens=8).token_ids for m in ("cag", "full")]
+        a = [e.answer(Query("corpus", "Who keeps the lighthouse?", mode=m, max_tokens=8)).token_ids for m in ("cag", "full")]
         assert a[0] == a[1], fmt  # cag == full
     for fmt in ("int8", "int4"):
         assert all(torch.equal(a, b) for pa, pb in zip(kv["fp32"], kv[fmt]) for a, b in zip(pa, pb)), fmt
@@ -134,7 +135,7 @@ def test_a_weights_file_rewritten_under_a_loaded_model_is_refused_before_a_prefi
     os.utime(folder / "model.safetensors", ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))  # rewritten in place, as far as anyone can tell
     (tmp_path / "more").mkdir()
     (tmp_path / "more" / "a.md").write_text("The lighthouse keeper is Ada.")
-    for refused in (lambda: e.ingest(str(tmp_path / "more")), lambda: e.ask("corpus", "Who keeps the lighthouse?", max_tokens=4)):
+    for refused in (lambda: e.ingest(str(tmp_path / "more")), lambda: e.answer(Query("corpus", "Who keeps the lighthouse?", max_tokens=4))):
         with pytest.raises(ModelChanged, match="changed on disk after it was loaded; restart"):
             refused()
     assert e.index.corpus("corpus")["current_snapshot"]  # what was stored stays
@@ -170,7 +171,7 @@ def test_computed_in_bf16_a_bf16_checkpoint_stays_in_its_file_under_every_format
             assert all(m.packs.questions is None and m.packs.nbytes < m.weight.nbytes for m in matrices)
         e.ingest(str(small_corpus))
         kv[fmt] = snapshots.load(Path(e.index.snapshot(e.index.corpus("corpus")["current_snapshot"])["path"])).kv
-        a = [e.ask("corpus", "Who keeps the lighthouse?", mode=m, max_tokens=8).token_ids for m in ("cag", "full")]
+        a = [e.answer(Query("corpus", "Who keeps the lighthouse?", mode=m, max_tokens=8)).token_ids for m in ("cag", "full")]
         assert a[0] == a[1] and len(a[0]) > 1, fmt  # cag == full
     for fmt in set(kv) - {"fp32"}:
         assert all(torch.equal(a, b) for pa, pb in zip(kv["fp32"], kv[fmt]) for a, b in zip(pa, pb)), fmt

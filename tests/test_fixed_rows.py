@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from cag.answering.query import Query
 from cag.runtime.generate import DecodeConfig
 from cag.runtime.requests import Request, chunks, fixed_rows
 from cag.runtime.rows import Part
@@ -120,8 +121,8 @@ def test_a_product_that_moves_with_the_row_count_moves_no_answer(tiny_model_dir,
     head, noise = step.head, torch.randn(len(engine.lm.tokenizer), generator=torch.Generator().manual_seed(3))
     step.head = lambda x: head(x) + (x.shape[0] - 1) * noise  # (R, V)
     d = DecodeConfig(max_tokens=12, min_tokens=12)
-    alone = [engine.ask("corpus", q, decoding=d).token_ids for q in QUESTIONS]
-    batched = together(engine, [lambda q=q: engine.ask("corpus", q, decoding=d).token_ids for q in QUESTIONS])
+    alone = [engine.answer(Query("corpus", q, decoding=d)).token_ids for q in QUESTIONS]
+    batched = together(engine, [lambda q=q: engine.answer(Query("corpus", q, decoding=d)).token_ids for q in QUESTIONS])
     assert (batched == alone) == bool(rows)
 
 
@@ -135,8 +136,8 @@ def test_fixed_rows_over_two_snapshots_at_once(wide_model_dir, small_corpus, tmp
     engine.ingest(str(other), name="other")
     d = DecodeConfig(max_tokens=10, min_tokens=10)
     calls = [("corpus", q) for q in QUESTIONS[:3]] + [("other", q) for q in QUESTIONS[3:]]
-    alone = [engine.ask(c, q, decoding=d).token_ids for c, q in calls]
-    assert together(engine, [lambda c=c, q=q: engine.ask(c, q, decoding=d).token_ids for c, q in calls]) == alone
+    alone = [engine.answer(Query(c, q, decoding=d)).token_ids for c, q in calls]
+    assert together(engine, [lambda c=c, q=q: engine.answer(Query(c, q, decoding=d)).token_ids for c, q in calls]) == alone
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3", "phi3", "olmo2", "granite"])

@@ -12,6 +12,7 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
+from cag.answering.query import Query
 from cag.cli.main import app
 from cag.config import get_settings
 from cag.engine import Engine
@@ -83,8 +84,8 @@ def test_ttl_and_model_change_are_reasons(tiny_model_dir, small_corpus, tmp_path
     assert "model changed: the configured model's weights differ from the snapshot's" in reasons
     assert not any("tokenizer" in r for r in reasons)
     with pytest.raises(StaleRefused):  # never served for a model it was not built for
-        e2.ask("corpus", Q, max_tokens=4)
-    assert e2.ask("corpus", Q, max_tokens=4, on_stale="refresh").stale is False
+        e2.answer(Query("corpus", Q, max_tokens=4))
+    assert e2.answer(Query("corpus", Q, max_tokens=4, on_stale="refresh")).stale is False
 
 
 def test_edit_last_document_reprefills_only_it(engine32, small_corpus, tiny_model_dir, tmp_path, monkeypatch):
@@ -95,11 +96,11 @@ def test_edit_last_document_reprefills_only_it(engine32, small_corpus, tiny_mode
     start = spans["c.md"]["start"]
     assert r.status == "refreshed" and r.reused_tokens == start - start % PREFILL_BLOCK  # from the block holding c.md
     assert r.prefilled_tokens == r.n_tokens - r.reused_tokens
-    refreshed = [engine32.ask("corpus", q, max_tokens=16).token_ids for q in (Q, "Who keeps the lighthouse?")]
+    refreshed = [engine32.answer(Query("corpus", q, max_tokens=16)).token_ids for q in (Q, "Who keeps the lighthouse?")]
     other, rebuilt = _rebuild_elsewhere(small_corpus, tiny_model_dir, tmp_path, monkeypatch)
     assert rebuilt.snapshot == r.snapshot  # same key: same content, model, layout, dtype
     _assert_same_tensors(Path(r.path), Path(rebuilt.path))
-    assert refreshed == [other.ask("corpus", q, max_tokens=16).token_ids for q in (Q, "Who keeps the lighthouse?")]
+    assert refreshed == [other.answer(Query("corpus", q, max_tokens=16)).token_ids for q in (Q, "Who keeps the lighthouse?")]
 
 
 def test_added_document_is_appended_and_alone_prefilled(engine32, small_corpus):
@@ -111,7 +112,7 @@ def test_added_document_is_appended_and_alone_prefilled(engine32, small_corpus):
     old_end = max(s["end"] for s in engine32.index.snapshot_documents(first.snapshot))
     assert r.reused_tokens == old_end - old_end % PREFILL_BLOCK and r.prefilled_tokens < r.n_tokens / 2
     # the no-cache baseline sees the same order, so answers still agree exactly
-    assert engine32.ask("corpus", Q, max_tokens=12).token_ids == engine32.ask("corpus", Q, max_tokens=12, mode="full").token_ids
+    assert engine32.answer(Query("corpus", Q, max_tokens=12)).token_ids == engine32.answer(Query("corpus", Q, max_tokens=12, mode="full")).token_ids
 
 
 def test_force_rebuilds_from_scratch(tiny_engine, small_corpus):
@@ -192,7 +193,7 @@ def test_second_writer_gets_busy(tiny_engine, small_corpus, cag_home):
         with pytest.raises(Busy, match="being ingested by another process"):
             tiny_engine.ingest("corpus", force=True)
         # queries keep working while the writer holds the corpus
-        assert tiny_engine.ask("corpus", Q, max_tokens=4).completion_tokens > 0
+        assert tiny_engine.answer(Query("corpus", Q, max_tokens=4)).completion_tokens > 0
 
 
 def test_a_corpus_name_wins_over_a_same_named_folder_in_cwd(tiny_engine, small_corpus, tmp_path, monkeypatch):
@@ -323,13 +324,13 @@ def test_a_snapshot_of_another_kv_dtype_is_stale_not_corrupt(tiny_model_dir, sma
     old = e2.index.corpus("corpus")["current_snapshot"]
     want = "snapshot stored as float16, CAG_KV_DTYPE means bfloat16 here: `cag ingest` rebuilds it"
     assert e2.status("corpus").reasons == [want]
-    a = e2.ask("corpus", Q, max_tokens=6)
+    a = e2.answer(Query("corpus", Q, max_tokens=6))
     assert a.stale and a.stale_reasons == [want] and a.snapshot == old
     assert e2.index.snapshot(old)["status"] != "corrupt"
     with pytest.raises(StaleRefused):
-        e2.ask("corpus", Q, max_tokens=6, on_stale="refuse")
+        e2.answer(Query("corpus", Q, max_tokens=6, on_stale="refuse"))
     assert e2.ingest(str(small_corpus)).status == "built"
     new = e2.index.snapshot(e2.index.corpus("corpus")["current_snapshot"])
     assert new["dtype"] == "bfloat16" and snapshots.load(Path(new["path"])).kv[0][0].dtype == torch.bfloat16
     assert not e2.status("corpus").stale
-    assert e2.ask("corpus", Q, max_tokens=6).token_ids == e2.ask("corpus", Q, max_tokens=6, mode="full").token_ids
+    assert e2.answer(Query("corpus", Q, max_tokens=6)).token_ids == e2.answer(Query("corpus", Q, max_tokens=6, mode="full")).token_ids

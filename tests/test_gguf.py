@@ -18,12 +18,13 @@ from safetensors.torch import load_file
 from typer.testing import CliRunner
 
 from bench import gguf_file
+from cag.answering.query import Query
 from cag.cli.main import app
 from cag.config import get_settings
 from cag.engine import Engine
 from cag.errors import ModelError
 from cag.kernels import native
-from cag.model import gguf
+from cag.model import gguf, gguf_checks, gguf_rope
 from cag.model.auto_weights import on_4bit_grid
 from cag.store import stamps
 from tests.test_exactness import QUESTIONS
@@ -96,8 +97,8 @@ def engine(monkeypatch, path: Path) -> Engine:
 def answers_as_full(engine: Engine, corpus: Path) -> None:
     engine.ingest(str(corpus))
     for q in QUESTIONS[:2]:
-        cached = engine.ask("corpus", q, max_tokens=12).token_ids
-        assert len(cached) == 12 and cached == engine.ask("corpus", q, max_tokens=12, mode="full").token_ids
+        cached = engine.answer(Query("corpus", q, max_tokens=12)).token_ids
+        assert len(cached) == 12 and cached == engine.answer(Query("corpus", q, max_tokens=12, mode="full")).token_ids
 
 
 def same_weights(folder: Path, expect: dict[str, torch.Tensor]) -> None:
@@ -109,7 +110,7 @@ def same_weights(folder: Path, expect: dict[str, torch.Tensor]) -> None:
 
 
 # -- every type read -------------------------------------------------------------------------------------
-@pytest.mark.parametrize("qtype", gguf.TYPES)
+@pytest.mark.parametrize("qtype", gguf_checks.TYPES)
 def test_each_type_is_read_and_answers(tokenizer_fields, small_corpus, tmp_path, monkeypatch, qtype):
     path = tmp_path / f"tiny.{qtype}.gguf"
     expect = write(path, T[qtype], tokenizer_fields)
@@ -208,7 +209,7 @@ def test_llama3_rope_scaling_is_read_and_answers(tokenizer_fields, small_corpus,
 ], ids=["llama3.1-8b", "llama3.2-1b", "other"])
 def test_llama3_rope_parameters_are_recovered_from_the_tensor(base, dim, rope):
     """At Llama 3.1 8B's and 3.2 1B's own head widths and bases, and at parameters of no Llama."""
-    assert gguf.llama3_rope(rope_freqs(base, dim, **rope), base, dim, 131072) == {"rope_type": "llama3", **rope}
+    assert gguf_rope.llama3_rope(rope_freqs(base, dim, **rope), base, dim, 131072) == {"rope_type": "llama3", **rope}
 
 
 @pytest.mark.parametrize(("dim", "original", "blended"), [(16, 3000, 1), (8, 1000, 0), (8, 20000, 0)])
@@ -218,7 +219,7 @@ def test_llama3_rope_with_few_blended_frequencies_is_recovered(dim, original, bl
     rope = dict(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=original)
     factors = rope_freqs(500000.0, dim, **rope)
     assert ((factors > 1) & (factors < 8)).sum() == blended
-    got = gguf.llama3_rope(factors, 500000.0, dim, 131072)
+    got = gguf_rope.llama3_rope(factors, 500000.0, dim, 131072)
     assert got and got["factor"] == 8 and got["low_freq_factor"] == 1 and got["high_freq_factor"] == 4
     assert rope_freqs(500000.0, dim, **{k: v for k, v in got.items() if k != "rope_type"}).tolist() == factors.tolist()
 
@@ -226,9 +227,9 @@ def test_llama3_rope_with_few_blended_frequencies_is_recovered(dim, original, bl
 def test_llama3_original_context_from_metadata_is_kept():
     """Boundaries 64 and 16 are low/high_freq_factor 1/4 of 64 or 2/8 of 128: metadata's context decides."""
     rope = dict(factor=8.0, low_freq_factor=2.0, high_freq_factor=8.0, original_max_position_embeddings=128)
-    got = gguf.llama3_rope(rope_freqs(10000.0, 64, **rope), 10000.0, 64, 4096, original=128)
+    got = gguf_rope.llama3_rope(rope_freqs(10000.0, 64, **rope), 10000.0, 64, 4096, original=128)
     assert got == {"rope_type": "llama3", **rope}
-    assert gguf.llama3_rope(np.ones(32, np.float32), 10000.0, 64) is None  # all 1: no scaling at all
+    assert gguf_rope.llama3_rope(np.ones(32, np.float32), 10000.0, 64) is None  # all 1: no scaling at all
 
 
 def test_a_rope_freqs_tensor_no_llama3_parameters_make_is_refused(tokenizer_fields, small_corpus, tmp_path):
@@ -239,7 +240,7 @@ def test_a_rope_freqs_tensor_no_llama3_parameters_make_is_refused(tokenizer_fiel
     _fails(["ingest", str(small_corpus), "--model", str(path)],
            "GGUF file odd-rope.gguf: its rope scaling (tensor rope_freqs.weight) is not Llama 3's")
     for odd in (np.linspace(1, 3, 32), np.ones(31), np.full(32, 0.5)):  # no plateaus; a wrong length; below 1
-        assert gguf.llama3_rope(odd.astype(np.float32), 10000.0, 64) is False
+        assert gguf_rope.llama3_rope(odd.astype(np.float32), 10000.0, 64) is False
 
 
 # -- refused in one line ---------------------------------------------------------------------------------
@@ -277,7 +278,7 @@ def test_an_architecture_not_served_is_refused(tmp_path):
     w.write_tensors_to_file()
     w.close()
     with pytest.raises(ModelError, match="architecture 'mamba' is not one cag reads"):
-        gguf.check(path)
+        gguf_checks.check(path)
 
 
 def test_a_phi3_long_rope_file_is_refused_not_read_with_the_wrong_rope(tmp_path):
@@ -293,7 +294,7 @@ def test_a_phi3_long_rope_file_is_refused_not_read_with_the_wrong_rope(tmp_path)
     w.write_tensors_to_file()
     w.close()
     with pytest.raises(ModelError, match="long-context rope scaling .rope_factors_long.weight, rope_factors_short.weight.") as e:
-        gguf.check(path)
+        gguf_checks.check(path)
     assert "\n" not in str(e.value)
 
 

@@ -17,6 +17,7 @@ import pytest
 from typer.testing import CliRunner
 
 from cag.answering import chat
+from cag.answering.query import Query
 from cag.cli.main import app
 from cag.errors import BadInput, BadSettings, ModelError
 from cag.kernels import native
@@ -88,9 +89,9 @@ def test_the_engine_refuses_a_lone_surrogate_in_messages_and_questions(tiny_engi
                             ([("user", "hi"), ("assistant", "ok"), ("user", "x\udcff")], "message 2 (user)"),
                             ([{"role": "user", "content": [{"type": "text", "text": "\ud800"}]}], "message 0 (user)")]:
         with pytest.raises(BadInput, match=rf"^{re.escape(where)} is not valid text: .*lone surrogate"):
-            tiny_engine.ask("town", None, messages=messages)
+            tiny_engine.answer(Query("town", None, messages=messages))
     with pytest.raises(BadInput, match=r"^the question .*lone surrogate"):
-        tiny_engine.ask("town", "When does the office open? \udcff")  # argv's \xff, as Python decodes it
+        tiny_engine.answer(Query("town", "When does the office open? \udcff"))  # argv's \xff, as Python decodes it
 
 
 def test_the_cli_refuses_a_lone_surrogate_or_bytes_not_utf8_in_one_line(town):
@@ -245,7 +246,7 @@ def _no_compiler(tmp_path, monkeypatch):
 
 def _failing_compiler(tmp_path, monkeypatch):
     cxx = tmp_path / "broken-c++"
-    cxx.write_text('#!/bin/sh\n[ "$1" = "--version" ] && { echo fake; exit 0; }\necho "avx2_step.cpp:1: error: boom" >&2\nexit 1\n')
+    cxx.write_text('#!/bin/sh\n[ "$1" = "--version" ] && { echo fake; exit 0; }\necho "arch/avx2/step.cpp:1: error: boom" >&2\nexit 1\n')
     cxx.chmod(0o755)
     monkeypatch.setenv("CXX", str(cxx))
     return "error: boom", "it did not build or load (the server's log says why)"

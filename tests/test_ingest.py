@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from cag.answering.query import Query
 from cag.errors import BadInput, SnapshotCorrupt
 
 Q = "Who keeps the lighthouse?"
@@ -28,7 +29,7 @@ def edit_header(path: Path, edit) -> None:
 
 def test_edited_model_fingerprint_is_refused_then_rebuilt_by_ingest(tiny_engine, small_corpus):
     first = tiny_engine.ingest(str(small_corpus))
-    before = tiny_engine.ask("corpus", Q, max_tokens=8).token_ids
+    before = tiny_engine.answer(Query("corpus", Q, max_tokens=8)).token_ids
 
     def tamper(h):
         fp = json.loads(h["__metadata__"]["model_fingerprint"])
@@ -37,11 +38,11 @@ def test_edited_model_fingerprint_is_refused_then_rebuilt_by_ingest(tiny_engine,
     edit_header(Path(first.path), tamper)
     tiny_engine.evict()
     with pytest.raises(SnapshotCorrupt, match="cag ingest corpus"):
-        tiny_engine.ask("corpus", Q, max_tokens=8)
+        tiny_engine.answer(Query("corpus", Q, max_tokens=8))
     assert tiny_engine.status("corpus").stale  # the refusal is recorded, not only raised
     again = tiny_engine.ingest("corpus")  # the advice in the error works
     assert again.status == "built" and again.snapshot == first.snapshot
-    assert tiny_engine.ask("corpus", Q, max_tokens=8).token_ids == before
+    assert tiny_engine.answer(Query("corpus", Q, max_tokens=8)).token_ids == before
     assert not tiny_engine.status("corpus").stale
 
 

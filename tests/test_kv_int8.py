@@ -10,6 +10,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
+from cag.answering.query import Query
 from cag.config import get_settings
 from cag.engine import Engine
 from cag.store import kv_int8
@@ -86,9 +87,9 @@ def test_int8_snapshot_file_engine_and_bound_against_fp16(tiny_model_dir, small_
                 assert (err <= 0.5 * step * 1.01 + 2e-3 * x.float().abs().reshape(err.shape) + 1e-6).all()
             else:  # later rows attended to the int8 keys before them (kv_cache.prefill_knowledge): close, not within a step
                 assert float((y.float() - x.float()).norm() / x.float().norm()) < 0.05
-    got = int8.ask("c", Q, max_tokens=8)
+    got = int8.answer(Query("c", Q, max_tokens=8))
     assert got.snapshot == b.snapshot and got.cached_tokens == b.n_tokens and got.completion_tokens > 0
-    assert int8.ask("c", Q, max_tokens=8).token_ids == got.token_ids  # deterministic, snapshot unpolluted
+    assert int8.answer(Query("c", Q, max_tokens=8)).token_ids == got.token_ids  # deterministic, snapshot unpolluted
 
 
 def test_int8_refresh_stores_what_a_rebuild_stores_for_the_kept_documents(tiny_model_dir, small_corpus, tmp_path, monkeypatch):

@@ -9,6 +9,7 @@ import time
 
 import pytest
 
+from cag.answering.query import Query
 from cag.config import get_settings
 from cag.engine import Engine
 from cag.kernels import native
@@ -31,12 +32,11 @@ def _engine(request, monkeypatch, small_corpus, model: str, weights: str, chunk:
 @pytest.mark.parametrize("model,weights", [("tiny", "fp32"), ("tiny64", "int4")])
 def test_a_long_prompt_in_pieces_is_exact_alone_batched_and_full(request, monkeypatch, small_corpus, model, weights):
     e = _engine(request, monkeypatch, small_corpus, model, weights, chunk=16)
-    pieces = e.ask("corpus", None, messages=LONG, max_tokens=12)
+    pieces = e.answer(Query("corpus", None, messages=LONG, max_tokens=12))
     assert pieces.prompt_tokens - pieces.cached_tokens > 10 * 16  # many pieces
-    full = e.ask("corpus", None, messages=LONG, max_tokens=12, mode="full")
+    full = e.answer(Query("corpus", None, messages=LONG, max_tokens=12, mode="full"))
     out: dict = {}
-    threads = [threading.Thread(target=lambda i=i: out.update({i: e.ask("corpus", None, messages=LONG, max_tokens=12,
-                                                                          mode=("cag", "full")[i % 2])}))
+    threads = [threading.Thread(target=lambda i=i: out.update({i: e.answer(Query("corpus", None, messages=LONG, max_tokens=12, mode=("cag", "full")[i % 2]))}))
                for i in range(4)]
     for t in threads:
         t.start()
@@ -45,18 +45,18 @@ def test_a_long_prompt_in_pieces_is_exact_alone_batched_and_full(request, monkey
     assert [out[i].token_ids for i in range(4)] == [pieces.token_ids] * 4 == [full.token_ids] * 4
     if e.decoder.step.flat:  # every row a decode row: the split does not change a bit
         monkeypatch.setenv("CAG_CHUNK_TOKENS", "4096")
-        one = Engine(get_settings(), lm=e.lm).ask("corpus", None, messages=LONG, max_tokens=12)
+        one = Engine(get_settings(), lm=e.lm).answer(Query("corpus", None, messages=LONG, max_tokens=12))
         assert one.token_ids == pieces.token_ids
 
 
 def test_a_short_question_does_not_wait_for_a_long_prompts_prefill(request, monkeypatch, small_corpus):
     e = _engine(request, monkeypatch, small_corpus, "tiny", "fp32", chunk=16)
-    e.ask("corpus", "Warm up.", max_tokens=2)
+    e.answer(Query("corpus", "Warm up.", max_tokens=2))
     got: dict = {}
 
     def long():
         got["t0"] = time.perf_counter()
-        got["long"] = e.ask("corpus", None, messages=LONG, max_tokens=2)
+        got["long"] = e.answer(Query("corpus", None, messages=LONG, max_tokens=2))
 
     t = threading.Thread(target=long)
     t.start()
@@ -64,7 +64,7 @@ def test_a_short_question_does_not_wait_for_a_long_prompts_prefill(request, monk
     while not any(r.filled > 0 for r in list(e.decoder._filling)):  # its first pieces are in
         assert time.monotonic() < deadline and t.is_alive()
         time.sleep(0.001)
-    short = e.ask("corpus", "Who keeps the lighthouse?", max_tokens=3)
+    short = e.answer(Query("corpus", "Who keeps the lighthouse?", max_tokens=3))
     done = time.perf_counter()
     t.join()
     assert len(short.token_ids) == 3
@@ -83,7 +83,7 @@ def test_a_stopped_request_ends_between_pieces(request, monkeypatch, small_corpu
         return len(calls) >= 3
 
     with pytest.raises(Cancelled):
-        e.ask("corpus", None, messages=LONG, max_tokens=4, should_stop=stop)
+        e.answer(Query("corpus", None, messages=LONG, max_tokens=4), should_stop=stop)
     assert len(calls) == 3  # asked before the first piece and between pieces, not after it stopped
     assert e.decoder.slots.in_use == (e.decoder.pad is not None)
-    assert e.ask("corpus", None, messages=LONG, max_tokens=4).token_ids  # the engine goes on
+    assert e.answer(Query("corpus", None, messages=LONG, max_tokens=4)).token_ids  # the engine goes on

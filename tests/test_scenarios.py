@@ -14,6 +14,7 @@ import torch
 from safetensors.torch import load_file
 
 from bench import scenarios
+from cag.answering.query import Query
 
 from .conftest import HANDBOOK
 from .cpu import needs_bf16
@@ -55,8 +56,8 @@ def test_refreshed_handbook_answers_a_second_turn_as_full_does(auto_lm, tmp_path
     with open(src / "expenses-and-travel.md", "a") as f:
         f.write("Travel over 500 EUR needs a director.\n")
     assert engine.ingest("handbook").status == "refreshed"
-    cag = engine.ask("handbook", None, messages=TURN2, max_tokens=32)
-    full = engine.ask("handbook", None, messages=TURN2, max_tokens=32, mode="full")
+    cag = engine.answer(Query("handbook", None, messages=TURN2, max_tokens=32))
+    full = engine.answer(Query("handbook", None, messages=TURN2, max_tokens=32, mode="full"))
     assert cag.token_ids == full.token_ids and len(cag.token_ids) > 14
 
 
@@ -74,13 +75,13 @@ def test_a_refresh_of_the_last_document_is_the_rebuild_bit_for_bit(auto_lm, tmp_
     assert refreshed.status == "refreshed" and refreshed.reused_tokens >= refreshed.n_tokens - 512
     assert refreshed.reused_tokens % engine.prefill_block == 0
     before = load_file(refreshed.path)
-    answer = engine.ask("handbook", "When does the canteen open?", max_tokens=16).token_ids
+    answer = engine.answer(Query("handbook", "When does the canteen open?", max_tokens=16)).token_ids
     rebuilt = engine.ingest("handbook", force=True)
     assert rebuilt.snapshot == refreshed.snapshot and rebuilt.status == "built"
     after = load_file(rebuilt.path)
     assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
     engine.evict()
-    assert engine.ask("handbook", "When does the canteen open?", max_tokens=16).token_ids == answer
+    assert engine.answer(Query("handbook", "When does the canteen open?", max_tokens=16)).token_ids == answer
 
 
 # CI-sized: seeds drawn small (at most 5 documents, 3 turns); bench/bench_exactness.py draws the full range
@@ -106,10 +107,10 @@ def test_an_answers_kv_is_kept_and_the_next_turn_prefills_only_its_question(auto
     for q in ("Who approves travel expenses above the limit, and what is the process for that approval?",
               "And what is the limit?", "How many days of annual leave do I get?"):
         messages = history + [{"role": "user", "content": q}]
-        kept = engine.ask("handbook", None, messages=messages, max_tokens=32)
+        kept = engine.answer(Query("handbook", None, messages=messages, max_tokens=32))
         engine.kept.clear()
-        recomputed = engine.ask("handbook", None, messages=messages, max_tokens=32)
-        full = engine.ask("handbook", None, messages=messages, max_tokens=32, mode="full")
+        recomputed = engine.answer(Query("handbook", None, messages=messages, max_tokens=32))
+        full = engine.answer(Query("handbook", None, messages=messages, max_tokens=32, mode="full"))
         assert kept.token_ids == recomputed.token_ids == full.token_ids
         turns.append(kept)
         history = messages + [{"role": "assistant", "content": kept.answer}]  # `recomputed` kept this turn again

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from cag.answering.query import Query
 from cag.config import get_settings
 from cag.engine import Engine
 from cag.knowledge.shards import Unit, doc_of, pack
@@ -61,19 +62,19 @@ def test_sharded_ingest_routes_and_answers_exactly(engine, town):
     assert all(s["n_tokens"] <= cap for s in r.shards) and r.n_tokens == sum(s["n_tokens"] for s in r.shards)
     assert r.bytes == sum(s["bytes"] for s in r.shards)
     ferry, (other, q) = _shard_of(engine, r, "b-ferry.txt"), _elsewhere(engine, r, "b-ferry.txt")
-    a = engine.ask("town", ASKS["b-ferry.txt"], max_tokens=12)
+    a = engine.answer(Query("town", ASKS["b-ferry.txt"], max_tokens=12))
     assert len(a.shards) == 1 and a.shards[0]["shard"] == ferry and a.routing_ms > 0
     assert a.cached_tokens == r.shards[ferry]["n_tokens"] and a.snapshot == r.shards[ferry]["snapshot"]
-    b = engine.ask("town", q, max_tokens=12)
+    b = engine.answer(Query("town", q, max_tokens=12))
     assert b.shards[0]["shard"] == other and b.snapshot == r.shards[other]["snapshot"]
-    full = engine.ask("town", q, max_tokens=12, mode="full")
+    full = engine.answer(Query("town", q, max_tokens=12, mode="full"))
     assert full.token_ids == b.token_ids and len(b.token_ids) == 12  # cag == full over the routed shard
-    both = engine.ask("town", q, max_tokens=12, shards=5)  # clamped to 2
+    both = engine.answer(Query("town", q, max_tokens=12, shards=5))  # clamped to 2
     assert len(both.shards) == 2 and sum(s["chosen"] for s in both.shards) == 1
     assert all(s["mean_logprob"] is not None for s in both.shards)
     chosen = next(s for s in both.shards if s["chosen"])
     assert chosen["mean_logprob"] == max(s["mean_logprob"] for s in both.shards)
-    assert len(engine.ask("town", "Who?", max_tokens=2, shards=0).shards) == 1  # clamped (the CLI warns)
+    assert len(engine.answer(Query("town", "Who?", max_tokens=2, shards=0)).shards) == 1  # clamped (the CLI warns)
 
 
 def test_a_conversation_on_a_shard_counts_its_reused_turns_as_cached(tiny64_model_dir, town, monkeypatch):
@@ -86,11 +87,11 @@ def test_a_conversation_on_a_shard_counts_its_reused_turns_as_cached(tiny64_mode
         pytest.skip(f"cag's kernels do not run here: {engine.lm.kernels_why}")
     r = engine.ingest(str(town), name="town", shard_tokens=_shard_tokens(engine, town, 2))
     q = ASKS["b-ferry.txt"] + " Please answer in one short sentence, naming the document."  # over 16 tokens: kept
-    first = engine.ask("town", None, max_tokens=8, messages=[{"role": "user", "content": q}])
+    first = engine.answer(Query("town", None, max_tokens=8, messages=[{"role": "user", "content": q}]))
     shard = r.shards[first.shards[0]["shard"]]["n_tokens"]
     assert first.cached_tokens == shard and first.conversation_tokens == 0
     again = [{"role": "user", "content": q}, {"role": "assistant", "content": first.answer}, {"role": "user", "content": "Why?"}]
-    second = engine.ask("town", None, max_tokens=8, messages=again)
+    second = engine.answer(Query("town", None, max_tokens=8, messages=again))
     assert second.shards[0]["shard"] == first.shards[0]["shard"] and second.conversation_tokens >= 16
     assert second.cached_tokens == shard + second.conversation_tokens < second.prompt_tokens
 
@@ -121,7 +122,7 @@ def test_a_document_larger_than_a_shard_is_cut_into_parts(engine, town):
     assert len(parts) > 1 and {doc_of(n) for n in names} == set(DOCS) | {"z-long.md"}
     assert all(s["n_tokens"] <= cap for s in r.shards)
     assert not engine.status("town").stale  # parts count as their document for freshness
-    a = engine.ask("town", "When was the harbour wall repaired in paragraph 33?", max_tokens=4)
+    a = engine.answer(Query("town", "When was the harbour wall repaired in paragraph 33?", max_tokens=4))
     assert any(n.startswith("z-long.md") for n in _docs_of(engine, a.snapshot))
 
 
@@ -163,19 +164,19 @@ def test_a_lost_shard_is_named_rebuilt_and_the_others_still_serve(engine, town):
 
     r = engine.ingest(str(town), name="town", shard_tokens=_shard_tokens(engine, town, 2))
     school, q = _elsewhere(engine, r, "b-ferry.txt")  # the shard that is lost, and a question for it
-    before = engine.ask("town", ASKS["b-ferry.txt"], max_tokens=8).token_ids
+    before = engine.answer(Query("town", ASKS["b-ferry.txt"], max_tokens=8)).token_ids
     engine.evict()
     lost = engine.index.snapshot(r.shards[school]["snapshot"])["path"]
     with open(lost, "r+b") as f:  # damage the tensor bytes at the end of the file
         f.seek(-64, 2)
         f.write(b"\0" * 64)
-    assert engine.ask("town", ASKS["b-ferry.txt"], max_tokens=8).token_ids == before  # its shard is sound
+    assert engine.answer(Query("town", ASKS["b-ferry.txt"], max_tokens=8)).token_ids == before  # its shard is sound
     with pytest.raises(SnapshotCorrupt, match=f"shard {school} of 'town'"):
-        engine.ask("town", q, max_tokens=8)
+        engine.answer(Query("town", q, max_tokens=8))
     assert any(x.startswith(f"shard {school}: snapshot is corrupt") for x in engine.status("town").reasons)
     again = engine.ingest("town")
     assert [s["status"] for s in again.shards] == ["built" if i == school else "fresh" for i in range(2)]
-    assert engine.ask("town", q, max_tokens=8).completion_tokens == 8
+    assert engine.answer(Query("town", q, max_tokens=8)).completion_tokens == 8
 
 
 def test_cli_ingest_and_ask_a_sharded_corpus(engine, town, tiny_model_dir, monkeypatch):

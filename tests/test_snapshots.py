@@ -10,6 +10,7 @@ import time
 import pytest
 import torch
 
+from cag.answering.query import Query
 from cag.errors import SnapshotCorrupt
 from cag.store import snapshots, stamps
 
@@ -191,7 +192,7 @@ def test_crash_before_publish_leaves_nothing_servable(tiny_engine, small_corpus,
 
 def test_old_snapshot_survives_a_failed_rebuild(tiny_engine, small_corpus, monkeypatch):
     first = tiny_engine.ingest(str(small_corpus))
-    before = tiny_engine.ask("corpus", "Who keeps the lighthouse?", max_tokens=8).token_ids
+    before = tiny_engine.answer(Query("corpus", "Who keeps the lighthouse?", max_tokens=8)).token_ids
     (small_corpus / "d.md").write_text("A new document about the harbour master, Ilse Brandt.\n")
     monkeypatch.setattr(os, "replace", lambda s, d: (_ for _ in ()).throw(KeyboardInterrupt()))
     with pytest.raises(KeyboardInterrupt):
@@ -199,22 +200,22 @@ def test_old_snapshot_survives_a_failed_rebuild(tiny_engine, small_corpus, monke
     monkeypatch.undo()
     assert tiny_engine.index.corpus("corpus")["current_snapshot"] == first.snapshot
     tiny_engine.evict()
-    assert tiny_engine.ask("corpus", "Who keeps the lighthouse?", max_tokens=8).token_ids == before
+    assert tiny_engine.answer(Query("corpus", "Who keeps the lighthouse?", max_tokens=8)).token_ids == before
 
 
 def test_corrupt_snapshot_is_reported_never_served_and_rebuilt(tiny_engine, small_corpus):
     r = tiny_engine.ingest(str(small_corpus))
-    good = tiny_engine.ask("corpus", "Who keeps the lighthouse?", max_tokens=8).token_ids
+    good = tiny_engine.answer(Query("corpus", "Who keeps the lighthouse?", max_tokens=8)).token_ids
     tiny_engine.evict()
     path = tiny_engine.settings.snapshots_dir / f"{r.snapshot}.safetensors"
     data = bytearray(path.read_bytes())
     data[-5] ^= 0x01
     path.write_bytes(bytes(data))
     with pytest.raises(SnapshotCorrupt, match="checksum.*cag ingest corpus"):
-        tiny_engine.ask("corpus", "Who keeps the lighthouse?", max_tokens=8)
+        tiny_engine.answer(Query("corpus", "Who keeps the lighthouse?", max_tokens=8))
     again = tiny_engine.ingest("corpus")
     assert again.status == "built" and again.snapshot == r.snapshot
-    assert tiny_engine.ask("corpus", "Who keeps the lighthouse?", max_tokens=8).token_ids == good
+    assert tiny_engine.answer(Query("corpus", "Who keeps the lighthouse?", max_tokens=8)).token_ids == good
 
 
 def test_snapshot_bytes_match_the_kv_formula(tiny_engine, small_corpus):

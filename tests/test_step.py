@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from cag.answering.query import Query
 from cag.model import prefill_attention, stacked_products, weights
 from cag.runtime import kv_cache
 from cag.runtime import step as lean
@@ -182,14 +183,14 @@ def test_the_support_check_decides_the_path(tiny_engine, small_corpus, monkeypat
     """With the check refusing, the engine answers through the transformers forward over a copy of
     the prefix: the same tokens as the batched step's, and the step never runs."""
     tiny_engine.ingest(str(small_corpus))
-    batched = [tiny_engine.ask("corpus", q, max_tokens=12).token_ids for q in ("Who keeps the lighthouse?", "When?")]
+    batched = [tiny_engine.answer(Query("corpus", q, max_tokens=12)).token_ids for q in ("Who keeps the lighthouse?", "When?")]
     assert tiny_engine.decoder.batched and len(set(map(tuple, batched))) == 2
     model = tiny_engine.lm.model
     model.__dict__.pop(lean.ATTR, None)
     tiny_engine._decoder = None
     monkeypatch.setattr(lean, "why_not", lambda m: "refused for the test")
     monkeypatch.setattr(lean.LeanStep, "run", lambda *a: pytest.fail("the batched step ran"))
-    fallback = [tiny_engine.ask("corpus", q, max_tokens=12).token_ids for q in ("Who keeps the lighthouse?", "When?")]
+    fallback = [tiny_engine.answer(Query("corpus", q, max_tokens=12)).token_ids for q in ("Who keeps the lighthouse?", "When?")]
     assert not tiny_engine.decoder.batched
     assert fallback == batched
 

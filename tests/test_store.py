@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
+from cag.answering.query import Query
 from cag.cli.main import app
 from cag.config import get_settings
 from cag.engine import Engine
@@ -83,36 +84,36 @@ def test_ingest_on_one_machine_answers_on_another(s3, small_corpus, tmp_path):
     assert blobs() == {r.snapshot}
     ref = RemoteStore(URL).get_ref("corpus")
     assert ref.shards == [r.snapshot] and ref.generation == 1 and ref.body["source"] == str(small_corpus)
-    want = a.ask("corpus", Q, max_tokens=8)
-    got = b.ask("corpus", Q, max_tokens=8)  # b never prefilled: it looks the ref up and fetches the blob
+    want = a.answer(Query("corpus", Q, max_tokens=8))
+    got = b.answer(Query("corpus", Q, max_tokens=8))  # b never prefilled: it looks the ref up and fetches the blob
     assert got.token_ids == want.token_ids and got.snapshot == r.snapshot and got.cached_tokens == r.n_tokens
     assert (tmp_path / "b" / "snapshots" / f"{r.snapshot}.safetensors").exists()
     assert b.status("corpus").stale is False
     moved = small_corpus.rename(small_corpus.parent / "elsewhere")  # b serves without a copy of the source
-    assert b.status("corpus").stale is False and b.ask("corpus", Q, max_tokens=8).stale is False
+    assert b.status("corpus").stale is False and b.answer(Query("corpus", Q, max_tokens=8)).stale is False
     moved.rename(small_corpus)
 
 
 def test_refresh_on_the_first_is_served_by_the_second_after_its_lookup(s3, small_corpus, tmp_path, monkeypatch):
     a, b = machine(tmp_path, "a"), machine(tmp_path, "b")
     old = a.ingest(str(small_corpus), name="corpus")
-    assert b.ask("corpus", Q, max_tokens=8).snapshot == old.snapshot
+    assert b.answer(Query("corpus", Q, max_tokens=8)).snapshot == old.snapshot
     (small_corpus / "c.md").write_text("The bakery on Quay Street sells rye bread on Fridays now.\n")
     new = a.ingest("corpus")
     assert new.status == "refreshed" and new.snapshot != old.snapshot
     assert RemoteStore(URL).get_ref("corpus").generation == 2
-    want = a.ask("corpus", Q, max_tokens=8)
-    got = b.ask("corpus", Q, max_tokens=8)
+    want = a.answer(Query("corpus", Q, max_tokens=8))
+    got = b.answer(Query("corpus", Q, max_tokens=8))
     assert got.snapshot == new.snapshot and got.token_ids == want.token_ids and not got.stale
     # with a ref TTL, a machine that looked up recently keeps its snapshot until the TTL passes
     monkeypatch.setenv("CAG_STORE_REF_TTL_S", "3600")
     c = machine(tmp_path, "c")
-    assert c.ask("corpus", Q, max_tokens=4).snapshot == new.snapshot
+    assert c.answer(Query("corpus", Q, max_tokens=4)).snapshot == new.snapshot
     (small_corpus / "c.md").write_text("The bakery on Quay Street sells rye bread on Mondays.\n")
     newer = a.ingest("corpus")
-    assert c.ask("corpus", Q, max_tokens=4).snapshot == new.snapshot
+    assert c.answer(Query("corpus", Q, max_tokens=4)).snapshot == new.snapshot
     c.remote._checked.clear()  # what the TTL running out does
-    assert c.ask("corpus", Q, max_tokens=4).snapshot == newer.snapshot
+    assert c.answer(Query("corpus", Q, max_tokens=4)).snapshot == newer.snapshot
 
 
 def test_gc_never_deletes_a_blob_that_a_ref_names(s3, small_corpus, tmp_path, monkeypatch):
@@ -135,15 +136,15 @@ def test_gc_never_deletes_a_blob_that_a_ref_names(s3, small_corpus, tmp_path, mo
     assert blobs() == {new.snapshot}
     assert {d["digest"] for d in done["deleted"]} == {f"store:{old.snapshot}"}
     b = machine(tmp_path, "b")
-    assert b.ask("corpus", Q, max_tokens=4).snapshot == new.snapshot
-    assert b.ask("twin", Q, max_tokens=4).snapshot == new.snapshot
+    assert b.answer(Query("corpus", Q, max_tokens=4)).snapshot == new.snapshot
+    assert b.answer(Query("twin", Q, max_tokens=4)).snapshot == new.snapshot
 
 
 def test_kill_9_during_the_upload_leaves_no_ref_to_a_partial_blob(s3, small_corpus, tmp_path):
     a_home = tmp_path / "a"
     a, b = machine(tmp_path, "a"), machine(tmp_path, "b")
     old = a.ingest(str(small_corpus), name="corpus")
-    before = b.ask("corpus", Q, max_tokens=8).token_ids
+    before = b.answer(Query("corpus", Q, max_tokens=8)).token_ids
     (small_corpus / "c.md").write_text("The bakery on Quay Street sells rye bread on Fridays now.\n")
 
     flag = tmp_path / "uploading"
@@ -165,12 +166,12 @@ def test_kill_9_during_the_upload_leaves_no_ref_to_a_partial_blob(s3, small_corp
     ref = RemoteStore(URL).get_ref("corpus")
     assert ref.shards == [old.snapshot] and ref.generation == 1  # the ref still names the complete old blob
     assert blobs() == {old.snapshot}  # the interrupted PUT left no object at all
-    served = b.ask("corpus", Q, max_tokens=8)
+    served = b.answer(Query("corpus", Q, max_tokens=8))
     assert served.snapshot == old.snapshot and served.token_ids == before
     again = a.ingest("corpus")  # the next ingest completes (its local file was whole: reused, uploaded)
     assert again.snapshot != old.snapshot and blobs() == {old.snapshot, again.snapshot}
     assert RemoteStore(URL).get_ref("corpus").shards == [again.snapshot]
-    assert b.ask("corpus", Q, max_tokens=8).snapshot == again.snapshot
+    assert b.answer(Query("corpus", Q, max_tokens=8)).snapshot == again.snapshot
 
 
 def test_a_tampered_blob_is_detected_on_cache_fill_and_never_served(s3, small_corpus, tmp_path):
@@ -187,7 +188,7 @@ def test_a_tampered_blob_is_detected_on_cache_fill_and_never_served(s3, small_co
     assert list((tmp_path / "b" / "snapshots").iterdir()) == []  # neither the blob nor a temp file stays
     b = machine(tmp_path, "b")
     with pytest.raises(SnapshotCorrupt, match="failed verification"):
-        b.ask("corpus", Q, max_tokens=4)
+        b.answer(Query("corpus", Q, max_tokens=4))
     # a blob swapped for another valid snapshot (another key) is refused the same way
     twin = small_corpus.parent / "other"
     twin.mkdir()
@@ -195,16 +196,16 @@ def test_a_tampered_blob_is_detected_on_cache_fill_and_never_served(s3, small_co
     other = a.ingest(str(twin), name="other")
     store.fs.pipe(key, store.fs.cat(f"{store.bucket}/{store.blob_key(other.snapshot)}"))
     with pytest.raises(SnapshotCorrupt, match="another key"):
-        machine(tmp_path, "c").ask("corpus", Q, max_tokens=4)
+        machine(tmp_path, "c").answer(Query("corpus", Q, max_tokens=4))
 
 
 def test_an_unreachable_store_is_one_line_and_the_cache_still_serves(s3, small_corpus, tmp_path):
     a, b = machine(tmp_path, "a"), machine(tmp_path, "b")
     a.ingest(str(small_corpus), name="corpus")
-    want = b.ask("corpus", Q, max_tokens=8)  # b's cache holds the blob now
+    want = b.answer(Query("corpus", Q, max_tokens=8))  # b's cache holds the blob now
     s3.stop()
     t0 = time.monotonic()
-    served = machine(tmp_path, "b").ask("corpus", Q, max_tokens=8)
+    served = machine(tmp_path, "b").answer(Query("corpus", Q, max_tokens=8))
     assert served.token_ids == want.token_ids
     out = cli(tmp_path / "b", "ask", "corpus", Q, "--max-tokens", "8", "--json")
     assert out.exit_code == 0 and json.loads(out.stdout)["answer"] == want.answer
@@ -215,7 +216,7 @@ def test_an_unreachable_store_is_one_line_and_the_cache_still_serves(s3, small_c
         assert "\n" not in line and line.startswith(f"error: snapshot store {URL} unreachable"), line
     assert time.monotonic() - t0 < 120
     with pytest.raises(StoreUnreachable):
-        machine(tmp_path, "d").ask("corpus", Q)
+        machine(tmp_path, "d").answer(Query("corpus", Q))
 
 
 def test_ref_writes_are_conditional(s3):
@@ -237,16 +238,16 @@ def test_the_local_cache_is_bounded_lru(s3, small_corpus, tmp_path, monkeypatch)
     other.mkdir()
     (other / "x.md").write_text("The ferry leaves at noon from the north pier.\n")
     two = a.ingest(str(other), name="two")
-    want = a.ask("one", Q, max_tokens=6).token_ids
+    want = a.answer(Query("one", Q, max_tokens=6)).token_ids
     monkeypatch.setenv("CAG_STORE_CACHE_BYTES", str(one.bytes + 1))  # room for one blob
     b = machine(tmp_path, "b")
     cached = lambda: sorted(p.stem for p in (tmp_path / "b" / "snapshots").glob("*.safetensors"))  # noqa: E731
-    b.ask("one", Q, max_tokens=6)
+    b.answer(Query("one", Q, max_tokens=6))
     assert cached() == [one.snapshot]
-    b.ask("two", Q, max_tokens=6)
+    b.answer(Query("two", Q, max_tokens=6))
     assert cached() == [two.snapshot]  # the least recently used blob made room
     b = machine(tmp_path, "b")  # a new process: nothing resident in memory
-    assert b.ask("one", Q, max_tokens=6).token_ids == want  # fetched again, verified again
+    assert b.answer(Query("one", Q, max_tokens=6)).token_ids == want  # fetched again, verified again
     assert cached() == [one.snapshot]
 
 
@@ -264,7 +265,7 @@ def test_int8_snapshots_travel_through_the_store(s3, small_corpus, tmp_path, mon
     a, b = machine(tmp_path, "a"), machine(tmp_path, "b")
     r = a.ingest(str(small_corpus), name="corpus")
     assert RemoteStore(URL).read_header(r.snapshot)[0]["dtype"] == "int8"
-    assert b.ask("corpus", Q, max_tokens=8).token_ids == a.ask("corpus", Q, max_tokens=8).token_ids
+    assert b.answer(Query("corpus", Q, max_tokens=8)).token_ids == a.answer(Query("corpus", Q, max_tokens=8)).token_ids
 
 
 def test_of_two_ingests_racing_on_one_corpus_the_second_is_refused_not_lost(s3, small_corpus, tmp_path):
@@ -273,12 +274,13 @@ def test_of_two_ingests_racing_on_one_corpus_the_second_is_refused_not_lost(s3, 
     a, c = machine(tmp_path, "a"), machine(tmp_path, "c")
     first = a.ingest(str(small_corpus), name="corpus")
     (small_corpus / "c.md").write_text("The bakery on Quay Street sells rye bread on Fridays now.\n")
-    plan = steps.plan(c, "corpus", small_corpus, None, None)  # c reads the ref: generation 1
+    plan = steps.read(c.index, c.remote, c.settings, "corpus", small_corpus, None, None)  # c reads the ref: generation 1
+    steps.pack_shards(c.snapshots(), plan)
     (small_corpus / "b.txt").write_text("The ferry leaves the harbour at 9:00 now.\n")
     won = a.ingest("corpus")  # a publishes generation 2 meanwhile
-    built = [steps.build(c, plan, s, 0, None, None) for s in plan.shards]
+    built = [steps.build(c.snapshots(), plan, s, 0, None, None) for s in plan.shards]
     with pytest.raises(StoreConflict, match="published by another ingest meanwhile"):
-        steps.publish(c, plan, built)
+        steps.publish(c.snapshots(), plan, built)
     ref = RemoteStore(URL).get_ref("corpus")
     assert ref.shards == [won.snapshot] and ref.generation == 2  # a's update is not lost
     assert [r["snapshot"] for r in c.index.shards("corpus")] == [first.snapshot]  # c did not publish locally either
@@ -304,15 +306,15 @@ def test_the_store_flag_and_a_bad_store_url(s3, small_corpus, tmp_path, monkeypa
 def test_a_damaged_cache_file_is_refused_then_fetched_again_from_the_store(s3, small_corpus, tmp_path):
     a = machine(tmp_path, "a")
     r = a.ingest(str(small_corpus), name="corpus")
-    want = machine(tmp_path, "b").ask("corpus", Q, max_tokens=8).token_ids
+    want = machine(tmp_path, "b").answer(Query("corpus", Q, max_tokens=8)).token_ids
     cached = tmp_path / "b" / "snapshots" / f"{r.snapshot}.safetensors"
     data = bytearray(cached.read_bytes())
     data[-10] ^= 0xFF
     cached.write_bytes(bytes(data))
     b = machine(tmp_path, "b")
     with pytest.raises(SnapshotCorrupt, match="checksum"):
-        b.ask("corpus", Q, max_tokens=8)  # never served
-    healed = machine(tmp_path, "b").ask("corpus", Q, max_tokens=8)  # the next question fetches the store's copy
+        b.answer(Query("corpus", Q, max_tokens=8))  # never served
+    healed = machine(tmp_path, "b").answer(Query("corpus", Q, max_tokens=8))  # the next question fetches the store's copy
     assert healed.token_ids == want
     assert cached.read_bytes() == RemoteStore(URL).fs.cat(f"cag-test/{RemoteStore(URL).blob_key(r.snapshot)}")
     assert machine(tmp_path, "b").index.snapshot(r.snapshot)["status"] == "ready"

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from cag.answering.query import Query
 from cag.errors import SnapshotCorrupt, StorageFull, StoreCorrupt
 from cag.store import snapshots
 from cag.store.remote import RemoteStore
@@ -40,7 +41,7 @@ def _full_disk_08(tensors, filename, metadata=None):
 
 def test_a_full_disk_in_safetensors_08_words_is_one_line_and_507(tiny_engine, small_corpus, monkeypatch):
     r = tiny_engine.ingest(str(small_corpus), name="corpus")
-    want = tiny_engine.ask("corpus", Q, max_tokens=8).token_ids
+    want = tiny_engine.answer(Query("corpus", Q, max_tokens=8)).token_ids
     folder = snapshot_path(Path(os.environ["CAG_HOME"]), r.snapshot).parent
     (small_corpus / "c.md").write_text(EDIT)
     monkeypatch.setattr(snapshots, "save_file", _full_disk_08)
@@ -50,7 +51,7 @@ def test_a_full_disk_in_safetensors_08_words_is_one_line_and_507(tiny_engine, sm
     assert sorted(p.name for p in folder.iterdir()) == [f"{r.snapshot}.safetensors"]  # no partial file left
     assert tiny_engine.index.corpus("corpus")["current_snapshot"] == r.snapshot
     tiny_engine.evict()
-    assert tiny_engine.ask("corpus", Q, max_tokens=8).token_ids == want  # the old snapshot still answers
+    assert tiny_engine.answer(Query("corpus", Q, max_tokens=8)).token_ids == want  # the old snapshot still answers
 
     with app_client(tiny_engine) as c:
         job = wait_job(c, c.post("/v1/corpora/corpus/refresh").json())

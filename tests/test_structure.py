@@ -170,7 +170,10 @@ def test_every_room_of_cag_is_packaged():
     project = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]
     rooms = {"cag." + p.parent.name for p in (REPO / "cag").glob("*/__init__.py")}
     assert rooms and rooms <= set(project["packages"])
-    assert {"*.cpp", "*.h"} <= set(project["package-data"]["cag.kernels"])
+    kernels = REPO / "cag" / "kernels"
+    shipped = {f for glob in project["package-data"]["cag.kernels"] for f in kernels.glob(glob)}
+    sources = {f for f in kernels.rglob("*") if f.suffix in (".cpp", ".h")}
+    assert sources and sources <= shipped, f"kernel sources not in the wheel: {sorted(map(str, sources - shipped))}"
 
 
 # Where a kernel's name may appear as a string: the backends themselves, the library that builds and
@@ -200,3 +203,39 @@ def test_the_kernel_name_check_sees_a_string(tmp_path):
     bad = tmp_path / "bad.py"
     bad.write_text('"""Runs on "avx2" CPUs."""\nif mode == "avx2":\n    pass\n')
     assert _kernel_names(bad) == [2]
+
+
+# knowledge/ and answering/ take what they use (an index, a model, settings, a SnapshotSetup, a callable), never
+# the Engine: an `engine` parameter there would let them read any of its members and call back up into it,
+# which the import walk above cannot see.
+BELOW_THE_ENGINE = ("cag.knowledge", "cag.answering")
+
+
+def _engine_uses(path: Path) -> list[str]:
+    """`engine` parameters, and members of anything named engine read by a private name, in `path`."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+            a = node.args
+            names = [x.arg for x in (*a.posonlyargs, *a.args, *a.kwonlyargs, *filter(None, (a.vararg, a.kwarg)))]
+            found += [f"line {node.lineno}: parameter {n!r}" for n in names if "engine" in n.lower()]
+        elif isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__"):
+            owner = node.value.attr if isinstance(node.value, ast.Attribute) else getattr(node.value, "id", "")
+            if "engine" in owner.lower():
+                found.append(f"line {node.lineno}: {owner}.{node.attr}")
+    return sorted(found, key=lambda f: int(f.split()[1].rstrip(":")))
+
+
+def test_knowledge_and_answering_never_take_the_engine():
+    mods = {name: path for name, path in _modules().items() if name.startswith(BELOW_THE_ENGINE)}
+    assert "cag.answering.questions" in mods and "cag.knowledge.ingest" in mods, "the walk is broken"
+    found = {name: uses for name, path in mods.items() if (uses := _engine_uses(path))}
+    assert not found, f"the Engine passed below it (take the index, model, settings it uses): {found}"
+
+
+def test_the_engine_check_sees_a_parameter_and_a_private_member(tmp_path):
+    bad = tmp_path / "bad.py"
+    bad.write_text("def check(engine, corpus):\n    return engine._layouts()\n\n\n"
+                   "def fine(index, model):\n    return self.engine._lm, model._private, lambda engine: 1\n")
+    assert _engine_uses(bad) == ["line 1: parameter 'engine'", "line 2: engine._layouts", "line 6: engine._lm",
+                                 "line 6: parameter 'engine'"]

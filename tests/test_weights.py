@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from cag.answering.query import Query
 from cag.model import auto_weights, layouts, packed, stacked_products, weights
 from tests.cpu import formats
 
@@ -244,7 +245,7 @@ def test_a_bf16_checkpoint_keeps_its_layers_in_bf16_under_packed_formats(tiny_mo
         e = Engine(get_settings(home=tmp_path / fmt))
         e.ingest(str(small_corpus))
         kv[fmt] = snapshots.load(Path(e.index.snapshot(e.index.corpus("corpus")["current_snapshot"])["path"])).kv
-        answers[fmt] = [e.ask("corpus", q, mode=m, max_tokens=12).token_ids for q in ("Who keeps the lighthouse?",) for m in ("cag", "full")]
+        answers[fmt] = [e.answer(Query("corpus", q, mode=m, max_tokens=12)).token_ids for q in ("Who keeps the lighthouse?",) for m in ("cag", "full")]
         layer = e.lm.model.model.layers[0]
         sizes[fmt] = sum(p.nbytes for p in e.lm.model.parameters())
         if fmt != "fp32":

@@ -11,13 +11,23 @@ streamed once chosen, since the others were not worth streaming.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from cag.answering import routing
+from cag.answering.questions import Question
 from cag.errors import NotFound, SnapshotCorrupt
 from cag.runtime.generate import Generated
 from cag.store import snapshots as snapfiles
+
+if TYPE_CHECKING:
+    from cag.store.index import Index
+    from cag.store.sync import LocalOnly, Shared
+
+# (question, snapshot digest, on_text, should_stop, score) -> (Generated, prefix tokens, load ms, mean log-prob)
+Generate = Callable[[Question, str, Callable | None, Callable | None, bool], tuple[Generated, int, float, float | None]]
 
 
 @dataclass
@@ -35,21 +45,23 @@ class ShardAnswer:
                 "mean_logprob": None if self.mean_logprob is None else round(self.mean_logprob, 4)}
 
 
-def route(engine, corpus: str, text: str, k: int) -> tuple[list[dict], list[routing.Route], float]:
-    """(shard rows, the k best routes, routing ms)."""
-    rows = engine.index.shards(corpus)
+def route(index: Index, remote: Shared | LocalOnly, tokenizer, corpus: str, text: str,
+          k: int) -> tuple[list[dict], list[routing.Route], float]:
+    """(shard rows, the k best routes, routing ms). `remote`: the shared store (a shard's file fetched from it)."""
+    rows = index.shards(corpus)
     t0 = time.perf_counter()
 
     def texts() -> list[list[str]]:
         out = []
         for r in rows:
-            snap = engine.index.snapshot(r["snapshot"])
+            snap = index.snapshot(r["snapshot"])
+            assert snap is not None  # a shard row names a snapshot the index holds (published together)
             try:
-                ids = snapfiles.read_ids(engine.remote.ensure_local(r["snapshot"], Path(snap["path"])))
+                ids = snapfiles.read_ids(remote.ensure_local(r["snapshot"], Path(snap["path"])))
             except snapfiles.SnapshotError as e:
                 raise SnapshotCorrupt(f"shard {r['shard']} of {corpus!r}: {e}; run `cag ingest {corpus}`") from None
-            spans = engine.index.snapshot_documents(r["snapshot"])
-            out.append([engine.lm.tokenizer.decode(ids[s["start"] : s["end"]]) for s in spans])
+            spans = index.snapshot_documents(r["snapshot"])
+            out.append([tokenizer.decode(ids[s["start"] : s["end"]]) for s in spans])
         return out
 
     router = routing.router_for("|".join(r["snapshot"] for r in rows), texts)
@@ -57,17 +69,19 @@ def route(engine, corpus: str, text: str, k: int) -> tuple[list[dict], list[rout
     return rows, routes, (time.perf_counter() - t0) * 1e3
 
 
-def answer(engine, q, k: int, on_text, should_stop):
-    """Answer a checked question from the k best shards of its corpus (see the module doc)."""
-    rows, routes, routing_ms = route(engine, q.corpus, q.search_text, k)
+def answer(index: Index, remote: Shared | LocalOnly, tokenizer, generate: Generate, q: Question, k: int, on_text,
+           should_stop) -> tuple[ShardAnswer, list[ShardAnswer], float]:
+    """Answer a checked question from the k best shards of its corpus (see the module doc): (the best, every
+    shard's, routing ms). `generate` answers over one resident snapshot."""
+    rows, routes, routing_ms = route(index, remote, tokenizer, q.corpus, q.search_text, k)
     tried = []
     for rt in routes:
         digest = rows[rt.shard]["snapshot"]
-        if engine.index.snapshot(digest) is None:
+        if index.snapshot(digest) is None:
             raise NotFound(f"shard {rt.shard} of {q.corpus!r} has no snapshot: run `cag ingest {q.corpus}`")
         try:
-            gen, n, load_ms, logprob = engine.generate_cached(q, digest, on_text if len(routes) == 1 else None,
-                                                              should_stop, score=len(routes) > 1)
+            gen, n, load_ms, logprob = generate(q, digest, on_text if len(routes) == 1 else None, should_stop,
+                                                len(routes) > 1)
         except SnapshotCorrupt as e:  # the other shards still serve; this one is rebuilt by `cag ingest`
             raise SnapshotCorrupt(f"shard {rt.shard} of {q.corpus!r}: {e}") from None
         tried.append(ShardAnswer(rt.shard, digest, rt.score, n, gen, load_ms, logprob))

@@ -12,9 +12,14 @@ import threading
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
+from cag.kernels import native
 from cag.runtime.slots import PrefixKV
 from cag.store.snapshots import Snapshot
+
+if TYPE_CHECKING:
+    from cag.model.loading import LoadedModel
 
 
 @dataclass
@@ -27,6 +32,20 @@ class Resident:
     @property
     def nbytes(self) -> int:
         return self.prefix.nbytes
+
+    @classmethod
+    def of(cls, snap: Snapshot, lm: LoadedModel) -> Resident:
+        """A verified snapshot made resident: its K/V in `lm`'s attention dtype on its device, once (every
+        request reads it); the storage-dtype tensors are let go."""
+        prefix = PrefixKV.of(snap.kv, lm.attn_dtype, lm.device, codes_read(lm, snap.codes))
+        snap.kv, snap.codes = [], None
+        return cls(snap, prefix)
+
+
+def codes_read(lm: LoadedModel, codes: list | None) -> list | None:
+    """An int8 snapshot's codes where decode rows read them (cag.kernels.native's AVX-512 attention, heads of
+    native.INT8_HEAD_DIMS, 80 included), else None: the prefix is then its dequantized K/V."""
+    return codes if lm.backend.int8_codes and lm.head_dim in native.INT8_HEAD_DIMS else None
 
 
 class ResidentPool:

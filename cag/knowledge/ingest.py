@@ -2,8 +2,9 @@
 reuse a verified snapshot with the same key or build one (reusing the shard's current snapshot up
 to its first changed document), then publish every shard in one transaction.
 
-Each step takes the Engine (model, settings, index); `Engine.ingest` runs them under the
-corpus's writer lock. A crash before `publish` leaves the corpus on its previous snapshots.
+`read` needs no model; the steps after it take a SnapshotSetup (model, layout, settings, index, store:
+cag.knowledge.setup), and `Engine.ingest` runs them under the corpus's writer lock, evicting a rebuilt
+snapshot from memory. A crash before `publish` leaves the corpus on its previous snapshots.
 """
 
 from __future__ import annotations
@@ -12,18 +13,26 @@ import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from cag.errors import BadInput, ModelError, SnapshotCorrupt, StaleRefused, TooLarge
 from cag.hashing import short
-from cag.knowledge import documents
+from cag.knowledge import documents, verify
 from cag.knowledge.corpus import read_corpus
+from cag.knowledge.setup import SnapshotSetup
 from cag.knowledge.shards import Unit, pack, units_of
 from cag.model.prompt import PrefixTokens, document_text, encode_template, encode_text
 from cag.results import human_bytes
 from cag.runtime import kv_cache
 from cag.store import snapshots as snapfiles
+
+if TYPE_CHECKING:
+    from cag.config import Settings
+    from cag.store.index import Index
+    from cag.store.remote import Ref
+    from cag.store.sync import LocalOnly, Shared
 
 
 @dataclass
@@ -57,7 +66,7 @@ class Plan:
     shard_tokens: int | None
     shards: list[Shard] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
-    ref: object = None  # with a shared store: the corpus's ref read at the start (a conditional write expects it)
+    ref: Ref | None = None  # with a shared store: the corpus's ref read at the start (a conditional write expects it)
 
 
 @dataclass
@@ -70,20 +79,28 @@ class Built:
     prefill_ms: float = 0.0
 
 
-def plan(engine, name: str, source: Path, ttl_s: float | None, shard_tokens: int | None, reporter=None) -> Plan:
-    """Read the corpus (within CAG_MAX_DOCUMENT_BYTES / CAG_MAX_CORPUS_BYTES) and pack it into shards
-    that each fit the context (and `shard_tokens`); refuse shards that would not fit on the disk."""
-    engine.index.require_writable("cannot record the snapshot")  # a read-only index fails now, before any work
-    ref = engine.remote.pull(name) if engine.remote else None  # another machine's newer ref is adopted first
-    row = engine.index.corpus(name) or {}
+def read(index: Index, remote: Shared | LocalOnly, settings: Settings, name: str, source: Path, ttl_s: float | None,
+         shard_tokens: int | None, reporter=None) -> Plan:
+    """Read the corpus (within CAG_MAX_DOCUMENT_BYTES / CAG_MAX_CORPUS_BYTES), before the model loads: a
+    plan with no shards yet (`pack_shards`)."""
+    index.require_writable("cannot record the snapshot")  # a read-only index fails now, before any work
+    ref = remote.pull(name) if remote else None  # another machine's newer ref is adopted first
+    row = index.corpus(name) or {}
     ttl_s = row.get("ttl_s") if ttl_s is None else ttl_s
     shard_tokens = row.get("shard_tokens") if shard_tokens is None else shard_tokens or None
-    docs, skipped = read_corpus(engine.index, source, name, engine.settings, reporter)  # refused before the model loads
-    lm, layout = engine.lm, engine.layout()
+    docs, skipped = read_corpus(index, source, name, settings, reporter)  # refused before the model loads
+    return Plan(name, source, docs, skipped, ttl_s, shard_tokens, ref=ref)
+
+
+def pack_shards(setup: SnapshotSetup, plan: Plan, reporter=None) -> Plan:
+    """Pack the plan's documents into shards that each fit the context (and its `shard_tokens`); refuse
+    shards that would not fit on the disk."""
+    name, docs, shard_tokens = plan.name, plan.docs, plan.shard_tokens
+    lm, layout, room = setup.lm, setup.layout, setup.room
     head, mid = encode_template(lm.tokenizer, layout.head), encode_template(lm.tokenizer, layout.mid)
-    capacity, layout_tokens = lm.max_context - engine.room, len(head) + len(mid)
+    capacity, layout_tokens = lm.max_context - room, len(head) + len(mid)
     if capacity - layout_tokens < 16:  # the rooms' fault, whatever --shard-tokens says: name them
-        raise BadInput(f"CAG_QUESTION_ROOM + CAG_ANSWER_ROOM ({engine.room}) leave no room in the model's context "
+        raise BadInput(f"CAG_QUESTION_ROOM + CAG_ANSWER_ROOM ({room}) leave no room in the model's context "
                        f"({lm.max_context}) for knowledge (the prompt layout alone is {layout_tokens} tokens): lower them")
     if shard_tokens:
         capacity = min(capacity, shard_tokens)
@@ -94,9 +111,9 @@ def plan(engine, name: str, source: Path, ttl_s: float | None, shard_tokens: int
     tick = tokenizing(sum(len(d.text) for d in docs)) if tokenizing else None
     units = units_of(lm.tokenizer, docs, capacity - len(head) - len(mid), tick)
     getattr(reporter, "tokenized", lambda: None)()
-    previous = [[s["path"] for s in engine.index.snapshot_documents(r["snapshot"])] for r in engine.index.shards(name)]
-    out = Plan(name, source, docs, skipped, ttl_s, shard_tokens, ref=ref,
-               warnings=[f"{u.name}: a sentence longer than a shard, cut between tokens" for u in units if u.cut_by_tokens])
+    previous = [[s["path"] for s in setup.index.snapshot_documents(r["snapshot"])] for r in setup.index.shards(name)]
+    out = plan
+    out.warnings += [f"{u.name}: a sentence longer than a shard, cut between tokens" for u in units if u.cut_by_tokens]
     for i, sp in enumerate(pack(units, capacity, len(head) + len(mid), previous)):
         ids, spans = list(head), []
         for u in sp.units:
@@ -105,26 +122,26 @@ def plan(engine, name: str, source: Path, ttl_s: float | None, shard_tokens: int
             u.ids = None  # held once, in the shard's ids
             spans.append((u.name, start, len(ids)))
         ids += mid
-        engine.require_fit(len(ids), "a shard's knowledge")
-        out.shards.append(Shard(i, sp.units, PrefixTokens(ids, spans), engine.snapshot_key(ids)))
-    check_room(engine, out)
+        setup.require_fit(len(ids), "a shard's knowledge")
+        out.shards.append(Shard(i, sp.units, PrefixTokens(ids, spans), setup.key(ids)))
+    check_room(setup, out)
     return out
 
 
-def header_bytes(engine, shard: Shard) -> int:
+def header_bytes(setup: SnapshotSetup, shard: Shard) -> int:
     """What a snapshot file holds beside the K/V formula: its token ids (int64), the documents' spans
     and the metadata (JSON), ~100 bytes of index per tensor, and int8's fp16 scales (one per 32 values)."""
-    n, layers = len(shard.prefix.ids), engine.lm.n_layers
-    scales = engine.lm.kv_bytes(n, engine.kv_dtype) // 16 if engine.kv_name == "int8" else 0
+    n, layers = len(shard.prefix.ids), setup.lm.n_layers
+    scales = setup.lm.kv_bytes(n, setup.kv_dtype) // 16 if setup.kv_name == "int8" else 0
     return 8 * n + 200 * len(shard.prefix.spans) + 4096 + 100 * 4 * layers + scales
 
 
-def check_room(engine, plan: Plan) -> None:
+def check_room(setup: SnapshotSetup, plan: Plan) -> None:
     """Refuse, before any prefill, snapshots that cannot fit on the disk: the KV-size formula over
     the shards not already there, against the free space of the snapshots folder."""
-    folder = engine.settings.snapshots_dir
+    folder = setup.settings.snapshots_dir
     new = [s for s in plan.shards if not (folder / f"{s.digest}.safetensors").exists()]
-    need = sum(engine.lm.kv_bytes(len(s.prefix.ids), engine.kv_dtype) + header_bytes(engine, s) for s in new)
+    need = sum(setup.lm.kv_bytes(len(s.prefix.ids), setup.kv_dtype) + header_bytes(setup, s) for s in new)
     here = next((p for p in (folder, *folder.parents) if p.exists()), None)
     free = shutil.disk_usage(here).free if here is not None and need else None
     if free is not None and need > free:
@@ -133,31 +150,31 @@ def check_room(engine, plan: Plan) -> None:
                        f"~{human_bytes(need)} and {folder} has {human_bytes(free)} free; free space, or ingest less")
 
 
-def reuse_fresh(engine, shard: Shard) -> Built | None:
+def reuse_fresh(setup: SnapshotSetup, shard: Shard) -> Built | None:
     """An existing snapshot with this shard's key, verified exactly as a question would verify it."""
-    row = engine.index.snapshot(shard.digest)
-    if not row or row["status"] == "corrupt" or (not Path(row["path"]).exists() and not engine.remote):
+    row = setup.index.snapshot(shard.digest)
+    if not row or row["status"] == "corrupt" or (not Path(row["path"]).exists() and not setup.remote):
         return None  # with a shared store a file missing here is fetched (and verified) by open_snapshot
     try:
-        engine.open_snapshot(row)
+        verify.open_snapshot(setup, row)
     except (SnapshotCorrupt, StaleRefused):
         return None  # rebuilt (a corrupt file is marked so)
-    if engine.remote:  # the ref about to name it needs the blob in the store
-        engine.remote.put_blob(Path(row["path"]), shard.digest)
+    if setup.remote:  # the ref about to name it needs the blob in the store
+        setup.remote.put_blob(Path(row["path"]), shard.digest)
     return Built(row, "fresh", reused=len(shard.prefix.ids))
 
 
-def reusable(engine, corpus: str, shard: Shard) -> tuple[int, list | None]:
+def reusable(setup: SnapshotSetup, corpus: str, shard: Shard) -> tuple[int, list | None]:
     """Tokens of the shard's current snapshot that stay valid: the longest common prefix of token
     ids, cut back to a document boundary and then to a whole prefill block (KV at position i depends only
     on tokens 0..i, and the prefill starts blocks at multiples of the block: kv_cache.prefill_knowledge)."""
-    rows = engine.index.shards(corpus)
+    rows = setup.index.shards(corpus)
     digest = rows[shard.index]["snapshot"] if shard.index < len(rows) else None
-    snap = engine.index.snapshot(digest) if digest else None
-    if not snap or snap["model_fingerprint"] != engine.lm.fingerprint or snap["dtype"] != engine.kv_name:
+    snap = setup.index.snapshot(digest) if digest else None
+    if not snap or snap["model_fingerprint"] != setup.lm.fingerprint or snap["dtype"] != setup.kv_name:
         return 0, None
     try:  # int8 dequantized in fp32: the kept positions quantize again to the very same bytes
-        old = engine.open_snapshot(snap, dequant=torch.float32)
+        old = verify.open_snapshot(setup, snap, dequant=torch.float32)
     except (SnapshotCorrupt, StaleRefused):
         return 0, None
     common = 0
@@ -168,52 +185,51 @@ def reusable(engine, corpus: str, shard: Shard) -> tuple[int, list | None]:
     spans = old.meta["spans"]
     bounds = [s["start"] for s in spans] + [max((s["end"] for s in spans), default=0)]
     cut = max((b for b in bounds if b <= common), default=0)
-    if old.meta.get("prefill_block") != engine.prefill_block:  # computed in other blocks: nothing of it is reused
+    if old.meta.get("prefill_block") != setup.prefill_block:  # computed in other blocks: nothing of it is reused
         return 0, None
-    cut -= cut % engine.prefill_block
+    cut -= cut % setup.prefill_block
     return cut, (old.kv if cut else None)
 
 
-def build(engine, plan: Plan, shard: Shard, reused: int, old_kv, tick) -> Built:
+def build(setup: SnapshotSetup, plan: Plan, shard: Shard, reused: int, old_kv, tick) -> Built:
     """Prefill the shard (after its `reused` tokens) and save its snapshot file atomically."""
-    lm, ids = engine.lm, shard.prefix.ids
+    lm, ids = setup.lm, shard.prefix.ids
     n = len(ids)
     t0 = time.perf_counter()
-    block = engine.prefill_block
+    block = setup.prefill_block
     cache = kv_cache.new_cache(lm.model, reused + kv_cache.padded(n - reused, block))
     if old_kv is not None:
         kv_cache.load_into(cache, [(k[:, :, :reused], v[:, :, :reused]) for k, v in old_kv], lm.dtype, lm.device)
-    kv_cache.prefill_knowledge(lm.model, cache, ids[reused:], reused, block, engine.kv_dtype, tick)
+    kv_cache.prefill_knowledge(lm.model, cache, ids[reused:], reused, block, setup.kv_dtype, tick)
     prefill_ms = (time.perf_counter() - t0) * 1e3
-    path = engine.settings.snapshots_dir / f"{shard.digest}.safetensors"
+    path = setup.settings.snapshots_dir / f"{shard.digest}.safetensors"
     created = time.time()
     meta = {"key": shard.key, "corpus": plan.name, "model": lm.name, "model_fingerprint": lm.fingerprint,
-            "tokenizer_fingerprint": lm.tokenizer_fingerprint, "layout": engine.layout().as_dict(),
+            "tokenizer_fingerprint": lm.tokenizer_fingerprint, "layout": setup.layout.as_dict(),
             "n_kv_heads": lm.n_kv_heads, "head_dim": lm.head_dim, "spans": shard.spans, "created": created,
             "compute_dtype": str(lm.dtype), "source": str(plan.source), "ttl_s": plan.ttl_s,
             "n_documents": len(shard.units), "reused_tokens": reused, "prefill_ms": prefill_ms,
             "shard": shard.index, "n_shards": len(plan.shards), "shard_tokens": plan.shard_tokens,
             "prefill_block": block}
     layers = kv_cache.export(cache, n)
-    if why := kv_cache.nonfinite(layers, engine.kv_dtype):  # a snapshot holding NaN or inf would answer garbage forever
+    if why := kv_cache.nonfinite(layers, setup.kv_dtype):  # a snapshot holding NaN or inf would answer garbage forever
         raise ModelError(f"the model's keys and values for {plan.name!r} cannot be stored: {why}; "
                          "prefill in float32 (CAG_DTYPE=float32) or store them in bfloat16 (CAG_KV_DTYPE=bfloat16)")
-    nbytes = snapfiles.save(path, layers, ids, meta, engine.kv_dtype)
+    nbytes = snapfiles.save(path, layers, ids, meta, setup.kv_dtype)
     del cache
-    if engine.remote:  # uploaded whole under its final name before any ref can name it
-        engine.remote.put_blob(path, shard.digest)
+    if setup.remote:  # uploaded whole under its final name before any ref can name it
+        setup.remote.put_blob(path, shard.digest)
     row = {"key": shard.key, "digest": shard.digest, "corpus": plan.name, "model": lm.name,
            "model_fingerprint": lm.fingerprint, "tokenizer_fingerprint": lm.tokenizer_fingerprint,
-           "n_tokens": n, "n_documents": len(shard.units), "bytes": nbytes, "dtype": engine.kv_name,
+           "n_tokens": n, "n_documents": len(shard.units), "bytes": nbytes, "dtype": setup.kv_name,
            "path": str(path), "created": created, "last_used": None, "prefill_ms": prefill_ms, "reused_tokens": reused}
-    engine.resident.evict(shard.digest)
     return Built(row, "refreshed" if reused else "built", reused, prefill_ms)
 
 
-def publish(engine, plan: Plan, built: list[Built]) -> None:
-    corpus_row = {"name": plan.name, "source": str(plan.source), "model": engine.lm.name, "ttl_s": plan.ttl_s,
+def publish(setup: SnapshotSetup, plan: Plan, built: list[Built]) -> None:
+    corpus_row = {"name": plan.name, "source": str(plan.source), "model": setup.lm.name, "ttl_s": plan.ttl_s,
                   "shard_tokens": plan.shard_tokens}
     doc_rows = [{"path": d.name, "content_hash": d.content_hash, "size": d.size, "mtime": d.mtime} for d in plan.docs]
-    if engine.remote:  # the store is the truth: its ref first (conditional), then this machine's index
-        engine.remote.publish(corpus_row, doc_rows, [b.row for b in built], plan.ref)
-    engine.index.publish_shards(corpus_row, doc_rows, [(b.row, s.spans) for b, s in zip(built, plan.shards)])
+    if setup.remote:  # the store is the truth: its ref first (conditional), then this machine's index
+        setup.remote.publish(corpus_row, doc_rows, [b.row for b in built], plan.ref)
+    setup.index.publish_shards(corpus_row, doc_rows, [(b.row, s.spans) for b, s in zip(built, plan.shards)])

@@ -1,4 +1,7 @@
-"""Invalidate, garbage-collect and reindex: index upkeep that needs no model."""
+"""Invalidate, garbage-collect and reindex: index upkeep that needs no model.
+
+The library of `cag invalidate`, `cag gc` and `cag reindex`: what they do and what they return is here;
+cli/maintenance.py only declares their options and prints what these functions return."""
 
 from __future__ import annotations
 
