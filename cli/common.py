@@ -156,7 +156,7 @@ class _TqdmReporter:
         if not self.quiet:
             extra = f", reusing {reused} cached tokens" if reused else ""
             typer.echo(f"knowledge: {n_tokens} tokens -> snapshot ~{_human_bytes(n_bytes)} "
-                       f"(2 x layers x kv_heads x head_dim x bytes x tokens){extra}", err=True)
+                       f"(2 x layers x kv_heads x head_dim x bytes x tokens, a window layer's last W){extra}", err=True)
 
     def shards(self, shards: list[dict]) -> None:
         if not self.quiet and len(shards) > 1:

@@ -15,6 +15,11 @@ format-2 file written before it has none and is read as before (its tensors chec
 snapshots keep their keys and stay current; what the engine reads of its header is validated
 instead (`spans`). Load also checks every layer tensor against the header's dtype and
 (1, H_kv, n_tokens, D). No pickle anywhere: safetensors holds raw tensor bytes and a JSON header only.
+
+A model with sliding-window layers (cag.model.windows) records `windows` (per layer: W, or null for
+full attention) and stores a window layer's last min(n_tokens, W) rows only, (1, H_kv, rows, D): a
+question never reads the others. Load puts them back at their positions in (1, H_kv, n_tokens, D),
+the rows before them zero (masked out of every window, as the rows were never there).
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from cag.errors import IndexUnusable, StorageFull
+from cag.model.windows import kept_rows
 
 from . import kv_int8
 from .snapshot_header import (  # noqa: F401 (re-exported: the header's names are the file's names)
@@ -135,6 +141,9 @@ def save(path: Path, kv, ids: list[int], meta: dict, dtype: torch.dtype) -> int:
     """
     tensors: dict[str, torch.Tensor] = {"prefix_ids": torch.tensor(ids, dtype=torch.int32)}
     extra = {}
+    if windows := meta.get("windows"):  # a window layer keeps its last W rows (the only ones a question reads)
+        kv = [(k[:, :, k.shape[2] - (r := kept_rows(k.shape[2], w)):], v[:, :, v.shape[2] - r:])
+              for (k, v), w in zip(kv, windows, strict=True)]
     if dtype == torch.int8:  # quantized blocks + fp16 scales (store/kv_int8.py)
         block, codes = kv_int8.quantize_layers(kv)
         extra = {"codec": kv_int8.CODEC, "int8_block": block}
@@ -204,6 +213,7 @@ def load(path: Path, expect_key: str | None = None, verify: bool = True, dequant
             raise ValueError(f"int8_block {block} does not divide head_dim")
     except (KeyError, TypeError, ValueError) as e:
         raise SnapshotError(f"snapshot {path.name}: header field missing or invalid: {e}") from None
+    windows = _windows(meta, n_layers, path)
     try:
         kv = [(tensors[f"layers.{i}.keys"], tensors[f"layers.{i}.values"]) for i in range(n_layers)]
         ids = tensors["prefix_ids"]
@@ -211,20 +221,22 @@ def load(path: Path, expect_key: str | None = None, verify: bool = True, dequant
         raise SnapshotError(f"snapshot {path.name}: missing tensor {e}") from None
     if ids.dtype != torch.int32 or tuple(ids.shape) != (n_tokens,):
         raise SnapshotError(f"snapshot {path.name}: prefix_ids disagree with its header")
+    shapes = [None if shape is None else (*shape[:2], kept_rows(n_tokens, w), shape[3]) for w in windows]
     for i, pair in enumerate(kv):
         for t in pair:
             if t.dtype != dtype:
                 raise SnapshotError(f"snapshot {path.name}: layer {i} is {str(t.dtype).removeprefix('torch.')}, "
                                     f"the header says {meta['dtype']}")
-            if tuple(t.shape) != shape:
+            if tuple(t.shape) != shapes[i]:
                 raise SnapshotError(f"snapshot {path.name}: layer {i} has shape {tuple(t.shape)}, "
-                                    f"the header says {shape}")
+                                    f"the header says {shapes[i]}")
     if block is not None:
         scales = []
         for i in range(n_layers):
-            assert shape is not None  # None only without layers
+            want = shapes[i]
+            assert want is not None  # None only without layers
             ks, vs = (tensors.get(f"layers.{i}.{name}.scale") for name in ("keys", "values"))
-            if ks is None or vs is None or any(t.dtype != torch.float16 or tuple(t.shape) != (*shape[:3], shape[3] // block)
+            if ks is None or vs is None or any(t.dtype != torch.float16 or tuple(t.shape) != (*want[:3], want[3] // block)
                                                for t in (ks, vs)):
                 raise SnapshotError(f"snapshot {path.name}: layer {i} int8 scales missing or misshapen")
             scales.append((ks, vs))
@@ -233,6 +245,10 @@ def load(path: Path, expect_key: str | None = None, verify: bool = True, dequant
         if _checksum(tensors) != meta.get("checksum"):
             raise SnapshotError(f"snapshot {path.name}: checksum mismatch (file was modified or damaged)")
         CHECKSUMS.remember(path, seen, t0)  # unchanged from before the read to after the check
+    if any(w is not None for w in windows):  # each layer at its positions again: (1, H_kv, n_tokens, D)
+        kv = [(_in_place(k, n_tokens), _in_place(v, n_tokens)) for k, v in kv]
+        if block is not None:
+            scales = [(_in_place(ks, n_tokens), _in_place(vs, n_tokens)) for ks, vs in scales]
     codes: list[tuple[torch.Tensor, ...]] | None = None
     if block is not None and decode:  # dequantized once here; the request buffer copy casts to the model's dtype
         dequant = dequant or torch.float16
@@ -241,11 +257,34 @@ def load(path: Path, expect_key: str | None = None, verify: bool = True, dequant
     return Snapshot(meta=meta, kv=kv, ids=ids.tolist(), codes=codes)
 
 
+def _windows(meta: dict, n_layers: int, path: Path) -> list[int | None]:
+    """The header's `windows` (cag.model.windows), checked; every layer full where it has none."""
+    windows = meta.get("windows")
+    if windows is None:
+        return [None] * n_layers
+    if (not isinstance(windows, list) or len(windows) != n_layers
+            or any(w is not None and (type(w) is not int or w < 1) for w in windows)):
+        raise SnapshotError(f"snapshot {path.name}: header field windows is not one window (or null) per layer")
+    return windows
+
+
+def _in_place(t: torch.Tensor, n_tokens: int) -> torch.Tensor:
+    """A window layer's last rows (1, H_kv, r, X) at positions n_tokens-r.. of (1, H_kv, n_tokens, X), zeros before."""
+    if t.shape[2] == n_tokens:
+        return t
+    out = t.new_zeros((*t.shape[:2], n_tokens, t.shape[3]))
+    out[:, :, n_tokens - t.shape[2]:] = t
+    return out
+
+
 def delete(path: Path) -> None:
     CHECKSUMS.forget(path)
     path.unlink(missing_ok=True)
 
 
-def expected_bytes(n_layers: int, n_kv_heads: int, head_dim: int, dtype: torch.dtype, n_tokens: int) -> int:
-    """The KV-size formula: 2 x layers x kv_heads x head_dim x bytes x tokens (header not included)."""
-    return 2 * n_layers * n_kv_heads * head_dim * dtype.itemsize * n_tokens
+def expected_bytes(n_layers: int, n_kv_heads: int, head_dim: int, dtype: torch.dtype, n_tokens: int,
+                   windows: tuple[int | None, ...] = ()) -> int:
+    """The KV-size formula: 2 x layers x kv_heads x head_dim x bytes x tokens (header not included); a
+    window layer (`windows`, cag.model.windows) counts its last W tokens only."""
+    rows = sum(kept_rows(n_tokens, w) for w in windows) if windows else n_layers * n_tokens
+    return 2 * n_kv_heads * head_dim * dtype.itemsize * rows

@@ -149,12 +149,13 @@ def test_tampered_dtype_in_the_header_is_never_served(ingested):
 
 def test_bad_models_are_refused(small_corpus, tmp_path):
     _fails(["ingest", str(small_corpus), "--model", str(tmp_path / "no-model")], "model not found")
-    from transformers import MistralConfig, MistralForCausalLM
+    from transformers import LlamaConfig, LlamaForCausalLM
 
-    cfg = MistralConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                        num_attention_heads=2, num_key_value_heads=1, sliding_window=16)
-    MistralForCausalLM(cfg).save_pretrained(tmp_path / "sliding")
-    _fails(["ingest", str(small_corpus), "--model", str(tmp_path / "sliding")], "not supported")
+    # chunked attention (Llama 4's): a cache cag cannot snapshot (sliding windows it serves: test_sliding.py)
+    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                      num_key_value_heads=1, layer_types=["chunked_attention"], attention_chunk_size=16)
+    LlamaForCausalLM(cfg).save_pretrained(tmp_path / "chunked")
+    _fails(["ingest", str(small_corpus), "--model", str(tmp_path / "chunked")], "not supported")
 
 
 def test_help_for_every_command():

@@ -23,6 +23,7 @@ from cag.knowledge import documents, verify
 from cag.knowledge.corpus import read_corpus
 from cag.knowledge.setup import SnapshotSetup
 from cag.knowledge.shards import Unit, pack, units_of
+from cag.model import windows
 from cag.model.prompt import PrefixTokens, document_text, encode_template, encode_text
 from cag.results import human_bytes
 from cag.runtime import kv_cache
@@ -187,7 +188,7 @@ def reusable(setup: SnapshotSetup, corpus: str, shard: Shard) -> tuple[int, list
     cut = max((b for b in bounds if b <= common), default=0)
     if old.meta.get("prefill_block") != setup.prefill_block:  # computed in other blocks: nothing of it is reused
         return 0, None
-    cut -= cut % setup.prefill_block
+    cut = windows.reusable(cut - cut % setup.prefill_block, len(old.ids), setup.lm.windows)
     return cut, (old.kv if cut else None)
 
 
@@ -210,7 +211,7 @@ def build(setup: SnapshotSetup, plan: Plan, shard: Shard, reused: int, old_kv, t
             "compute_dtype": str(lm.dtype), "source": str(plan.source), "ttl_s": plan.ttl_s,
             "n_documents": len(shard.units), "reused_tokens": reused, "prefill_ms": prefill_ms,
             "shard": shard.index, "n_shards": len(plan.shards), "shard_tokens": plan.shard_tokens,
-            "prefill_block": block}
+            "prefill_block": block, **({"windows": list(lm.windows)} if any(w is not None for w in lm.windows) else {})}
     layers = kv_cache.export(cache, n)
     if why := kv_cache.nonfinite(layers, setup.kv_dtype):  # a snapshot holding NaN or inf would answer garbage forever
         raise ModelError(f"the model's keys and values for {plan.name!r} cannot be stored: {why}; "

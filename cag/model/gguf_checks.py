@@ -22,10 +22,10 @@ from cag.model.gguf_rope import llama3_rope
 # The tensor types read (gguf.quants dequantizes each; tests/test_gguf.py answers through each one).
 # Others, the i-quants among them, are refused by name.
 TYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
-# general.architecture values whose transformers class cag serves: Llama's layer and its near kin.
+# general.architecture values whose transformers class cag serves: Llama's layer and its near kin, and Gemma 2/3.
 # llama.cpp writes Mistral's models as llama (one whose general.name is exactly "mistral" transformers
 # reads as Mistral, which gguf-py's tensor map lacks: refused in one line, by transformers' message).
-ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3")
+ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3", "gemma2", "gemma3")
 
 # Caps on metadata, checked from its length fields before anything reads it into Python objects (GGUFReader
 # makes several per array entry, transformers' reader ~50 bytes per string byte). Real files stay far below:
@@ -198,8 +198,10 @@ def _check_tensors(reader, arch: str, name: str) -> None:
                   "ffn_up.weight": (e, ff), "ffn_down.weight": (ff, e)}
     if arch == "qwen2":
         block |= {"attn_q.bias": (h * d,), "attn_k.bias": (kv * d,), "attn_v.bias": (kv * d,)}
-    if arch == "qwen3":
+    if arch in ("qwen3", "gemma3"):
         block |= {"attn_q_norm.weight": (d,), "attn_k_norm.weight": (d,)}
+    if arch in ("gemma2", "gemma3"):  # norms on the attention's and the MLP's outputs too
+        block |= {"post_attention_norm.weight": (e,), "post_ffw_norm.weight": (e,)}
 
     shapes = {t.name: [int(x) for x in t.shape] for t in reader.tensors}
     held: dict[int, set[str]] = {}  # block -> its tensors' names

@@ -25,6 +25,7 @@ from cag.hashing import hash_obj
 from cag.kernels import backends, native
 from cag.kernels.backends import Backend
 from cag.model import file_pages, gguf, prefill_attention
+from cag.model.windows import Windows, layer_windows
 from cag.store.snapshots import expected_bytes
 
 if TYPE_CHECKING:
@@ -53,6 +54,7 @@ class LoadedModel:
     packed_bytes: int = 0  # memory of the packed weight copies
     backend: Backend = backends.TORCH  # what decode rows run on (cag.kernels.backends), resolved at load
     kernels_why: str = ""  # why that one (one line, no paths: /health shows it)
+    windows: Windows = ()  # per layer: its sliding window, None for full attention (cag.model.windows)
 
     @property
     def kernels(self) -> str:
@@ -73,8 +75,8 @@ class LoadedModel:
         return attn_dtype(self.weights, self.dtype, self.device)
 
     def kv_bytes(self, n_tokens: int, dtype: torch.dtype | None = None) -> int:
-        """The KV-size formula (store.snapshots.expected_bytes) for this model's shapes."""
-        return expected_bytes(self.n_layers, self.n_kv_heads, self.head_dim, dtype or self.dtype, n_tokens)
+        """The KV-size formula (store.snapshots.expected_bytes) for this model's shapes and windows."""
+        return expected_bytes(self.n_layers, self.n_kv_heads, self.head_dim, dtype or self.dtype, n_tokens, self.windows)
 
     def fits(self, n_prefix: int, room: int) -> bool:
         """Whether a prefix leaves `room` tokens (question + answer) inside the context window."""
@@ -140,16 +142,12 @@ def materialize_default(models_dir: Path) -> Path:
 
 
 def check_supported(config) -> None:
-    """Refuse caches we cannot snapshot exactly: sliding-window, chunked or linear-attention layers."""
-    from transformers.cache_utils import get_layer_types_and_kwargs
-
-    text = config.get_text_config(decoder=True)
-    layer_types, _ = get_layer_types_and_kwargs(text)
-    odd = sorted({t for t in layer_types if t != "full_attention"})
-    window = getattr(text, "sliding_window", None)
-    if odd or (window is not None and getattr(text, "use_sliding_window", True)):
-        what = ", ".join(odd) or f"sliding_window={window}"
-        raise ModelError(f"model not supported: its cache has non-full-attention layers ({what}); cag needs full attention in every layer")
+    """Refuse caches we cannot snapshot exactly: chunked, linear-attention or shared layers. Full and
+    sliding-window attention are served (cag.model.windows)."""
+    _, odd = layer_windows(config)
+    if odd:
+        raise ModelError(f"model not supported: its cache has layers cag cannot snapshot ({', '.join(odd)}); cag serves "
+                         "full and sliding-window attention")
 
 
 def weights_fingerprint(model: PreTrainedModel, compute: torch.dtype | None = None) -> str:
@@ -343,4 +341,5 @@ def describe(model: PreTrainedModel, tok, name: str, compute: torch.dtype | None
         max_context=getattr(text, "max_position_embeddings", 2048),
         dtype=compute or model.dtype,
         stops=frozenset(stop_ids(model, tok)),
+        windows=layer_windows(model.config)[0],
     )

@@ -35,7 +35,10 @@ def packed_gqa_sdpa(module, query, key, value, attention_mask, dropout=0.0, scal
         query = query.reshape(b, h_kv, rep * q, d)  # head kv*rep + r, token i -> row r*q + i
         if attention_mask is not None and attention_mask.shape[2] > 1:
             attention_mask = attention_mask.repeat(1, 1, rep, 1)  # (B, 1, rep*q, k)
-    out = F.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, scale=scaling)
+    if (cap := kwargs.get("softcap")) is not None:  # Gemma 2: scores capped by cap * tanh(s / cap) before the mask
+        out = _capped(query, key, value, attention_mask, scaling if scaling is not None else d ** -0.5, cap)
+    else:
+        out = F.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, scale=scaling)
     return out.reshape(b, h, q, d).transpose(1, 2).contiguous(), None  # (B, q, H, D)
 
 
@@ -51,3 +54,14 @@ def install(model) -> None:
     AttentionInterface.register(NAME, packed_gqa_sdpa)
     AttentionMaskInterface.register(NAME, sdpa_mask)
     model.set_attn_implementation(NAME)
+
+
+def _capped(query, key, value, mask, scale: float, cap: float) -> torch.Tensor:
+    """Attention with soft-capped scores, as transformers' eager attention computes it (sdpa has no cap):
+    query (B, H_kv, q', D) over key/value (B, H_kv, k, D); mask bool (True: seen) or additive, or None."""
+    scores = torch.matmul(query, key.transpose(2, 3)) * scale  # (B, H_kv, q', k)
+    scores = torch.tanh(scores / cap) * cap
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
+    return torch.matmul(probs, value)  # (B, H_kv, q', D)

@@ -14,16 +14,14 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, cast
+from typing import cast
 
 import torch
-from transformers import StaticCache
-
-if TYPE_CHECKING:
-    from transformers import StaticLayer
+from transformers import StaticCache, StaticLayer
 
 from cag.errors import ModelError
 from cag.model import file_pages
+from cag.model.windows import layer_windows
 
 
 class Cancelled(Exception):
@@ -34,7 +32,14 @@ KV = list[tuple[torch.Tensor, torch.Tensor]]  # per layer: keys, values, each (1
 
 
 def new_cache(model, max_len: int) -> StaticCache:
-    return StaticCache(config=model.config, max_cache_len=max_len)
+    """A request buffer of max_len positions in every layer. Window layers get a whole buffer too (not
+    transformers' ring of W slots): position p lives at slot p in every layer, and the sliding mask
+    transformers builds for them (from the buffer's length, causal and p - W < key) hides what they must
+    not see. The same layout serves ingest, `full` and `cag`, so their attention is the same arithmetic."""
+    cache = StaticCache(config=model.config, max_cache_len=max_len)
+    if any(w is not None for w in layer_windows(model.config)[0]):
+        cache.layers = [StaticLayer(max_cache_len=max_len) for _ in cache.layers]
+    return cache
 
 
 def _layers(cache: StaticCache) -> list[StaticLayer]:
