@@ -139,7 +139,9 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     loc = [str(p) for p in first.get("loc", ()) if p != "body"]
     where = ".".join(loc)
     more = f" (and {len(errs) - 1} more)" if len(errs) > 1 else ""
-    return (f"{where}: {first.get('msg', 'invalid')}" if where else str(first.get("msg", "invalid"))) + more, where or None
+    return (
+        f"{where}: {first.get('msg', 'invalid')}" if where else str(first.get("msg", "invalid"))
+    ) + more, where or None
 
 
 def install(app: FastAPI) -> None:

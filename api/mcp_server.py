@@ -236,7 +236,8 @@ def mount(app: FastAPI, service: Service, dependencies: list | None = None) -> M
     @contextlib.asynccontextmanager
     async def lifespan(a: FastAPI) -> AsyncIterator:
         # stateless: every POST stands alone (nothing to resume, no session to hijack, any replica answers).
-        # The app's SameSite middleware checks Host and Origin, with CAG_ALLOWED_HOSTS; the SDK's check would not know it.
+        # The app's SameSite middleware checks Host and Origin, with CAG_ALLOWED_HOSTS;
+        # the SDK's check would not know it.
         server.streamable_http_app(streamable_http_path=PATH, stateless_http=True, json_response=True,
                                    transport_security=TransportSecuritySettings(enable_dns_rebinding_protection=False))
         manager = server.session_manager

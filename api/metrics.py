@@ -37,31 +37,51 @@ class _EngineCollector:
                                   value=stats.get("snapshot_loads", 0))
         yield GaugeMetricFamily("cag_resident_bytes", "Bytes held by resident snapshots and kept conversations "
                                 "(LRU bound: CAG_RESIDENT_BYTES).", value=engine.resident_bytes)
-        yield GaugeMetricFamily("cag_conversations_kept", "Conversations whose K/V are kept for their next turn (cag.runtime.kept_conversations).",
-                                value=stats.get("conversations_kept", 0))
-        yield GaugeMetricFamily("cag_conversation_bytes", "Bytes of kept conversations (LRU bound: CAG_CONVERSATION_BYTES; "
-                                "counted in CAG_RESIDENT_BYTES too).", value=stats.get("conversation_bytes", 0))
+        yield GaugeMetricFamily(
+            "cag_conversations_kept",
+            "Conversations whose K/V are kept for their next turn (cag.runtime.kept_conversations).",
+            value=stats.get("conversations_kept", 0),
+        )
+        yield GaugeMetricFamily(
+            "cag_conversation_bytes",
+            "Bytes of kept conversations (LRU bound: CAG_CONVERSATION_BYTES; counted in CAG_RESIDENT_BYTES too).",
+            value=stats.get("conversation_bytes", 0),
+        )
         yield CounterMetricFamily("cag_conversation_hits", "Requests that continued a kept conversation.",
                                   value=stats.get("conversation_hits", 0))
-        yield CounterMetricFamily("cag_conversation_misses", "Requests on a snapshot that found no kept conversation to continue.",
-                                  value=stats.get("conversation_misses", 0))
-        yield CounterMetricFamily("cag_conversation_reused_tokens", "Prompt tokens copied from kept conversations instead of prefilled.",
-                                  value=stats.get("conversation_reused_tokens", 0))
+        yield CounterMetricFamily(
+            "cag_conversation_misses",
+            "Requests on a snapshot that found no kept conversation to continue.",
+            value=stats.get("conversation_misses", 0),
+        )
+        yield CounterMetricFamily(
+            "cag_conversation_reused_tokens",
+            "Prompt tokens copied from kept conversations instead of prefilled.",
+            value=stats.get("conversation_reused_tokens", 0),
+        )
         yield CounterMetricFamily("cag_conversation_evictions", "Kept conversations evicted for the byte budget.",
                                   value=stats.get("conversation_evictions", 0))
         yield CounterMetricFamily("cag_decode_steps", "Batched decode steps (one forward for every active request).",
                                   value=stats.get("decode_steps", 0))
-        yield CounterMetricFamily("cag_decode_rows", "Tokens decoded in batched steps (rows / steps = mean batch size).",
-                                  value=stats.get("decode_rows", 0))
+        yield CounterMetricFamily(
+            "cag_decode_rows",
+            "Tokens decoded in batched steps (rows / steps = mean batch size).",
+            value=stats.get("decode_rows", 0),
+        )
         yield GaugeMetricFamily("cag_decode_batch", "Requests in the decode batch now (CAG_MAX_BATCH at most).",
                                 value=stats.get("decode_active", 0))
         yield GaugeMetricFamily("cag_decode_waiting", "Requests waiting for a place in the decode batch.",
                                 value=stats.get("decode_waiting", 0))
-        yield GaugeMetricFamily("cag_decode_slot_bytes", "Bytes of one request's suffix slot (its conversation and answer "
-                                "K/V at the slot's full room; pages are used as tokens are written; 0 before the first batched answer).",
-                                value=stats.get("slot_bytes", 0))
+        yield GaugeMetricFamily(
+            "cag_decode_slot_bytes",
+            "Bytes of one request's suffix slot (its conversation and answer K/V at the slot's full room; pages are "
+            "used as tokens are written; 0 before the first batched answer).",
+            value=stats.get("slot_bytes", 0),
+        )
         yield GaugeMetricFamily("cag_generations_running", "Generations running on a worker.", value=self.running())
-        yield GaugeMetricFamily("cag_generations_waiting", "Generations admitted and waiting for a worker.", value=self.waiting())
+        yield GaugeMetricFamily(
+            "cag_generations_waiting", "Generations admitted and waiting for a worker.", value=self.waiting()
+        )
         yield GaugeMetricFamily("cag_model_loaded", "1 once the model is loaded.", value=1 if self.ready() else 0)
 
 
@@ -75,18 +95,32 @@ class Metrics:
         r = self.registry
         self.requests = Counter("cag_http_requests", "HTTP requests by route, method and status.",
                                 ["route", "method", "status"], registry=r)
-        self.latency = Histogram("cag_http_request_duration_seconds", "HTTP request latency (streams: until the last byte).",
-                                 ["route"], buckets=_LATENCY, registry=r)
-        self.tokens = Counter("cag_tokens", "Tokens by kind: prompt, cached (not recomputed: snapshot and kept conversation), "
-                              "conversation (of those, from a kept conversation), completion.",
-                              ["kind", "mode"], registry=r)
+        self.latency = Histogram(
+            "cag_http_request_duration_seconds",
+            "HTTP request latency (streams: until the last byte).",
+            ["route"],
+            buckets=_LATENCY,
+            registry=r,
+        )
+        self.tokens = Counter(
+            "cag_tokens",
+            "Tokens by kind: prompt, cached (not recomputed: snapshot and kept conversation), conversation (of those, "
+            "from a kept conversation), completion.",
+            ["kind", "mode"],
+            registry=r,
+        )
         self.answers = Counter("cag_answers", "Answers generated.", ["mode"], registry=r)
         self.ttft = Histogram("cag_time_to_first_token_seconds", "Time to first token, request start to first token.",
                               ["mode"], buckets=_LATENCY, registry=r)
-        self.load = Histogram("cag_snapshot_load_seconds", "Getting a snapshot for a question (resident hit or file load).",
-                              buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5),
-                              registry=r)
-        self.stopped = Counter("cag_generations_stopped", "Generations stopped early, by reason.", ["reason"], registry=r)
+        self.load = Histogram(
+            "cag_snapshot_load_seconds",
+            "Getting a snapshot for a question (resident hit or file load).",
+            buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5),
+            registry=r,
+        )
+        self.stopped = Counter(
+            "cag_generations_stopped", "Generations stopped early, by reason.", ["reason"], registry=r
+        )
         self.jobs = Counter("cag_refresh_jobs", "Refresh jobs finished, by status.", ["status"], registry=r)
         r.register(_EngineCollector(engine, running, waiting, ready))
 

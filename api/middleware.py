@@ -93,13 +93,23 @@ class SameSite:
         headers = Headers(scope=scope)
         host, origin = headers.get("host"), headers.get("origin")
         if host is not None and not self._host_ok(_hostname(host)):
-            await send_error(send, 403, f"Host {host!r} is not a name this server answers to: another site's name pointed "
-                             "at this address (DNS rebinding) is refused; use localhost, 127.0.0.1, [::1] or the server's "
-                             "address, or add the name to CAG_ALLOWED_HOSTS", "host_not_allowed")
+            await send_error(
+                send,
+                403,
+                f"Host {host!r} is not a name this server answers to: another site's name pointed at this address (DNS "
+                "rebinding) is refused; use localhost, 127.0.0.1, [::1] or the server's address, or add the name to "
+                "CAG_ALLOWED_HOSTS",
+                "host_not_allowed",
+            )
             return
         if origin is not None and scope["method"] not in SAFE_METHODS and not self._origin_ok(origin, host):
-            await send_error(send, 403, f"cross-site request refused: a page of {origin!r} may not change anything here "
-                             "(this server's own pages, CAG_ALLOWED_HOSTS and CAG_CORS_ORIGINS may)", "cross_site")
+            await send_error(
+                send,
+                403,
+                f"cross-site request refused: a page of {origin!r} may not change anything here (this server's own "
+                "pages, CAG_ALLOWED_HOSTS and CAG_CORS_ORIGINS may)",
+                "cross_site",
+            )
             return
         await self.app(scope, receive, send)
 

@@ -1,13 +1,13 @@
 """OpenAI-compatible chat completions: `model` names a corpus, `messages` are the conversation.
 
-The knowledge prefix is the corpus's snapshot; the conversation (system messages, earlier turns, the
-last user message) is the suffix after it (cag.answering.chat), its K/V kept between turns (cag.runtime.kept_conversations), so a
-follow-up prefills only its new tokens. `usage.prompt_tokens_details.cached_tokens` counts the
-snapshot's tokens and the reused conversation's; the `cag` extension says which.
-`stop` sequences end the answer before them (cag.runtime.generate.TextStream); OpenAI's fields that cag does
-not honour are refused where their value would change the answer (`unsupported`), others are ignored.
-Extensions (ignored by OpenAI clients, settable with `extra_body`): `mode`, `on_stale`; the
-response carries a `cag` object with the snapshot, staleness, timings and the decode path (`decode`).
+The knowledge prefix is the corpus's snapshot; the conversation (system messages, earlier turns, the last user message)
+is the suffix after it (cag.answering.chat), its K/V kept between turns (cag.runtime.kept_conversations), so a follow-up
+prefills only its new tokens. `usage.prompt_tokens_details.cached_tokens` counts the snapshot's tokens and the reused
+conversation's; the `cag` extension says which. `stop` sequences end the answer before them
+(cag.runtime.generate.TextStream); OpenAI's fields that cag does not honour are refused where their value would change
+the answer (`unsupported`), others are ignored. Extensions (ignored by OpenAI clients, settable with `extra_body`):
+`mode`, `on_stale`; the response carries a `cag` object with the snapshot, staleness, timings and the decode path
+(`decode`).
 """
 
 from __future__ import annotations
@@ -33,12 +33,19 @@ router = APIRouter(tags=["openai"])
 
 
 def _extension(a) -> dict:
-    return {"corpus": a.corpus, "mode": a.mode, "snapshot": a.snapshot, "stale": a.stale,
-            "cached_tokens": {"snapshot": a.cached_tokens - a.conversation_tokens, "conversation": a.conversation_tokens},
-            "stale_reasons": a.stale_reasons, "timings": timings(a), **({"shards": a.shards} if a.shards else {}),
-            # what was read besides the snapshot (rag, cag+rag): the passages sent, by name
-            **({"passages": [p["name"] for p in a.passages if p.get("quoted", True)]} if a.passages else {}),
-            **({"decode": a.decode} if a.decode else {})}
+    return {
+        "corpus": a.corpus,
+        "mode": a.mode,
+        "snapshot": a.snapshot,
+        "stale": a.stale,
+        "cached_tokens": {"snapshot": a.cached_tokens - a.conversation_tokens, "conversation": a.conversation_tokens},
+        "stale_reasons": a.stale_reasons,
+        "timings": timings(a),
+        **({"shards": a.shards} if a.shards else {}),
+        # what was read besides the snapshot (rag, cag+rag): the passages sent, by name
+        **({"passages": [p["name"] for p in a.passages if p.get("quoted", True)]} if a.passages else {}),
+        **({"decode": a.decode} if a.decode else {}),
+    }
 
 
 def _usage(a) -> dict:
@@ -78,8 +85,18 @@ async def chat_completions(body: ChatRequest, request: Request, svc: ReadyServic
     seed = None if body.seed is None else body.seed % 2**64
     decoding = DecodeConfig(temperature=body.temperature or 0.0, top_p=body.top_p or 1.0, seed=seed,
                             min_tokens=body.min_tokens, stop=stop_sequences(body.stop))
-    query = Query(body.model, None, mode=str(body.mode), messages=messages, max_tokens=max_tokens, on_stale=str(body.on_stale),
-                  shards=body.shards, decoding=decoding, k=body.k, scope=key_scope(request))
+    query = Query(
+        body.model,
+        None,
+        mode=str(body.mode),
+        messages=messages,
+        max_tokens=max_tokens,
+        on_stale=str(body.on_stale),
+        shards=body.shards,
+        decoding=decoding,
+        k=body.k,
+        scope=key_scope(request),
+    )
     call = AskCall(query, stream=body.stream)
     gen = svc.runner.start(svc.answers.work(call))
     cid, created = "chatcmpl-" + secrets.token_hex(12), int(time.time())

@@ -139,11 +139,13 @@ class ReplicaCollector:
                      ("replica", "corpus"), [((r, c), n) for r, s in per for c, n in s["answers"].items()])
         yield family(GaugeMetricFamily, "cag_replica_corpus_resident", "1 while a corpus is resident on a replica.",
                      ("replica", "corpus"), [((r, c), 1) for r, s in per for c in s["resident"]])
-        for key, kind, doc in (("snapshot_hits", CounterMetricFamily, "Questions served from a resident snapshot."),
-                               ("snapshot_loads", CounterMetricFamily, "Snapshot files loaded (resident cache misses)."),
-                               ("resident_bytes", GaugeMetricFamily, "Bytes held by resident snapshots."),
-                               ("running", GaugeMetricFamily, "Generations running on the replica."),
-                               ("waiting", GaugeMetricFamily, "Generations waiting for a worker on the replica.")):
+        for key, kind, doc in (
+            ("snapshot_hits", CounterMetricFamily, "Questions served from a resident snapshot."),
+            ("snapshot_loads", CounterMetricFamily, "Snapshot files loaded (resident cache misses)."),
+            ("resident_bytes", GaugeMetricFamily, "Bytes held by resident snapshots."),
+            ("running", GaugeMetricFamily, "Generations running on the replica."),
+            ("waiting", GaugeMetricFamily, "Generations waiting for a worker on the replica."),
+        ):
             name = {"running": "generations_running", "waiting": "generations_waiting"}.get(key, key)
             yield family(kind, f"cag_replica_{name}", doc, ("replica",), [((r,), s[key]) for r, s in per])
 
@@ -153,7 +155,12 @@ class Ingress:
     constructor), with answers sent to the engine replicas."""
 
     def __init__(self, replicas: DeploymentHandle, api_settings: ApiSettings, cag_settings: Settings, threads: int):
-        self.replicas, self.api_settings, self.cag_settings, self.threads = replicas, api_settings, cag_settings, threads
+        self.replicas, self.api_settings, self.cag_settings, self.threads = (
+            replicas,
+            api_settings,
+            cag_settings,
+            threads,
+        )
 
     def __serve_build_asgi_app__(self):
         from .app import create_app

@@ -33,7 +33,9 @@ class ReplicaSettings(BaseSettings):
     def check(self) -> ReplicaSettings:
         """The rules between settings (each one's own range is checked by its field)."""
         if self.max_replicas is None and self.min_replicas is not None:
-            raise BadSettings("bad setting CAG_MIN_REPLICAS: needs CAG_MAX_REPLICAS (autoscaling is on only with a maximum)")
+            raise BadSettings(
+                "bad setting CAG_MIN_REPLICAS: needs CAG_MAX_REPLICAS (autoscaling is on only with a maximum)"
+            )
         low = 1 if self.min_replicas is None else self.min_replicas
         if self.max_replicas is not None and self.replicas and not low <= self.replicas <= self.max_replicas:
             raise BadSettings(f"bad setting CAG_REPLICAS={self.replicas}: must lie between the minimum ({low}) and the "
@@ -45,8 +47,12 @@ class ReplicaSettings(BaseSettings):
         """Serve's autoscaling_config, or None for a fixed number of replicas."""
         if self.max_replicas is None:
             return None
-        return {"min_replicas": 1 if self.min_replicas is None else self.min_replicas, "initial_replicas": self.replicas,
-                "max_replicas": self.max_replicas, "target_ongoing_requests": self.target_ongoing_requests}
+        return {
+            "min_replicas": 1 if self.min_replicas is None else self.min_replicas,
+            "initial_replicas": self.replicas,
+            "max_replicas": self.max_replicas,
+            "target_ongoing_requests": self.target_ongoing_requests,
+        }
 
     @property
     def most_replicas(self) -> int:

@@ -110,9 +110,18 @@ def start_ask(svc: Service, body: AskRequest, scope: str | None = None) -> Gener
         messages = (*messages_of(body.history), ("user", body.question))
         for _, text in messages:
             svc.check_question(text, body.mode)
-    query = AskQuery(body.corpus, body.question if messages is None else None, mode=str(body.mode), max_tokens=body.max_tokens,
-                  on_stale=str(body.on_stale), shards=body.shards, messages=messages, scope=scope, k=body.k,
-                  decoding=DecodeConfig(min_tokens=body.min_tokens, stop=stop_sequences(body.stop)))
+    query = AskQuery(
+        body.corpus,
+        body.question if messages is None else None,
+        mode=str(body.mode),
+        max_tokens=body.max_tokens,
+        on_stale=str(body.on_stale),
+        shards=body.shards,
+        messages=messages,
+        scope=scope,
+        k=body.k,
+        decoding=DecodeConfig(min_tokens=body.min_tokens, stop=stop_sequences(body.stop)),
+    )
     call = AskCall(query, stream=body.stream)
     return svc.runner.start(svc.answers.work(call))
 
@@ -132,8 +141,14 @@ ASK_STREAM = ("The answer (JSON); with `stream: true` server-sent events instead
               "`{\"text\"}` pieces, then one `event: answer` with the JSON answer, or one `event: error`.")
 
 
-@router.post("/v1/ask", response_model=AskResponse, response_model_exclude_unset=True,
-             responses={**streamed(ASK_STREAM, ASK_EVENTS), **MODEL_ERRORS}, tags=["ask"], summary="Answer a question from a corpus")
+@router.post(
+    "/v1/ask",
+    response_model=AskResponse,
+    response_model_exclude_unset=True,
+    responses={**streamed(ASK_STREAM, ASK_EVENTS), **MODEL_ERRORS},
+    tags=["ask"],
+    summary="Answer a question from a corpus",
+)
 async def ask(body: AskRequest, request: Request, svc: ReadyService):
     """With `stream: true` the answer comes as server-sent events: `event: token` with `{"text"}`
     pieces (their concatenation is the answer), then one `event: answer` with the full JSON answer;

@@ -54,26 +54,43 @@ def stop_sequences(stop: str | list[str] | None) -> tuple[str, ...]:
 class AskRequest(_Request):
     corpus: str = Field(min_length=1, description="Corpus name, as listed by GET /v1/corpora.")
     question: str = Field(min_length=1, description="The question (limit: CAG_MAX_QUESTION_CHARS characters).")
-    mode: Mode = Field("cag", description="cag: from the snapshot; cag+rag: the snapshot, with the top-k passages quoted "
-                                          "before the question; full: whole corpus in the prompt, no cache; rag: top-k passages.")
-    k: Count | None = Field(None, description="rag and cag+rag: passages to retrieve (BM25); default 3 for rag, 1 for cag+rag.")
-    max_tokens: Count | None = Field(None, description="Answer length limit; clamped to CAG_ANSWER_ROOM. Default CAG_MAX_TOKENS.")
-    min_tokens: Count0 = Field(0, description="No stop token before this many answer tokens (at most max_tokens), as vLLM's "
-                                              "min_tokens: fixed-length answers for load tests.")
+    mode: Mode = Field(
+        "cag",
+        description="cag: from the snapshot; cag+rag: the snapshot, with the top-k passages quoted before the "
+        "question; full: whole corpus in the prompt, no cache; rag: top-k passages.",
+    )
+    k: Count | None = Field(
+        None, description="rag and cag+rag: passages to retrieve (BM25); default 3 for rag, 1 for cag+rag."
+    )
+    max_tokens: Count | None = Field(
+        None, description="Answer length limit; clamped to CAG_ANSWER_ROOM. Default CAG_MAX_TOKENS."
+    )
+    min_tokens: Count0 = Field(
+        0,
+        description="No stop token before this many answer tokens (at most max_tokens), as vLLM's min_tokens: "
+        "fixed-length answers for load tests.",
+    )
     stream: bool = Field(False, description="Server-sent events: `token` events, then one `answer` event.")
     on_stale: StalePolicy = Field("serve", description="serve (flag it), refuse (409) or refresh first.")
     include_token_ids: bool = Field(False, description="Add the generated token ids to the answer.")
-    history: list[ChatMessage] | None = Field(None, description="Earlier turns (system, user, assistant messages) before "
-                                                                "`question`, as in /v1/chat/completions.")
-    shards: Count = Field(1, description="Sharded corpora: answer from the S best shards (BM25 routing) and keep the most "
-                                         "confident answer; more than the corpus has means all.")
+    history: list[ChatMessage] | None = Field(
+        None,
+        description="Earlier turns (system, user, assistant messages) before `question`, as in /v1/chat/completions.",
+    )
+    shards: Count = Field(
+        1,
+        description="Sharded corpora: answer from the S best shards (BM25 routing) and keep the most confident answer; "
+        "more than the corpus has means all.",
+    )
     stop: Stop = Field(None, description=STOP)
 
 
 class Usage(BaseModel):
     prompt_tokens: int
     cached_tokens: int = Field(description="Prompt tokens not recomputed: the snapshot's and conversation_tokens.")
-    conversation_tokens: int = Field(0, description="Of those, earlier turns' tokens reused from the kept conversation.")
+    conversation_tokens: int = Field(
+        0, description="Of those, earlier turns' tokens reused from the kept conversation."
+    )
     completion_tokens: int
 
 
@@ -91,20 +108,29 @@ class ShardInfo(BaseModel):
     snapshot: str | None = None
     score: float = Field(description="BM25 routing score of the shard (its best passage).")
     n_tokens: int
-    mean_logprob: float | None = Field(None, description="Mean log-probability of the shard's answer (when several answered).")
+    mean_logprob: float | None = Field(
+        None, description="Mean log-probability of the shard's answer (when several answered)."
+    )
     chosen: bool = True
 
 
 class DecodeInfo(BaseModel):
-    weights: str = Field(description="The weights format decode multiplies in (CAG_WEIGHTS resolved): fp32, bf16, int8 or int4.")
-    kernels: str = Field(description="What decode rows run on: amx, avx512 (cag's kernels), avx2 (cag's AVX2 kernels) or torch.")
+    weights: str = Field(
+        description="The weights format decode multiplies in (CAG_WEIGHTS resolved): fp32, bf16, int8 or int4."
+    )
+    kernels: str = Field(
+        description="What decode rows run on: amx, avx512 (cag's kernels), avx2 (cag's AVX2 kernels) or torch."
+    )
     kernels_reason: str | None = Field(None, description="Why those kernels (a setting, the CPU, the head width ...).")
-    step: Literal["fast", "forward"] = Field(description="fast: cag's lean batched step; forward: transformers' forward, "
-                                                         "one request at a time (a model the step does not cover).")
+    step: Literal["fast", "forward"] = Field(
+        description="fast: cag's lean batched step; forward: transformers' forward, one request at a time (a model the "
+        "step does not cover)."
+    )
     step_reason: str | None = Field(None, description="With `forward`: why the fast step does not cover this model.")
     native: Literal["layers", "glue", "attention", "none"] = Field(
-        description="Which native kernels the fast step runs: layers (all layers in one call), glue (attention, products, "
-                    "norm / rope / silu; a family's q/k norms, post-norms, multipliers in torch), attention, or none.")
+        description="Which native kernels the fast step runs: layers (all layers in one call), glue (attention, "
+        "products, norm / rope / silu; a family's q/k norms, post-norms, multipliers in torch), attention, or none."
+    )
 
 
 class AskResponse(BaseModel):
@@ -120,7 +146,9 @@ class AskResponse(BaseModel):
     token_ids: list[int] | None = None
     passages: list[dict[str, Any]] | None = None
     shards: list[ShardInfo] | None = Field(None, description="Sharded corpora: the shard(s) that answered.")
-    decode: DecodeInfo | None = Field(None, description="What decoded the answer: weights format, kernels, fast step or forward.")
+    decode: DecodeInfo | None = Field(
+        None, description="What decoded the answer: weights format, kernels, fast step or forward."
+    )
 
 
 # -- corpora, models, jobs ---------------------------------------------------------------------
@@ -175,17 +203,26 @@ class JobInfo(BaseModel):
 class Health(BaseModel):
     status: Literal["ok", "loading", "error"]
     model: str | None = None
-    decode_kernels: str | None = Field(None, description="What decode rows run on: amx, avx512 (cag's kernels), avx2 (cag's AVX2 kernels) or torch.")
-    decode_kernels_reason: str | None = Field(None, description="Why those kernels (a setting, the CPU, no compiler ...).")
-    decode: DecodeInfo | None = Field(None, description="How answers decode: weights format, kernels, fast step or forward (and why).")
+    decode_kernels: str | None = Field(
+        None, description="What decode rows run on: amx, avx512 (cag's kernels), avx2 (cag's AVX2 kernels) or torch."
+    )
+    decode_kernels_reason: str | None = Field(
+        None, description="Why those kernels (a setting, the CPU, no compiler ...)."
+    )
+    decode: DecodeInfo | None = Field(
+        None, description="How answers decode: weights format, kernels, fast step or forward (and why)."
+    )
     error: str | None = None
-    replicas: int | None = Field(None, description="Under Ray Serve (`cag serve --replicas N`): engine replicas answering; "
-                                                    "0 is `loading` (503).")
+    replicas: int | None = Field(
+        None, description="Under Ray Serve (`cag serve --replicas N`): engine replicas answering; 0 is `loading` (503)."
+    )
 
 
 # -- OpenAI-compatible chat ----------------------------------------------------------------------
 class ContentPart(_Request):
-    type: str = Field(description="Only `text` parts are read; any other type (image_url, input_audio, file) is refused.")
+    type: str = Field(
+        description="Only `text` parts are read; any other type (image_url, input_audio, file) is refused."
+    )
     text: str | None = None
 
 
@@ -209,17 +246,23 @@ class StreamOptions(_Request):
 
 
 class ResponseFormat(_Request):
-    type: str = Field(description="Only `text` is accepted: json_object and json_schema are refused (unsupported_parameter).")
+    type: str = Field(
+        description="Only `text` is accepted: json_object and json_schema are refused (unsupported_parameter)."
+    )
 
 
 class ChatRequest(_Request):
     model: str = Field(min_length=1, description="The corpus name (GET /v1/models).")
-    messages: list[ChatMessage] = Field(min_length=1, description="The conversation: system messages, earlier user and "
-                                        "assistant turns and, last, the user message to answer; all of it is the prompt "
-                                        "after the corpus's knowledge (its K/V kept between turns).")
+    messages: list[ChatMessage] = Field(
+        min_length=1,
+        description="The conversation: system messages, earlier user and assistant turns and, last, the user message "
+        "to answer; all of it is the prompt after the corpus's knowledge (its K/V kept between turns).",
+    )
     max_tokens: Count | None = None
     max_completion_tokens: Count | None = None
-    min_tokens: Count0 = Field(0, description="Extension (as vLLM's): no stop token before this many completion tokens.")
+    min_tokens: Count0 = Field(
+        0, description="Extension (as vLLM's): no stop token before this many completion tokens."
+    )
     stream: bool = False
     stream_options: StreamOptions | None = None
     temperature: float | None = Field(None, ge=0, le=2, description="Unset, 0 or below 1e-5: greedy (exact).")
@@ -228,13 +271,16 @@ class ChatRequest(_Request):
     stop: Stop = Field(None, description=STOP)
     n: Count | None = Field(None, description="Only 1 is supported (more: 400 unsupported_parameter).")
     mode: Mode = Field("cag", description="Extension: cag | cag+rag | full | rag.")
-    k: Count | None = Field(None, description="Extension: rag and cag+rag: passages to retrieve (BM25); default 3 for rag, "
-                                             "1 for cag+rag.")
+    k: Count | None = Field(
+        None, description="Extension: rag and cag+rag: passages to retrieve (BM25); default 3 for rag, 1 for cag+rag."
+    )
     on_stale: StalePolicy = Field("serve", description="Extension: serve | refuse | refresh.")
     shards: Count = Field(1, description="Extension: sharded corpora answer from the S best shards.")
     # OpenAI's fields that cag does not honour: accepted where their value changes nothing, else refused with
     # 400 unsupported_parameter naming the field (api/openai_compat.py unsupported)
-    tools: list[Any] | None = Field(None, description="Refused when not empty: cag answers from its corpus and calls no tools.")
+    tools: list[Any] | None = Field(
+        None, description="Refused when not empty: cag answers from its corpus and calls no tools."
+    )
     functions: list[Any] | None = Field(None, description="Refused when not empty (as `tools`).")
     tool_choice: str | dict[str, Any] | None = Field(None, description="Only `none` or `auto` (with no tools: none).")
     function_call: str | dict[str, Any] | None = Field(None, description="Only `none` or `auto` (as `tool_choice`).")
@@ -249,7 +295,9 @@ class ChatRequest(_Request):
     audio: dict[str, Any] | None = Field(None, description="Refused when set: answers are text.")
     reasoning_effort: str | None = Field(None, description="Refused when set: the model does not reason first.")
     verbosity: str | None = Field(None, description="Refused when set.")
-    web_search_options: dict[str, Any] | None = Field(None, description="Refused when set: answers come from the corpus.")
+    web_search_options: dict[str, Any] | None = Field(
+        None, description="Refused when set: answers come from the corpus."
+    )
     user: str | None = Field(None, description="Accepted and ignored: conversations are matched by their tokens.")
 
 
@@ -284,7 +332,9 @@ class ChatCompletion(BaseModel):
     system_fingerprint: str | None = None
     choices: list[Choice]
     usage: ChatUsage
-    cag: dict[str, Any] = Field(default_factory=dict, description="Extension: snapshot, staleness, timings, decode path.")
+    cag: dict[str, Any] = Field(
+        default_factory=dict, description="Extension: snapshot, staleness, timings, decode path."
+    )
 
 
 # -- server-sent events --------------------------------------------------------------------------
@@ -312,7 +362,9 @@ class ChatCompletionChunk(BaseModel):
     system_fingerprint: str | None = None
     choices: list[ChunkChoice] = Field(description="Empty in the usage chunk.")
     usage: ChatUsage | None = Field(None, description="Only in the last chunk, with stream_options.include_usage.")
-    cag: dict[str, Any] | None = Field(None, description="Extension, in the usage chunk: snapshot, staleness, timings, decode path.")
+    cag: dict[str, Any] | None = Field(
+        None, description="Extension, in the usage chunk: snapshot, staleness, timings, decode path."
+    )
 
 
 # -- errors ------------------------------------------------------------------------------------

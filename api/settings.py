@@ -65,7 +65,9 @@ class ApiSettings(BaseSettings):
     @property
     def hosts(self) -> list[str]:
         """CAG_ALLOWED_HOSTS, lower case, IPv6 addresses without their brackets."""
-        return [h.strip().lower().removeprefix("[").removesuffix("]") for h in self.allowed_hosts.split(",") if h.strip()]
+        return [
+            h.strip().lower().removeprefix("[").removesuffix("]") for h in self.allowed_hosts.split(",") if h.strip()
+        ]
 
     def serving_on(self, host: str) -> ApiSettings:
         """These settings with the address `cag serve` binds allowed as a Host too (they carry it to Ray replicas)."""

@@ -15,8 +15,14 @@ from cag.answering.query import Query
 
 QUESTIONS = ["What does the author say about startups?", "Why do founders fail?", "What is the best way to get ideas?",
              "How should you pick a cofounder?", "What matters most in a startup's early days?"]
-TURNS = ["What does the author say about working on hard problems, and why does it matter to him?",
-         "And what about money?", "Who should read this?", "What did he do before that?", "Why?", "Summarize it in one line."]
+TURNS = [
+    "What does the author say about working on hard problems, and why does it matter to him?",
+    "And what about money?",
+    "Who should read this?",
+    "What did he do before that?",
+    "Why?",
+    "Summarize it in one line.",
+]
 
 
 def probe(corpus_tokens: int, questions: int) -> dict:
@@ -34,7 +40,9 @@ def probe(corpus_tokens: int, questions: int) -> dict:
     engine.answer(Query("essays", "Warm up.", max_tokens=2))
     ttft = [engine.answer(Query("essays", q, max_tokens=4)).ttft_ms for q in QUESTIONS[:questions]]
     out["ttft_ms"] = round(sum(ttft) / len(ttft), 1)
-    out["decode_tok_s"] = engine.answer(Query("essays", "Tell me everything about the essays.", max_tokens=64)).decode_tok_s
+    out["decode_tok_s"] = engine.answer(
+        Query("essays", "Tell me everything about the essays.", max_tokens=64)
+    ).decode_tok_s
     history, turns = [], []
     for q in TURNS:
         messages = history + [{"role": "user", "content": q}]
@@ -57,7 +65,18 @@ def stall(engine, folder: Path, long_tokens: int = 2000) -> dict:
     short = "Who wrote these essays?"
     alone = min(engine.answer(Query("essays", short, max_tokens=4)).ttft_ms for _ in range(2))
     got: dict = {}
-    t = threading.Thread(target=lambda: got.update(long=engine.answer(Query("essays", None, messages=[{"role": "user", "content": long_text + "\n\nSummarize this."}], max_tokens=4))))
+    t = threading.Thread(
+        target=lambda: got.update(
+            long=engine.answer(
+                Query(
+                    "essays",
+                    None,
+                    messages=[{"role": "user", "content": long_text + "\n\nSummarize this."}],
+                    max_tokens=4,
+                )
+            )
+        )
+    )
     t.start()
     time.sleep(0.5)  # the long prompt's prefill is under way
     during = engine.answer(Query("essays", short, max_tokens=4)).ttft_ms

@@ -39,7 +39,9 @@ def _run(tree: Path, args) -> dict:
     cmd = [sys.executable, str(REPO / "bench" / "ab_probe.py"), str(args.corpus_tokens), str(args.questions)]
     p = subprocess.run(cmd, cwd=tree, env=env, capture_output=True, text=True, timeout=1800)
     if p.returncode:
-        raise SystemExit(f"probe failed in {tree}: {p.stderr.strip().splitlines()[-1] if p.stderr.strip() else p.returncode}")
+        raise SystemExit(
+            f"probe failed in {tree}: {p.stderr.strip().splitlines()[-1] if p.stderr.strip() else p.returncode}"
+        )
     return json.loads(p.stdout.strip().splitlines()[-1])
 
 
@@ -76,11 +78,22 @@ def main(argv=None) -> None:
     higher = {"prefill_tok_s", "decode_tok_s"}
     best = {name: {k: (max if k in higher else min)(r[k] for r in rs if r[k] is not None)
                    for k in rs[0] if isinstance(rs[0][k], (int, float)) and k != "tokens"} for name, rs in runs.items()}
-    result = {"machine": machine(), "before": args.before, "after": _head(), "rounds": args.rounds, "runs": runs, "best": best,
-              "resolved": {k: f"{runs[k][0]['weights']}/{runs[k][0]['kernels']}" for k in runs}}
+    result = {
+        "machine": machine(),
+        "before": args.before,
+        "after": _head(),
+        "rounds": args.rounds,
+        "runs": runs,
+        "best": best,
+        "resolved": {k: f"{runs[k][0]['weights']}/{runs[k][0]['kernels']}" for k in runs},
+    }
     rows = [f"| {k} | {best['before'][k]} | {best['after'][k]} | {best['after'][k] / best['before'][k]:.2f} |"
             for k in best["before"] if best["before"][k]]
-    settings = " ".join(f"{k}={v}" for k, v in sorted(os.environ.items()) if k.startswith("CAG_") and k not in ("CAG_MODELS_DIR", "CAG_DATASETS"))
+    settings = " ".join(
+        f"{k}={v}"
+        for k, v in sorted(os.environ.items())
+        if k.startswith("CAG_") and k not in ("CAG_MODELS_DIR", "CAG_DATASETS")
+    )
     result["settings"] = settings
     table = "\n".join([f"# Before ({args.before}) and after ({result['after']})", "",
                        f"Machine: {result['machine']}. Weights/kernels {result['resolved']['after']}; "
@@ -92,7 +105,9 @@ def main(argv=None) -> None:
 
 
 def _head() -> str:
-    return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
+    return subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True
+    ).stdout.strip()
 
 
 if __name__ == "__main__":

@@ -118,8 +118,11 @@ def main() -> None:
     ap.add_argument("--decode-tokens", type=int, default=32)
     ap.add_argument("--repeat", type=int, default=3, help="TTFT: median of this many runs")
     ap.add_argument("--rounds", type=int, default=3, help="decode: best of this many alternating runs per engine")
-    ap.add_argument("--model", help="a bench_models shape (e.g. llama-3.2-1b) written to a GGUF file both engines read; "
-                    "default: the embedded model's own GGUF")
+    ap.add_argument(
+        "--model",
+        help="a bench_models shape (e.g. llama-3.2-1b) written to a GGUF file both engines read; default: the embedded "
+        "model's own GGUF",
+    )
     ap.add_argument("--qtype", default="Q4_0", choices=["Q4_0", "Q8_0"], help="the GGUF's matrix type with --model")
     ap.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()) / "cag-bench-models",
                     help="built models and their GGUF files are kept here")
@@ -130,7 +133,9 @@ def main() -> None:
     try:
         import llama_cpp
     except ImportError:
-        print("llama-cpp-python is not installed: `pip install -e '.[anchor]'` builds it (~15 minutes)", file=sys.stderr)
+        print(
+            "llama-cpp-python is not installed: `pip install -e '.[anchor]'` builds it (~15 minutes)", file=sys.stderr
+        )
         sys.exit(2)
     import torch
 
@@ -184,8 +189,9 @@ def main() -> None:
             l_ttft_mem = timed(restored_first, args.repeat)[0] * 1e3
             l_ttft_file = timed(file_first, args.repeat)[0] * 1e3
 
-            # cag on the same corpus: snapshot read from its file (cold), resident (warm), decode. The question is
-            # prefilled every time, as llama.cpp evaluates it: no kept conversation (a repeated question's K/V) is reused.
+            # cag on the same corpus: snapshot read from its file (cold), resident (warm), decode. The question
+            # is prefilled every time, as llama.cpp evaluates it: no kept conversation (a repeated question's
+            # K/V) is reused.
             def cold(corpus=f"essays{size}"):
                 engine.evict()
                 engine.kept.clear()
@@ -201,12 +207,16 @@ def main() -> None:
             # decode: the two engines alternate, best of `rounds` each (a load spike hits both alike)
             c_decode = l_decode = 0.0
             for _ in range(args.rounds):
-                ans = engine.answer(Query(f"essays{size}", QUESTION, max_tokens=n, decoding=DecodeConfig(max_tokens=n, min_tokens=n)))
+                ans = engine.answer(
+                    Query(f"essays{size}", QUESTION, max_tokens=n, decoding=DecodeConfig(max_tokens=n, min_tokens=n))
+                )
                 c_decode = max(c_decode, ans.decode_tok_s)
                 anchor.load_file(state_file, len(prefix))
                 l_tokens, rate = anchor.decode(anchor.first_token(question), n)
                 l_decode = max(l_decode, rate)
-            same = next((i for i, (a, b) in enumerate(zip(ans.token_ids, l_tokens)) if a != b), min(len(ans.token_ids), n))
+            same = next(
+                (i for i, (a, b) in enumerate(zip(ans.token_ids, l_tokens)) if a != b), min(len(ans.token_ids), n)
+            )
             rows.append({
                 "n_tokens": len(prefix), "question_tokens": len(question),
                 "cag_prefill_tok_s": ing.n_tokens / (ing.prefill_ms / 1e3), "llama_prefill_tok_s": l_prefill,
@@ -220,25 +230,36 @@ def main() -> None:
             print(rows[-1], flush=True)
 
     model, qtype = (f"{args.model}, random weights", args.qtype) if args.model else (lm.name, "Q4_1")
-    head = (f"Machine: {machine()}; llama.cpp via llama-cpp-python {llama_cpp.__version__}, {threads} threads, "
-            f"built from source here. Model: {model} (llama.cpp: the GGUF file itself, {qtype}; cag: weights "
-            f"{lm.weights}, decode kernels {lm.kernels}, {engine.kv_name} snapshots). Same prompt token ids on both sides; TTFT median of "
-            f"{args.repeat}; decode: {n} greedy tokens, stop tokens ignored, best of {args.rounds} runs alternating "
-            f"the two engines. Load average before / after: "
-            f"{load_before} / {os.getloadavg()}.\n\n"
-            "| prefix tokens | prefill tok/s cag / llama.cpp | TTFT cag: snapshot file / resident | "
-            "TTFT llama.cpp: state in memory / state file | decode tok/s cag / llama.cpp | "
-            "state bytes cag / llama.cpp | same leading tokens |\n|---|---|---|---|---|---|---|\n")
+    head = (
+        f"Machine: {machine()}; llama.cpp via llama-cpp-python {llama_cpp.__version__}, {threads} threads, built from "
+        f"source here. Model: {model} (llama.cpp: the GGUF file itself, {qtype}; cag: weights {lm.weights}, decode "
+        f"kernels {lm.kernels}, {engine.kv_name} snapshots). Same prompt token ids on both sides; TTFT median of "
+        f"{args.repeat}; decode: {n} greedy tokens, stop tokens ignored, best of {args.rounds} runs alternating the "
+        f"two engines. Load average before / after: {load_before} / {os.getloadavg()}.\n\n"
+        "| prefix tokens | prefill tok/s cag / llama.cpp | TTFT cag: snapshot file / resident | TTFT llama.cpp: state "
+        "in memory / state file | decode tok/s cag / llama.cpp | state bytes cag / llama.cpp | same leading tokens "
+        "|\n|---|---|---|---|---|---|---|\n"
+    )
     body = "".join(
         f"| {r['n_tokens']:,} | {r['cag_prefill_tok_s']:.0f} / {r['llama_prefill_tok_s']:.0f} | "
-        f"{r['cag_ttft_cold_ms']:.0f} / {r['cag_ttft_warm_ms']:.0f} ms | "
-        f"{r['llama_ttft_state_memory_ms']:.0f} / {r['llama_ttft_state_file_ms']:.0f} ms | "
-        f"{r['cag_decode_tok_s']:.1f} / {r['llama_decode_tok_s']:.1f} | "
-        f"{r['cag_snapshot_bytes'] / 1e6:.0f} / {r['llama_state_bytes'] / 1e6:.0f} MB | {r['same_leading_tokens']} of {n} |\n"
-        for r in rows)
-    payload = {"machine": machine(), "llama_cpp": llama_cpp.__version__, "threads": threads, "model": model, "qtype": qtype,
-               "cag_weights": lm.weights, "cag_kernels": lm.kernels, "load_before": load_before,
-               "load_after": os.getloadavg(), "rows": rows}
+        f"{r['cag_ttft_cold_ms']:.0f} / {r['cag_ttft_warm_ms']:.0f} ms | {r['llama_ttft_state_memory_ms']:.0f} / "
+        f"{r['llama_ttft_state_file_ms']:.0f} ms | {r['cag_decode_tok_s']:.1f} / {r['llama_decode_tok_s']:.1f} | "
+        f"{r['cag_snapshot_bytes'] / 1e6:.0f} / {r['llama_state_bytes'] / 1e6:.0f} MB | {r['same_leading_tokens']} of "
+        f"{n} |\n"
+        for r in rows
+    )
+    payload = {
+        "machine": machine(),
+        "llama_cpp": llama_cpp.__version__,
+        "threads": threads,
+        "model": model,
+        "qtype": qtype,
+        "cag_weights": lm.weights,
+        "cag_kernels": lm.kernels,
+        "load_before": load_before,
+        "load_after": os.getloadavg(),
+        "rows": rows,
+    }
     write(f"anchor-{args.model}" if args.model else "anchor", payload, head + body)
 
 

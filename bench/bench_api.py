@@ -1,16 +1,16 @@
 """Load benchmark of `cag serve` on loopback with the embedded model on corpora/handbook.
 
-    python -m bench.bench_api [--requests 16] [--concurrency 1,2,4,8,16] [--configs 16:0:16,16:0:1] [--max-tokens 32] [--min-tokens N]
+    python -m bench.bench_api [--requests 16] [--concurrency 1,2,4,8,16] [--configs 16:0:16,16:0:1]
+        [--max-tokens 32] [--min-tokens N]
 
-For each server configuration (CAG_WORKERS:CAG_THREADS:CAG_MAX_BATCH; 0 threads = the server's
-default): a real `cag serve` process; at each concurrency, max(--requests, 3 x clients) /v1/ask
-requests (clients = threads with their own httpx connection, each sending its next request when
-its answer arrived; answers of exactly --max-tokens tokens unless --min-tokens says otherwise),
-questions from the handbook's questions.jsonl: aggregate completion tokens/s, p50/p95 latency, server TTFT p50, errors (must be 0), the mean decode batch (from /metrics), and
-the server's peak RSS (VmHWM) after each level. The default pair of configurations is batched
-decoding (CAG_MAX_BATCH=16) and one request at a time (CAG_MAX_BATCH=1), side by side in one run.
-Then time to first token of a resident hit vs a cold load (the snapshot evicted by another corpus
-under CAG_RESIDENT_BYTES=1), measured by a streaming client and by the server's own timings.
+For each server configuration (CAG_WORKERS:CAG_THREADS:CAG_MAX_BATCH; 0 threads = the server's default): a real `cag
+serve` process; at each concurrency, max(--requests, 3 x clients) /v1/ask requests (clients = threads with their own
+httpx connection, each sending its next request when its answer arrived; answers of exactly --max-tokens tokens unless
+--min-tokens says otherwise), questions from the handbook's questions.jsonl: aggregate completion tokens/s, p50/p95
+latency, server TTFT p50, errors (must be 0), the mean decode batch (from /metrics), and the server's peak RSS (VmHWM)
+after each level. The default pair of configurations is batched decoding (CAG_MAX_BATCH=16) and one request at a time
+(CAG_MAX_BATCH=1), side by side in one run. Then time to first token of a resident hit vs a cold load (the snapshot
+evicted by another corpus under CAG_RESIDENT_BYTES=1), measured by a streaming client and by the server's own timings.
 Writes bench/results/api.json and bench/results/api.md.
 """
 
@@ -85,7 +85,9 @@ def stream_ask(client: httpx.Client, corpus: str, question: str, max_tokens: int
             "completion_tokens": final["usage"]["completion_tokens"]}
 
 
-def load_run(url: str, questions: list[str], concurrency: int, n_requests: int, max_tokens: int, min_tokens: int = 0) -> dict:
+def load_run(
+    url: str, questions: list[str], concurrency: int, n_requests: int, max_tokens: int, min_tokens: int = 0
+) -> dict:
     jobs = iter(range(n_requests))
     lock = threading.Lock()
     latencies, statuses, tokens, ttfts = [], [], [], []
@@ -138,13 +140,20 @@ def main() -> None:
                     help="server configurations WORKERS:THREADS[:MAX_BATCH] (CAG_WORKERS, CAG_THREADS, CAG_MAX_BATCH; "
                          "threads 0 = the server's default)")
     ap.add_argument("--max-tokens", type=int, default=32)
-    ap.add_argument("--min-tokens", type=int, default=None,
-                    help="min_tokens of every load request (default: --max-tokens, i.e. answers of exactly that many "
-                         "tokens, so latency measures the server and not which answers happen to be short; 0: free length)")
+    ap.add_argument(
+        "--min-tokens",
+        type=int,
+        default=None,
+        help="min_tokens of every load request (default: --max-tokens, i.e. answers of exactly that many tokens, so "
+        "latency measures the server and not which answers happen to be short; 0: free length)",
+    )
     ap.add_argument("--samples", type=int, default=4, help="hit / cold time-to-first-token samples")
     ap.add_argument("--home", help="CAG_HOME to use (default: a fresh temp dir)")
-    ap.add_argument("--replicas", help="e.g. 1,2: instead of the runs above, plain `cag serve` vs Ray Serve with that many "
-                                       "replicas, two corpora, --replica-clients clients (bench/bench_replicas.py)")
+    ap.add_argument(
+        "--replicas",
+        help="e.g. 1,2: instead of the runs above, plain `cag serve` vs Ray Serve with that many replicas, two "
+        "corpora, --replica-clients clients (bench/bench_replicas.py)",
+    )
     ap.add_argument("--replica-clients", type=int, default=8, help="clients of the --replicas comparison")
     args = ap.parse_args()
     args.min_tokens = args.max_tokens if args.min_tokens is None else args.min_tokens
@@ -152,16 +161,32 @@ def main() -> None:
         from .bench_replicas import run
 
         clients = args.replica_clients
-        return run([int(x) for x in args.replicas.split(",")], clients, max(args.requests, 6 * clients), args.max_tokens)
+        return run(
+            [int(x) for x in args.replicas.split(",")], clients, max(args.requests, 6 * clients), args.max_tokens
+        )
 
     home = Path(args.home) if args.home else Path(tempfile.mkdtemp(prefix="cag-bench-api-"))
-    env = {k: v for k, v in os.environ.items() if k not in ("CAG_API_KEYS", "CAG_WORKERS", "CAG_MAX_QUEUE", "CAG_THREADS",
-                                                              "CAG_RESIDENT_BYTES", "CAG_HOME", "CAG_MAX_BATCH")}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k
+        not in (
+            "CAG_API_KEYS",
+            "CAG_WORKERS",
+            "CAG_MAX_QUEUE",
+            "CAG_THREADS",
+            "CAG_RESIDENT_BYTES",
+            "CAG_HOME",
+            "CAG_MAX_BATCH",
+        )
+    }
     env["CAG_HOME"] = str(home)
     env.setdefault("CAG_MODELS_DIR", str(get_settings().models_dir))  # the materialized model, not a new copy
     work = home / "bench"
     work.mkdir(parents=True, exist_ok=True)
-    questions = [json.loads(line)["question"] for line in (HANDBOOK / "questions.jsonl").read_text().splitlines() if line]
+    questions = [
+        json.loads(line)["question"] for line in (HANDBOOK / "questions.jsonl").read_text().splitlines() if line
+    ]
 
     print(f"ingest {HANDBOOK} (CAG_HOME={home})", file=sys.stderr)
     t0 = time.perf_counter()
@@ -172,7 +197,9 @@ def main() -> None:
     partner = work / "partner"  # a second, small corpus whose questions evict the handbook's snapshot
     partner.mkdir(exist_ok=True)
     shutil.copy(HANDBOOK / "offices-and-hours.md", partner / "offices-and-hours.md")
-    subprocess.run([*cag_command(), "ingest", str(partner), "--json"], env=env, cwd=REPO, capture_output=True, check=True)
+    subprocess.run(
+        [*cag_command(), "ingest", str(partner), "--json"], env=env, cwd=REPO, capture_output=True, check=True
+    )
 
     results: dict = {
         "machine": machine(), "cpus": os.cpu_count(), "platform": platform.platform(),
@@ -185,8 +212,12 @@ def main() -> None:
     for config in args.configs.split(","):
         workers, threads, batch = ([int(x) for x in config.split(":")] + [16])[:3]
         print(f"serve with CAG_WORKERS={workers} CAG_THREADS={threads} CAG_MAX_BATCH={batch}", file=sys.stderr)
-        with serving(dict(env, CAG_WORKERS=str(workers), CAG_THREADS=str(threads), CAG_MAX_QUEUE="64", CAG_MAX_BATCH=str(batch)),
-                     work / f"server-w{workers}-t{threads}-b{batch}.log", timeout_s=300, cwd=REPO) as srv:
+        with serving(
+            dict(env, CAG_WORKERS=str(workers), CAG_THREADS=str(threads), CAG_MAX_QUEUE="64", CAG_MAX_BATCH=str(batch)),
+            work / f"server-w{workers}-t{threads}-b{batch}.log",
+            timeout_s=300,
+            cwd=REPO,
+        ) as srv:
             run: dict = {"workers": workers, "threads": threads, "max_batch": batch, "ready_s": round(srv.ready_s, 1),
                          "rss_after_start": proc_status(srv.proc.pid)["VmRSS"]}
             with httpx.Client(base_url=srv.url, timeout=600) as c:
@@ -207,7 +238,9 @@ def main() -> None:
             run["metrics_excerpt"] = [line for line in httpx.get(f"{srv.url}/metrics").text.splitlines()
                                       if line.startswith(("cag_snapshot_hits_total", "cag_snapshot_loads_total",
                                                           "cag_resident_bytes", "cag_decode_"))]
-            slot = [float(line.split()[-1]) for line in run["metrics_excerpt"] if line.startswith("cag_decode_slot_bytes ")]
+            slot = [
+                float(line.split()[-1]) for line in run["metrics_excerpt"] if line.startswith("cag_decode_slot_bytes ")
+            ]
             results.setdefault("slot_mib", slot[0] / 2**20 if slot else 0.0)  # the server's own figure (its dtype)
         results["runs"].append(run)
 
@@ -250,41 +283,53 @@ def markdown(res: dict) -> str:
     lines = [
         "# API load benchmark (`bench/bench_api.py`)",
         "",
-        f"Embedded SmolLM2-135M on corpora/handbook ({c['n_tokens']} tokens, {c['n_documents']} documents, "
-        f"snapshot {c['snapshot_bytes'] / 2**20:.1f} MiB), `cag serve` on loopback, {res['machine']}, "
-        f"/v1/ask with max_tokens={res['max_tokens']}, min_tokens={res.get('min_tokens', 0)} "
-        f"({'answers of exactly that length' if res.get('min_tokens') == res['max_tokens'] else 'answers end at a stop token'}), greedy.",
+        f"Embedded SmolLM2-135M on corpora/handbook ({c['n_tokens']} tokens, {c['n_documents']} documents, snapshot "
+        f"{c['snapshot_bytes'] / 2**20:.1f} MiB), `cag serve` on loopback, {res['machine']}, /v1/ask with "
+        f"max_tokens={res['max_tokens']}, min_tokens={res.get('min_tokens', 0)} "
+        f"({'answers of exactly that length' if res.get('min_tokens') == res['max_tokens'] else 'answers end at a stop token'}), "  # noqa: E501
+        "greedy.",
         "",
-        "| max batch | clients | requests | req/s | completion tok/s | vs 1 client | p50 latency s | p95 latency s | p95 / 1-client p50 | server TTFT p50 ms | mean decode batch | errors | peak RSS MiB |",
+        "| max batch | clients | requests | req/s | completion tok/s | vs 1 client | p50 latency s | p95 latency s | "
+        "p95 / 1-client p50 | server TTFT p50 ms | mean decode batch | errors | peak RSS MiB |",
         "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for run in res["runs"]:
         one = next((lv for lv in run["load"] if lv["concurrency"] == 1), run["load"][0])
         for lv in run["load"]:
-            lines.append(f"| {run.get('max_batch', '-')} | {lv['concurrency']} | {lv['requests']} | {lv['requests_per_s']:.2f} | "
-                         f"{lv['completion_tokens_per_s']:.1f} | {lv['completion_tokens_per_s'] / one['completion_tokens_per_s']:.2f}x | "
-                         f"{lv['latency_p50_s']:.2f} | {lv['latency_p95_s']:.2f} | {lv['latency_p95_s'] / one['latency_p50_s']:.2f}x | "
-                         f"{lv['server_ttft_p50_ms']:.0f} | {lv.get('mean_batch') or '-'} | {lv['errors']} | "
-                         f"{lv.get('peak_rss_bytes', run['peak_rss_bytes']) / 2**20:.0f} |")
+            lines.append(
+                f"| {run.get('max_batch', '-')} | {lv['concurrency']} | {lv['requests']} | {lv['requests_per_s']:.2f} "
+                f"| {lv['completion_tokens_per_s']:.1f} | "
+                f"{lv['completion_tokens_per_s'] / one['completion_tokens_per_s']:.2f}x | {lv['latency_p50_s']:.2f} | "
+                f"{lv['latency_p95_s']:.2f} | {lv['latency_p95_s'] / one['latency_p50_s']:.2f}x | "
+                f"{lv['server_ttft_p50_ms']:.0f} | {lv.get('mean_batch') or '-'} | {lv['errors']} | "
+                f"{lv.get('peak_rss_bytes', run['peak_rss_bytes']) / 2**20:.0f} |"
+            )
         lo, hi = run["load"][0], run["load"][-1]
         if hi["concurrency"] > lo["concurrency"] and "peak_rss_bytes" in hi:
             per = (hi["peak_rss_bytes"] - lo["peak_rss_bytes"]) / (hi["concurrency"] - lo["concurrency"]) / 2**20
             lines.append(f"| {run.get('max_batch', '-')} | peak RSS per extra client | | | | | | | | | | | {per:.1f} |")
-    lines += ["", f"Workers {res['runs'][0]['workers']} (CAG_WORKERS); torch threads: the server's default. A suffix buffer "
-              f"(question + answer room, in the dtype the server attends in: /metrics cag_decode_slot_bytes) is "
-              f"{res.get('slot_mib', 0):.2f} MiB per concurrent request; the snapshot, resident once, is "
-              f"{res['corpus']['snapshot_bytes'] / 2**20:.1f} MiB on disk (float16 or bfloat16, CAG_KV_DTYPE; twice that in float32)."]
+    lines += [
+        "",
+        f"Workers {res['runs'][0]['workers']} (CAG_WORKERS); torch threads: the server's default. A suffix buffer "
+        "(question + answer room, in the dtype the server attends in: /metrics cag_decode_slot_bytes) is "
+        f"{res.get('slot_mib', 0):.2f} MiB per concurrent request; the snapshot, resident once, is "
+        f"{res['corpus']['snapshot_bytes'] / 2**20:.1f} MiB on disk (float16 or bfloat16, CAG_KV_DTYPE; twice that in "
+        "float32).",
+    ]
     t = res["ttft"]
     hit, cold = t["resident_hit"], t["cold_load"]
     lines += [
         "",
         f"Time to first token, one client at a time, {len(res['cold_loads'])} side-by-side pairs (medians): "
-        "a cold load reads and verifies the snapshot file and fills a fresh request buffer; a resident hit reuses both.",
+        "a cold load reads and verifies the snapshot file and fills a fresh request buffer; a resident hit reuses "
+        "both.",
         "",
         "| snapshot | client TTFT ms | server load ms | server TTFT ms |",
         "|---|---:|---:|---:|",
-        f"| resident hit | {hit['client_ttft_ms_p50']:.0f} | {hit['server_load_ms_p50']:.2f} | {hit['server_ttft_ms_p50']:.0f} |",
-        f"| cold load (evicted) | {cold['client_ttft_ms_p50']:.0f} | {cold['server_load_ms_p50']:.2f} | {cold['server_ttft_ms_p50']:.0f} |",
+        f"| resident hit | {hit['client_ttft_ms_p50']:.0f} | {hit['server_load_ms_p50']:.2f} | "
+        f"{hit['server_ttft_ms_p50']:.0f} |",
+        f"| cold load (evicted) | {cold['client_ttft_ms_p50']:.0f} | {cold['server_load_ms_p50']:.2f} | "
+        f"{cold['server_ttft_ms_p50']:.0f} |",
         "",
         f"Cold / hit client TTFT: {t['cold_over_hit']:.2f}x.",
         "",

@@ -41,7 +41,11 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--folder-tokens", type=int, default=4000)
     args = ap.parse_args()
-    handbook = [json.loads(line)["question"] for line in (REPO / "corpora/handbook/questions.jsonl").read_text().splitlines() if line.strip()]
+    handbook = [
+        json.loads(line)["question"]
+        for line in (REPO / "corpora/handbook/questions.jsonl").read_text().splitlines()
+        if line.strip()
+    ]
     with tempfile.TemporaryDirectory() as tmp:
         engine = Engine(get_settings(home=Path(tmp) / "home", models_dir_override=get_settings().models_dir))
         sets = [("handbook", handbook)] + [(name, [q for q, _ in items]) for name, items in
@@ -49,7 +53,8 @@ def main() -> None:
         for name, _ in sets:
             engine.ingest(str(REPO / "corpora/handbook") if name == "handbook" else str(Path(tmp) / name), name=name)
             print("ingested", name, flush=True)
-        engine.answer(Query("handbook", handbook[0], max_tokens=2))  # first forwards (allocator, kernels) outside the timings
+        # first forwards (allocator, kernels) outside the timings
+        engine.answer(Query("handbook", handbook[0], max_tokens=2))
         rows, t_alone, t_batch, tok_alone, tok_batch, steps, batch_rows = [], 0.0, 0.0, 0, 0, 0, 0
         for name, questions in sets:
             t0 = time.perf_counter()
@@ -64,21 +69,45 @@ def main() -> None:
             tok_alone += sum(a.completion_tokens for a in alone)
             tok_batch += sum(a.completion_tokens for a in batched)
             for q, a, b in zip(questions, alone, batched):
-                rows.append({"set": name, "question": q, "identical": a.token_ids == b.token_ids,
-                             "first_difference": first_difference(a.token_ids, b.token_ids), "alone": a.answer, "batched": b.answer})
+                rows.append(
+                    {
+                        "set": name,
+                        "question": q,
+                        "identical": a.token_ids == b.token_ids,
+                        "first_difference": first_difference(a.token_ids, b.token_ids),
+                        "alone": a.answer,
+                        "batched": b.answer,
+                    }
+                )
             print(name, f"{sum(r['identical'] for r in rows)}/{len(rows)} identical so far", flush=True)
     same = sum(r["identical"] for r in rows)
-    res = {"machine": machine(), "loadavg": os.getloadavg(), "n": len(rows), "identical": same, "share": same / len(rows),
-           "max_batch": engine.settings.max_batch, "weights": engine.lm.weights, "kernels": engine.lm.kernels, "mean_batch": batch_rows / max(1, steps),  # the batched passes only
-           "alone_s": t_alone, "batched_s": t_batch, "alone_tok_s": tok_alone / t_alone, "batched_tok_s": tok_batch / t_batch,
-           "differences": [r for r in rows if not r["identical"]]}
-    md = (f"Machine: {res['machine']} (load average at the end {'/'.join(f'{x:.1f}' for x in res['loadavg'])}). SmolLM2-135M, "
-          f"weights {res['weights']}, decode kernels {res['kernels']}, fp16 snapshots, greedy, {args.max_tokens} tokens; {len(handbook)} handbook + "
-          f"{len(rows) - len(handbook)} SQuAD questions (folders of ~{args.folder_tokens} tokens).\n\n"
-          "| answers identical, batched vs alone | alone: wall s, completion tok/s | batched: wall s, completion tok/s, mean decode batch | speed-up |\n"
-          "|---|---|---|---|\n"
-          f"| {same}/{len(rows)} ({100 * res['share']:.1f}%) | {t_alone:.0f} s, {res['alone_tok_s']:.1f} | "
-          f"{t_batch:.0f} s, {res['batched_tok_s']:.1f}, {res['mean_batch']:.1f} | {t_alone / t_batch:.2f}x |\n")
+    res = {
+        "machine": machine(),
+        "loadavg": os.getloadavg(),
+        "n": len(rows),
+        "identical": same,
+        "share": same / len(rows),
+        "max_batch": engine.settings.max_batch,
+        "weights": engine.lm.weights,
+        "kernels": engine.lm.kernels,
+        "mean_batch": batch_rows / max(1, steps),  # the batched passes only
+        "alone_s": t_alone,
+        "batched_s": t_batch,
+        "alone_tok_s": tok_alone / t_alone,
+        "batched_tok_s": tok_batch / t_batch,
+        "differences": [r for r in rows if not r["identical"]],
+    }
+    md = (
+        f"Machine: {res['machine']} (load average at the end {'/'.join(f'{x:.1f}' for x in res['loadavg'])}). "
+        f"SmolLM2-135M, weights {res['weights']}, decode kernels {res['kernels']}, fp16 snapshots, greedy, "
+        f"{args.max_tokens} tokens; {len(handbook)} handbook + {len(rows) - len(handbook)} SQuAD questions (folders of "
+        f"~{args.folder_tokens} tokens).\n\n"
+        "| answers identical, batched vs alone | alone: wall s, completion tok/s | batched: wall s, completion tok/s, "
+        "mean decode batch | speed-up |\n"
+        "|---|---|---|---|\n"
+        f"| {same}/{len(rows)} ({100 * res['share']:.1f}%) | {t_alone:.0f} s, {res['alone_tok_s']:.1f} | {t_batch:.0f} "
+        f"s, {res['batched_tok_s']:.1f}, {res['mean_batch']:.1f} | {t_alone / t_batch:.2f}x |\n"
+    )
     if res["differences"]:
         md += "\nAnswers that differ (first differing token index):\n\n" + "".join(
             f"- {r['set']}: {r['question']!r} at token {r['first_difference']}: {r['alone']!r} vs {r['batched']!r}\n"

@@ -33,17 +33,34 @@ from .common import machine, write
 
 
 def turn(engine: Engine, messages: list[dict], mode: str, max_tokens: int, min_tokens: int = 0):
-    return engine.answer(Query("chat", None, mode=mode, max_tokens=max_tokens, messages=messages, decoding=DecodeConfig(min_tokens=min_tokens)))
+    return engine.answer(
+        Query(
+            "chat",
+            None,
+            mode=mode,
+            max_tokens=max_tokens,
+            messages=messages,
+            decoding=DecodeConfig(min_tokens=min_tokens),
+        )
+    )
 
 
-def conversation(engine: Engine, questions: list[str], max_tokens: int, min_tokens: int = 0, compare: bool = True) -> list[dict]:
+def conversation(
+    engine: Engine, questions: list[str], max_tokens: int, min_tokens: int = 0, compare: bool = True
+) -> list[dict]:
     """One conversation; per turn the three ways' TTFT (ms), token counts and agreement."""
     messages, rows = [], []
     for i, q in enumerate(questions):
         messages.append({"role": "user", "content": q})
         kept = turn(engine, messages, "cag", max_tokens, min_tokens)
-        row = {"turn": i + 1, "prompt_tokens": kept.prompt_tokens, "history_tokens": kept.prompt_tokens - (kept.cached_tokens - kept.conversation_tokens),
-               "reused_tokens": kept.conversation_tokens, "kept_ttft_ms": kept.ttft_ms, "completion_tokens": kept.completion_tokens}
+        row = {
+            "turn": i + 1,
+            "prompt_tokens": kept.prompt_tokens,
+            "history_tokens": kept.prompt_tokens - (kept.cached_tokens - kept.conversation_tokens),
+            "reused_tokens": kept.conversation_tokens,
+            "kept_ttft_ms": kept.ttft_ms,
+            "completion_tokens": kept.completion_tokens,
+        }
         if compare:
             engine.kept.clear()  # the next turn finds nothing: the history is prefilled again
             again = turn(engine, messages, "cag", max_tokens, min_tokens)
@@ -93,7 +110,10 @@ def main() -> None:
         r = engine.ingest(str(Path(tmp) / name), name="chat")
         questions = [q for q, _ in items]
         print(f"corpus: {r.n_tokens} tokens, {len(questions)} questions", flush=True)
-        plans = [[questions[(c * args.turns + t) % len(questions)] for t in range(args.turns)] for c in range(max(args.conversations, args.concurrent))]
+        plans = [
+            [questions[(c * args.turns + t) % len(questions)] for t in range(args.turns)]
+            for c in range(max(args.conversations, args.concurrent))
+        ]
         turn(engine, [{"role": "user", "content": questions[0]}], "cag", 2)  # first forwards outside the timings
         engine.kept.clear()
         short = [conversation(engine, p, args.max_tokens) for p in plans[: args.conversations]]
@@ -125,29 +145,47 @@ def main() -> None:
     payload = {"machine": machine(), "model": lm.name, "weights": lm.weights,
                "kernels": lm.kernels, "corpus_tokens": r.n_tokens, "args": vars(args), "short": short, "long": long,
                "kept": kept_tokens, "summary": summary}
-    lines = ["# Conversations: TTFT per turn, kept vs recomputed vs full\n", f"Machine: {machine()}; model {lm.name}, "
-             f"kernels {lm.kernels}; corpus {r.n_tokens} tokens (SQuAD v1.1 dev paragraphs); "
-             f"`python -m bench.bench_chat` ({time.strftime('%Y-%m-%d')}).\n",
-             f"## {args.conversations} conversations of {T} turns, answers of at most {args.max_tokens} tokens (median ms)\n",
-             "| turn | history tokens | reused | kept TTFT | recompute TTFT | full TTFT | same tokens |", "|---|---|---|---|---|---|---|"]
+    lines = [
+        "# Conversations: TTFT per turn, kept vs recomputed vs full\n",
+        f"Machine: {machine()}; model {lm.name}, kernels {lm.kernels}; corpus {r.n_tokens} tokens (SQuAD v1.1 dev "
+        f"paragraphs); `python -m bench.bench_chat` ({time.strftime('%Y-%m-%d')}).\n",
+        f"## {args.conversations} conversations of {T} turns, answers of at most {args.max_tokens} tokens "
+        "(median ms)\n",
+        "| turn | history tokens | reused | kept TTFT | recompute TTFT | full TTFT | same tokens |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for t in range(1, T + 1):
         rows = [r for conv in short for r in conv if r["turn"] == t]
-        lines.append(f"| {t} | {statistics.median(r['history_tokens'] for r in rows):.0f} | {statistics.median(r['reused_tokens'] for r in rows):.0f} | "
-                     f"{med(short, 'kept_ttft_ms', t):.1f} | {med(short, 'recompute_ttft_ms', t):.1f} | {med(short, 'full_ttft_ms', t):.1f} | "
-                     f"{all(r['same_tokens'] for r in rows)} |")
-    lines += [f"\n## One conversation with answers of {args.long_answer} tokens\n",
-              "| turn | history tokens | reused | kept TTFT | recompute TTFT | full TTFT | same tokens |", "|---|---|---|---|---|---|---|"]
-    lines += [f"| {r['turn']} | {r['history_tokens']} | {r['reused_tokens']} | {r['kept_ttft_ms']:.1f} | {r['recompute_ttft_ms']:.1f} | "
-              f"{r['full_ttft_ms']:.1f} | {r['same_tokens']} |" for r in long]
+        lines.append(
+            f"| {t} | {statistics.median(r['history_tokens'] for r in rows):.0f} | "
+            f"{statistics.median(r['reused_tokens'] for r in rows):.0f} | {med(short, 'kept_ttft_ms', t):.1f} | "
+            f"{med(short, 'recompute_ttft_ms', t):.1f} | {med(short, 'full_ttft_ms', t):.1f} | "
+            f"{all(r['same_tokens'] for r in rows)} |"
+        )
+    lines += [
+        f"\n## One conversation with answers of {args.long_answer} tokens\n",
+        "| turn | history tokens | reused | kept TTFT | recompute TTFT | full TTFT | same tokens |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    lines += [
+        f"| {r['turn']} | {r['history_tokens']} | {r['reused_tokens']} | {r['kept_ttft_ms']:.1f} | "
+        f"{r['recompute_ttft_ms']:.1f} | {r['full_ttft_ms']:.1f} | {r['same_tokens']} |"
+        for r in long
+    ]
     s = summary
-    lines += ["\n## Against the targets\n", "| measure | value | target |", "|---|---|---|",
-              f"| turn {T} TTFT / turn 1 TTFT, kept | {s['turn_last_over_first_kept']:.2f}x | <= 1.3x |",
-              f"| recompute / kept TTFT at {s['long_history_tokens']} history tokens | {s['long_recompute_over_kept']:.2f}x | >= 3x |",
-              f"| {args.concurrent} concurrent conversations / one, completion tok/s | {s['concurrent_over_one']:.2f}x "
-              f"({s['concurrent_tok_s']:.1f} vs {s['one_tok_s']:.1f}) | >= 3x |",
-              f"| kept bytes per conversation ({T} turns) | {s['bytes_per_kept_conversation'] / 1e6:.2f} MB "
-              f"({s['kept_bytes_per_token'] / 1e3:.1f} KB a token) | - |",
-              f"| kept, recomputed and full give the same tokens | {s['all_same_tokens']} | every turn |"]
+    lines += [
+        "\n## Against the targets\n",
+        "| measure | value | target |",
+        "|---|---|---|",
+        f"| turn {T} TTFT / turn 1 TTFT, kept | {s['turn_last_over_first_kept']:.2f}x | <= 1.3x |",
+        f"| recompute / kept TTFT at {s['long_history_tokens']} history tokens | {s['long_recompute_over_kept']:.2f}x "
+        "| >= 3x |",
+        f"| {args.concurrent} concurrent conversations / one, completion tok/s | {s['concurrent_over_one']:.2f}x "
+        f"({s['concurrent_tok_s']:.1f} vs {s['one_tok_s']:.1f}) | >= 3x |",
+        f"| kept bytes per conversation ({T} turns) | {s['bytes_per_kept_conversation'] / 1e6:.2f} MB "
+        f"({s['kept_bytes_per_token'] / 1e3:.1f} KB a token) | - |",
+        f"| kept, recomputed and full give the same tokens | {s['all_same_tokens']} | every turn |",
+    ]
     write("chat", payload, "\n".join(lines) + "\n")
 
 

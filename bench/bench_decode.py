@@ -80,7 +80,11 @@ def paired_rates(model, cache, prefix_kv, start: int, n: int, first: int, rounds
     best = {True: 0.0, False: 0.0}
     for r in range(rounds):
         for use_lean in ((True, False) if r % 2 == 0 else (False, True)):
-            rate = step_decode_rate(model, prefix_kv, n, first) if use_lean else forward_rate(model, cache, start, n, first)
+            rate = (
+                step_decode_rate(model, prefix_kv, n, first)
+                if use_lean
+                else forward_rate(model, cache, start, n, first)
+            )
             best[use_lean] = max(best[use_lean], rate)
     return best[True], best[False]
 
@@ -153,15 +157,20 @@ def main() -> None:
         engine = Engine(get_settings(home=home / "home", models_dir_override=get_settings().models_dir, weights="fp32"))
         lm = engine.lm
         models = {}  # (format, decode kernels) -> model
-        here = lambda k: k == "torch" or (native.load_avx2() if k == "avx2" else native.load() is not None and (k == "avx512" or native.tiles()))  # noqa: E731
+        here = lambda k: (  # noqa: E731
+            k == "torch"
+            or (native.load_avx2() if k == "avx2" else native.load() is not None and (k == "avx512" or native.tiles()))
+        )
         kernels = [k for k in args.kernels.split(",") if here(k)]
         for fmt in formats:
-            for ker in ["torch"] if fmt == "fp32" else [k for k in kernels if k != "avx2" or fmt == "int4"]:  # avx2: int4's products
+            # avx2: int4's products
+            for ker in ["torch"] if fmt == "fp32" else [k for k in kernels if k != "avx2" or fmt == "int4"]:
                 m = lm.model if fmt == "fp32" else copy.deepcopy(lm.model)  # cag's products pack their own layout
                 weights.apply(m, fmt, backends.BY_NAME[ker])
                 backends.attach(m, backends.BY_NAME[ker])
                 models[fmt, ker] = m
-        auto = auto_weights.choose(lm.model, "auto", get_settings().models_dir)  # the verdict a server here uses (cached)
+        # the verdict a server here uses (cached)
+        auto = auto_weights.choose(lm.model, "auto", get_settings().models_dir)
         bw, cbw = read_bandwidth(), copy_bandwidth()
         # Products (and the bandwidth) are timed again next to every decode cell and the best kept:
         # one load spike at the start must not stand for the whole run.
@@ -178,18 +187,37 @@ def main() -> None:
                 assert lean.why_not(model) is None, lean.why_not(model)
                 tps, fwd = paired_rates(model, cache, snap.kv, ing.n_tokens, args.decode_tokens, first, args.rounds)
                 prod[fmt, ker] = min(prod[fmt, ker], products_ms(model))
-                rows.append({"n_tokens": ing.n_tokens, "weights": fmt, "kernels": ker, "decode_tok_s": tps, "step_ms": 1e3 / tps,
-                             "weight_bytes": weight_bytes(model), "forward_tok_s": fwd,
-                         # the prefix and request buffer, in the dtype the step attends in (bf16 with packed weights)
-                         "cache_bytes": lm.kv_bytes(ing.n_tokens, attn_dtype(fmt, lm.dtype, lm.device)),
-                             "lean_over_forward": tps / fwd})
+                rows.append(
+                    {
+                        "n_tokens": ing.n_tokens,
+                        "weights": fmt,
+                        "kernels": ker,
+                        "decode_tok_s": tps,
+                        "step_ms": 1e3 / tps,
+                        "weight_bytes": weight_bytes(model),
+                        "forward_tok_s": fwd,
+                        # the prefix and request buffer, in the dtype the step attends in (bf16 with packed weights)
+                        "cache_bytes": lm.kv_bytes(ing.n_tokens, attn_dtype(fmt, lm.dtype, lm.device)),
+                        "lean_over_forward": tps / fwd,
+                    }
+                )
                 print(rows[-1], flush=True)
                 if ker == "avx512" and args.int8_kv:  # the same step over the prefix's int8 codes (CAG_KV_DTYPE=int8)
                     deq, codes = kv_cache.stored(snap.kv, torch.int8)  # what `cag` reads from an int8 snapshot
-                    tps8 = max(step_decode_rate(model, deq, args.decode_tokens, first, codes=codes) for _ in range(args.rounds))
+                    tps8 = max(
+                        step_decode_rate(model, deq, args.decode_tokens, first, codes=codes) for _ in range(args.rounds)
+                    )
                     int8_bytes = sum(t.nbytes for layer in codes for t in layer)
-                    rows.append(rows[-1] | {"kv": "int8", "decode_tok_s": tps8, "step_ms": 1e3 / tps8, "cache_bytes": int8_bytes,
-                                            "lean_over_forward": tps8 / fwd})
+                    rows.append(
+                        rows[-1]
+                        | {
+                            "kv": "int8",
+                            "decode_tok_s": tps8,
+                            "step_ms": 1e3 / tps8,
+                            "cache_bytes": int8_bytes,
+                            "lean_over_forward": tps8 / fwd,
+                        }
+                    )
                     print(rows[-1], flush=True)
             bw = max(bw, read_bandwidth(reps=3))
             cbw = max(cbw, copy_bandwidth(reps=3))
@@ -202,31 +230,48 @@ def main() -> None:
             r["copy_bound_ms"] = (r["weight_bytes"] + r["cache_bytes"]) / cbw * 1e3
             r["step_over_copy"] = r["step_ms"] / r["copy_bound_ms"]
 
-    head = (f"Machine: {machine()}. Model: {lm.name}, {lm.dtype} compute, read bandwidth {bw / 1e9:.1f} GB/s, "
-            f"copy bandwidth {cbw / 1e9:.1f} GB/s of bytes copied (best of each measured in this run). `auto` picks **{auto}** here. {args.decode_tokens} tokens per rate, best of "
-            f"{args.rounds} runs alternating the lean step and the transformers forward. Load average (1, 5, 15 min) "
-            f"before / after: {load_before} / {os.getloadavg()}.\n\n"
-            "| prefix tokens | weights | kernels | K/V | decode tok/s (lean step) | transformers forward tok/s | lean / forward | vs fp32 | step ms | "
-            "bound ms (weights + cache read once) | step / bound | timed copy of those bytes ms | step / copy | weight products ms | "
-            "rest ms (lean) | rest ms (forward) |\n"
-            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n")
+    head = (
+        f"Machine: {machine()}. Model: {lm.name}, {lm.dtype} compute, read bandwidth {bw / 1e9:.1f} GB/s, copy "
+        f"bandwidth {cbw / 1e9:.1f} GB/s of bytes copied (best of each measured in this run). `auto` picks **{auto}** "
+        f"here. {args.decode_tokens} tokens per rate, best of {args.rounds} runs alternating the lean step and the "
+        f"transformers forward. Load average (1, 5, 15 min) before / after: {load_before} / {os.getloadavg()}.\n\n"
+        "| prefix tokens | weights | kernels | K/V | decode tok/s (lean step) | transformers forward tok/s | lean / "
+        "forward | vs fp32 | step ms | bound ms (weights + cache read once) | step / bound | timed copy of those bytes "
+        "ms | step / copy | weight products ms | rest ms (lean) | rest ms (forward) |\n"
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n"
+    )
     body = "".join(
-        f"| {r['n_tokens']} | {r['weights']} | {r['kernels']} | {r.get('kv', 'as computed')} | {r['decode_tok_s']:.1f} | {r['forward_tok_s']:.1f} | "
-        f"{r['lean_over_forward']:.2f}x | {_times(r['vs_fp32'])} | {r['step_ms']:.1f} | "
-        f"{r['bound_ms']:.1f} ({r['weight_bytes'] / 1e6:.0f} + {r['cache_bytes'] / 1e6:.0f} MB) | {r['step_over_bound']:.2f} | "
-        f"{r['copy_bound_ms']:.1f} | {r['step_over_copy']:.2f} | "
-        f"{r['products_ms']:.1f} | {r['rest_ms']:.1f} | {r['forward_rest_ms']:.1f} |\n" for r in rows)
-    foot = ("\nTargets: with the `auto` format, step within 1.5x of the bound at 4K and decode >= 1.5x fp32 at 4K. "
-            "Two bounds: the bytes read once at the best read rate (a sum over 512 MB), and the issue's own measure, "
-            "a timed copy of that many bytes (which also writes them: the looser one). K/V 'int8': the prefix's int8 "
-            "codes (CAG_KV_DTYPE=int8) read by the avx512 attention, the forward column unchanged (it reads bf16). "
-            "'rest' is a decode step less its weight products: attention over the cache, norms, rope, sampling and "
-            "the Python of 30 layers; the lean step (cag/runtime/step.py) cuts the forward's per-layer Python, mask and cache "
-            "bookkeeping. The products are timed as separate calls, each with its own overhead: int4 on cag's kernels "
-            "runs all layers of a step in one call (cag/runtime/all_layers.py), so there 'rest' is what the step takes beyond those "
-            "separate calls.\n")
-    write(args.name, {"machine": machine(), "auto": auto, "read_bandwidth": bw, "copy_bandwidth": cbw, "load_before": load_before,
-                     "load_after": os.getloadavg(), "rows": rows}, head + body + foot)
+        f"| {r['n_tokens']} | {r['weights']} | {r['kernels']} | {r.get('kv', 'as computed')} | {r['decode_tok_s']:.1f} "
+        f"| {r['forward_tok_s']:.1f} | {r['lean_over_forward']:.2f}x | {_times(r['vs_fp32'])} | {r['step_ms']:.1f} | "
+        f"{r['bound_ms']:.1f} ({r['weight_bytes'] / 1e6:.0f} + {r['cache_bytes'] / 1e6:.0f} MB) | "
+        f"{r['step_over_bound']:.2f} | {r['copy_bound_ms']:.1f} | {r['step_over_copy']:.2f} | {r['products_ms']:.1f} | "
+        f"{r['rest_ms']:.1f} | {r['forward_rest_ms']:.1f} |\n"
+        for r in rows
+    )
+    foot = (
+        "\nTargets: with the `auto` format, step within 1.5x of the bound at 4K and decode >= 1.5x fp32 at 4K. Two "
+        "bounds: the bytes read once at the best read rate (a sum over 512 MB), and the issue's own measure, a timed "
+        "copy of that many bytes (which also writes them: the looser one). K/V 'int8': the prefix's int8 codes "
+        "(CAG_KV_DTYPE=int8) read by the avx512 attention, the forward column unchanged (it reads bf16). 'rest' is a "
+        "decode step less its weight products: attention over the cache, norms, rope, sampling and the Python of 30 "
+        "layers; the lean step (cag/runtime/step.py) cuts the forward's per-layer Python, mask and cache bookkeeping. "
+        "The products are timed as separate calls, each with its own overhead: int4 on cag's kernels runs all layers "
+        "of a step in one call (cag/runtime/all_layers.py), so there 'rest' is what the step takes beyond those "
+        "separate calls.\n"
+    )
+    write(
+        args.name,
+        {
+            "machine": machine(),
+            "auto": auto,
+            "read_bandwidth": bw,
+            "copy_bandwidth": cbw,
+            "load_before": load_before,
+            "load_after": os.getloadavg(),
+            "rows": rows,
+        },
+        head + body + foot,
+    )
 
 
 if __name__ == "__main__":

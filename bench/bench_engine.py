@@ -40,7 +40,9 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory() as tmp:
         home = Path(tmp)
-        engine = Engine(get_settings(home=home / "home", models_dir_override=get_settings().models_dir, dtype=args.dtype))
+        engine = Engine(
+            get_settings(home=home / "home", models_dir_override=get_settings().models_dir, dtype=args.dtype)
+        )
         lm = engine.lm
         count = lambda t: len(lm.tokenizer(t, add_special_tokens=False)["input_ids"])  # noqa: E731
         rows = []
@@ -75,7 +77,13 @@ def main() -> None:
             lm.model.generate(ids, max_new_tokens=n_nc, min_new_tokens=n_nc, do_sample=False, use_cache=False)
             nocache_tps = n_nc / (time.perf_counter() - t)
             t = time.perf_counter()
-            lm.model.generate(ids, max_new_tokens=args.decode_tokens, min_new_tokens=args.decode_tokens, do_sample=False, use_cache=True)
+            lm.model.generate(
+                ids,
+                max_new_tokens=args.decode_tokens,
+                min_new_tokens=args.decode_tokens,
+                do_sample=False,
+                use_cache=True,
+            )
             cache_tps = args.decode_tokens / (time.perf_counter() - t)
 
             rows.append({
@@ -92,19 +100,25 @@ def main() -> None:
             })
             print(rows[-1], flush=True)
 
-    head = (f"Machine: {machine()}. Model: {lm.name}, {args.dtype} weights, fp16 snapshots. Median of {args.repeat}.\n\n"
-            "| prefix tokens | prefill tok/s | TTFT cag ms | TTFT full ms | speedup | load ms | raw read ms | load/raw | bytes vs formula | decode tok/s snap / empty | ratio | generate tok/s cache off / on |\n"
-            "|---|---|---|---|---|---|---|---|---|---|---|---|\n")
+    head = (
+        f"Machine: {machine()}. Model: {lm.name}, {args.dtype} weights, fp16 snapshots. Median of {args.repeat}.\n\n"
+        "| prefix tokens | prefill tok/s | TTFT cag ms | TTFT full ms | speedup | load ms | raw read ms | load/raw | "
+        "bytes vs formula | decode tok/s snap / empty | ratio | generate tok/s cache off / on |\n"
+        "|---|---|---|---|---|---|---|---|---|---|---|---|\n"
+    )
     body = "".join(
         f"| {r['n_tokens']} | {r['prefill_tok_s']:.0f} | {r['ttft_cag_wall_ms']:.0f} | {r['ttft_full_wall_ms']:.0f} | "
         f"**{r['ttft_speedup']:.0f}x** | {r['load_ms']:.1f} | {r['raw_read_ms']:.1f} | {r['load_vs_raw']:.2f} | "
         f"{100 * r['bytes_over_formula']:+.2f}% | {r['decode_tok_s_snapshot']:.1f} / {r['decode_tok_s_empty']:.1f} | "
-        f"{r['decode_ratio']:.2f} | {r['generate_tok_s_use_cache_false']:.2f} / {r['generate_tok_s_use_cache_true']:.1f} |\n"
+        f"{r['decode_ratio']:.2f} | {r['generate_tok_s_use_cache_false']:.2f} / "
+        f"{r['generate_tok_s_use_cache_true']:.1f} |\n"
         for r in rows
     )
-    foot = ("\nTargets: TTFT speedup >= 50x at 4K and growing with size; load/raw >= 0.8; bytes within 1% of the formula; "
-            "decode ratio >= 0.7.\nTTFT includes everything after the model is loaded: stale check, snapshot read + verify "
-            "(cag) or tokenizing + prefilling the knowledge (full), question prefill, first token.\n")
+    foot = (
+        "\nTargets: TTFT speedup >= 50x at 4K and growing with size; load/raw >= 0.8; bytes within 1% of the formula; "
+        "decode ratio >= 0.7.\nTTFT includes everything after the model is loaded: stale check, snapshot read + verify "
+        "(cag) or tokenizing + prefilling the knowledge (full), question prefill, first token.\n"
+    )
     name = "engine" if args.dtype == "float32" else f"engine-{args.dtype}"
     write(name, {"machine": machine(), "dtype": args.dtype, "rows": rows}, head + body + foot)
 

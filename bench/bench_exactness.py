@@ -72,7 +72,10 @@ def cost(lm, n: int = 2900, repeat: int = 3) -> dict:
             fn()
             best[name] = min(best[name], time.perf_counter() - t0)
     invariant = {}
-    for name, fn, split in (("chunks of 512 (before)", chunks, 1300), ("blocks of 256 (the CPU default)", blocks, 1280)):
+    for name, fn, split in (
+        ("chunks of 512 (before)", chunks, 1300),
+        ("blocks of 256 (the CPU default)", blocks, 1280),
+    ):
         (fn() if name.startswith("chunks") else fn(256))
         whole = state()
         (fn(split) if name.startswith("chunks") else fn(256, split))
@@ -84,7 +87,11 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seeds", type=int, default=100)
     ap.add_argument("--first-seed", type=int, default=1000)
-    ap.add_argument("--configs", default="", help="weights/kernels[:seeds], comma-separated (default: every pair this CPU runs, --seeds each)")
+    ap.add_argument(
+        "--configs",
+        default="",
+        help="weights/kernels[:seeds], comma-separated (default: every pair this CPU runs, --seeds each)",
+    )
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--no-cost", action="store_true")
     ap.add_argument("--name", default="exactness", help="results file name under bench/results")
@@ -95,9 +102,20 @@ def main(argv=None) -> int:
 
     base = Path(tempfile.mkdtemp(prefix="cag-exact-"))
     models = get_settings().home / "models"
-    configs = [(*c.split(":")[0].split("/"), int(c.split(":")[1]) if ":" in c else args.seeds) for c in args.configs.split(",")] \
-        if args.configs else [(w, k, args.seeds) for w, k in configs_here()]
-    result = {"machine": machine(), "seeds": [args.first_seed, args.first_seed + max(c[2] for c in configs)], "configs": {}, "cost": None}
+    configs = (
+        [
+            (*c.split(":")[0].split("/"), int(c.split(":")[1]) if ":" in c else args.seeds)
+            for c in args.configs.split(",")
+        ]
+        if args.configs
+        else [(w, k, args.seeds) for w, k in configs_here()]
+    )
+    result = {
+        "machine": machine(),
+        "seeds": [args.first_seed, args.first_seed + max(c[2] for c in configs)],
+        "configs": {},
+        "cost": None,
+    }
     failed = 0
     for weights, kernels, seeds in configs:
         lm = load_model(DEFAULT_MODEL, models, weights=weights, kernels=kernels)
@@ -131,7 +149,12 @@ def render(r: dict) -> str:
                   "| prefill | tok/s | a split keeps every bit |", "|---|---:|---|"]
         lines += [f"| {k} | {v} | {c['split_keeps_bits'].get(k, '')} |" for k, v in c["tok_s"].items()]
         lines.append("")
-    lines += ["## Scenarios", "", "| weights/kernels (asked -> resolved) | scenarios | checks | mismatched |", "|---|---:|---:|---:|"]
+    lines += [
+        "## Scenarios",
+        "",
+        "| weights/kernels (asked -> resolved) | scenarios | checks | mismatched |",
+        "|---|---:|---:|---:|",
+    ]
     lines += [f"| {k} | {v['scenarios']} | {v['checks']} | {v['mismatched']} |" for k, v in r["configs"].items()]
     bad = [(k, row) for k, v in r["configs"].items() for row in v["runs"] if row["mismatches"]]
     if bad:

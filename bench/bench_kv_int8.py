@@ -110,7 +110,9 @@ def attention_times(dims: list[int], n: int, heads: int, rows: int, layers: int,
         slots, lens = torch.tensor([0]), torch.tensor([1])
         made = {"int8": [], "bf16": []}
         for _ in range(layers):
-            codes = [kv_int8.quantize(torch.randn(1, heads, n, d, generator=g) * s, kv_int8.block_for(d)) for s in (2, 1)]
+            codes = [
+                kv_int8.quantize(torch.randn(1, heads, n, d, generator=g) * s, kv_int8.block_for(d)) for s in (2, 1)
+            ]
             kd, vd = (kv_int8.dequantize(c, sc, torch.bfloat16)[0].contiguous() for c, sc in codes)
             made["int8"].append((kd, vd, *torch.ops.cag.pair_kv8(*(x[0].contiguous() for pair in codes for x in pair))))
             made["bf16"].append((kd, vd, *torch.ops.cag.pair_kv(kd, vd)))
@@ -135,15 +137,20 @@ def attention_main(args) -> None:
     t0 = time.time()
     rows = attention_times([int(d) for d in args.dims.split(",")], args.prefix, args.kv_heads, args.rows, args.layers,
                            args.rounds)
-    lines = ["| head dim | prefix keys x K/V heads | query rows a head | int8 codes ms (MB) | bf16 kernel on dequantized K/V ms (MB) | bf16 / int8 |",
-             "|---|---|---|---|---|---|"]
+    lines = [
+        "| head dim | prefix keys x K/V heads | query rows a head | int8 codes ms (MB) | bf16 kernel on dequantized "
+        "K/V ms (MB) | bf16 / int8 |",
+        "|---|---|---|---|---|---|",
+    ]
     for r in rows:
         lines.append(f"| {r['head_dim']} | {r['prefix']} x {r['kv_heads']} | {r['rows']} | {r['ms_int8']:.3f} "
                      f"({r['bytes_int8'] / 1e6:.1f}) | {r['ms_bf16']:.3f} ({r['bytes_bf16'] / 1e6:.1f}) | "
                      f"{r['bf16_over_int8']:.2f}x |")
-    table = ("\n".join(lines) + f"\n\n{machine()}; decode attention alone (cag's avx512 kernel), ms per call, one call "
-             f"per layer over {args.layers} layers' prefixes, best of {args.rounds} runs, the two alternating call by call; "
-             f"{time.time() - t0:.0f} s\n")
+    table = (
+        "\n".join(lines) + f"\n\n{machine()}; decode attention alone (cag's avx512 kernel), ms per call, one call per "
+        f"layer over {args.layers} layers' prefixes, best of {args.rounds} runs, the two alternating call by call; "
+        f"{time.time() - t0:.0f} s\n"
+    )
     write(args.name, {"machine": machine(), "rounds": args.rounds, "rows": rows}, table)
 
 
@@ -159,7 +166,9 @@ def main() -> None:
     ap.add_argument("--prefix", type=int, default=4096, help="--attention: prefix keys")
     ap.add_argument("--kv-heads", type=int, default=8, help="--attention: K/V heads")
     ap.add_argument("--rows", type=int, default=4, help="--attention: query rows per K/V head (query heads sharing it)")
-    ap.add_argument("--layers", type=int, default=16, help="--attention: prefixes called in turn (their K/V not in cache)")
+    ap.add_argument(
+        "--layers", type=int, default=16, help="--attention: prefixes called in turn (their K/V not in cache)"
+    )
     ap.add_argument("--rounds", type=int, default=25, help="--attention: alternating runs (best of)")
     args = ap.parse_args()
     if args.attention:

@@ -40,7 +40,7 @@ s = get_settings()
 t1 = time.perf_counter()
 lm = load_model(s.model, s.models_dir, s.threads, s.dtype, s.weights, s.device, s.decode_kernels, {keep})
 print(json.dumps({{"imports_s": t1 - t, "load_s": time.perf_counter() - t1, "weights": lm.weights, "kernels": lm.kernels}}))
-"""
+"""  # noqa: E501
 
 STATUS_BY_LOADING = """
 from cag.config import get_settings
@@ -71,8 +71,10 @@ def one_model(model: str, models: Path, rounds: int, work: Path) -> dict:
     (corpus / "note.md").write_text("The office opens at nine. The keeper of the lighthouse is Mara Voss.\n")
     cag = [sys.executable, "-m", "cag"]
     _timed([*cag, "ingest", str(corpus), "--name", "notes"], env)  # loads once: records the facts, keeps the packing
-    runs: dict[str, list[float]] = {k: [] for k in ("load, packing", "load, kept packed", "cag list", "cag status notes",
-                                                     "cag info", "status by loading")}
+    runs: dict[str, list[float]] = {
+        k: []
+        for k in ("load, packing", "load, kept packed", "cag list", "cag status notes", "cag info", "status by loading")
+    }
     facts = {}
     for r in range(rounds):
         order = [False, True] if r % 2 == 0 else [True, False]
@@ -105,16 +107,23 @@ def main() -> None:
 
         todo += [str(build(s, work)) for s in args.shapes.split(",") if s]
     rows = [one_model(m, models, args.rounds, work) for m in todo]
-    lines = [f"# Load and instant commands ({machine()})", "",
-             f"Fresh process per figure, {args.rounds} rounds interleaved; seconds, best / median.", "",
-             "| model | weights, kernels | load, packing | load, kept packed | cag list | cag status | cag info | status by loading |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"# Load and instant commands ({machine()})",
+        "",
+        f"Fresh process per figure, {args.rounds} rounds interleaved; seconds, best / median.",
+        "",
+        "| model | weights, kernels | load, packing | load, kept packed | cag list | cag status | cag info | status by "
+        "loading |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
         s = r["seconds"]
         cell = lambda k: f"{s[k]['best']:.2f} / {s[k]['median']:.2f}"  # noqa: E731
-        lines.append(f"| {Path(r['model']).name} | {r['weights']}, {r['kernels']} | {cell('load, packing')} | "
-                     f"{cell('load, kept packed')} | {cell('cag list')} | {cell('cag status notes')} | {cell('cag info')} | "
-                     f"{cell('status by loading')} |")
+        lines.append(
+            f"| {Path(r['model']).name} | {r['weights']}, {r['kernels']} | {cell('load, packing')} | "
+            f"{cell('load, kept packed')} | {cell('cag list')} | {cell('cag status notes')} | {cell('cag info')} | "
+            f"{cell('status by loading')} |"
+        )
     write("load", {"machine": machine(), "rows": rows}, "\n".join(lines) + "\n")
 
 

@@ -59,11 +59,25 @@ QUESTIONS = ["What did the author work on before college?", "What is the main ar
 
 def config(shape: str, tok):
     fam, hidden, layers, heads, kv, inter, tied = SHAPES[shape]
-    granite = dict(embedding_multiplier=12.0, residual_multiplier=0.22, attention_multiplier=heads / hidden, logits_scaling=8.0)
-    return family_config(fam, granite, vocab_size=len(tok), hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
-                         num_attention_heads=heads, num_key_value_heads=kv, max_position_embeddings=8192,
-                         tie_word_embeddings=tied, initializer_range=0.02, bos_token_id=tok.bos_token_id,
-                         eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    granite = dict(
+        embedding_multiplier=12.0, residual_multiplier=0.22, attention_multiplier=heads / hidden, logits_scaling=8.0
+    )
+    return family_config(
+        fam,
+        granite,
+        vocab_size=len(tok),
+        hidden_size=hidden,
+        intermediate_size=inter,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv,
+        max_position_embeddings=8192,
+        tie_word_embeddings=tied,
+        initializer_range=0.02,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+    )
 
 
 def build(shape: str, work: Path, tokenizer: Path | None = None) -> Path:
@@ -82,12 +96,17 @@ def build(shape: str, work: Path, tokenizer: Path | None = None) -> Path:
     tok = transformers.AutoTokenizer.from_pretrained(tokenizer or materialize_default(work / "models"))
     torch.manual_seed(0)
     cfg = config(shape, tok)
-    model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)  # never float32: 8B of it would not fit
+    # never float32: 8B of it would not fit
+    model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
     tmp = Path(tempfile.mkdtemp(prefix=f".{shape}-", dir=work))
     model.save_pretrained(tmp)
     tok.save_pretrained(tmp)
     os.replace(tmp, out)
-    print(f"built {shape} ({sum(p.numel() for p in model.parameters()) / 1e6:.0f}M parameters, {DEFAULT_MODEL}'s tokenizer)", flush=True)
+    print(
+        f"built {shape} ({sum(p.numel() for p in model.parameters()) / 1e6:.0f}M parameters, {DEFAULT_MODEL}'s "
+        "tokenizer)",
+        flush=True,
+    )
     return out
 
 
@@ -103,19 +122,32 @@ def child(phase: str, corpus: str, questions: int) -> dict:
     lm = engine.lm
     if phase == "ingest":
         r = engine.ingest(corpus)
-        return {"n_tokens": r.n_tokens, "ingest_tok_s": r.n_tokens / (r.prefill_ms / 1e3), "ingest_peak_rss": peak_rss()}
+        return {
+            "n_tokens": r.n_tokens,
+            "ingest_tok_s": r.n_tokens / (r.prefill_ms / 1e3),
+            "ingest_peak_rss": peak_rss(),
+        }
     name = next(iter(engine.index.corpora()))["name"]
     cfg = DecodeConfig(max_tokens=32, min_tokens=32)  # every answer 32 tokens: rates over the same count
-    rows = [engine.answer(Query(name, q, max_tokens=32, decoding=cfg)) for q in (QUESTIONS * 4)[: questions + 1]][1:]  # the first warms
+    # the first warms
+    rows = [engine.answer(Query(name, q, max_tokens=32, decoding=cfg)) for q in (QUESTIONS * 4)[: questions + 1]][1:]
     n_tokens = engine.index.snapshot(engine.index.corpus(name)["current_snapshot"])["n_tokens"]
     params = sum(p.numel() * p.element_size() for p in lm.model.parameters())
     bf16 = sum(p.numel() * 2 for p in lm.model.parameters())  # the model's weights as a bf16 checkpoint holds them
     step_bytes = lm.packed_bytes or params  # a packed format's decode rows read the packed copy alone
     kv_bytes = lm.kv_bytes(n_tokens, lm.attn_dtype)
-    return {"ttft_ms": statistics.median(a.ttft_ms for a in rows),
-            "decode_tok_s": statistics.median(a.decode_tok_s for a in rows if a.decode_tok_s),
-            "weights_bytes": step_bytes, "model_bytes": params, "bf16_bytes": bf16, "dtype": str(lm.dtype).removeprefix("torch."), "kv_bytes": kv_bytes, **describe.decode_path(lm),
-            "peak_rss": peak_rss(), "rss": rss()}
+    return {
+        "ttft_ms": statistics.median(a.ttft_ms for a in rows),
+        "decode_tok_s": statistics.median(a.decode_tok_s for a in rows if a.decode_tok_s),
+        "weights_bytes": step_bytes,
+        "model_bytes": params,
+        "bf16_bytes": bf16,
+        "dtype": str(lm.dtype).removeprefix("torch."),
+        "kv_bytes": kv_bytes,
+        **describe.decode_path(lm),
+        "peak_rss": peak_rss(),
+        "rss": rss(),
+    }
 
 
 def rss() -> int:
@@ -133,13 +165,27 @@ def peak_rss() -> int:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--shapes", default="small,0.5b,1b", help="groups (small, 0.5b, 1b, 3b, 8b) or shape names, comma-separated")
-    ap.add_argument("--formats", default="fp32,bf16,int4", help="CAG_WEIGHTS formats (bf16 skipped where the CPU has no bf16 products)")
-    ap.add_argument("--kernels", default="auto", help="CAG_DECODE_KERNELS values, comma-separated: each format runs under each (side by side)")
-    ap.add_argument("--dtype", default="auto", help="CAG_DTYPE for every run (auto: bf16 on bf16 hardware, these models being bf16)")
+    ap.add_argument(
+        "--shapes", default="small,0.5b,1b", help="groups (small, 0.5b, 1b, 3b, 8b) or shape names, comma-separated"
+    )
+    ap.add_argument(
+        "--formats",
+        default="fp32,bf16,int4",
+        help="CAG_WEIGHTS formats (bf16 skipped where the CPU has no bf16 products)",
+    )
+    ap.add_argument(
+        "--kernels",
+        default="auto",
+        help="CAG_DECODE_KERNELS values, comma-separated: each format runs under each (side by side)",
+    )
+    ap.add_argument(
+        "--dtype", default="auto", help="CAG_DTYPE for every run (auto: bf16 on bf16 hardware, these models being bf16)"
+    )
     ap.add_argument("--tokens", type=int, default=1000, help="corpus size in tokens")
     ap.add_argument("--questions", type=int, default=3)
-    ap.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()) / "cag-bench-models", help="built models are kept here")
+    ap.add_argument(
+        "--work", type=Path, default=Path(tempfile.gettempdir()) / "cag-bench-models", help="built models are kept here"
+    )
     ap.add_argument("--name", default="models", help="results file name under bench/results")
     ap.add_argument("--child", nargs=3, help=argparse.SUPPRESS)
     a = ap.parse_args()
@@ -168,12 +214,22 @@ def main() -> None:
         folder = build(shape, a.work)
         for fmt, kernels in [(f, k) for f in formats for k in a.kernels.split(",")]:
             env = {k: v for k, v in os.environ.items() if not k.startswith("CAG_")}
-            env |= {"CAG_MODEL": str(folder), "CAG_WEIGHTS": fmt, "CAG_DTYPE": a.dtype, "CAG_MODELS_DIR": str(a.work / "models"),
-                    "CAG_DECODE_KERNELS": kernels, "CAG_HOME": tempfile.mkdtemp(prefix="home-", dir=a.work)}
+            env |= {
+                "CAG_MODEL": str(folder),
+                "CAG_WEIGHTS": fmt,
+                "CAG_DTYPE": a.dtype,
+                "CAG_MODELS_DIR": str(a.work / "models"),
+                "CAG_DECODE_KERNELS": kernels,
+                "CAG_HOME": tempfile.mkdtemp(prefix="home-", dir=a.work),
+            }
             r, error = {"shape": shape, "weights": fmt}, None
             for phase in ("ingest", "serve"):
-                p = subprocess.run([sys.executable, "-m", "bench.bench_models", "--child", phase, str(corpus), str(a.questions)],
-                                   env=env, capture_output=True, text=True)
+                p = subprocess.run(
+                    [sys.executable, "-m", "bench.bench_models", "--child", phase, str(corpus), str(a.questions)],
+                    env=env,
+                    capture_output=True,
+                    text=True,
+                )
                 line = next((x for x in p.stdout.splitlines() if x.startswith("RESULT ")), None)
                 if line is None:
                     error = (p.stderr.strip().splitlines() or ["?"])[-1]
@@ -186,24 +242,38 @@ def main() -> None:
                 continue
             r["bound_tok_s"] = bw / (r["weights_bytes"] + r["kv_bytes"])
             rows.append(r)
-            print(f"{shape} {fmt}: {r['decode_tok_s']:.1f} tok/s (bound {r['bound_tok_s']:.0f}), TTFT {r['ttft_ms']:.0f} ms, "
-                  f"serving peak {r['peak_rss'] / 2**30:.2f} GiB, ingest peak {r['ingest_peak_rss'] / 2**30:.2f} GiB, {r['step']} step, {r['kernels']}", flush=True)
-    table = ["# Models: decode, TTFT and memory per family, size and weights format\n",
-             f"Machine: {machine()}; read bandwidth {bw / 1e9:.1f} GB/s; corpus ~{a.tokens} tokens of essays; "
-             f"{a.questions} questions of 32 tokens each. `python -m bench.bench_models --shapes {a.shapes} --formats {a.formats} --kernels {a.kernels} --dtype {a.dtype}`\n",
-             "| shape | weights | path | decode tok/s | read bound tok/s | bound / decode | TTFT ms | ingest tok/s | serving peak RSS GiB | ingest peak RSS GiB | bf16 weights GiB | serving peak / (bf16 weights + K/V) |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+            print(
+                f"{shape} {fmt}: {r['decode_tok_s']:.1f} tok/s (bound {r['bound_tok_s']:.0f}), TTFT {r['ttft_ms']:.0f} "
+                f"ms, serving peak {r['peak_rss'] / 2**30:.2f} GiB, ingest peak {r['ingest_peak_rss'] / 2**30:.2f} "
+                f"GiB, {r['step']} step, {r['kernels']}",
+                flush=True,
+            )
+    table = [
+        "# Models: decode, TTFT and memory per family, size and weights format\n",
+        f"Machine: {machine()}; read bandwidth {bw / 1e9:.1f} GB/s; corpus ~{a.tokens} tokens of essays; {a.questions} "
+        f"questions of 32 tokens each. `python -m bench.bench_models --shapes {a.shapes} --formats {a.formats} "
+        f"--kernels {a.kernels} --dtype {a.dtype}`\n",
+        "| shape | weights | path | decode tok/s | read bound tok/s | bound / decode | TTFT ms | ingest tok/s | "
+        "serving peak RSS GiB | ingest peak RSS GiB | bf16 weights GiB | serving peak / (bf16 weights + K/V) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
         if "error" in r:
             table.append(f"| {r['shape']} | {r['weights']} | failed: {r['error']} | | | | | | | | | |")
             continue
         native = f" ({r['native']})" if r.get("native") not in (None, "none") else ""
         path = f"{r['dtype']}, {r['step']} step, {r['kernels']}{native}"
-        table.append(f"| {r['shape']} | {r['weights']} | {path} | {r['decode_tok_s']:.1f} | {r['bound_tok_s']:.0f} | "
-                     f"{r['bound_tok_s'] / r['decode_tok_s']:.1f}x | {r['ttft_ms']:.0f} | {r['ingest_tok_s']:.0f} | {r['peak_rss'] / 2**30:.2f} | "
-                     f"{r['ingest_peak_rss'] / 2**30:.2f} | {r['bf16_bytes'] / 2**30:.2f} | {r['peak_rss'] / (r['bf16_bytes'] + r['kv_bytes']):.2f}x |")
-    write(a.name, {"machine": machine(), "read_bandwidth": bw, "args": {k: str(v) for k, v in vars(a).items()}, "rows": rows},
-          "\n".join(table) + "\n")
+        table.append(
+            f"| {r['shape']} | {r['weights']} | {path} | {r['decode_tok_s']:.1f} | {r['bound_tok_s']:.0f} | "
+            f"{r['bound_tok_s'] / r['decode_tok_s']:.1f}x | {r['ttft_ms']:.0f} | {r['ingest_tok_s']:.0f} | "
+            f"{r['peak_rss'] / 2**30:.2f} | {r['ingest_peak_rss'] / 2**30:.2f} | {r['bf16_bytes'] / 2**30:.2f} | "
+            f"{r['peak_rss'] / (r['bf16_bytes'] + r['kv_bytes']):.2f}x |"
+        )
+    write(
+        a.name,
+        {"machine": machine(), "read_bandwidth": bw, "args": {k: str(v) for k, v in vars(a).items()}, "rows": rows},
+        "\n".join(table) + "\n",
+    )
 
 
 if __name__ == "__main__":

@@ -64,12 +64,18 @@ def main() -> None:
         for r in rows:
             r["expected_ms"] = r["prefilled_tokens"] / r["n_tokens"] * full_ms
             r["ratio_to_expected"] = r["wall_ms"] / r["expected_ms"] if r["expected_ms"] else 0.0
-        table = (f"Machine: {machine()}. Model: {lm.name}. {len(docs)} documents, ~{args.tokens} tokens. "
-                 "Times are the whole `ingest` call (scan, hash, tokenize, load old snapshot, prefill, save, index).\n\n"
-                 "| case | tokens | reused | prefilled | time ms | expected ms (prefilled/total x full) | ratio (target <= 1.2) |\n"
-                 "|---|---|---|---|---|---|---|\n" + "".join(
-                     f"| {r['case']} | {r['n_tokens']} | {r['reused_tokens']} | {r['prefilled_tokens']} | {r['wall_ms']:.0f} | "
-                     f"{r['expected_ms']:.0f} | {r['ratio_to_expected']:.2f} |\n" for r in rows))
+        table = (
+            f"Machine: {machine()}. Model: {lm.name}. {len(docs)} documents, ~{args.tokens} tokens. Times are the "
+            "whole `ingest` call (scan, hash, tokenize, load old snapshot, prefill, save, index).\n\n"
+            "| case | tokens | reused | prefilled | time ms | expected ms (prefilled/total x full) | ratio (target <= "
+            "1.2) |\n"
+            "|---|---|---|---|---|---|---|\n"
+            + "".join(
+                f"| {r['case']} | {r['n_tokens']} | {r['reused_tokens']} | {r['prefilled_tokens']} | "
+                f"{r['wall_ms']:.0f} | {r['expected_ms']:.0f} | {r['ratio_to_expected']:.2f} |\n"
+                for r in rows
+            )
+        )
         write("refresh", {"machine": machine(), "rows": rows}, table)
 
 

@@ -1,4 +1,5 @@
-"""`python -m bench.bench_api --replicas 1,2 [--replica-clients 8] [--max-tokens 16]`: plain `cag serve` vs `cag serve --replicas N` on Ray Serve.
+"""`python -m bench.bench_api --replicas 1,2 [--replica-clients 8] [--max-tokens 16]`: plain `cag serve` vs `cag serve
+--replicas N` on Ray Serve.
 
 Two corpora (the handbook, and three of its documents as a second corpus) ingested into a shared S3
 store (moto's server, in this process, on loopback); each server configuration is a real process
@@ -9,9 +10,9 @@ and for Serve the routing hit rate (answers on a replica that already held the c
 replicas' own counters in /metrics). Writes bench/results/replicas.json and replicas.md.
 
 Configurations on this 2-core machine, each with CAG_THREADS=1 (torch's thread count is per process:
-one thread for the process's batched decode): plain (CAG_WORKERS=2), Serve with 1 replica of 2 CPUs
-(CAG_WORKERS=2), Serve with 2 replicas of 1 CPU (CAG_WORKERS=1 each): 2 generations at once in all. Two replicas cannot scale on 2 cores; the figure to read is Serve's
-overhead at 1 replica.
+one thread for the process's batched decode): plain (CAG_WORKERS=2), Serve with 1 replica of 2 CPUs (CAG_WORKERS=2),
+Serve with 2 replicas of 1 CPU (CAG_WORKERS=1 each): 2 generations at once in all. Two replicas cannot scale on 2 cores;
+the figure to read is Serve's overhead at 1 replica.
 """
 
 from __future__ import annotations
@@ -105,26 +106,43 @@ def run(replica_levels: list[int], clients: int, n_requests: int, max_tokens: in
     corpora = {}
     for folder in (HANDBOOK, partner):
         print(f"ingest {folder.name} into {STORE}", file=sys.stderr)
-        r = subprocess.run([*cag_command(), "ingest", str(folder), "--json"], env=env | {"CAG_HOME": str(work / "ingest")},
-                           cwd=REPO, capture_output=True, text=True, check=True)
+        r = subprocess.run(
+            [*cag_command(), "ingest", str(folder), "--json"],
+            env=env | {"CAG_HOME": str(work / "ingest")},
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            check=True,
+        )
         corpora[folder.name] = {k: json.loads(r.stdout)[k] for k in ("n_tokens", "bytes")}
-    questions = [json.loads(line)["question"] for line in (HANDBOOK / "questions.jsonl").read_text().splitlines() if line]
+    questions = [
+        json.loads(line)["question"] for line in (HANDBOOK / "questions.jsonl").read_text().splitlines() if line
+    ]
 
     configs = [("plain", 0, 2, 0)] + [(f"serve x{n}", n, 2 if n == 1 else 1, max(1, 2 // n)) for n in replica_levels]
     results = {"machine": machine(), "corpora": corpora, "clients": clients, "requests": n_requests,
                "max_tokens": max_tokens, "loadavg_start": os.getloadavg(), "runs": []}
     for label, replicas, workers, cpus in configs:
-        args = ["--log-level", "warning"] + (["--replicas", str(replicas), "--cpus-per-replica", str(cpus)] if replicas else [])
+        args = ["--log-level", "warning"] + (
+            ["--replicas", str(replicas), "--cpus-per-replica", str(cpus)] if replicas else []
+        )
         print(f"{label}: CAG_WORKERS={workers} {' '.join(args)}", file=sys.stderr)
         home = work / f"home-{replicas}"
         with serving(env | {"CAG_HOME": str(home), "CAG_WORKERS": str(workers)}, work / f"server-{replicas}.log",
                      timeout_s=600, cwd=REPO, args=tuple(args)) as srv:
             with httpx.Client(base_url=srv.url, timeout=600) as c:  # warm-up: each corpus made resident once
                 for corpus in ("handbook", "partner"):
-                    c.post("/v1/ask", json={"corpus": corpus, "question": questions[0], "max_tokens": 2}).raise_for_status()
+                    c.post(
+                        "/v1/ask", json={"corpus": corpus, "question": questions[0], "max_tokens": 2}
+                    ).raise_for_status()
             before = replica_counters(srv.url) if replicas else None
-            row = {"config": label, "replicas": replicas, "workers_per_replica": workers, "ready_s": round(srv.ready_s, 1),
-                   **load(srv.url, questions, clients, n_requests, max_tokens)}
+            row = {
+                "config": label,
+                "replicas": replicas,
+                "workers_per_replica": workers,
+                "ready_s": round(srv.ready_s, 1),
+                **load(srv.url, questions, clients, n_requests, max_tokens),
+            }
             if replicas:
                 after = replica_counters(srv.url)
                 answers, loads = after["answers"] - before["answers"], after["loads"] - before["loads"]
@@ -141,19 +159,30 @@ def run(replica_levels: list[int], clients: int, n_requests: int, max_tokens: in
 def markdown(res: dict) -> str:
     plain = next(r for r in res["runs"] if r["replicas"] == 0)
     c = res["corpora"]
-    lines = ["# Replicas on Ray Serve (`python -m bench.bench_api --replicas 1,2`)", "",
-             f"{res['machine']}; corpora handbook ({c['handbook']['n_tokens']} tokens) and partner "
-             f"({c['partner']['n_tokens']} tokens) from a moto S3 store on loopback; {res['clients']} clients, client i on "
-             f"corpus i % 2, {res['requests']} /v1/ask requests, max_tokens={res['max_tokens']}, greedy, CAG_THREADS=1 (one torch "
-             "thread per server or replica process), 2 generations at once in every configuration.", "",
-             "| configuration | replicas x workers | completion tok/s | vs plain | p50 s | p95 s | errors | routing hit rate | corpus loads (total) |",
-             "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = [
+        "# Replicas on Ray Serve (`python -m bench.bench_api --replicas 1,2`)",
+        "",
+        f"{res['machine']}; corpora handbook ({c['handbook']['n_tokens']} tokens) and partner "
+        f"({c['partner']['n_tokens']} tokens) from a moto S3 store on loopback; {res['clients']} clients, client i on "
+        f"corpus i % 2, {res['requests']} /v1/ask requests, max_tokens={res['max_tokens']}, greedy, CAG_THREADS=1 (one "
+        "torch thread per server or replica process), 2 generations at once in every configuration.",
+        "",
+        "| configuration | replicas x workers | completion tok/s | vs plain | p50 s | p95 s | errors | routing hit "
+        "rate | corpus loads (total) |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
     for r in res["runs"]:
-        ratio = r["completion_tokens_per_s"] / plain["completion_tokens_per_s"] if plain["completion_tokens_per_s"] else float("nan")
+        ratio = (
+            r["completion_tokens_per_s"] / plain["completion_tokens_per_s"]
+            if plain["completion_tokens_per_s"]
+            else float("nan")
+        )
         hit = "-" if r.get("routing_hit_rate") is None else f"{r['routing_hit_rate']:.0%}"
         shape = "1 process" if not r["replicas"] else f"{r['replicas']} x {r['workers_per_replica']}"
-        lines.append(f"| {r['config']} | {shape} | {r['completion_tokens_per_s']:.1f} | {ratio:.2f} | {r['latency_p50_s']:.2f} | "
-                     f"{r['latency_p95_s']:.2f} | {r['errors']} | {hit} | {r.get('corpus_loads_total', '-')} |")
+        lines.append(
+            f"| {r['config']} | {shape} | {r['completion_tokens_per_s']:.1f} | {ratio:.2f} | {r['latency_p50_s']:.2f} "
+            f"| {r['latency_p95_s']:.2f} | {r['errors']} | {hit} | {r.get('corpus_loads_total', '-')} |"
+        )
     load = "/".join(f"{x:.2f}" for x in res["loadavg_start"]), "/".join(f"{x:.2f}" for x in res["loadavg_end"])
     lines += ["", "Routing hit rate: answers during the load phase on a replica that already held the corpus "
               "(1 - corpus loads / answers, from the replicas' counters). Corpus loads (total) include the warm-up.",

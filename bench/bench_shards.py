@@ -99,27 +99,48 @@ def main() -> None:
             })
             print(rows[-1], flush=True)
 
-    head = (f"Machine: {machine()}. Model: {lm.name}, weights {lm.weights} (attention over {str(lm.attn_dtype).removeprefix('torch.')} K/V), "
-            f"{engine.kv_name} snapshots. "
-            f"Corpus: {big.n_documents} essays, {big.n_tokens:,} tokens in {big.n_shards} shards, "
-            + (f"ingested in {big.prefill_ms / 1e3:.0f} s ({big.n_tokens / (big.prefill_ms / 1e3):.0f} tok/s). "
-               if big.prefill_ms > 1e3 else "snapshots reused from an earlier ingest (--home). ") +
-            f"Median of {args.repeat} cold asks a side, sharded and single alternating, snapshots read from their files. "
-            f"Load average (1, 5, 15 min) before / after: {tuple(round(x, 2) for x in load_before)} / "
-            f"{tuple(round(x, 2) for x in os.getloadavg())}.\n\n"
-            "| shard | tokens | bytes | vs formula |\n|---|---|---|---|\n")
+    head = (
+        f"Machine: {machine()}. Model: {lm.name}, weights {lm.weights} (attention over "
+        f"{str(lm.attn_dtype).removeprefix('torch.')} K/V), {engine.kv_name} snapshots. Corpus: {big.n_documents} "
+        f"essays, {big.n_tokens:,} tokens in {big.n_shards} shards, "
+        + (
+            f"ingested in {big.prefill_ms / 1e3:.0f} s ({big.n_tokens / (big.prefill_ms / 1e3):.0f} tok/s). "
+            if big.prefill_ms > 1e3
+            else "snapshots reused from an earlier ingest (--home). "
+        )
+        + f"Median of {args.repeat} cold asks a side, sharded and single alternating, snapshots read from their files. "
+        f"Load average (1, 5, 15 min) before / after: {tuple(round(x, 2) for x in load_before)} / "
+        f"{tuple(round(x, 2) for x in os.getloadavg())}.\n\n"
+        "| shard | tokens | bytes | vs formula |\n|---|---|---|---|\n"
+    )
     head += "".join(f"| {s['shard']} | {s['n_tokens']:,} | {s['bytes']:,} | {100 * s['bytes_over_formula']:+.2f}% |\n"
                     for s in shard_rows)
-    head += ("\n| question | routed shard | routing ms | TTFT sharded | TTFT single 7K | ratio | TTFT shard from scratch | "
-             "speedup | cag == full | --shards 2 chose |\n|---|---|---|---|---|---|---|---|---|---|\n")
+    head += (
+        "\n| question | routed shard | routing ms | TTFT sharded | TTFT single 7K | ratio | TTFT shard from scratch | "
+        "speedup | cag == full | --shards 2 chose |\n|---|---|---|---|---|---|---|---|---|---|\n"
+    )
     body = "".join(
-        f"| {r['question']} | {r['shard']} ({r['shard_tokens']:,} tok) | {r['routing_ms']:.1f} | {r['ttft_sharded_ms']:.0f} ms | "
-        f"{r['ttft_single_7k_ms']:.0f} ms | **{r['ratio_vs_7k']:.2f}x** | {r['ttft_shard_from_scratch_ms'] / 1e3:.1f} s | "
-        f"**{r['speedup_vs_scratch']:.0f}x** | {r['cag_equals_full']} | {r['two_shards_chose']} |\n" for r in rows)
+        f"| {r['question']} | {r['shard']} ({r['shard_tokens']:,} tok) | {r['routing_ms']:.1f} | "
+        f"{r['ttft_sharded_ms']:.0f} ms | {r['ttft_single_7k_ms']:.0f} ms | **{r['ratio_vs_7k']:.2f}x** | "
+        f"{r['ttft_shard_from_scratch_ms'] / 1e3:.1f} s | **{r['speedup_vs_scratch']:.0f}x** | {r['cag_equals_full']} "
+        f"| {r['two_shards_chose']} |\n"
+        for r in rows
+    )
     foot = ("\nTargets: TTFT at 100K+ tokens <= 1.3x a single 7K snapshot's; >= 100x faster than prefilling the routed "
             "shard from scratch; bytes within 1% of the formula per shard.\n")
-    write(f"shards-{args.kv_dtype}" if args.kv_dtype else "shards", {"machine": machine(), "kv_dtype": engine.kv_name, "corpus_tokens": big.n_tokens, "n_shards": big.n_shards,
-                     "ingest_ms": big.prefill_ms, "shards": shard_rows, "rows": rows}, head + body + foot)
+    write(
+        f"shards-{args.kv_dtype}" if args.kv_dtype else "shards",
+        {
+            "machine": machine(),
+            "kv_dtype": engine.kv_name,
+            "corpus_tokens": big.n_tokens,
+            "n_shards": big.n_shards,
+            "ingest_ms": big.prefill_ms,
+            "shards": shard_rows,
+            "rows": rows,
+        },
+        head + body + foot,
+    )
 
 
 if __name__ == "__main__":

@@ -75,12 +75,17 @@ def main() -> None:
     finally:
         proc.terminate()
         proc.wait(timeout=30)
-    lines = ["| prefix tokens | dtype | bytes | int8/fp16 | load (parse, verify, dequantize) | fetch into cache | raw download | raw/fetch | fetch MB/s |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| prefix tokens | dtype | bytes | int8/fp16 | load (parse, verify, dequantize) | fetch into cache | raw "
+        "download | raw/fetch | fetch MB/s |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
-        lines.append(f"| {r['n_tokens']:,} | {r['dtype']} | {r['bytes'] / 1e6:.1f} MB | {r['bytes_vs_fp16']:.3f} | "
-                     f"{r['load_ms']:.1f} ms | {r['fetch_ms']:.1f} ms | {r['raw_ms']:.1f} ms | **{r['raw_over_fetch']:.2f}** | "
-                     f"{r['bytes'] / r['fetch_ms'] / 1e3:.0f} |")
+        lines.append(
+            f"| {r['n_tokens']:,} | {r['dtype']} | {r['bytes'] / 1e6:.1f} MB | {r['bytes_vs_fp16']:.3f} | "
+            f"{r['load_ms']:.1f} ms | {r['fetch_ms']:.1f} ms | {r['raw_ms']:.1f} ms | **{r['raw_over_fetch']:.2f}** | "
+            f"{r['bytes'] / r['fetch_ms'] / 1e3:.0f} |"
+        )
     table = "\n".join(lines) + f"\n\n{machine()}; moto server in its own process on loopback; median of {REPEAT}\n"
     print(table)
     write(args.out, {"machine": machine(), "repeat": REPEAT, "rows": rows}, table)
@@ -117,7 +122,9 @@ def _bench(sizes: list[int]) -> list[dict]:
                 key = hash_obj({"bench": "store", "n": n, "dtype": dtype})
                 digest = short(key, 32)
                 local = tmp / "a" / f"{digest}.safetensors"
-                snapfiles.save(local, kv, ids, {"key": key, "corpus": f"bench-{n}", "spans": []}, snapfiles.DTYPES[dtype])
+                snapfiles.save(
+                    local, kv, ids, {"key": key, "corpus": f"bench-{n}", "spans": []}, snapfiles.DTYPES[dtype]
+                )
                 b.remote.put_blob(local, digest)
                 fp16_bytes = fp16_bytes or local.stat().st_size
                 cached = settings.snapshots_dir / f"{digest}.safetensors"

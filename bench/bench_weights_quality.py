@@ -55,14 +55,23 @@ def main() -> None:
     ap.add_argument("--squad", type=int, default=100)
     ap.add_argument("--handbook", type=int, default=0, help="only the first N handbook questions (0: all)")
     ap.add_argument("--max-tokens", type=int, default=32)
-    ap.add_argument("--name", default="weights-quality", help="results file name in bench/results (a partial run: another name)")
+    ap.add_argument(
+        "--name", default="weights-quality", help="results file name in bench/results (a partial run: another name)"
+    )
     args = ap.parse_args()
     formats = args.formats.split(",")
-    handbook = [json.loads(line) for line in (REPO / "corpora/handbook/questions.jsonl").read_text().splitlines() if line.strip()][: args.handbook or None]
+    handbook = [
+        json.loads(line)
+        for line in (REPO / "corpora/handbook/questions.jsonl").read_text().splitlines()
+        if line.strip()
+    ][: args.handbook or None]
     with tempfile.TemporaryDirectory() as tmp:
         home = Path(tmp) / "home"
         sets = [("handbook", [(q["question"], q["answers"]) for q in handbook])] + squad_folders(Path(tmp), args.squad)
-        engines = {f: Engine(get_settings(home=home, weights=f, models_dir_override=get_settings().models_dir)) for f in formats}
+        engines = {
+            f: Engine(get_settings(home=home, weights=f, models_dir_override=get_settings().models_dir))
+            for f in formats
+        }
         first = engines[formats[0]]
         for name, _ in sets:
             first.ingest(str(REPO / "corpora/handbook") if name == "handbook" else str(Path(tmp) / name), name=name)
@@ -91,12 +100,18 @@ def main() -> None:
         rows.append(row)
         print(row, flush=True)
     fmt = lambda e: f"{e['value']:.3f}" + (f" [{e['ci95'][0]:.3f}, {e['ci95'][1]:.3f}]" if e["ci95"] else "")  # noqa: E731
-    head = (f"Machine: {machine()}. SmolLM2-135M, fp16 snapshots, greedy, {args.max_tokens} tokens; "
-            f"{len(handbook)} handbook + {rows[0]['n'] - len(handbook)} SQuAD questions.\n\n"
-            "| weights | first 32 tokens = fp32 (all / handbook) | F1 [95% CI] | answer in output [95% CI] | cag == full (handbook) |\n"
-            "|---|---|---|---|---|\n")
-    body = "".join(f"| {r['weights']} ({r['kernels']} kernels) | {100 * r['same_as_fp32']:.0f}% / {100 * r['same_handbook']:.0f}% | {fmt(r['f1'])} | "
-                   f"{fmt(r['in_output'])} | {100 * r['cag_equals_full_handbook']:.0f}% |\n" for r in rows)
+    head = (
+        f"Machine: {machine()}. SmolLM2-135M, fp16 snapshots, greedy, {args.max_tokens} tokens; {len(handbook)} "
+        f"handbook + {rows[0]['n'] - len(handbook)} SQuAD questions.\n\n"
+        "| weights | first 32 tokens = fp32 (all / handbook) | F1 [95% CI] | answer in output [95% CI] | cag == full "
+        "(handbook) |\n"
+        "|---|---|---|---|---|\n"
+    )
+    body = "".join(
+        f"| {r['weights']} ({r['kernels']} kernels) | {100 * r['same_as_fp32']:.0f}% / {100 * r['same_handbook']:.0f}% "
+        f"| {fmt(r['f1'])} | {fmt(r['in_output'])} | {100 * r['cag_equals_full_handbook']:.0f}% |\n"
+        for r in rows
+    )
     write(args.name, {"machine": machine(), "rows": rows}, head + body)
 
 

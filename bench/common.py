@@ -11,7 +11,11 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "bench" / "results"
-ESSAYS = Path(os.environ.get("CAG_DATASETS", REPO.parent / "shared" / "datasets")) / "paul_graham_essays_niah" / "PaulGrahamEssays"
+ESSAYS = (
+    Path(os.environ.get("CAG_DATASETS", REPO.parent / "shared" / "datasets"))
+    / "paul_graham_essays_niah"
+    / "PaulGrahamEssays"
+)
 
 
 def machine() -> str:

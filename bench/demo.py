@@ -17,9 +17,15 @@ def main() -> None:
     print(f"\nQ: {question}\n")
     print(f"{'mode':<6} {'load ms':>8} {'ttft ms':>9} {'total ms':>9} {'cached':>7}  answer")
     for a in rows:
-        print(f"{a.mode:<6} {a.load_ms:>8.0f} {a.ttft_ms:>9.0f} {a.total_ms:>9.0f} {a.cached_tokens:>7}  {' '.join(a.answer.split())}")
+        print(
+            f"{a.mode:<6} {a.load_ms:>8.0f} {a.ttft_ms:>9.0f} {a.total_ms:>9.0f} {a.cached_tokens:>7}  "
+            f"{' '.join(a.answer.split())}"
+        )
     same = rows[0].token_ids == rows[1].token_ids
-    print(f"\nidentical tokens: {same}; time to first token {rows[1].ttft_ms / max(rows[0].ttft_ms, 1e-9):.0f}x faster with the snapshot")
+    print(
+        f"\nidentical tokens: {same}; time to first token {rows[1].ttft_ms / max(rows[0].ttft_ms, 1e-9):.0f}x faster "
+        "with the snapshot"
+    )
 
 
 if __name__ == "__main__":

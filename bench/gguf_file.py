@@ -31,9 +31,18 @@ def to_llama_cpp(rows: np.ndarray, heads: int) -> np.ndarray:
     return rows.reshape(heads, 2, rows.shape[0] // heads // 2, *rows.shape[1:]).swapaxes(1, 2).reshape(rows.shape)
 
 
-def write_gguf(model: torch.nn.Module, path: Path, qtype: gg.GGMLQuantizationType, fields: dict, *, arch: str | None = None,
-               name: str | None = None, rope_freqs: np.ndarray | None = None,
-               encode: Callable[[np.ndarray], np.ndarray] | None = None, expect: bool = False) -> dict[str, torch.Tensor]:
+def write_gguf(
+    model: torch.nn.Module,
+    path: Path,
+    qtype: gg.GGMLQuantizationType,
+    fields: dict,
+    *,
+    arch: str | None = None,
+    name: str | None = None,
+    rope_freqs: np.ndarray | None = None,
+    encode: Callable[[np.ndarray], np.ndarray] | None = None,
+    expect: bool = False,
+) -> dict[str, torch.Tensor]:
     """`model` (a transformers causal LM) as the GGUF file `path`, its matrices in `qtype` (`encode`: (out, in)
     float32 -> (out, bytes per row) uint8, gguf.quants' quantizer by default), `arch` its llama.cpp
     architecture (the model type by default), `name` its general.name, `rope_freqs` its rope_freqs.weight

@@ -141,7 +141,11 @@ class Check:
     def ask(self, q: str, n: int, **kw):
         from cag.runtime.generate import DecodeConfig
 
-        return self.engine.answer(Query("check", q, max_tokens=n, decoding=DecodeConfig(max_tokens=n, min_tokens=kw.pop("min_tokens", 0)), **kw))
+        return self.engine.answer(
+            Query(
+                "check", q, max_tokens=n, decoding=DecodeConfig(max_tokens=n, min_tokens=kw.pop("min_tokens", 0)), **kw
+            )
+        )
 
     def run(self) -> dict:
         e, lm = self.engine, self.engine.lm
@@ -244,7 +248,10 @@ class Check:
         self.ask(q, 4)  # resident, its graph captured
         rates = [self.ask(q, n, min_tokens=n).decode_tok_s for _ in range(3)]
         res = e.resident.values()[0]
-        self.r.update(decode_tok_s=median(rates), step_bytes=(e.lm.packed_bytes or sum(p.nbytes for p in e.lm.model.parameters())) + res.prefix.nbytes)
+        self.r.update(
+            decode_tok_s=median(rates),
+            step_bytes=(e.lm.packed_bytes or sum(p.nbytes for p in e.lm.model.parameters())) + res.prefix.nbytes,
+        )
         dec = e.decoder
         graphs = dec.graphs
         if graphs is None:
@@ -263,7 +270,11 @@ class Check:
         from .kernel_count import step_kernels, step_writes
 
         e = self.engine
-        prefix = e.resident.values()[0].prefix if e.resident.values() else e._load_resident(e.index.snapshot(self.ing.snapshot)["digest"]).prefix
+        prefix = (
+            e.resident.values()[0].prefix
+            if e.resident.values()
+            else e._load_resident(e.index.snapshot(self.ing.snapshot)["digest"]).prefix
+        )
         dec = e.decoder
         few = dec.step.few if dec.step is not None else False
         rows = dec.rows or 1
@@ -348,12 +359,16 @@ def random_weights(shape: Path, work: Path) -> Path:
 
     out = work / f"{shape.name}-random"
     torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(shape), dtype=torch.bfloat16)
+    model = transformers.AutoModelForCausalLM.from_config(
+        transformers.AutoConfig.from_pretrained(shape), dtype=torch.bfloat16
+    )
     model.save_pretrained(out)
     for f in shape.iterdir():
         if f.is_file() and f.name not in ("config.json", "generation_config.json", SHAPE_OF):
             shutil.copy(f, out / f.name)
-    print(f"random weights for {shape} ({sum(p.numel() for p in model.parameters()) / 1e6:.0f}M parameters)", flush=True)
+    print(
+        f"random weights for {shape} ({sum(p.numel() for p in model.parameters()) / 1e6:.0f}M parameters)", flush=True
+    )
     return out
 
 
@@ -395,7 +410,8 @@ def run(args, save=lambda report: None) -> dict:
         args.exact_questions = args.exact_questions or (200 if on_cuda else 2 * args.questions)
         args.questions_pool = question_pool(max(args.exact_questions, 16, 10))
         report.update(Check(engine, args, home / "a", primary=True, save=lambda r: save({**report, **r})).run())
-        report["cuda_suffix"] = attention.CUDA_SUFFIX["way"]  # the suffix attention CUDA decodes with (cag.runtime.attention.probe_cuda)
+        # the suffix attention CUDA decodes with (cag.runtime.attention.probe_cuda)
+        report["cuda_suffix"] = attention.CUDA_SUFFIX["way"]
         del engine
         if on_cuda and not args.no_1b and time.monotonic() > args.deadline:
             report.setdefault("skipped", []).append(BIG)
@@ -419,26 +435,54 @@ def table(report: dict) -> str:
     lines = [f"torch {report['torch']}, transformers {report['transformers']}, device {report.get('device')} "
              f"({report['gpu'] or 'no GPU'}), CUDA suffix attention: {report.get('cuda_suffix')}", ""]
     if report.get("random_weights_of"):
-        lines += [f"Random weights (seed 0) of {report['random_weights_of']}'s config and its tokenizer: the same shapes and speeds.", ""]
+        lines += [
+            f"Random weights (seed 0) of {report['random_weights_of']}'s config and its tokenizer: the same shapes and "
+            "speeds.",
+            "",
+        ]
     for r in [report, *([report[BIG]] if BIG in report else [])]:
-        lines += [f"**{r.get('model')}** ({r.get('dtype')}, weights {r.get('weights')}, {r.get('prefix_tokens')}-token prefix, "
-                  f"decode rows {r.get('decode_rows')}, GEMM {f(r.get('gemm_tflops'), '.3g')} TFLOP/s)", "",
-                  "| measure | measured | bound or target |", "|---|---|---|",
-                  f"| knowledge prefill, tok/s (chunk {r.get('prefill_chunk')}) | {f(r.get('prefill_tok_s'))} | {f(r.get('prefill_bound_tok_s'))} (its matrix FLOPs at the GEMM rate) |"]
+        lines += [
+            f"**{r.get('model')}** ({r.get('dtype')}, weights {r.get('weights')}, {r.get('prefix_tokens')}-token "
+            f"prefix, decode rows {r.get('decode_rows')}, GEMM {f(r.get('gemm_tflops'), '.3g')} TFLOP/s)",
+            "",
+            "| measure | measured | bound or target |",
+            "|---|---|---|",
+            f"| knowledge prefill, tok/s (chunk {r.get('prefill_chunk')}) | {f(r.get('prefill_tok_s'))} | "
+            f"{f(r.get('prefill_bound_tok_s'))} (its matrix FLOPs at the GEMM rate) |",
+        ]
         if r.get("prefill_tok_s_by_chunk"):
-            lines.append("| prefill tok/s by chunk | " + ", ".join(f"{k}: {v:.0f}" for k, v in r["prefill_tok_s_by_chunk"].items()) + " | |")
-        lines += [f"| TTFT resident / from the file, ms (median of 10) | {f(r.get('ttft_resident_ms'), '.1f')} / {f(r.get('ttft_file_ms'), '.1f')} | full prompt: {f(r.get('ttft_full_ms'), '.1f')} |",
-                  f"| snapshot load, GB/s | {f(r.get('load_gb_s'), '.2f')} | pinned {f(r.get('h2d_pinned_gb_s'), '.1f')}, pageable {f(r.get('h2d_pageable_gb_s'), '.1f')} host-to-device; device copy {f(r.get('device_copy_gb_s'), '.0f')} |",
-                  f"| decode, one request, tok/s: graphs (eager) | {f(r.get('decode_tok_s'), '.1f')} ({f(r.get('decode_tok_s_eager'), '.1f')}) | {f(1e3 / r['step_bound_ms'] if r.get('step_bound_ms') else None)} (its bytes once a step) |",
-                  f"| one replayed step, ms | {f(r.get('replay_ms'), '.2f')} | {f(r.get('step_bound_ms'), '.2f')} |",
-                  f"| one step: CUDA kernels / ops writing memory | {r.get('step_cuda_kernels', '-')} / {r.get('step_ops', '-')} | |",
-                  f"| {r.get('concurrent')} requests at once vs one, tok/s | {f(r.get('concurrent_tok_s'))} vs {f(r.get('one_request_tok_s'))} ({f(r.get('concurrent_gain'), '.1f')}x) | 10x |"]
+            lines.append(
+                "| prefill tok/s by chunk | "
+                + ", ".join(f"{k}: {v:.0f}" for k, v in r["prefill_tok_s_by_chunk"].items())
+                + " | |"
+            )
+        lines += [
+            f"| TTFT resident / from the file, ms (median of 10) | {f(r.get('ttft_resident_ms'), '.1f')} / "
+            f"{f(r.get('ttft_file_ms'), '.1f')} | full prompt: {f(r.get('ttft_full_ms'), '.1f')} |",
+            f"| snapshot load, GB/s | {f(r.get('load_gb_s'), '.2f')} | pinned {f(r.get('h2d_pinned_gb_s'), '.1f')}, "
+            f"pageable {f(r.get('h2d_pageable_gb_s'), '.1f')} host-to-device; device copy "
+            f"{f(r.get('device_copy_gb_s'), '.0f')} |",
+            f"| decode, one request, tok/s: graphs (eager) | {f(r.get('decode_tok_s'), '.1f')} "
+            f"({f(r.get('decode_tok_s_eager'), '.1f')}) | "
+            f"{f(1e3 / r['step_bound_ms'] if r.get('step_bound_ms') else None)} (its bytes once a step) |",
+            f"| one replayed step, ms | {f(r.get('replay_ms'), '.2f')} | {f(r.get('step_bound_ms'), '.2f')} |",
+            f"| one step: CUDA kernels / ops writing memory | {r.get('step_cuda_kernels', '-')} / "
+            f"{r.get('step_ops', '-')} | |",
+            f"| {r.get('concurrent')} requests at once vs one, tok/s | {f(r.get('concurrent_tok_s'))} vs "
+            f"{f(r.get('one_request_tok_s'))} ({f(r.get('concurrent_gain'), '.1f')}x) | 10x |",
+        ]
         if "padding_cost" in r:
-            lines.append(f"| padding: one request at {r['padding_rows']} rows vs 1 row, tok/s | {r['decode_tok_s_rows_w']:.1f} vs {r['decode_tok_s_rows_1']:.1f} | costs {r['padding_cost']:.2f}x |")
+            lines.append(
+                f"| padding: one request at {r['padding_rows']} rows vs 1 row, tok/s | {r['decode_tok_s_rows_w']:.1f} "
+                f"vs {r['decode_tok_s_rows_1']:.1f} | costs {r['padding_cost']:.2f}x |"
+            )
         if "questions" in r:
             lines.append(f"| cag == full | {sum(q['identical'] for q in r['questions'])}/{len(r['questions'])} | all |")
         if "batched_questions" in r:
-            lines.append(f"| batched == alone, questions | {r['batched_same']}/{r['batched_questions']} ({r['batched_tok_s']:.0f} tok/s together) | all |")
+            lines.append(
+                f"| batched == alone, questions | {r['batched_same']}/{r['batched_questions']} "
+                f"({r['batched_tok_s']:.0f} tok/s together) | all |"
+            )
         if r.get("failed"):
             lines.append(f"\nfailed: {r['failed']}")
         if r.get("skipped"):
@@ -450,15 +494,27 @@ def table(report: dict) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None, help="model (default: CAG_MODEL or the embedded one)")
-    ap.add_argument("--shape", default=None, help="a model folder without weights (pack_shape): its config with random weights")
+    ap.add_argument(
+        "--shape", default=None, help="a model folder without weights (pack_shape): its config with random weights"
+    )
     ap.add_argument("--tokens", type=int, default=7000)
     ap.add_argument("--questions", type=int, default=4, help="questions asked in cag and full mode")
     ap.add_argument("--max-tokens", type=int, default=24, help="answer tokens of the exactness questions")
     ap.add_argument("--decode-tokens", type=int, default=64, help="answer tokens of the decode rate runs")
-    ap.add_argument("--exact-questions", type=int, default=0, help="batched == alone questions (0: 200 on CUDA, else 2 x --questions)")
+    ap.add_argument(
+        "--exact-questions",
+        type=int,
+        default=0,
+        help="batched == alone questions (0: 200 on CUDA, else 2 x --questions)",
+    )
     ap.add_argument("--no-1b", action="store_true", help=f"skip the {BIG} shape (run on CUDA only)")
     ap.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-    ap.add_argument("--budget", type=float, default=0, help="seconds: parts that would start later are skipped, and say so (0: no limit)")
+    ap.add_argument(
+        "--budget",
+        type=float,
+        default=0,
+        help="seconds: parts that would start later are skipped, and say so (0: no limit)",
+    )
     ap.add_argument("--out", default=os.environ.get("OUT") or str(Path(__file__).parent / "results"))
     args = ap.parse_args()
     out = Path(args.out)
@@ -487,7 +543,11 @@ def main() -> None:
     if failed:
         print(f"failed: {failed}", file=sys.stderr)
         sys.exit(2)
-    agreed = report.get("all_identical", True) and report.get("batched_identical", True) and (report.get(BIG) or {}).get("all_identical", True)
+    agreed = (
+        report.get("all_identical", True)
+        and report.get("batched_identical", True)
+        and (report.get(BIG) or {}).get("all_identical", True)
+    )
     if not agreed:
         sys.exit(1)
     skipped = report.get("skipped") or (report.get(BIG) or {}).get("skipped")

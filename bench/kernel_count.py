@@ -53,7 +53,13 @@ def _one_step(model, prefix, rows: int, few: bool, seen: int):
     buffers = Slots(cfg.num_hidden_layers, s.n_kv, s.head_dim, seen, rows + 1, prefix.kv[0][0].dtype, s.device)
 
     def step():
-        part = Part(torch.zeros(rows, 1, dtype=torch.long), [prefix] * rows, torch.arange(rows), torch.full((rows,), 5), seen=seen)
+        part = Part(
+            torch.zeros(rows, 1, dtype=torch.long),
+            [prefix] * rows,
+            torch.arange(rows),
+            torch.full((rows,), 5),
+            seen=seen,
+        )
         with torch.inference_mode():
             return s.run([part], buffers)
 
@@ -71,7 +77,8 @@ def step_writes(model, prefix, rows: int, few: bool, seen: int = 512) -> Writes:
 
 
 def step_kernels(model, prefix, rows: int, few: bool, seen: int = 512) -> int:
-    """The CUDA kernels (and device copies and fills) one decode step (_one_step) launches, as torch's profiler sees them."""
+    """The CUDA kernels (and device copies and fills) one decode step (_one_step) launches, as torch's profiler sees
+    them."""
     from torch.profiler import ProfilerActivity, profile
 
     step = _one_step(model, prefix, rows, few, seen)
@@ -89,11 +96,21 @@ def main() -> None:
     from cag.runtime.slots import PrefixKV
 
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
-                      num_key_value_heads=3, max_position_embeddings=8192, tie_word_embeddings=True)
+    cfg = LlamaConfig(
+        vocab_size=49152,
+        hidden_size=576,
+        intermediate_size=1536,
+        num_hidden_layers=30,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        max_position_embeddings=8192,
+        tie_word_embeddings=True,
+    )
     model = LlamaForCausalLM(cfg).eval().to(torch.bfloat16)
     stacked_products.stack(model)
-    prefix = PrefixKV.of([(torch.randn(1, 3, 700, 64), torch.randn(1, 3, 700, 64)) for _ in range(30)], torch.bfloat16, "cpu")
+    prefix = PrefixKV.of(
+        [(torch.randn(1, 3, 700, 64), torch.randn(1, 3, 700, 64)) for _ in range(30)], torch.bfloat16, "cpu"
+    )
     print("| rows | op-for-op | few kernels |\n|---|---|---|")
     for rows in (1, 16):
         print(f"| {rows} | {step_writes(model, prefix, rows, False).n} | {step_writes(model, prefix, rows, True).n} |")

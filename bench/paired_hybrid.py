@@ -35,7 +35,10 @@ def main(folder: str) -> None:
             d_f1 = bootstrap([h[q].f1_first - g[q].f1_first for q in both])
             d_aio = bootstrap([float(h[q].answer_in_output) - float(g[q].answer_in_output) for q in both])
             ratio = bootstrap([h[q].ttft_ms / g[q].ttft_ms for q in both], "median")
-            print(f"| k={hk} | {ref[0]} k={ref[1]} | {len(both)} | {fmt(d_f1)} | {fmt(d_aio)} | {fmt(ratio, ratio=True)} |")
+            print(
+                f"| k={hk} | {ref[0]} k={ref[1]} | {len(both)} | {fmt(d_f1)} | {fmt(d_aio)} | {fmt(ratio, ratio=True)} "
+                "|"
+            )
 
 
 if __name__ == "__main__":

@@ -169,7 +169,9 @@ def _beside(engine, messages: list[dict], max_tokens: int, others: list[str]) ->
         go.wait()
         out[key] = _ask(engine, msgs, "cag", n)
 
-    threads = [threading.Thread(target=one, args=(f"o{i}", [{"role": "user", "content": q}], 12)) for i, q in enumerate(others)]
+    threads = [
+        threading.Thread(target=one, args=(f"o{i}", [{"role": "user", "content": q}], 12)) for i, q in enumerate(others)
+    ]
     threads.append(threading.Thread(target=one, args=("me", messages, max_tokens)))
     for t in threads:
         t.start()
@@ -179,7 +181,8 @@ def _beside(engine, messages: list[dict], max_tokens: int, others: list[str]) ->
 
 
 def run(s: Scenario, engine, folder: Path) -> Outcome:
-    """Check scenario `s` on `engine` (a fresh CAG_HOME, its kv_dtype the scenario's), the corpus written in `folder`."""
+    """Check scenario `s` on `engine` (a fresh CAG_HOME, its kv_dtype the scenario's), the corpus written in
+    `folder`."""
     import time
 
     t0 = time.perf_counter()
@@ -195,7 +198,9 @@ def run(s: Scenario, engine, folder: Path) -> Outcome:
         out.checks += 1
         differ = sorted(k for k in rebuilt if k not in refreshed or not torch.equal(refreshed[k], rebuilt[k]))
         if differ or refreshed.keys() != rebuilt.keys():
-            out.mismatches.append(Mismatch(s.seed, "refresh==rebuild", f"{len(differ)} tensors differ, first {differ[:2]}"))
+            out.mismatches.append(
+                Mismatch(s.seed, "refresh==rebuild", f"{len(differ)} tensors differ, first {differ[:2]}")
+            )
     r = random.Random(s.seed + 1)
     history: list[dict] = []
     for t, (question, n) in enumerate(zip(s.turns, s.answer_tokens)):

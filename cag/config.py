@@ -51,7 +51,8 @@ class Settings(BaseSettings):
     max_corpus_bytes: int = Field(128 * 1024**2, ge=1)  # all the documents of a corpus together
     question_room: int = Field(256, ge=1)  # tokens reserved after the knowledge for the question suffix
     answer_room: int = Field(256, ge=1)  # tokens reserved for the answer; also the max_tokens ceiling
-    # cag+rag (cag.answering.retrieval): the size of a quoted passage, in tokens of the model's tokenizer; 0 = RAG's (384)
+    # cag+rag (cag.answering.retrieval): the size of a quoted passage, in tokens of the model's tokenizer;
+    # 0 = RAG's (384)
     quote_tokens: int = Field(0, ge=0, le=8192)
     max_tokens: int = Field(128, ge=1)  # default answer length
     threads: int = Field(0, ge=0)  # torch intra-op threads; 0 = torch's default
@@ -59,16 +60,20 @@ class Settings(BaseSettings):
     # rows of every decode step (cag.runtime.decoder): padding rows fill a step, so a request's rows meet
     # one shape and one kernel alone or batched; 0 = auto: max_batch on CUDA, as many as decode on the CPU
     decode_rows: int = Field(0, ge=0, le=1024)
-    cuda_graphs: bool = True  # CUDA: each decode step a replayed graph (cag.runtime.cuda_graphs); false: launched op by op
+    # CUDA: each decode step a replayed graph (cag.runtime.cuda_graphs); false: launched op by op
+    cuda_graphs: bool = True
     resident_bytes: int = Field(2 * 1024**3, ge=0)  # LRU budget for snapshots kept in memory (server)
-    # conversations' K/V kept between turns (cag.runtime.kept_conversations): LRU, counted in resident_bytes too; 0 keeps none
+    # conversations' K/V kept between turns (cag.runtime.kept_conversations): LRU, counted in resident_bytes
+    # too; 0 keeps none
     conversation_bytes: int = Field(512 * 1024**2, ge=0)
     ttl_s: float = Field(0.0, ge=0, allow_inf_nan=False)  # snapshot time-to-live; 0 = never expires
     # where snapshots live: unset = CAG_HOME/snapshots only; s3://bucket/prefix = a shared S3-compatible store
     store: str | None = None
     store_cache_bytes: int = Field(20 * 1024**3, ge=0)  # local read cache of store blobs (LRU by access)
-    store_ref_ttl_s: float = Field(10.0, ge=0, allow_inf_nan=False)  # a known corpus's ref is looked up again after this
-    store_gc_grace_s: float = Field(3600.0, ge=0, allow_inf_nan=False)  # gc spares unnamed store blobs younger than this
+    # a known corpus's ref is looked up again after this
+    store_ref_ttl_s: float = Field(10.0, ge=0, allow_inf_nan=False)
+    # gc spares unnamed store blobs younger than this
+    store_gc_grace_s: float = Field(3600.0, ge=0, allow_inf_nan=False)
     models_dir_override: Path | None = Field(default=None, alias="CAG_MODELS_DIR")  # shared model store
 
     @field_validator("home", mode="before")

@@ -106,8 +106,10 @@ class Answer:
     shards: list[dict] = field(default_factory=list)  # sharded corpora: the shard(s) that answered, with scores
     token_ids: list[int] = field(default_factory=list, repr=False)
     passages: list[dict] = field(default_factory=list, repr=False)  # rag mode: what was retrieved
-    conversation_tokens: int = 0  # prompt tokens of earlier turns reused from the kept conversation (cag.runtime.kept_conversations)
-    decode: dict = field(default_factory=dict)  # what decoded it: weights, kernels, fast step or forward (cag.runtime.describe)
+    # prompt tokens of earlier turns reused from the kept conversation (cag.runtime.kept_conversations)
+    conversation_tokens: int = 0
+    # what decoded it: weights, kernels, fast step or forward (cag.runtime.describe)
+    decode: dict = field(default_factory=dict)
     stopped: bool = False  # the answer ends before a stop sequence (DecodeConfig.stop): its finish reason is `stop`
 
     def to_dict(self) -> dict:

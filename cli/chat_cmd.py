@@ -98,7 +98,9 @@ def read_messages(path: str) -> list[dict]:
 @handle_errors
 def chat(
     corpus: Annotated[str, typer.Argument(help="Corpus name (see `cag list`).")],
-    system: Annotated[str | None, typer.Option(help="A system message for the conversation (it follows the knowledge).")] = None,
+    system: Annotated[
+        str | None, typer.Option(help="A system message for the conversation (it follows the knowledge).")
+    ] = None,
     mode: ModeOpt = "cag",
     max_tokens: MaxTokensOpt = None,
     model: ModelOpt = None,
@@ -165,8 +167,10 @@ def chat(
             typer.echo(f"(answering in {mode})", err=True)
             continue
         if text.startswith("/") and " " not in text:
-            typer.echo(f"error: unknown command {shown(text)}; the commands: {', '.join(c.split()[0] for c in COMMANDS)}",
-                       err=True)
+            typer.echo(
+                f"error: unknown command {shown(text)}; the commands: {', '.join(c.split()[0] for c in COMMANDS)}",
+                err=True,
+            )
             continue
         messages.append({"role": "user", "content": text})
         stop["now"] = False
@@ -189,5 +193,8 @@ def chat(
         elif a.completion_tokens >= limit:
             typer.echo(f"(cut at {limit} tokens: --max-tokens raises it, up to CAG_ANSWER_ROOM)", err=True)
         messages.append({"role": "assistant", "content": a.answer or "..."})
-        typer.echo(f"[{a.mode}] prompt {a.prompt_tokens} tok ({a.cached_tokens} cached: {a.conversation_tokens} of them from "
-                   f"this conversation), answer {a.completion_tokens} tok; ttft {a.ttft_ms:.0f} ms", err=True)
+        typer.echo(
+            f"[{a.mode}] prompt {a.prompt_tokens} tok ({a.cached_tokens} cached: {a.conversation_tokens} of them from "
+            f"this conversation), answer {a.completion_tokens} tok; ttft {a.ttft_ms:.0f} ms",
+            err=True,
+        )

@@ -23,10 +23,22 @@ if TYPE_CHECKING:  # imported where used: `cag --help` imports none of them
     from cag.store.sync import LocalOnly, Shared
 
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON object (for scripts).")]
-StoreOpt = Annotated[str | None, typer.Option("--store", help="Shared snapshot store, s3://bucket/prefix (default: CAG_HOME only). Env: CAG_STORE.")]
-ModeOpt = Annotated[str, typer.Option(help="cag: from the snapshot; cag+rag: the snapshot, with the BM25 top-k passages quoted before the question; full: whole knowledge in the prompt, no cache; rag: BM25 top-k passages.")]
+StoreOpt = Annotated[
+    str | None,
+    typer.Option("--store", help="Shared snapshot store, s3://bucket/prefix (default: CAG_HOME only). Env: CAG_STORE."),
+]
+ModeOpt = Annotated[
+    str,
+    typer.Option(
+        help="cag: from the snapshot; cag+rag: the snapshot, with the BM25 top-k passages quoted before the question; "
+        "full: whole knowledge in the prompt, no cache; rag: BM25 top-k passages."
+    ),
+]
 MaxTokensOpt = Annotated[int | None, typer.Option(help="Answer length limit in tokens (clamped to CAG_ANSWER_ROOM).")]
-ModelOpt = Annotated[str | None, typer.Option("--model", help="Model: the embedded default, a Hugging Face folder or hub id. Env: CAG_MODEL.")]
+ModelOpt = Annotated[
+    str | None,
+    typer.Option("--model", help="Model: the embedded default, a Hugging Face folder or hub id. Env: CAG_MODEL."),
+]
 
 
 def _engine(model: str | None = None, **overrides):
@@ -87,7 +99,8 @@ def handle_errors(fn):
         try:
             return fn(*args, **kwargs)
         except CagError as e:
-            typer.echo("error: " + shown(" ".join(str(e).splitlines())), err=True)  # one line, whatever the message holds
+            # one line, whatever the message holds
+            typer.echo("error: " + shown(" ".join(str(e).splitlines())), err=True)
             raise typer.Exit(e.exit_code) from None
         except KeyboardInterrupt:
             typer.echo("interrupted", err=True)

@@ -4,7 +4,17 @@ from __future__ import annotations
 
 import typer
 
-from cag.cli.common import JsonOpt, ModelOpt, _catalog, _emit, _engine, _human_bytes, announce_load, handle_errors, shown
+from cag.cli.common import (
+    JsonOpt,
+    ModelOpt,
+    _catalog,
+    _emit,
+    _engine,
+    _human_bytes,
+    announce_load,
+    handle_errors,
+    shown,
+)
 
 NATIVE = {"layers": "all layers in one native call", "glue": "native attention, products and glue",
           "attention": "native attention", "none": "torch's kernels"}
@@ -15,7 +25,7 @@ def info(model: ModelOpt = None, json_: JsonOpt = False):
     """Print the model's shape and how it decodes: weights format, kernels, fast step or forward (and why), snapshot bytes per token.
 
     What the last load of this model with these settings recorded (no load) where there is one;
-    else the model loads once."""
+    else the model loads once."""  # noqa: E501 (help text: its line breaks show)
     from cag.model import facts as model_facts
 
     s, index, _ = _catalog(model)
@@ -31,7 +41,8 @@ def info(model: ModelOpt = None, json_: JsonOpt = False):
     lines = [
         f"model:    {d['model']}",
         f"family:   {d['model_type']} ({d['class']}), {d['parameters'] / 1e6:.1f}M parameters",
-        f"shape:    {d['layers']} layers, {d['heads']} heads ({d['kv_heads']} K/V), heads of {d['head_dim']}, context {d['context']}",
+        f"shape:    {d['layers']} layers, {d['heads']} heads ({d['kv_heads']} K/V), heads of {d['head_dim']}, context "
+        f"{d['context']}",
         f"compute:  {d['dtype']} on {d['device']}, weights {d['weights']}",
         f"kernels:  {d['kernels']}" + (f" ({d['kernels_reason']})" if d["kernels_reason"] else ""),
         f"decode:   {step}",

@@ -41,12 +41,26 @@ app = typer.Typer(
 @app.command()
 @handle_errors
 def ingest(
-    path: Annotated[str, typer.Argument(help="Folder (recursive) or file: .txt .md .html .pdf; or the name of a known corpus to refresh.")],
+    path: Annotated[
+        str,
+        typer.Argument(
+            help="Folder (recursive) or file: .txt .md .html .pdf; or the name of a known corpus to refresh."
+        ),
+    ],
     name: Annotated[str | None, typer.Option(help="Corpus name (default: the folder or file name).")] = None,
     model: ModelOpt = None,
-    force: Annotated[bool, typer.Option("--force", help="Rebuild from scratch even when a snapshot could be reused.")] = False,
+    force: Annotated[
+        bool, typer.Option("--force", help="Rebuild from scratch even when a snapshot could be reused.")
+    ] = False,
     ttl: Annotated[float | None, typer.Option(help="Seconds after which the snapshot counts as stale.")] = None,
-    shard_tokens: Annotated[int | None, typer.Option("--shard-tokens", help="Cap a shard's prompt at N tokens (default: what fits the context; 0 resets to that). Kept for refreshes.")] = None,
+    shard_tokens: Annotated[
+        int | None,
+        typer.Option(
+            "--shard-tokens",
+            help="Cap a shard's prompt at N tokens (default: what fits the context; 0 resets to that). Kept for "
+            "refreshes.",
+        ),
+    ] = None,
     store: StoreOpt = None,
     json_: JsonOpt = False,
 ):
@@ -58,7 +72,9 @@ def ingest(
 
         check_corpus_name(resolve_source(index, path, name)[0])
     engine = announce_load(_engine(model, store=store), quiet=json_)
-    r = engine.ingest(path, name=name, force=force, ttl_s=ttl, reporter=_TqdmReporter(quiet=json_), shard_tokens=shard_tokens)
+    r = engine.ingest(
+        path, name=name, force=force, ttl_s=ttl, reporter=_TqdmReporter(quiet=json_), shard_tokens=shard_tokens
+    )
     if json_:
         _emit(r.to_dict())
         return
@@ -67,12 +83,17 @@ def ingest(
     for w in r.warnings:
         typer.echo(f"warning: {shown(w)}", err=True)
     if r.status == "fresh":
-        typer.echo(f"{shown(r.corpus)}: up to date (snapshot {r.snapshot[:12]}, {r.n_tokens} tokens, {r.n_documents} documents)")
+        typer.echo(
+            f"{shown(r.corpus)}: up to date (snapshot {r.snapshot[:12]}, {r.n_tokens} tokens, {r.n_documents} "
+            "documents)"
+        )
     else:
         tps = r.prefilled_tokens / (r.prefill_ms / 1e3) if r.prefill_ms else 0
-        typer.echo(f"{shown(r.corpus)}: {r.status} snapshot {r.snapshot[:12]}: {r.n_documents} documents, {r.n_tokens} tokens "
-                   f"({r.reused_tokens} reused, {r.prefilled_tokens} prefilled in {r.prefill_ms / 1e3:.1f} s, {tps:.0f} tok/s), "
-                   f"{_human_bytes(r.bytes)}")
+        typer.echo(
+            f"{shown(r.corpus)}: {r.status} snapshot {r.snapshot[:12]}: {r.n_documents} documents, {r.n_tokens} tokens "
+            f"({r.reused_tokens} reused, {r.prefilled_tokens} prefilled in {r.prefill_ms / 1e3:.1f} s, {tps:.0f} "
+            f"tok/s), {_human_bytes(r.bytes)}"
+        )
     if r.n_shards > 1:
         for sh in r.shards:
             typer.echo(f"  shard {sh['shard']}: {sh['status']} {sh['snapshot'][:12]}, {sh['n_documents']} documents, "
@@ -86,21 +107,47 @@ def ask(
     question: Annotated[str | None, typer.Argument(help="The question (or --questions-file).")] = None,
     mode: ModeOpt = "cag",
     max_tokens: MaxTokensOpt = None,
-    min_tokens: Annotated[int, typer.Option(help="No stop token before this many answer tokens (fixed-length answers, e.g. for timing).")] = 0,
-    k: Annotated[int | None, typer.Option(help="rag and cag+rag modes: passages to retrieve (default 3 for rag, 1 for cag+rag).")] = None,
+    min_tokens: Annotated[
+        int, typer.Option(help="No stop token before this many answer tokens (fixed-length answers, e.g. for timing).")
+    ] = 0,
+    k: Annotated[
+        int | None, typer.Option(help="rag and cag+rag modes: passages to retrieve (default 3 for rag, 1 for cag+rag).")
+    ] = None,
     retriever: Annotated[str, typer.Option(help="rag and cag+rag modes: bm25 or dense.")] = "bm25",
     on_stale: Annotated[str, typer.Option(help="serve (warn), refuse (exit 3) or refresh first.")] = "serve",
     stream: Annotated[bool, typer.Option("--stream", help="Print tokens as they are generated.")] = False,
-    shards: Annotated[int, typer.Option("--shards", help="Sharded corpora: answer from the S best shards (BM25 routing), keep the most confident answer.")] = 1,
-    questions_file: Annotated[str | None, typer.Option("--questions-file", help="Answer every question of FILE (one per line, or JSON lines with a \"question\" field; - for stdin), decoded together in batches: JSON lines out, in input order.")] = None,
-    messages_file: Annotated[str | None, typer.Option("--messages", help="Answer a conversation: FILE holds a JSON list of chat messages (system, user, assistant; the last one the user's question; - for stdin).")] = None,
+    shards: Annotated[
+        int,
+        typer.Option(
+            "--shards",
+            help="Sharded corpora: answer from the S best shards (BM25 routing), keep the most confident answer.",
+        ),
+    ] = 1,
+    questions_file: Annotated[
+        str | None,
+        typer.Option(
+            "--questions-file",
+            help='Answer every question of FILE (one per line, or JSON lines with a "question" field; - for stdin), '
+            "decoded together in batches: JSON lines out, in input order.",
+        ),
+    ] = None,
+    messages_file: Annotated[
+        str | None,
+        typer.Option(
+            "--messages",
+            help="Answer a conversation: FILE holds a JSON list of chat messages (system, user, assistant; the last "
+            "one the user's question; - for stdin).",
+        ),
+    ] = None,
     model: ModelOpt = None,
     store: StoreOpt = None,
     json_: JsonOpt = False,
 ):
     """Answer a question from a corpus (or many, with --questions-file; or a conversation's last, with --messages)."""
     if (question is not None) + (questions_file is not None) + (messages_file is not None) != 1:
-        raise typer.BadParameter("give one of QUESTION, --questions-file FILE or --messages FILE", param_hint="QUESTION")
+        raise typer.BadParameter(
+            "give one of QUESTION, --questions-file FILE or --messages FILE", param_hint="QUESTION"
+        )
     require_mode(mode)
     require_corpus(*_catalog(model, store=store)[1:], corpus)  # before torch is imported
     from cag.runtime.generate import DecodeConfig  # torch: imported when a command needs it, not at start
@@ -111,9 +158,22 @@ def ask(
     if questions_file is not None:
         from cag.cli.batch_cmd import ask_file
 
-        raise typer.Exit(ask_file(engine, corpus, questions_file, dict(mode=mode, max_tokens=max_tokens, on_stale=on_stale,
-                                                                       k=k, retriever=retriever, shards=shards,
-                                                                       decoding=decoding)))
+        raise typer.Exit(
+            ask_file(
+                engine,
+                corpus,
+                questions_file,
+                dict(
+                    mode=mode,
+                    max_tokens=max_tokens,
+                    on_stale=on_stale,
+                    k=k,
+                    retriever=retriever,
+                    shards=shards,
+                    decoding=decoding,
+                ),
+            )
+        )
     on_text = None
     if stream and not json_:
         def on_text(piece: str) -> None:
@@ -124,7 +184,9 @@ def ask(
     if mode == "cag" and shards != 1:
         n = len(engine.index.shards(corpus))
         if n and not 1 <= shards <= n:
-            typer.echo(f"warning: --shards {shards} clamped to {max(1, min(shards, n))} ({corpus!r} has {n} shards)", err=True)
+            typer.echo(
+                f"warning: --shards {shards} clamped to {max(1, min(shards, n))} ({corpus!r} has {n} shards)", err=True
+            )
 
     messages = None
     if messages_file is not None:

@@ -15,7 +15,8 @@ from .common import JsonOpt, StoreOpt, _emit, _human_bytes, handle_errors, shown
 
 
 def _index_and_settings(store: str | None = None):
-    from cag.store.index import Index  # sqlite-utils (and torch, via cag.knowledge.upkeep) load per command, not at start-up
+    # sqlite-utils (and torch, via cag.knowledge.upkeep) load per command, not at start-up
+    from cag.store.index import Index
 
     s = get_settings(store=store)
     return s, Index(s.index_path)
@@ -23,8 +24,15 @@ def _index_and_settings(store: str | None = None):
 
 @handle_errors
 def invalidate(
-    corpus: Annotated[str | None, typer.Argument(help="Corpus to mark invalid (all corpora with --doc when omitted).")] = None,
-    doc: Annotated[str | None, typer.Option("--doc", help="Only corpora whose snapshot contains this document (path relative to the corpus root).")] = None,
+    corpus: Annotated[
+        str | None, typer.Argument(help="Corpus to mark invalid (all corpora with --doc when omitted).")
+    ] = None,
+    doc: Annotated[
+        str | None,
+        typer.Option(
+            "--doc", help="Only corpora whose snapshot contains this document (path relative to the corpus root)."
+        ),
+    ] = None,
     json_: JsonOpt = False,
 ):
     """Mark a corpus (or the snapshots containing a document) invalid; `ask --on-stale` decides what happens next."""
@@ -42,9 +50,14 @@ def invalidate(
 
 @handle_errors
 def gc(
-    max_bytes: Annotated[int | None, typer.Option("--max-bytes", help="Keep snapshots within this many bytes, deleting least recently used first.")] = None,
+    max_bytes: Annotated[
+        int | None,
+        typer.Option("--max-bytes", help="Keep snapshots within this many bytes, deleting least recently used first."),
+    ] = None,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Only print what would be deleted.")] = False,
-    include_current: Annotated[bool, typer.Option("--include-current", help="Allow deleting a corpus's current snapshot to meet --max-bytes.")] = False,
+    include_current: Annotated[
+        bool, typer.Option("--include-current", help="Allow deleting a corpus's current snapshot to meet --max-bytes.")
+    ] = False,
     store: StoreOpt = None,
     json_: JsonOpt = False,
 ):
@@ -63,7 +76,9 @@ def gc(
         typer.echo(shown(f"{verb} {_label(d)} ({d['corpus'] or '-'}, {_human_bytes(d['bytes'])}): {d['why']}"))
     for d in r.kept:
         typer.echo(shown(f"kept {_label(d)} ({d['corpus'] or '-'}, {_human_bytes(d['bytes'])}): {d['why']}"))
-    typer.echo(f"{'would free' if dry_run else 'freed'} {_human_bytes(r.freed_bytes)}; kept {_human_bytes(r.kept_bytes)}")
+    typer.echo(
+        f"{'would free' if dry_run else 'freed'} {_human_bytes(r.freed_bytes)}; kept {_human_bytes(r.kept_bytes)}"
+    )
 
 
 def _label(d: dict) -> str:

@@ -13,7 +13,7 @@ def mcp(model: ModelOpt = None, store: StoreOpt = None):
 
     In a desktop assistant's configuration: {"mcpServers": {"cag": {"command": "cag", "args": ["mcp"]}}}, with CAG_HOME and other CAG_* settings in "env" where they differ from the defaults. Ingest corpora first (`cag ingest`).
 
-    Only the protocol goes to stdout. The model loads in the background; the first question waits for it. Over HTTP, `cag serve` answers the same tools at /mcp (streamable HTTP, behind CAG_API_KEYS when set)."""
+    Only the protocol goes to stdout. The model loads in the background; the first question waits for it. Over HTTP, `cag serve` answers the same tools at /mcp (streamable HTTP, behind CAG_API_KEYS when set)."""  # noqa: E501 (help text: its line breaks show)
     from cag.api.mcp_server import serve_stdio
     from cag.api.settings import load_api_settings
     from cag.config import get_settings

@@ -49,9 +49,12 @@ def serve_on_ray(host: str, port: int, api: ApiSettings, cag: Settings, rs: Repl
             typer.echo(f"warning: the cluster has {cpus:g} CPUs; {rs.replicas} replicas x {rs.cpus_per_replica:g} "
                        "will not all start (lower --cpus-per-replica or add nodes)", err=True)
         serve.start(http_options={"host": host, "port": port}, logging_config={"log_level": log_level.upper()})
-        typer.echo(f"cag: deploying {rs.replicas} engine replica(s) on Ray Serve{' at ' + rs.ray_address if rs.ray_address else ''}"
-                   f"; serving on http://{host}:{port} (GET /health turns 200 when the ingress and a replica are ready)",
-                   err=True)
+        typer.echo(
+            f"cag: deploying {rs.replicas} engine replica(s) on Ray "
+            f"Serve{' at ' + rs.ray_address if rs.ray_address else ''}; serving on http://{host}:{port} (GET /health "
+            "turns 200 when the ingress and a replica are ready)",
+            err=True,
+        )
         serve.run(application(api, cag, rs), name=APP, route_prefix="/", blocking=False)
         while True:
             time.sleep(1)

@@ -168,7 +168,9 @@ def prepare_set(engine, cfg: CompareConfig, ks: KnowledgeSet, size: int, corpora
         log(f"{ks.name} {mode}: {r.n_shards} shard{'s' if r.n_shards != 1 else ''}")
     for mode in modes:
         if mode.startswith("rag-") or mode == "cag+rag":
-            kind, tokens = (mode.split("-", 1)[1], None) if mode.startswith("rag-") else ("bm25", engine.settings.quote_tokens)
+            kind, tokens = (
+                (mode.split("-", 1)[1], None) if mode.startswith("rag-") else ("bm25", engine.settings.quote_tokens)
+            )
             idx, _ = index_for(engine.lm, docs, kind, *([tokens] if tokens else []))
             info.rag_index[mode] = {"build_ms": round(idx.build_ms, 1), "n_passages": len(idx.passages),
                                     "passage_tokens": idx.passage_tokens}

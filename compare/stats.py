@@ -91,11 +91,16 @@ def stats(rows: list[Row]) -> dict:
     if routed:  # sharded cag: is the gold in the shard that answered / in the 2 best shards
         hit = [r for r in routed if r.routing_recall == 1]
         miss = [r for r in routed if r.routing_recall is not None and r.routing_recall < 1]
-        out.update(route1=bootstrap(_vals(routed, "routing_recall")), route2=bootstrap(_vals(routed, "routing_recall2")),
-                   route_hit_rate=len(hit) / len(routed), route_f1_hit=bootstrap(_vals(hit, "f1")),
-                   route_f1_miss=bootstrap(_vals(miss, "f1")), route_n_miss=len(miss),
-                   routing=bootstrap(_vals(routed, "routing_ms"), "median"),
-                   n_shards=bootstrap(_vals(routed, "n_shards"), "median"))
+        out.update(
+            route1=bootstrap(_vals(routed, "routing_recall")),
+            route2=bootstrap(_vals(routed, "routing_recall2")),
+            route_hit_rate=len(hit) / len(routed),
+            route_f1_hit=bootstrap(_vals(hit, "f1")),
+            route_f1_miss=bootstrap(_vals(miss, "f1")),
+            route_n_miss=len(miss),
+            routing=bootstrap(_vals(routed, "routing_ms"), "median"),
+            n_shards=bootstrap(_vals(routed, "n_shards"), "median"),
+        )
     return out
 
 

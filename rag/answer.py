@@ -36,5 +36,7 @@ def ask_many(engine, corpus: str, questions: list[str], workers: int | None = No
             return question, e
 
     engine.lm  # noqa: B018 - load the model once, before the threads ask for it
-    with ThreadPoolExecutor(max_workers=max(1, workers or engine.settings.max_batch), thread_name_prefix="cag-ask") as pool:
+    with ThreadPoolExecutor(
+        max_workers=max(1, workers or engine.settings.max_batch), thread_name_prefix="cag-ask"
+    ) as pool:
         yield from pool.map(one, questions)

@@ -57,7 +57,9 @@ def retrieve(docs: Sequence[Document], query: str, k: int, kind: str, passage_to
     return idx.retriever.search(query, k)
 
 
-def get_index(engine, docs, kind: str = "bm25", passage_tokens: int = DEFAULT_PASSAGE_TOKENS) -> tuple[PassageIndex, bool]:
+def get_index(
+    engine, docs, kind: str = "bm25", passage_tokens: int = DEFAULT_PASSAGE_TOKENS
+) -> tuple[PassageIndex, bool]:
     """The retriever for these documents (engine `Document`s) and `engine`'s model (index_for)."""
     return index_for(engine.lm, docs, kind, passage_tokens)
 

@@ -167,7 +167,11 @@ class Index:
         """Rows as dicts by one query: the lookups every question makes (a sharded corpus's freshness
         reads each shard's rows) skip the table checks `rows_where` runs first (4 statements per
         lookup). `table`, `where` and `order_by` are this module's own constants."""
-        return list(self.db.query(f"select * from [{table}] where {where}" + (f" order by {order_by}" if order_by else ""), params))
+        return list(
+            self.db.query(
+                f"select * from [{table}] where {where}" + (f" order by {order_by}" if order_by else ""), params
+            )
+        )
 
     def corpus(self, name: str) -> dict | None:
         rows = self._rows("corpora", "name = ?", [name])
@@ -198,8 +202,10 @@ class Index:
     def users(self) -> dict[str, list[str]]:
         """Every snapshot some corpus uses (any shard) -> those corpora."""
         out: dict[str, list[str]] = {}
-        for digest, corpus in self.db.execute("SELECT current_snapshot, name FROM corpora WHERE current_snapshot IS NOT NULL "
-                                              "UNION SELECT snapshot, corpus FROM shards ORDER BY 2").fetchall():
+        for digest, corpus in self.db.execute(
+            "SELECT current_snapshot, name FROM corpora WHERE current_snapshot IS NOT NULL UNION SELECT snapshot, "
+            "corpus FROM shards ORDER BY 2"
+        ).fetchall():
             out.setdefault(digest, []).append(corpus)
         return out
 
@@ -218,7 +224,9 @@ class Index:
         """Record a ready snapshot and make it the corpus's current one, all in one transaction."""
         self.publish_shards(corpus, documents, [(snapshot, spans)])
 
-    def publish_shards(self, corpus: dict, documents: list[dict], shards: Sequence[tuple[dict, Iterable[dict]]]) -> None:
+    def publish_shards(
+        self, corpus: dict, documents: list[dict], shards: Sequence[tuple[dict, Iterable[dict]]]
+    ) -> None:
         """Record each shard's ready snapshot (with its document spans) and make them the corpus's
         current shards, all in one transaction: readers see the old set or the new one."""
         now = time.time()
@@ -252,7 +260,9 @@ class Index:
             with self.atomic("the query log could not be written"):
                 if self._query_columns is None:  # an answer carries more fields than the log keeps
                     self._query_columns = set(self.db["queries"].columns_dict)
-                self.db.table("queries").insert({k: v for k, v in dict(row, created=time.time()).items() if k in self._query_columns})
+                self.db.table("queries").insert(
+                    {k: v for k, v in dict(row, created=time.time()).items() if k in self._query_columns}
+                )
                 if row.get("snapshot") and row.get("mode") == "cag":
                     self.db.table("snapshots").update(row["snapshot"], {"last_used": time.time()})
         except (IndexUnusable, StorageFull) as e:

@@ -2,13 +2,12 @@
 scale per block, as llama.cpp's q8_0 does (blocks of 32; one block per head when head_dim is not
 a multiple of 32). 1 byte per element + 2 bytes per 32: 53% of fp16.
 
-Why per token (blocks inside one position's head vector) and not KIVI's per-channel keys: KIVI
-scales keys per channel because channel outliers dominate at 2 bits; at 8 bits a block of 32 with
-its own scale holds keys within ~0.4% of their block maximum. And a per-token scale keeps what is
-stored for position i a function of position i alone, as the KV itself is: an incremental refresh
-that keeps an old snapshot's first documents stores exactly what a rebuild would (re-quantizing a
-dequantized block gives back its bytes when dequantized in fp32, see tests/test_kv_int8.py), while a per-channel scale over
-the whole sequence would change every stored key whenever a document is added.
+Why per token (blocks inside one position's head vector) and not KIVI's per-channel keys: KIVI scales keys per channel
+because channel outliers dominate at 2 bits; at 8 bits a block of 32 with its own scale holds keys within ~0.4% of their
+block maximum. And a per-token scale keeps what is stored for position i a function of position i alone, as the KV
+itself is: an incremental refresh that keeps an old snapshot's first documents stores exactly what a rebuild would
+(re-quantizing a dequantized block gives back its bytes when dequantized in fp32, see tests/test_kv_int8.py), while a
+per-channel scale over the whole sequence would change every stored key whenever a document is added.
 
 Storage: `layers.{i}.keys` / `.values` int8 (1, H_kv, T, D) and `layers.{i}.keys.scale` /
 `.values.scale` fp16 (1, H_kv, T, D / block), in the same safetensors file (the checksum covers

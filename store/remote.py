@@ -14,14 +14,13 @@ a partial blob. Refs are written with conditional PUTs (`If-None-Match: *` for a
 refused (StoreConflict) instead of silently overwriting; a store that ignores those headers is
 caught by reading the ref back after the write.
 
-Healing: a blob carries the blake3 of its bytes as object metadata (`x-amz-meta-blake3`), and an
-upload is skipped only when the stored object has that size and that digest, so a blob damaged or
-replaced in the store (which drops or contradicts the digest) is sent again by the next ingest (a
-blob stored before the digest existed is sent once more). The digest is only a claim (an overwrite
-can copy it, bit rot keeps it): a machine whose fetch fails verification leaves a note
-(`snapshots/<digest>.safetensors.failed`), and the next put of that blob uploads it whatever it claims. A blob a ref names that is missing, or a
-ref that is not a ref, is StoreCorrupt (exit 1, 503), never StoreUnreachable: an ingest does not
-adopt such a ref, rebuilds, and overwrites it (its conditional write expects the bad ref's ETag).
+Healing: a blob carries the blake3 of its bytes as object metadata (`x-amz-meta-blake3`), and an upload is skipped only
+when the stored object has that size and that digest, so a blob damaged or replaced in the store (which drops or
+contradicts the digest) is sent again by the next ingest (a blob stored before the digest existed is sent once more).
+The digest is only a claim (an overwrite can copy it, bit rot keeps it): a machine whose fetch fails verification leaves
+a note (`snapshots/<digest>.safetensors.failed`), and the next put of that blob uploads it whatever it claims. A blob a
+ref names that is missing, or a ref that is not a ref, is StoreCorrupt (exit 1, 503), never StoreUnreachable: an ingest
+does not adopt such a ref, rebuilds, and overwrites it (its conditional write expects the bad ref's ETag).
 
 Why s3fs: it is the S3 filesystem of fsspec (kept by the Dask/fsspec maintainers), reads the usual
 AWS settings (AWS_ENDPOINT_URL, keys, region, profiles), and passes PutObject's IfMatch /
@@ -174,8 +173,13 @@ class RemoteStore:
         key, meta = self.blob_key(digest), {"blake3": content}
         reported = self._exists(self.failed_key(digest))
         if not reported and self.blob_head(digest) == (size, content):
-            self._call("copy_object", Key=key, CopySource={"Bucket": self.bucket, "Key": key}, MetadataDirective="REPLACE",
-                       Metadata=meta)
+            self._call(
+                "copy_object",
+                Key=key,
+                CopySource={"Bucket": self.bucket, "Key": key},
+                MetadataDirective="REPLACE",
+                Metadata=meta,
+            )
             return
         self._upload(path, key, size, meta)
         if reported:  # the report is answered: the stored bytes are the verified local file's now

@@ -236,8 +236,11 @@ def load(path: Path, expect_key: str | None = None, verify: bool = True, dequant
             want = shapes[i]
             assert want is not None  # None only without layers
             ks, vs = (tensors.get(f"layers.{i}.{name}.scale") for name in ("keys", "values"))
-            if ks is None or vs is None or any(t.dtype != torch.float16 or tuple(t.shape) != (*want[:3], want[3] // block)
-                                               for t in (ks, vs)):
+            if (
+                ks is None
+                or vs is None
+                or any(t.dtype != torch.float16 or tuple(t.shape) != (*want[:3], want[3] // block) for t in (ks, vs))
+            ):
                 raise SnapshotError(f"snapshot {path.name}: layer {i} int8 scales missing or misshapen")
             scales.append((ks, vs))
     if verify and not (trust and CHECKSUMS.holds(path, seen)):

@@ -167,7 +167,9 @@ class Shared:
         try:
             self.adopt(ref)
         except SnapshotError as e:  # a blob missing, or with a header unreadable or edited
-            raise StoreCorrupt(f"corpus {corpus!r} in the store: {e}; run `cag ingest {corpus}` to rebuild it") from None
+            raise StoreCorrupt(
+                f"corpus {corpus!r} in the store: {e}; run `cag ingest {corpus}` to rebuild it"
+            ) from None
         return True
 
     def _differs(self, corpus: str, ref: Ref) -> bool:
@@ -197,7 +199,8 @@ class Shared:
         b = ref.body
         corpus = {"name": b["corpus"], "source": b.get("source"), "model": b.get("model"), "ttl_s": b.get("ttl_s"),
                   "shard_tokens": b.get("shard_tokens")}
-        docs = [{"path": d["path"], "content_hash": d["content_hash"], "size": -1, "mtime": 0.0}  # size -1: hash on check
+        # size -1: hash on check
+        docs = [{"path": d["path"], "content_hash": d["content_hash"], "size": -1, "mtime": 0.0}
                 for d in b.get("documents", [])]
         if len(shards) > 1:  # routing reads every shard's token ids from its local file
             for row, _ in shards:
@@ -238,8 +241,13 @@ class Shared:
                 continue
             entry = {"digest": b["digest"], "corpus": None, "bytes": b["bytes"]}
             if now - b["modified"] < self.settings.store_gc_grace_s:
-                kept.append(dict(entry, why=f"in the store, named by no ref, younger than {self.settings.store_gc_grace_s:g} s "
-                                            "(an ingest may be about to name it)"))
+                kept.append(
+                    dict(
+                        entry,
+                        why=f"in the store, named by no ref, younger than {self.settings.store_gc_grace_s:g} s (an "
+                        "ingest may be about to name it)",
+                    )
+                )
                 continue
             if not dry_run:
                 self.remote.delete_blob(b["digest"])
@@ -249,8 +257,20 @@ class Shared:
 
 def _snapshot_row(digest: str, meta: dict, size: int, path: Path) -> dict:
     spans = meta["spans"]  # checked by spans_of
-    return {"key": meta["key"], "digest": digest, "corpus": meta.get("corpus"), "model": meta.get("model"),
-            "model_fingerprint": meta.get("model_fingerprint"), "tokenizer_fingerprint": meta.get("tokenizer_fingerprint"),
-            "n_tokens": meta.get("n_tokens"), "n_documents": len(spans), "bytes": size, "dtype": meta.get("dtype"),
-            "path": str(path), "created": meta.get("created"), "last_used": None, "prefill_ms": meta.get("prefill_ms"),
-            "reused_tokens": meta.get("reused_tokens", 0)}
+    return {
+        "key": meta["key"],
+        "digest": digest,
+        "corpus": meta.get("corpus"),
+        "model": meta.get("model"),
+        "model_fingerprint": meta.get("model_fingerprint"),
+        "tokenizer_fingerprint": meta.get("tokenizer_fingerprint"),
+        "n_tokens": meta.get("n_tokens"),
+        "n_documents": len(spans),
+        "bytes": size,
+        "dtype": meta.get("dtype"),
+        "path": str(path),
+        "created": meta.get("created"),
+        "last_used": None,
+        "prefill_ms": meta.get("prefill_ms"),
+        "reused_tokens": meta.get("reused_tokens", 0),
+    }

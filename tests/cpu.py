@@ -7,7 +7,9 @@ import pytest
 
 from cag.model.layouts import bf16_packs
 
-needs_bf16 = pytest.mark.skipif(not bf16_packs(), reason="CAG_WEIGHTS=bf16 needs oneDNN's bf16 products (AVX-512 or AVX-NE-CONVERT)")
+needs_bf16 = pytest.mark.skipif(
+    not bf16_packs(), reason="CAG_WEIGHTS=bf16 needs oneDNN's bf16 products (AVX-512 or AVX-NE-CONVERT)"
+)
 
 
 def formats(*params):

@@ -29,7 +29,8 @@ from tests.conftest import PREFILL_BLOCK, REPO
 
 KEY = "test-key-1"
 AUTH = {"Authorization": f"Bearer {KEY}"}
-LOCAL = "http://localhost"  # TestClient's own "testserver" is not a Host the server answers to (api/middleware.py SameSite)
+# TestClient's own "testserver" is not a Host the server answers to (api/middleware.py SameSite)
+LOCAL = "http://localhost"
 QUESTIONS = [
     "When does the ferry leave?",
     "Who keeps the lighthouse?",
@@ -62,7 +63,8 @@ def served_notes(root: Path, tiny_model_dir: Path, models_dir: Path, **env_vars:
         (corpus / name).write_text(text)
     env = {k: v for k, v in os.environ.items() if not k.startswith("CAG_")}
     env.update(CAG_HOME=str(root / "home"), CAG_MODELS_DIR=str(models_dir), CAG_MODEL=str(tiny_model_dir),
-               CAG_WEIGHTS="fp32", CAG_PREFILL_BLOCK=str(PREFILL_BLOCK))  # as every test pins them: `auto` measures the machine
+               # as every test pins them: `auto` measures the machine
+               CAG_WEIGHTS="fp32", CAG_PREFILL_BLOCK=str(PREFILL_BLOCK))
     env.update(env_vars)
     r = subprocess.run([*cag_command(), "ingest", str(corpus), "--json"], env=env, cwd=REPO, capture_output=True,
                        text=True, timeout=120)
@@ -101,7 +103,9 @@ class Server:
 def server(tiny_model_dir, tiny64_model_dir, models_dir, tmp_path_factory):
     # int4 on cag's kernels where they run: every row a decode row, so conversations are kept (and batched);
     # elsewhere fp32 on torch's, batched in fixed steps, each turn prefilling its conversation
-    model, weights = (tiny64_model_dir, "int4") if native.load() is not None or native.load_avx2() else (tiny_model_dir, "fp32")
+    model, weights = (
+        (tiny64_model_dir, "int4") if native.load() is not None or native.load_avx2() else (tiny_model_dir, "fp32")
+    )
     with served_notes(tmp_path_factory.mktemp("served"), model, models_dir, CAG_API_KEYS=f"{KEY},test-key-2",
                       CAG_WORKERS="4", CAG_MAX_QUEUE="32", CAG_ANSWER_ROOM="1024", CAG_WEIGHTS=weights,
                       CAG_DECODE_ROWS="16") as (srv, env, home, corpus):
@@ -160,14 +164,24 @@ def test_ask_equals_cag_ask_and_the_engine(server):
     for k in ("prompt_tokens", "completion_tokens"):
         assert got["usage"][k] == want[k]
     # the snapshot's share of the cached tokens (either may also have reused an earlier asking of q)
-    assert got["usage"]["cached_tokens"] - got["usage"]["conversation_tokens"] == want["cached_tokens"] - want["conversation_tokens"]
+    assert (
+        got["usage"]["cached_tokens"] - got["usage"]["conversation_tokens"]
+        == want["cached_tokens"] - want["conversation_tokens"]
+    )
     assert got["snapshot"] == want["snapshot"]
 
     from cag.config import Settings
     from cag.engine import Engine
 
-    engine = Engine(Settings(home=server.home, model=server.env["CAG_MODEL"], answer_room=1024, weights=server.env["CAG_WEIGHTS"],
-                             models_dir_override=server.env["CAG_MODELS_DIR"]))
+    engine = Engine(
+        Settings(
+            home=server.home,
+            model=server.env["CAG_MODEL"],
+            answer_room=1024,
+            weights=server.env["CAG_WEIGHTS"],
+            models_dir_override=server.env["CAG_MODELS_DIR"],
+        )
+    )
     direct = engine.answer(Query("notes", q, max_tokens=24))
     assert direct.token_ids == got["token_ids"] and direct.answer == got["answer"]
 
@@ -181,7 +195,9 @@ def test_cag_rag_over_http_and_the_chat_endpoint(server):
         r = c.post("/v1/chat/completions", json={"model": "notes", "mode": "cag+rag", "max_tokens": 8,
                                                  "messages": [{"role": "user", "content": QUESTIONS[0]}]})
         assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == got["answer"]
-        assert c.post("/v1/ask", json={"corpus": "notes", "question": "x", "mode": "cag+rag", "k": 0}).status_code == 400
+        assert (
+            c.post("/v1/ask", json={"corpus": "notes", "question": "x", "mode": "cag+rag", "k": 0}).status_code == 400
+        )
 
 
 def test_ask_stream_sends_tokens_then_the_answer(server):
@@ -198,7 +214,9 @@ def test_ask_stream_sends_tokens_then_the_answer(server):
     text = "".join(json.loads(d)["text"] for e, d in events if e == "token")
     assert text == final["answer"] == plain["answer"]
     snapshot = lambda u: u["cached_tokens"] - u["conversation_tokens"]  # noqa: E731 (the second asking reuses the first)
-    assert final["usage"]["prompt_tokens"] == plain["usage"]["prompt_tokens"] and snapshot(final["usage"]) == snapshot(plain["usage"])
+    assert final["usage"]["prompt_tokens"] == plain["usage"]["prompt_tokens"] and snapshot(final["usage"]) == snapshot(
+        plain["usage"]
+    )
     assert final["usage"]["completion_tokens"] == plain["usage"]["completion_tokens"]
     assert set(final["timings"]) >= {"load_ms", "ttft_ms", "total_ms"}
 
@@ -234,7 +252,8 @@ def test_chat_completions_with_the_openai_client(server):
     text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
     assert text == plain["answer"]
     assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] in ("stop", "length")
-    assert chunks[-1].usage.prompt_tokens_details.cached_tokens == chunks[-1].usage.prompt_tokens - 1  # all but its last token kept
+    # all but its last token kept
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens == chunks[-1].usage.prompt_tokens - 1
 
     with pytest.raises(openai.NotFoundError):
         client.chat.completions.create(model="nope", messages=[{"role": "user", "content": q}])
@@ -275,7 +294,8 @@ def test_a_conversation_through_the_openai_client_reuses_its_turns_exactly(serve
     snapshot = turns[0].cag["cached_tokens"]["snapshot"]
     assert prompt[0] < prompt[1] < prompt[2] and conv[0] == 0
     assert [c - v for c, v in zip(cached, conv)] == [snapshot] * 3
-    if server.keeps:  # each turn reuses at least the previous prompt (and the answer, as far as its text re-tokenizes alike)
+    # each turn reuses at least the previous prompt (and the answer, as far as its text re-tokenizes alike)
+    if server.keeps:
         assert all(p0 <= c < p1 for p0, c, p1 in zip(prompt, cached[1:], prompt[1:])), (prompt, cached)
     else:
         assert cached == [snapshot] * 3 and conv == [0] * 3
@@ -284,8 +304,25 @@ def test_a_conversation_through_the_openai_client_reuses_its_turns_exactly(serve
     for q, c in zip(QUESTIONS[:3], turns):
         messages += [{"role": "user", "content": q}, {"role": "assistant", "content": c.choices[0].message.content}]
     (tmp_path / "m.json").write_text(json.dumps(messages[:-1]))
-    r = subprocess.run([*cag_command(), "ask", "notes", "--messages", str(tmp_path / "m.json"), "--mode", "full",
-                        "--max-tokens", "16", "--json"], env=server.env, cwd=REPO, capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        [
+            *cag_command(),
+            "ask",
+            "notes",
+            "--messages",
+            str(tmp_path / "m.json"),
+            "--mode",
+            "full",
+            "--max-tokens",
+            "16",
+            "--json",
+        ],
+        env=server.env,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout)["answer"] == turns[2].choices[0].message.content
     # history counts: the last question alone gets another prompt
@@ -305,7 +342,9 @@ def test_kept_conversations_are_not_shared_across_api_keys(server):
 
     def cached(key: str) -> int:
         client = openai.OpenAI(base_url=f"{server.url}/v1", api_key=key, max_retries=0)
-        return client.chat.completions.create(model="notes", max_tokens=1, messages=history).cag["cached_tokens"]["conversation"]
+        return client.chat.completions.create(model="notes", max_tokens=1, messages=history).cag["cached_tokens"][
+            "conversation"
+        ]
 
     assert cached(KEY) == 0  # the first asking keeps it
     assert cached("test-key-2") == 0  # the other key reuses nothing: no guess of the text can be tested
@@ -330,16 +369,41 @@ def _value(metrics: str, name: str) -> float:
     return next(float(line.split()[-1]) for line in metrics.splitlines() if line.startswith(name + " "))
 
 
-@pytest.mark.parametrize("body,code", [
-    ({"messages": [{"role": "tool", "content": "42", "tool_call_id": "x"}, {"role": "user", "content": "q?"}]}, "bad_request"),
-    ({"messages": [{"role": "user", "content": "q?"}], "tools": [{"type": "function", "function": {"name": "f"}}]}, "unsupported_parameter"),
-    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:,"}}]}]}, "bad_request"),
-    ({"messages": [{"role": "user", "content": ""}]}, "bad_request"),
-    ({"messages": [{"role": "user", "content": "q?"}, {"role": "assistant", "content": "a"}]}, "bad_request"),
-    ({"messages": [{"role": "user", "content": f"Who keeps the lighthouse, number {i}?"} if j == 0 else
-                   {"role": "assistant", "content": "Mara Voss keeps the lighthouse."}
-                   for i in range(1000) for j in range(2)] + [{"role": "user", "content": "q?"}]}, "context_length_exceeded"),
-])
+@pytest.mark.parametrize(
+    "body,code",
+    [
+        (
+            {"messages": [{"role": "tool", "content": "42", "tool_call_id": "x"}, {"role": "user", "content": "q?"}]},
+            "bad_request",
+        ),
+        (
+            {
+                "messages": [{"role": "user", "content": "q?"}],
+                "tools": [{"type": "function", "function": {"name": "f"}}],
+            },
+            "unsupported_parameter",
+        ),
+        (
+            {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:,"}}]}]},
+            "bad_request",
+        ),
+        ({"messages": [{"role": "user", "content": ""}]}, "bad_request"),
+        ({"messages": [{"role": "user", "content": "q?"}, {"role": "assistant", "content": "a"}]}, "bad_request"),
+        (
+            {
+                "messages": [
+                    {"role": "user", "content": f"Who keeps the lighthouse, number {i}?"}
+                    if j == 0
+                    else {"role": "assistant", "content": "Mara Voss keeps the lighthouse."}
+                    for i in range(1000)
+                    for j in range(2)
+                ]
+                + [{"role": "user", "content": "q?"}]
+            },
+            "context_length_exceeded",
+        ),
+    ],
+)
 def test_bad_conversations_get_400_with_a_message(server, body, code):
     with server.client() as c:
         r = c.post("/v1/chat/completions", json={"model": "notes", **body})
@@ -372,8 +436,20 @@ def test_eight_concurrent_clients_get_their_sequential_answers(server):
             a = server.ask(q, max_tokens=24, include_token_ids=True)
             return a["answer"], a["token_ids"]
         if kind == 1:
-            with server.client() as c, c.stream("POST", "/v1/ask", json={
-                    "corpus": "notes", "question": q, "max_tokens": 24, "stream": True, "include_token_ids": True}) as r:
+            with (
+                server.client() as c,
+                c.stream(
+                    "POST",
+                    "/v1/ask",
+                    json={
+                        "corpus": "notes",
+                        "question": q,
+                        "max_tokens": 24,
+                        "stream": True,
+                        "include_token_ids": True,
+                    },
+                ) as r,
+            ):
                 events = sse_events(r)
             final = json.loads(events[-1][1])
             streamed = "".join(json.loads(d)["text"] for e, d in events if e == "token")
@@ -435,7 +511,9 @@ def test_metrics_are_prometheus_text(server):
     assert 'cag_http_requests_total{method="GET",route="/v1/corpora",status="401"}' in text
     assert 'cag_http_requests_total{method="GET",route="other",status="404"}' in text  # unknown paths: one label
     assert "cag_http_request_duration_seconds_bucket" in text
-    values = {line.split()[0]: float(line.split()[1]) for line in text.splitlines() if line and not line.startswith("#")}
+    values = {
+        line.split()[0]: float(line.split()[1]) for line in text.splitlines() if line and not line.startswith("#")
+    }
     assert values["cag_snapshot_hits_total"] >= 1 and values["cag_snapshot_loads_total"] >= 1
     assert values["cag_resident_bytes"] > 0 and values["cag_model_loaded"] == 1
     assert values['cag_tokens_total{kind="cached",mode="cag"}'] > 0
@@ -549,8 +627,13 @@ def test_limits_and_validation_errors(engine):
         chunked = iter([b'{"corpus": "notes", "question": "', b"x" * 2500, b'"}'])  # no Content-Length
         _err(c.post("/v1/ask", content=chunked, headers={"content-type": "application/json"}), 413, "too_large")
         _err(c.post("/v1/ask", json={"corpus": "notes", "question": "q" * 101}), 413, "too_large")
-        _err(c.post("/v1/chat/completions", json={"model": "notes", "messages": [{"role": "user", "content": "q" * 101}]}),
-             413, "too_large")
+        _err(
+            c.post(
+                "/v1/chat/completions", json={"model": "notes", "messages": [{"role": "user", "content": "q" * 101}]}
+            ),
+            413,
+            "too_large",
+        )
 
         ok = c.post("/v1/ask", json={"corpus": "notes", "question": "Who keeps the lighthouse?", "max_tokens": 10**6})
         assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] <= 64  # clamped to answer_room

@@ -43,7 +43,9 @@ def test_served_answer_equals_cag_ask_on_the_handbook(real_server):
     assert r.status_code == 200, r.text
     got = r.json()
     assert got["answer"] == want["answer"] and got["answer"]
-    assert got["usage"] == {k: want[k] for k in ("prompt_tokens", "cached_tokens", "conversation_tokens", "completion_tokens")}
+    assert got["usage"] == {
+        k: want[k] for k in ("prompt_tokens", "cached_tokens", "conversation_tokens", "completion_tokens")
+    }
     assert got["usage"]["cached_tokens"] > 1000  # the handbook came from the snapshot
 
     with httpx.stream("POST", f"{url}/v1/ask", json={"corpus": "handbook", "question": q, "max_tokens": 24,

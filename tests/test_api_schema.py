@@ -168,7 +168,12 @@ def test_blank_api_keys_are_a_start_up_error_not_an_open_server(monkeypatch):
         monkeypatch.setenv("CAG_API_KEYS", blank)
         with pytest.raises(BadSettings, match="CAG_API_KEYS"):
             load_api_settings()
-    r = subprocess.run([*cag_command(), "serve", "--port", "1"], env={**__import__("os").environ, "CAG_API_KEYS": " , "},
-                       capture_output=True, text=True, timeout=60)
+    r = subprocess.run(
+        [*cag_command(), "serve", "--port", "1"],
+        env={**__import__("os").environ, "CAG_API_KEYS": " , "},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert r.returncode == 1 and r.stdout == ""
     assert r.stderr.count("\n") == 1 and "CAG_API_KEYS" in r.stderr and "Traceback" not in r.stderr

@@ -22,7 +22,9 @@ def test_sharded_corpus_is_served_unchanged_for_the_client(tiny_model_dir, tmp_p
     assert ing.n_shards == 2
     alone = engine.answer(Query("town", "Who teaches at the village school?", max_tokens=6))
     with app_client(engine) as c:
-        r = c.post("/v1/ask", json={"corpus": "town", "question": "Who teaches at the village school?", "max_tokens": 6})
+        r = c.post(
+            "/v1/ask", json={"corpus": "town", "question": "Who teaches at the village school?", "max_tokens": 6}
+        )
         assert r.status_code == 200, r.text
         body = r.json()
         assert body["answer"] == alone.answer and body["snapshot"] == alone.snapshot
@@ -38,7 +40,10 @@ def test_sharded_corpus_is_served_unchanged_for_the_client(tiny_model_dir, tmp_p
         chat = c.post("/v1/chat/completions", json={"model": "town", "max_tokens": 6, "messages": [
             {"role": "user", "content": "Who teaches at the village school?"}]}).json()
         assert chat["choices"][0]["message"]["content"] == alone.answer
-        assert chat["usage"]["prompt_tokens_details"]["cached_tokens"] == shard + chat["cag"]["cached_tokens"]["conversation"]
+        assert (
+            chat["usage"]["prompt_tokens_details"]["cached_tokens"]
+            == shard + chat["cag"]["cached_tokens"]["conversation"]
+        )
         assert chat["cag"]["cached_tokens"]["snapshot"] == shard
         assert chat["cag"]["shards"][0]["shard"] == alone.shards[0]["shard"]
         unsharded = c.post("/v1/ask", json={"corpus": "probe", "question": "Who?", "max_tokens": 2}).json()

@@ -11,7 +11,9 @@ from cag.model import layouts, packed, weights
 from tests.test_batch import QUESTIONS, together
 
 # Skipped only where the CPU or the compiler cannot build them: a failed build fails the tests
-pytestmark = pytest.mark.skipif(native.avx2_why_not() is not None, reason=f"cag's AVX2 products cannot run here: {native.avx2_why_not()}")
+pytestmark = pytest.mark.skipif(
+    native.avx2_why_not() is not None, reason=f"cag's AVX2 products cannot run here: {native.avx2_why_not()}"
+)
 
 
 @pytest.fixture(autouse=True)
@@ -33,7 +35,8 @@ def _q8_reference(w: torch.Tensor) -> tuple[tuple, torch.Tensor]:
 
 
 @pytest.mark.parametrize("fmt", ["int4", "q8"])
-@pytest.mark.parametrize(("out_f", "in_f"), [(64, 64), (48, 192), (96, 2048), (40, 4096)])  # 192: a last block of 6 groups
+# 192: a last block of 6 groups
+@pytest.mark.parametrize(("out_f", "in_f"), [(64, 64), (48, 192), (96, 2048), (40, 4096)])
 def test_products_are_the_held_weights_and_row_invariant(fmt, out_f, in_f):
     torch.manual_seed(0)
     w = torch.randn(out_f, in_f) * 0.05
@@ -62,9 +65,11 @@ def test_int4_takes_the_avx2_products_for_every_row_and_its_head_in_q8():
     x = torch.randn(7, 128)
     with torch.inference_mode():
         decode = fl.decode(x)
-        assert torch.equal(fl.decode(x, [(3, False), (4, True)]), decode)  # a question's rows: the same copy, the same bits
+        # a question's rows: the same copy, the same bits
+        assert torch.equal(fl.decode(x, [(3, False), (4, True)]), decode)
     assert type(packed.pack(lin.weight, None, "int4", backends.AVX2)) is packed.Avx2Packed
-    assert type(packed.pack(torch.randn(96, 96), None, "int4", backends.AVX2)) is packed.TorchPacked  # 96 inputs: not int4's 64s
+    # 96 inputs: not int4's 64s
+    assert type(packed.pack(torch.randn(96, 96), None, "int4", backends.AVX2)) is packed.TorchPacked
 
 
 @pytest.fixture
@@ -87,13 +92,17 @@ def test_an_engine_on_the_avx2_products_is_exact(avx2_engine, small_corpus):
     assert type(layer.mlp.down_proj.packs) is packed.Avx2Packed and e.lm.model.lm_head.fmt == "q8"
     e.ingest(str(small_corpus))
     alone = [e.answer(Query("corpus", q, max_tokens=16)).token_ids for q in QUESTIONS]
-    assert alone == [e.answer(Query("corpus", q, max_tokens=16, mode="full")).token_ids for q in QUESTIONS]  # cag == full
-    assert together(e, [lambda q=q: e.answer(Query("corpus", q, max_tokens=16)).token_ids for q in QUESTIONS]) == alone  # batched == alone
+    # cag == full
+    assert alone == [e.answer(Query("corpus", q, max_tokens=16, mode="full")).token_ids for q in QUESTIONS]
+    # batched == alone
+    assert together(e, [lambda q=q: e.answer(Query("corpus", q, max_tokens=16)).token_ids for q in QUESTIONS]) == alone
 
 
 def test_avx2_is_refused_in_one_line_where_it_cannot_run(monkeypatch):
     from cag.errors import ModelError
 
     monkeypatch.setattr(native, "_avx2", {"why": "this CPU lacks avx2"})
-    with pytest.raises(ModelError, match="CAG_DECODE_KERNELS=avx2 cannot run here: this CPU lacks avx2; use auto or torch"):
+    with pytest.raises(
+        ModelError, match="CAG_DECODE_KERNELS=avx2 cannot run here: this CPU lacks avx2; use auto or torch"
+    ):
         native.resolve("avx2")

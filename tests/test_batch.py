@@ -49,10 +49,19 @@ def cached_is_full_alone_and_together(engine, questions: list[str], n: int, dist
     alone = []
     for q in questions:
         cached = engine.answer(Query("corpus", q, max_tokens=n, decoding=d)).token_ids
-        assert len(cached) == n and cached == engine.answer(Query("corpus", q, max_tokens=n, mode="full", decoding=d)).token_ids
+        assert (
+            len(cached) == n
+            and cached == engine.answer(Query("corpus", q, max_tokens=n, mode="full", decoding=d)).token_ids
+        )
         alone.append(cached)
     assert not distinct or len({tuple(a) for a in alone}) > 1  # different questions, different answers
-    assert together(engine, [lambda q=q: engine.answer(Query("corpus", q, max_tokens=n, decoding=d)).token_ids for q in questions]) == alone
+    assert (
+        together(
+            engine,
+            [lambda q=q: engine.answer(Query("corpus", q, max_tokens=n, decoding=d)).token_ids for q in questions],
+        )
+        == alone
+    )
     return alone
 
 
@@ -73,13 +82,19 @@ def tiny_engine(request, tiny_model_dir, monkeypatch):
     return Engine(get_settings())
 
 
-@pytest.mark.parametrize("kernels", [
-    "native",
-    # oneDNN's bf16 kernel sums a 1536-wide input differently by row count on CPUs without AMX
-    # (measured on AMD Zen 4): CAG_DECODE_KERNELS=torch is batch-exact on AMX machines; `auto` runs
-    # cag's own kernels elsewhere
-    pytest.param("torch", marks=pytest.mark.xfail(not native.tiles(), reason="oneDNN bf16 re-blocks its sum here", strict=False)),
-])
+@pytest.mark.parametrize(
+    "kernels",
+    [
+        "native",
+        # oneDNN's bf16 kernel sums a 1536-wide input differently by row count on CPUs without AMX
+        # (measured on AMD Zen 4): CAG_DECODE_KERNELS=torch is batch-exact on AMX machines; `auto` runs
+        # cag's own kernels elsewhere
+        pytest.param(
+            "torch",
+            marks=pytest.mark.xfail(not native.tiles(), reason="oneDNN bf16 re-blocks its sum here", strict=False),
+        ),
+    ],
+)
 def test_packed_products_are_row_invariant(kernels):
     """What exactness in a batch rests on: a row's result does not depend on the other rows."""
     from cag.model.weights import FastLinear
@@ -91,7 +106,11 @@ def test_packed_products_are_row_invariant(kernels):
         for fmt in ("bf16", "int8", "int4"):
             # (576, 960), (576, 3072): SmolLM2's stacked q/k/v and gate/up; the last: an LM head's shape
             for i, o in ((64, 128), (576, 1536), (1536, 576), (576, 960), (576, 3072), (576, 49152)):
-                fl = FastLinear(torch.nn.Linear(i, o, bias=False), fmt, backend=backends.AVX512 if kernels == "native" else backends.TORCH)
+                fl = FastLinear(
+                    torch.nn.Linear(i, o, bias=False),
+                    fmt,
+                    backend=backends.AVX512 if kernels == "native" else backends.TORCH,
+                )
                 x = torch.randn(256, i)
                 alone = torch.cat([fl.decode(x[r : r + 1]) for r in range(256)])
                 for m in (6, 9, 17, 40, 128, 160, 200, 256):  # over 128 rows: oneDNN's bf16 can re-block the sum
@@ -101,7 +120,12 @@ def test_packed_products_are_row_invariant(kernels):
                 for m in (2, 17, 33):
                     assert torch.equal(fl.decode(x[:m], [(m, True)]), asked[:m]), (fmt, i, o, m)
                     mixed = fl.decode(x[:m + 5], [(5, False), (m, True)])
-                    assert torch.equal(mixed[:5], alone[:5]) and torch.equal(mixed[5:], asked[5 : m + 5]), (fmt, i, o, m)
+                    assert torch.equal(mixed[:5], alone[:5]) and torch.equal(mixed[5:], asked[5 : m + 5]), (
+                        fmt,
+                        i,
+                        o,
+                        m,
+                    )
 
 
 def test_suffix_attention_is_row_invariant():
@@ -114,7 +138,9 @@ def test_suffix_attention_is_row_invariant():
         flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
         # a slot of a conversation's room: past 512 keys the width grows by blocks of 512
         room, heads, d, rows = 2048, 3, 64, 3
-        for dtype, seen in ((dt, n) for dt in (torch.float32, torch.bfloat16) for n in (1, 17, 40, 128, 129, 300, 600, 1500)):
+        for dtype, seen in (
+            (dt, n) for dt in (torch.float32, torch.bfloat16) for n in (1, 17, 40, 128, 129, 300, 600, 1500)
+        ):
             q, k, v = (torch.randn(1, heads, n, d).to(dtype) for n in (rows, room, room))
             outs = []
             for longest in (seen, seen + 9, 100, 130, 700, 1100, room):
@@ -150,8 +176,19 @@ def test_cascade_attention_rows_do_not_depend_on_the_batch_at_any_prefix_length(
         bias[..., seen:] = float("-inf")
         group = [(SimpleNamespace(kv=[(Kp, Vp)]), None)]
         together = attention._flash_parts(SimpleNamespace(bias=bias, groups=group), q, Ks, Vs, 0, d ** -0.5)
-        alone = torch.cat([attention._flash_parts(SimpleNamespace(bias=bias[b : b + 1], groups=group),
-                                                q[b : b + 1], Ks[b : b + 1], Vs[b : b + 1], 0, d ** -0.5) for b in range(B)])
+        alone = torch.cat(
+            [
+                attention._flash_parts(
+                    SimpleNamespace(bias=bias[b : b + 1], groups=group),
+                    q[b : b + 1],
+                    Ks[b : b + 1],
+                    Vs[b : b + 1],
+                    0,
+                    d**-0.5,
+                )
+                for b in range(B)
+            ]
+        )
         assert torch.equal(together, alone), n
         K = torch.cat([Kp.expand(B, -1, -1, -1), Ks[:, :, :seen]], 2).double()
         V = torch.cat([Vp.expand(B, -1, -1, -1), Vs[:, :, :seen]], 2).double()
@@ -164,12 +201,15 @@ def test_concurrent_questions_are_decoded_together_with_their_alone_tokens(tiny_
     alone = [tiny_engine.answer(Query("corpus", q, max_tokens=16)).token_ids for q in QUESTIONS]
     steps0 = tiny_engine.stats["decode_steps"]
     rows0 = tiny_engine.stats["decode_rows"]
-    got = together(tiny_engine, [lambda q=q: tiny_engine.answer(Query("corpus", q, max_tokens=16)).token_ids for q in QUESTIONS])
+    got = together(
+        tiny_engine, [lambda q=q: tiny_engine.answer(Query("corpus", q, max_tokens=16)).token_ids for q in QUESTIONS]
+    )
     stats = tiny_engine.stats
     assert tiny_engine.lm.attn_dtype == torch.bfloat16  # packed formats attend over bf16 K/V
     assert got == alone
     assert stats["batch_max"] > 1 and stats["decode_rows"] - rows0 > 1.5 * (stats["decode_steps"] - steps0)
-    assert stats["decode_active"] == 0 and tiny_engine.decoder.slots.in_use == (tiny_engine.decoder.pad is not None)  # every slot given back (the padding slot stays)
+    # every slot given back (the padding slot stays)
+    assert stats["decode_active"] == 0 and tiny_engine.decoder.slots.in_use == (tiny_engine.decoder.pad is not None)
 
 
 def test_requests_decoded_one_row_a_step_get_their_batched_tokens(tiny_engine, small_corpus, monkeypatch):
@@ -180,10 +220,14 @@ def test_requests_decoded_one_row_a_step_get_their_batched_tokens(tiny_engine, s
     from cag.engine import Engine
 
     tiny_engine.ingest(str(small_corpus))
-    batched = together(tiny_engine, [lambda q=q: tiny_engine.answer(Query("corpus", q, max_tokens=16)).token_ids for q in QUESTIONS])
+    batched = together(
+        tiny_engine, [lambda q=q: tiny_engine.answer(Query("corpus", q, max_tokens=16)).token_ids for q in QUESTIONS]
+    )
     monkeypatch.setenv("CAG_DECODE_ROWS", "1")
     engine = Engine(get_settings(), lm=tiny_engine.lm)
-    apart = together(engine, [lambda q=q: engine.answer(Query("corpus", q, max_tokens=16)).token_ids for q in QUESTIONS])
+    apart = together(
+        engine, [lambda q=q: engine.answer(Query("corpus", q, max_tokens=16)).token_ids for q in QUESTIONS]
+    )
     decoder = engine.decoder
     assert apart == batched and decoder.rows == 1 and decoder.graphs is None
     assert decoder.stats["decode_steps"] > 0 and decoder.stats["batch_max"] == 1
@@ -260,7 +304,9 @@ def test_cli_questions_file(tiny_model_dir, small_corpus, tmp_path):
     env = dict(os.environ, CAG_MODEL=str(tiny_model_dir))
     assert _cag(env, "ingest", str(small_corpus)).returncode == 0
     qfile = tmp_path / "questions.txt"
-    qfile.write_text(f"# a comment\n{QUESTIONS[0]}\n\n{json.dumps({'question': QUESTIONS[1], 'id': 7})}\n{'x ' * 400}\n")
+    qfile.write_text(
+        f"# a comment\n{QUESTIONS[0]}\n\n{json.dumps({'question': QUESTIONS[1], 'id': 7})}\n{'x ' * 400}\n"
+    )
     r = _cag(env, "ask", "corpus", "--questions-file", str(qfile), "--max-tokens", "8")
     assert r.returncode == 1, r.stderr  # the first failure's exit code (TooLarge: 1)
     rows = [json.loads(line) for line in r.stdout.splitlines()]
@@ -291,7 +337,10 @@ def test_questions_tokenized_at_once_get_the_tokens_they_get_alone(tiny_engine):
     from cag.model.prompt import encode_template, encode_text
 
     tok = tiny_engine.lm.tokenizer
-    texts = [(encode_text, "Who keeps <|im_end|> the lighthouse?"), (encode_template, "<|im_end|>\n<|im_start|>assistant\n")] * 8
+    texts = [
+        (encode_text, "Who keeps <|im_end|> the lighthouse?"),
+        (encode_template, "<|im_end|>\n<|im_start|>assistant\n"),
+    ] * 8
     alone = [f(tok, t) for f, t in texts]
     assert alone[0] != alone[1]  # the two kinds differ on special-token strings: a race would show
     for _ in range(20):
@@ -323,9 +372,15 @@ def test_min_tokens_holds_back_stop_tokens_alone_and_batched(tiny_engine, small_
     alone = [tiny_engine.answer(Query("corpus", q, max_tokens=12, decoding=held)).token_ids for q in qs]
     assert [len(ids) for ids in alone] == [12] * 3
     assert [ids[: len(short[q])] for q, ids in zip(qs, alone)] == [short[q] for q in qs]
-    assert together(tiny_engine, [lambda q=q: tiny_engine.answer(Query("corpus", q, max_tokens=12, decoding=held)).token_ids
-                                  for q in qs]) == alone
-    assert len(tiny_engine.answer(Query("corpus", qs[0], max_tokens=5, decoding=held)).token_ids) == 5  # clamped to max_tokens
+    assert (
+        together(
+            tiny_engine,
+            [lambda q=q: tiny_engine.answer(Query("corpus", q, max_tokens=12, decoding=held)).token_ids for q in qs],
+        )
+        == alone
+    )
+    # clamped to max_tokens
+    assert len(tiny_engine.answer(Query("corpus", qs[0], max_tokens=5, decoding=held)).token_ids) == 5
 
 
 @pytest.mark.parametrize("src,dst", [(torch.float16, torch.bfloat16), (torch.bfloat16, torch.float16)])

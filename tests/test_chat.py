@@ -1,5 +1,5 @@
-"""Conversations (cag.answering.chat, cag.runtime.kept_conversations): the whole conversation is the prompt's suffix, its K/V kept
-between turns where every row is a decode row (cag's kernels), and every turn exact: reused == evicted and
+"""Conversations (cag.answering.chat, cag.runtime.kept_conversations): the whole conversation is the prompt's suffix,
+its K/V kept between turns where every row is a decode row (cag's kernels), and every turn exact: reused == evicted and
 recomputed == `full`, alone and batched."""
 
 from __future__ import annotations
@@ -65,7 +65,9 @@ FORMATS = formats(("tiny", "fp32", "torch"), ("tiny", "bf16", "torch"), ("tiny",
 
 
 @pytest.mark.parametrize("model,weights,kernels", FORMATS)
-def test_a_conversation_is_exact_reused_recomputed_and_full(request, small_corpus, monkeypatch, model, weights, kernels):
+def test_a_conversation_is_exact_reused_recomputed_and_full(
+    request, small_corpus, monkeypatch, model, weights, kernels
+):
     if kernels == "avx2" and not native.load_avx2() or kernels not in ("torch", "avx2") and native.load() is None:
         pytest.skip(f"cag's {kernels} kernels do not run here: {native.reason()}")
     monkeypatch.setenv("CAG_MODEL", str(request.getfixturevalue(f"{model}_model_dir")))
@@ -82,7 +84,9 @@ def test_a_conversation_is_exact_reused_recomputed_and_full(request, small_corpu
     recomputed, full = [], conversation(engine, [Q1, Q2, Q3], mode="full")
     for i in range(3):  # each turn recomputed from the snapshot alone, over the same history
         engine.kept.clear()
-        recomputed.append(engine.answer(Query("corpus", None, max_tokens=12, messages=history([Q1, Q2, Q3][: i + 1], kept))))
+        recomputed.append(
+            engine.answer(Query("corpus", None, max_tokens=12, messages=history([Q1, Q2, Q3][: i + 1], kept)))
+        )
     assert all(a.conversation_tokens == 0 for a in recomputed) and all(a.mode == "full" for a in full)
     ids = lambda answers: [a.token_ids for a in answers]  # noqa: E731
     assert ids(kept) == ids(recomputed) == ids(full)
@@ -94,7 +98,10 @@ def test_a_conversation_is_exact_reused_recomputed_and_full(request, small_corpu
 
 def test_one_user_message_is_a_plain_question(engine):
     plain = engine.answer(Query("corpus", Q1, max_tokens=12))
-    assert engine.answer(Query("corpus", None, max_tokens=12, messages=[{"role": "user", "content": Q1}])).token_ids == plain.token_ids
+    assert (
+        engine.answer(Query("corpus", None, max_tokens=12, messages=[{"role": "user", "content": Q1}])).token_ids
+        == plain.token_ids
+    )
 
 
 def test_history_and_system_messages_change_the_prompt(engine):
@@ -170,7 +177,9 @@ def test_a_conversation_longer_than_the_context_is_refused(engine):
 
 
 def test_turns_join_system_text_to_the_next_user_message():
-    turns = chat.turns_of([("system", "Be brief."), ("user", "a"), ("user", "b"), ("assistant", "c"), ("developer", "d"), ("user", "e")])
+    turns = chat.turns_of(
+        [("system", "Be brief."), ("user", "a"), ("user", "b"), ("assistant", "c"), ("developer", "d"), ("user", "e")]
+    )
     assert turns == [chat.Turn("user", "Be brief.\n\na\n\nb"), chat.Turn("assistant", "c"), chat.Turn("user", "d\n\ne")]
 
 
@@ -223,7 +232,8 @@ def test_an_answers_rows_hold_what_a_prefill_of_its_tokens_writes(tiny64_model_d
     assert kept.n == len(question) + len(asked.ids) - 1 and kept.ids.tolist() == question + asked.ids[:-1]
     answer_kv = [(k.clone(), v.clone()) for k, v in kept.kv]
     engine.kept.clear()
-    engine.decoder.run(Request(prefix, kept.ids.tolist() + [0], DecodeConfig(max_tokens=1), key=digest))  # all question rows
+    # all question rows
+    engine.decoder.run(Request(prefix, kept.ids.tolist() + [0], DecodeConfig(max_tokens=1), key=digest))
     again = max(engine.kept._items.values(), key=lambda k: k.n)
     for (k1, v1), (k2, v2) in zip(answer_kv, again.kv):
         assert torch.equal(k1, k2[:, : kept.n]) and torch.equal(v1, v2[:, : kept.n])

@@ -25,7 +25,9 @@ def town(tiny, small_corpus):
 
 
 def chat(*lines: str, args: tuple = ()):
-    return runner.invoke(app, ["chat", "town", *args], input="".join(line + "\n" for line in lines), catch_exceptions=False)
+    return runner.invoke(
+        app, ["chat", "town", *args], input="".join(line + "\n" for line in lines), catch_exceptions=False
+    )
 
 
 def test_commands_are_not_sent_to_the_model(town):

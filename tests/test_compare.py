@@ -41,15 +41,36 @@ def qa_jsonl(tmp_path) -> Path:
     root = tmp_path / "mydata"
     (root / "docs").mkdir(parents=True)
     (root / "docs" / "lighthouse.md").write_text("The lighthouse keeper is Mara Voss. She lights the lamp at dusk.\n")
-    (root / "docs" / "ferry.txt").write_text("The ferry leaves the harbour at 7:15 every weekday and returns at 18:40.\n")
+    (root / "docs" / "ferry.txt").write_text(
+        "The ferry leaves the harbour at 7:15 every weekday and returns at 18:40.\n"
+    )
     (root / "docs" / "bakery.md").write_text("The bakery on Quay Street sells rye bread on Tuesdays only.\n")
     (root / "docs" / "museum.md").write_text("The maritime museum is closed on Mondays and opens at ten.\n")
     lines = [
-        {"id": "q1", "question": "Who is the lighthouse keeper?", "answers": ["Mara Voss"], "doc_ids": ["lighthouse.md"]},
-        {"id": "q2", "question": "When does the ferry leave?", "answers": ["7:15", "at 7:15"], "doc_ids": ["ferry.txt"]},
-        {"id": "q3", "question": "Which bread is sold on Tuesdays?", "answers": ["rye bread", "rye"], "doc_ids": ["bakery.md"]},
-        {"id": "q4", "question": "What colour is the harbour crane?", "answers": ["red"],
-         "context": "The harbour crane is painted red every spring."},
+        {
+            "id": "q1",
+            "question": "Who is the lighthouse keeper?",
+            "answers": ["Mara Voss"],
+            "doc_ids": ["lighthouse.md"],
+        },
+        {
+            "id": "q2",
+            "question": "When does the ferry leave?",
+            "answers": ["7:15", "at 7:15"],
+            "doc_ids": ["ferry.txt"],
+        },
+        {
+            "id": "q3",
+            "question": "Which bread is sold on Tuesdays?",
+            "answers": ["rye bread", "rye"],
+            "doc_ids": ["bakery.md"],
+        },
+        {
+            "id": "q4",
+            "question": "What colour is the harbour crane?",
+            "answers": ["red"],
+            "context": "The harbour crane is painted red every spring.",
+        },
     ]
     path = root / "questions.jsonl"
     path.write_text("\n".join(json.dumps(x) for x in lines) + "\n")
@@ -268,7 +289,9 @@ def test_shard_size_sweep_labels_routing_and_bad_caps(qa_jsonl, tmp_path, tiny_m
 
     for r in swept:
         [gold] = r["gold_docs"]
-        text = (contexts[r["qid"]] if gold.startswith("ctx:") else (qa_jsonl.parent / "docs" / gold).read_text()).strip()
+        text = (
+            contexts[r["qid"]] if gold.startswith("ctx:") else (qa_jsonl.parent / "docs" / gold).read_text()
+        ).strip()
         assert r["routing_recall"] == float(text in texts_in(r["shards"][0]["shard"]))
         assert r["routing_recall2"] == float(text in texts_in(r["routed"][0]) | texts_in(r["routed"][1]))
     by_mode = {m: [r for r in rows if r["mode"] == m] for m in ("cag", f"cag@{cap}")}

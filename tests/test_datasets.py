@@ -217,7 +217,11 @@ def test_jsonl_round_trip(tmp_path):
         qa,
         [
             {"id": "q1", "question": "Where do alpha facts live?", "answers": ["here"], "doc_ids": ["alpha.txt"]},
-            {"question": "Alpha and beta?", "answers": ["both", "alpha and beta"], "doc_ids": ["alpha.txt", "sub/beta.md"]},
+            {
+                "question": "Alpha and beta?",
+                "answers": ["both", "alpha and beta"],
+                "doc_ids": ["alpha.txt", "sub/beta.md"],
+            },
             {"question": "What is gamma?", "answers": ["described"], "context": shared_context},
             {"question": "Is gamma inline?", "answers": ["yes"], "context": shared_context},
         ],

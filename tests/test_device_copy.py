@@ -9,7 +9,10 @@ import torch
 from cag.runtime.device_copy import to_device
 from cag.runtime.slots import PrefixKV
 
-DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA")])]
+DEVICES = [
+    "cpu",
+    pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA")]),
+]
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -29,8 +32,12 @@ def test_staged_copies_are_the_tensors_bit_for_bit(device):
 @pytest.mark.parametrize("device", DEVICES)
 def test_a_prefix_on_the_device_equals_its_plain_copy(device):
     g = torch.Generator().manual_seed(1)
-    kv = [(torch.randn(1, 2, 50, 64, generator=g).half(), torch.randn(1, 2, 50, 64, generator=g).half()) for _ in range(3)]
+    kv = [
+        (torch.randn(1, 2, 50, 64, generator=g).half(), torch.randn(1, 2, 50, 64, generator=g).half()) for _ in range(3)
+    ]
     prefix = PrefixKV.of(kv, torch.bfloat16, device)
     for (k, v), (pk, pv) in zip(kv, prefix.kv):
         assert pk.device.type == device and pk.dtype == torch.bfloat16
-        assert torch.equal(pk.cpu(), k.to(device, torch.bfloat16).cpu()) and torch.equal(pv.cpu(), v.to(device, torch.bfloat16).cpu())
+        assert torch.equal(pk.cpu(), k.to(device, torch.bfloat16).cpu()) and torch.equal(
+            pv.cpu(), v.to(device, torch.bfloat16).cpu()
+        )

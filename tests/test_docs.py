@@ -76,7 +76,9 @@ def test_no_documented_option_is_missing_from_the_command(command):
 
 def test_every_documented_command_exists():
     documented = re.findall(r"^## `cag ([\w-]+)`$", CLI_DOC, re.M)
-    assert set(documented) <= set(COMMANDS), f"docs/cli.md documents commands that do not exist: {set(documented) - set(COMMANDS)}"
+    assert set(documented) <= set(COMMANDS), (
+        f"docs/cli.md documents commands that do not exist: {set(documented) - set(COMMANDS)}"
+    )
 
 
 def _variables_in_code() -> set[str]:
@@ -133,4 +135,6 @@ def test_the_readme_is_short_and_names_the_ci_test_command():
     readme = (REPO / "README.md").read_text()
     assert len(readme.splitlines()) <= 250, "README.md is for users: move details to docs/"
     assert "make test" in readme
-    assert re.search(r"^make (lint )?test$", (REPO / ".ci" / "run").read_text(), re.M), ".ci/run must run the README's `make test`"
+    assert re.search(r"^make (lint )?test$", (REPO / ".ci" / "run").read_text(), re.M), (
+        ".ci/run must run the README's `make test`"
+    )

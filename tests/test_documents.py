@@ -22,7 +22,10 @@ def test_scan_is_sorted_recursive_and_reports_skipped(tmp_path):
 
 
 def test_html_text_is_extracted_without_markup_or_scripts():
-    html = b"<html><head><title>T</title><script>var x=1;</script></head><body><h1>Hours</h1><p>Open <b>9</b> to 5.</p></body></html>"
+    html = (
+        b"<html><head><title>T</title><script>var x=1;</script></head>"
+        b"<body><h1>Hours</h1><p>Open <b>9</b> to 5.</p></body></html>"
+    )
     text = documents.extract("page.html", ".html", html)
     assert "Hours" in text and "9" in text and "<" not in text and "var x" not in text
 

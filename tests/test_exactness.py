@@ -120,7 +120,10 @@ def test_bfloat16_compute_with_bfloat16_snapshots_is_exact(tiny_model_dir, small
     assert engine.lm.dtype == torch.bfloat16
     engine.ingest(str(small_corpus))
     for q in QUESTIONS[:2]:
-        assert engine.answer(Query("corpus", q, max_tokens=16)).token_ids == engine.answer(Query("corpus", q, max_tokens=16, mode="full")).token_ids
+        assert (
+            engine.answer(Query("corpus", q, max_tokens=16)).token_ids
+            == engine.answer(Query("corpus", q, max_tokens=16, mode="full")).token_ids
+        )
 
 
 def test_index_and_engine_work_from_other_threads(tiny_engine, small_corpus):

@@ -40,13 +40,20 @@ CLASSES = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Q
            "granite": "Granite", "olmo2": "Olmo2"}
 
 
-def config(name: str, hidden: int = 64, heads: int = 4, kv_heads: int = 2, vocab: int = 300, init: float = 0.3, **extra):
+def config(
+    name: str, hidden: int = 64, heads: int = 4, kv_heads: int = 2, vocab: int = 300, init: float = 0.3, **extra
+):
     """A 2-layer config of family `name` (heads of hidden / heads), without sliding windows."""
     c = dict(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=2,
              num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=4096,
              initializer_range=init, pad_token_id=0, bos_token_id=1, eos_token_id=2) | extra
     # multipliers far from 1 (Granite-3's are 12, 0.22, 1/128 and 8 at their sizes)
-    granite = dict(embedding_multiplier=2.5, residual_multiplier=0.6, attention_multiplier=0.7 / math.sqrt(hidden // heads), logits_scaling=0.4)
+    granite = dict(
+        embedding_multiplier=2.5,
+        residual_multiplier=0.6,
+        attention_multiplier=0.7 / math.sqrt(hidden // heads),
+        logits_scaling=0.4,
+    )
     return family_config(name, granite, **c)
 
 
@@ -74,7 +81,9 @@ def same_attention(r, q, K, V, i, scale, up, kernel=None, few=False, paired=Fals
     keys, values = torch.cat([Kp, K[slot : slot + 1, :, :seen]], 2), torch.cat([Vp, V[slot : slot + 1, :, :seen]], 2)
     n, (H, D) = keys.shape[2], q.shape[1:]
     mask = torch.ones(m, n, dtype=torch.bool).tril(n - m)[None, None]  # (1, 1, m, n): row t sees keys up to n - m + t
-    out, _ = prefill_attention.packed_gqa_sdpa(None, q.view(1, m, H, D).transpose(1, 2), keys, values, mask, scaling=scale)
+    out, _ = prefill_attention.packed_gqa_sdpa(
+        None, q.view(1, m, H, D).transpose(1, 2), keys, values, mask, scaling=scale
+    )
     return out.reshape(m, H * D)
 
 
@@ -120,14 +129,18 @@ def family_dirs(tmp_path_factory) -> dict[str, Path]:
 
 @functools.cache
 def _tokenizer():
-    return _train_tokenizer([p.read_text() for p in sorted(HANDBOOK.glob("*.md"))] + ["What is the answer? The answer is 42."])
+    return _train_tokenizer(
+        [p.read_text() for p in sorted(HANDBOOK.glob("*.md"))] + ["What is the answer? The answer is 42."]
+    )
 
 
 def model_dir(folder: Path, name: str, **shape) -> Path:
     """A tiny random model of family `name` (`shape`: build's hidden, heads, kv_heads) saved with the handbook's
     tokenizer in `folder`."""
     tok = _tokenizer()
-    ids = dict(vocab=len(tok), pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
+    ids = dict(
+        vocab=len(tok), pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id
+    )
     build(name, init=0.15, tie_word_embeddings=True, **shape, **ids).save_pretrained(folder)
     tok.save_pretrained(folder)
     return folder
@@ -148,8 +161,14 @@ def test_cag_equals_full_alone_and_together(family_dirs, small_corpus, monkeypat
     engine = _engine(monkeypatch, family_dirs[name], weights, kernels)
     step = lean.for_model(engine.lm.model)
     native_path = "none" if kernels == "torch" else "layers"
-    assert describe.decode_path(engine.lm) == {"weights": weights, "kernels": kernels, "kernels_reason": engine.lm.kernels_why,
-                                       "step": "fast", "step_reason": None, "native": native_path}
+    assert describe.decode_path(engine.lm) == {
+        "weights": weights,
+        "kernels": kernels,
+        "kernels_reason": engine.lm.kernels_why,
+        "step": "fast",
+        "step_reason": None,
+        "native": native_path,
+    }
     assert (step.glue is not None) == (kernels != "torch") and (step.fused is not None) == (native_path == "layers")
     engine.ingest(str(small_corpus))
     cached_is_full_alone_and_together(engine, QUESTIONS[:3], 16)
@@ -179,8 +198,19 @@ def glue_is_near_torch(model, name: str) -> None:
             slots = Slots(*ts.shapes(model), 32, 1, torch.bfloat16)
             slots.take()
             ts.one_part(step, torch.tensor([ts.QUESTION]), [prefix], torch.tensor([0]), torch.tensor([0]), slots)
-            return torch.cat([ts.one_part(step, torch.tensor([[t]]), [prefix], torch.tensor([0]), torch.tensor([len(ts.QUESTION) + i]), slots)
-                              for i, t in enumerate((5, 9, 11))])
+            return torch.cat(
+                [
+                    ts.one_part(
+                        step,
+                        torch.tensor([[t]]),
+                        [prefix],
+                        torch.tensor([0]),
+                        torch.tensor([len(ts.QUESTION) + i]),
+                        slots,
+                    )
+                    for i, t in enumerate((5, 9, 11))
+                ]
+            )
         finally:
             step.glue, step.kernel, step.fused = saved
 
@@ -224,21 +254,33 @@ def test_heads_of_80_in_one_native_call_are_the_separate_ops(tmp_path, monkeypat
 
     if why := native.why_not():
         pytest.skip(f"cag's kernels cannot run here: {why}")
-    same_bits(None, model_dir(tmp_path, "llama", hidden=320, heads=4, kv_heads=2), None, monkeypatch, 300, [0, 3, 6], [0, 1, 0],
-              "int4", "llama")
+    same_bits(
+        None,
+        model_dir(tmp_path, "llama", hidden=320, heads=4, kv_heads=2),
+        None,
+        monkeypatch,
+        300,
+        [0, 3, 6],
+        [0, 1, 0],
+        "int4",
+        "llama",
+    )
 
 
 @pytest.mark.parametrize(("family", "hidden", "heads", "kv_heads", "kv_dtype"), [
     ("phi3", 384, 4, 2, "auto"), ("llama", 512, 2, 1, "auto"),
     ("llama", 320, 4, 2, "auto"), ("llama", 320, 4, 2, "int8"),  # heads of 80 (Phi-2's), over bf16 and int8 snapshots
 ])
-def test_heads_of_80_96_and_256_decode_through_the_native_layers(tmp_path, small_corpus, monkeypatch, family, hidden, heads,
-                                                                 kv_heads, kv_dtype):
+def test_heads_of_80_96_and_256_decode_through_the_native_layers(
+    tmp_path, small_corpus, monkeypatch, family, hidden, heads, kv_heads, kv_dtype
+):
     """Heads of 80 (Phi-2's), 96 (Phi-3-mini's) and 256 go through cag's attention and all layers in one call:
     cag == full, alone and together, int4 weights. An int8 snapshot of heads of 80 (one block a head) is read
     as its codes by the int8 kernel."""
     monkeypatch.setenv("CAG_KV_DTYPE", kv_dtype)
-    engine = _engine(monkeypatch, model_dir(tmp_path, family, hidden=hidden, heads=heads, kv_heads=kv_heads), "int4", "avx512")
+    engine = _engine(
+        monkeypatch, model_dir(tmp_path, family, hidden=hidden, heads=heads, kv_heads=kv_heads), "int4", "avx512"
+    )
     assert engine.lm.head_dim == hidden // heads and describe.decode_path(engine.lm)["native"] == "layers"
     engine.ingest(str(small_corpus))
     cached_is_full_alone_and_together(engine, QUESTIONS[:3], 12)
@@ -247,7 +289,8 @@ def test_heads_of_80_96_and_256_decode_through_the_native_layers(tmp_path, small
     assert pairs and all(p[0].dtype == (torch.uint8 if kv_dtype == "int8" else torch.int32) for p in pairs.values())
 
 
-@pytest.mark.parametrize(("family", "hidden"), [(name, 256) for name in ["qwen2", *NEW]] + [("llama", 320)])  # heads of 64; of 80
+# heads of 64; of 80
+@pytest.mark.parametrize(("family", "hidden"), [(name, 256) for name in ["qwen2", *NEW]] + [("llama", 320)])
 def test_each_family_decodes_through_the_avx2_kernels(tmp_path, small_corpus, monkeypatch, family, hidden):
     """Below the AVX-512 floor, the AVX2 library: int4 products, the attention and the glue (a family's q/k norms
     and post-norms through its rms_f32, Granite's multipliers in torch between its calls): cag == full, alone

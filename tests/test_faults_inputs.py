@@ -74,8 +74,11 @@ def test_a_document_over_the_limit_is_refused_before_the_model_loads(tmp_path, m
     monkeypatch.setenv("CAG_MAX_CORPUS_BYTES", str(2 * 1024**2))
     r = cag("ingest", str(root), "--json")
     assert r.exit_code == 1 and len(r.stderr.splitlines()) == 1, r.output
-    assert re.fullmatch(r"error: \S+ holds 2\.9 MiB in 2 documents; a corpus may be at most 2\.0 MiB "
-                        r"\(CAG_MAX_CORPUS_BYTES=2097152\): raise it, or ingest a part of it", r.stderr.strip()), r.stderr
+    assert re.fullmatch(
+        r"error: \S+ holds 2\.9 MiB in 2 documents; a corpus may be at most 2\.0 MiB "
+        r"\(CAG_MAX_CORPUS_BYTES=2097152\): raise it, or ingest a part of it",
+        r.stderr.strip(),
+    ), r.stderr
 
 
 @pytest.mark.parametrize("var", ["CAG_MAX_DOCUMENT_BYTES", "CAG_MAX_CORPUS_BYTES"])
@@ -151,9 +154,11 @@ def test_cutting_a_long_document_gives_the_parts_of_exact_counting(tiny_model_di
                 parts.append((piece, by_tokens))
         return parts
 
-    texts = ["\n\n".join(f"Paragraph {i} tells how the harbour wall was repaired in year {1900 + i}." for i in range(300)),
-             "\n\n\n  \n".join(f"Note {i}: the bakery sells rye.  Then   more!  And {i * 7}?" for i in range(200)),
-             " ".join(f"word{i} and" for i in range(1500))]
+    texts = [
+        "\n\n".join(f"Paragraph {i} tells how the harbour wall was repaired in year {1900 + i}." for i in range(300)),
+        "\n\n\n  \n".join(f"Note {i}: the bakery sells rye.  Then   more!  And {i * 7}?" for i in range(200)),
+        " ".join(f"word{i} and" for i in range(1500)),
+    ]
     for capacity in (60, 300, 1000):
         for text in texts:
             assert shards._cut(tok, "x.md", text, capacity) == exact("x.md", text, capacity), capacity
@@ -213,8 +218,11 @@ def test_snapshots_that_cannot_fit_on_the_disk_are_refused_before_prefill(tiny, 
     monkeypatch.setattr(kv_cache, "prefill", lambda *a, **k: pytest.fail("prefilled a corpus that cannot be saved"))
     r = cag("ingest", str(small_corpus), "--name", "town")
     assert r.exit_code == 1, r.output
-    assert re.fullmatch(r"error: the knowledge of 'town' is \d+ tokens in 1 shard\(s\): its snapshots need ~[\d.]+ KiB and "
-                        r"\S+ has 1000 B free; free space, or ingest less", r.stderr.strip()), r.stderr
+    assert re.fullmatch(
+        r"error: the knowledge of 'town' is \d+ tokens in 1 shard\(s\): its snapshots need ~[\d.]+ KiB and "
+        r"\S+ has 1000 B free; free space, or ingest less",
+        r.stderr.strip(),
+    ), r.stderr
 
 
 def test_the_room_estimate_counts_the_snapshot_header_too(tiny, small_corpus, monkeypatch, tmp_path):
@@ -232,7 +240,9 @@ def test_the_room_estimate_counts_the_snapshot_header_too(tiny, small_corpus, mo
     free = engine.lm.kv_bytes(n, engine.kv_dtype) + 64  # the tensors fit, the header does not
     monkeypatch.setenv("CAG_HOME", str(tmp_path / "other-home"))
     monkeypatch.setattr(ingest.shutil, "disk_usage", lambda p: shutil._ntuple_diskusage(10**9, 10**9 - free, free))
-    monkeypatch.setattr(kv_cache, "prefill_knowledge", lambda *a, **k: pytest.fail("prefilled a corpus that cannot be saved"))
+    monkeypatch.setattr(
+        kv_cache, "prefill_knowledge", lambda *a, **k: pytest.fail("prefilled a corpus that cannot be saved")
+    )
     r = cag("ingest", str(small_corpus), "--name", "town")
     assert r.exit_code == 1 and "free space, or ingest less" in r.stderr, r.output
 

@@ -118,7 +118,8 @@ def test_a_damaged_or_unsafe_cached_library_is_rebuilt_not_loaded(fake_cxx, good
         fd, why = native.verify(lib)
         assert why is None, (damage.__name__, why)
         os.close(fd)
-    assert not [p.name for p in folder.iterdir() if p.name.startswith(".") and not p.name.endswith(".lock")]  # no temp files
+    # no temp files
+    assert not [p.name for p in folder.iterdir() if p.name.startswith(".") and not p.name.endswith(".lock")]
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="only root can make a folder another user's")
@@ -144,7 +145,11 @@ def test_no_compiler_is_said_once_on_stderr(tmp_path):
     bare = tmp_path / "bin"  # a PATH with python and no c++ or g++, CXX unset: the probe of the issue
     bare.mkdir()
     (bare / "python").symlink_to(sys.executable)
-    env = {**{k: v for k, v in os.environ.items() if k != "CXX"}, "XDG_CACHE_HOME": str(tmp_path / "xdg"), "PATH": str(bare)}
+    env = {
+        **{k: v for k, v in os.environ.items() if k != "CXX"},
+        "XDG_CACHE_HOME": str(tmp_path / "xdg"),
+        "PATH": str(bare),
+    }
     code = START + "; print(native.resolve('auto'))"
     r = subprocess.run(["python", "-c", code], env=env, cwd=REPO, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and r.stdout.split()[0] == "torch" and r.stdout.split()[-1] == "torch", r.stdout
@@ -170,7 +175,10 @@ def test_health_says_which_kernels_run_and_why(tiny64_model_dir, monkeypatch, tm
     monkeypatch.setenv("CAG_MODEL", str(tiny64_model_dir))
     monkeypatch.setenv("CAG_WEIGHTS", "int4")  # bf16 K/V, heads of 64: what cag's kernels would take
     engine = Engine(get_settings())
-    with caplog.at_level(logging.WARNING, logger="cag.kernels.native"), TestClient(create_app(engine=engine), base_url="http://localhost") as c:
+    with (
+        caplog.at_level(logging.WARNING, logger="cag.kernels.native"),
+        TestClient(create_app(engine=engine), base_url="http://localhost") as c,
+    ):
         assert c.head("/health").status_code in (200, 503)
         r = c.get("/health")
         while r.status_code == 503 and r.json()["status"] == "loading":
@@ -200,7 +208,9 @@ def test_health_names_the_kernels_that_run(tiny_model_dir, monkeypatch):
             pass
         body = r.json()
         assert body["decode_kernels"] == "torch", body
-        assert "bf16 K/V" in body["decode_kernels_reason"] and "heads of 16 in float32" in body["decode_kernels_reason"], body
+        assert (
+            "bf16 K/V" in body["decode_kernels_reason"] and "heads of 16 in float32" in body["decode_kernels_reason"]
+        ), body
         assert c.head("/health").status_code == 200
 
 
@@ -215,11 +225,17 @@ def test_a_cpu_that_cannot_run_the_kernels_is_the_reason_given_first(tiny_model_
     below = {native.FLAGS: "this CPU lacks avx512f, avx512_bf16", native.AVX2_FLAGS: None}  # an AVX2-only CPU
     monkeypatch.setattr(native, "cpu_why_not", lambda flags=native.FLAGS: below[flags])
     lm = Engine(get_settings()).lm
-    assert (lm.kernels, lm.kernels_why) == ("torch", "cag's kernels cannot run here: this CPU lacks avx512f, avx512_bf16")
+    assert (lm.kernels, lm.kernels_why) == (
+        "torch",
+        "cag's kernels cannot run here: this CPU lacks avx512f, avx512_bf16",
+    )
     monkeypatch.setenv("CAG_WEIGHTS", "int4")
     monkeypatch.setattr(native, "_avx2", {"why": "this CPU lacks avx2"})  # nor the AVX2 products
     lm = Engine(get_settings()).lm
-    assert (lm.kernels, lm.kernels_why) == ("torch", "cag's kernels cannot run here: this CPU lacks avx512f, avx512_bf16")
+    assert (lm.kernels, lm.kernels_why) == (
+        "torch",
+        "cag's kernels cannot run here: this CPU lacks avx512f, avx512_bf16",
+    )
 
 
 def test_a_cpu_below_the_avx512_floor_with_avx2_gets_the_avx2_products_for_int4(tiny_model_dir, monkeypatch):
@@ -235,10 +251,15 @@ def test_a_cpu_below_the_avx512_floor_with_avx2_gets_the_avx2_products_for_int4(
     monkeypatch.setattr(native, "cpu_why_not", lambda flags=native.FLAGS: below[flags])
     lm = Engine(get_settings()).lm
     assert (lm.kernels, lm.kernels_why) == (
-        "avx2", "cag's AVX2 kernels run on this CPU; all layers in one call need AVX512-BF16: this CPU lacks avx512f, avx512_bf16")
+        "avx2",
+        "cag's AVX2 kernels run on this CPU; all layers in one call need AVX512-BF16: this CPU lacks avx512f, "
+        "avx512_bf16",
+    )
     monkeypatch.setenv("CAG_WEIGHTS", "fp32")
     monkeypatch.setenv("CAG_DECODE_KERNELS", "avx2")
-    with pytest.raises(ModelError, match="CAG_DECODE_KERNELS=avx2 multiplies int4 weights; with CAG_WEIGHTS=fp32 use auto or torch"):
+    with pytest.raises(
+        ModelError, match="CAG_DECODE_KERNELS=avx2 multiplies int4 weights; with CAG_WEIGHTS=fp32 use auto or torch"
+    ):
         _ = Engine(get_settings()).lm
 
 
@@ -246,7 +267,10 @@ def test_bench_decode_table_without_fp32():
     """`bench_decode --formats int4` (no fp32 row to compare with) ended in StopIteration."""
     from bench.bench_decode import vs_fp32
 
-    rows = [{"n_tokens": 100, "weights": "int4", "decode_tok_s": 50.0}, {"n_tokens": 100, "weights": "bf16", "decode_tok_s": 40.0}]
+    rows = [
+        {"n_tokens": 100, "weights": "int4", "decode_tok_s": 50.0},
+        {"n_tokens": 100, "weights": "bf16", "decode_tok_s": 40.0},
+    ]
     vs_fp32(rows)
     assert [r["vs_fp32"] for r in rows] == [None, None]
     rows.append({"n_tokens": 100, "weights": "fp32", "decode_tok_s": 20.0})
@@ -289,7 +313,9 @@ def test_a_library_is_built_again_when_any_file_it_compiles_changes():
             if b.library == namespace:
                 assert {f.resolve() for f in b.sources} == cpp, (b.name, namespace)
     on_disk = {f.resolve() for f in native.KERNELS.rglob("*") if f.suffix in (".cpp", ".h")}
-    assert on_disk == {f.resolve() for files in native.LIBRARIES.values() for f in files}, "a kernel file no library builds"
+    assert on_disk == {f.resolve() for files in native.LIBRARIES.values() for f in files}, (
+        "a kernel file no library builds"
+    )
     h = native.KERNELS / "common" / "attention_plan.h"
     key = native.build_key(native.LIBRARIES["cag"], "c++", "v", ["-O3"])
     assert key == native.build_key(native.LIBRARIES["cag"], "c++", "v", ["-O3"])

@@ -34,12 +34,21 @@ def poison(engine: Engine, corpus: str) -> None:
     snap = snapfiles.load(path, dequant=torch.float32)
     layers = [(k.float().clone(), v.float().clone()) for k, v in snap.kv]
     layers[-1][1][0, 0, 3:9] = float("nan")
-    meta = {k: v for k, v in snap.meta.items() if k not in ("checksum", "format", "dtype", "n_layers", "n_tokens", "codec", "int8_block")}
+    meta = {
+        k: v
+        for k, v in snap.meta.items()
+        if k not in ("checksum", "format", "dtype", "n_layers", "n_tokens", "codec", "int8_block")
+    }
     snapfiles.save(path, layers, snap.ids, meta, snapfiles.DTYPES[snap.meta["dtype"]])
     engine.evict()
 
 
-CASES = [("tiny", "torch", "auto"), ("tiny64", "avx512", "auto"), ("tiny64", "avx512", "int8"), ("tiny64", "torch", "int8")]
+CASES = [
+    ("tiny", "torch", "auto"),
+    ("tiny64", "avx512", "auto"),
+    ("tiny64", "avx512", "int8"),
+    ("tiny64", "torch", "int8"),
+]
 
 
 @pytest.mark.parametrize("model,kernels,kv_dtype", CASES)
@@ -65,7 +74,9 @@ def test_a_nan_snapshot_is_refused_and_never_reaches_another_corpus(request, tmp
     engine.index.set_snapshot_status(engine.index.corpus("poisoned")["current_snapshot"], "ready")
     engine.answer(Query("poisoned", QUESTION, max_tokens=12))
     for _ in range(2):
-        assert {m: engine.answer(Query("clean", QUESTION, mode=m, max_tokens=12)).token_ids for m in ("cag", "full")} == before
+        assert {
+            m: engine.answer(Query("clean", QUESTION, mode=m, max_tokens=12)).token_ids for m in ("cag", "full")
+        } == before
 
 
 def test_ingest_refuses_keys_and_values_its_storage_cannot_hold(tiny_model_dir, small_corpus, monkeypatch):
@@ -98,7 +109,11 @@ def test_nonfinite_names_the_layer():
     layers[2][0][0, 1, 4, 3] = float("-inf")
     assert kv_cache.nonfinite(layers) == "layer 2 keys hold NaN or inf"
     layers[2][0][0, 1, 4, 3] = 1e6
-    assert kv_cache.nonfinite(layers) is None and "past what int8" in kv_cache.nonfinite(layers, torch.int8) if 1e6 > 65504 * 127 else True
+    assert (
+        kv_cache.nonfinite(layers) is None and "past what int8" in kv_cache.nonfinite(layers, torch.int8)
+        if 1e6 > 65504 * 127
+        else True
+    )
     assert "past what float16" in kv_cache.nonfinite(layers, torch.float16)
 
 

@@ -140,7 +140,11 @@ def test_a_same_size_tampered_blob_is_healed_by_ingest(small_corpus, tmp_path):
     blob = lambda: store.fs.cat(f"{store.bucket}/{store.blob_key(r.snapshot)}")  # noqa: E731
     want = json.loads(cli(tmp_path / "a", "ask", "corpus", Q, "--max-tokens", "6", "--json").stdout)["answer"]
 
-    for home, args in (("a", ["ingest", "corpus"]), ("a", ["ingest", "corpus", "--force"]), ("b", ["ingest", "corpus"])):
+    for home, args in (
+        ("a", ["ingest", "corpus"]),
+        ("a", ["ingest", "corpus", "--force"]),
+        ("b", ["ingest", "corpus"]),
+    ):
         _flip(store, r.snapshot)
         refused = cli(tmp_path / home, "ask", "corpus", Q, "--max-tokens", "6")  # b: a machine without the file
         if home == "b":

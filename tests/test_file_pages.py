@@ -82,7 +82,9 @@ def _bf16_checkpoint(tiny_model_dir, folder: Path) -> Path:
     return folder
 
 
-def test_a_bf16_checkpoint_loads_as_file_views_with_its_float32_fingerprint_and_snapshots(tiny_model_dir, small_corpus, tmp_path, monkeypatch):
+def test_a_bf16_checkpoint_loads_as_file_views_with_its_float32_fingerprint_and_snapshots(
+    tiny_model_dir, small_corpus, tmp_path, monkeypatch
+):
     """Computed in float32, a bf16 checkpoint is read as views of its file: the packed formats keep the
     layer matrices there (released once packed), fp32 widens them; the fingerprint is its float32
     load's, and the snapshots are fp32's bit for bit in every format (a float32 copy of the same values
@@ -107,20 +109,29 @@ def test_a_bf16_checkpoint_loads_as_file_views_with_its_float32_fingerprint_and_
         assert e.lm.fingerprint == weights_fingerprint(wide), fmt
         layer = e.lm.model.model.layers[0]
         if fmt == "fp32":
-            assert layer.mlp.down_proj.weight.dtype == torch.float32 and not file_pages.file_backed(layer.mlp.down_proj.weight)
+            assert layer.mlp.down_proj.weight.dtype == torch.float32 and not file_pages.file_backed(
+                layer.mlp.down_proj.weight
+            )
         else:
             assert layer.mlp.down_proj.weight.dtype == layer.self_attn.q_proj.weight.dtype == torch.bfloat16
-            assert file_pages.file_backed(layer.mlp.down_proj.weight) and file_pages.file_backed(layer.mlp.up_proj.weight)
+            assert file_pages.file_backed(layer.mlp.down_proj.weight) and file_pages.file_backed(
+                layer.mlp.up_proj.weight
+            )
             assert e.lm.model.model.embed_tokens.weight.dtype == e.lm.model.model.norm.weight.dtype == torch.float32
         e.ingest(str(small_corpus))
         kv[fmt] = snapshots.load(Path(e.index.snapshot(e.index.corpus("corpus")["current_snapshot"])["path"])).kv
-        a = [e.answer(Query("corpus", "Who keeps the lighthouse?", mode=m, max_tokens=8)).token_ids for m in ("cag", "full")]
+        a = [
+            e.answer(Query("corpus", "Who keeps the lighthouse?", mode=m, max_tokens=8)).token_ids
+            for m in ("cag", "full")
+        ]
         assert a[0] == a[1], fmt  # cag == full
     for fmt in ("int8", "int4"):
         assert all(torch.equal(a, b) for pa, pb in zip(kv["fp32"], kv[fmt]) for a, b in zip(pa, pb)), fmt
 
 
-def test_a_weights_file_rewritten_under_a_loaded_model_is_refused_before_a_prefill(tiny_model_dir, small_corpus, tmp_path, monkeypatch):
+def test_a_weights_file_rewritten_under_a_loaded_model_is_refused_before_a_prefill(
+    tiny_model_dir, small_corpus, tmp_path, monkeypatch
+):
     from cag.config import get_settings
     from cag.engine import Engine
     from cag.errors import ModelChanged
@@ -132,17 +143,23 @@ def test_a_weights_file_rewritten_under_a_loaded_model_is_refused_before_a_prefi
     e = Engine(get_settings(home=tmp_path / "home"))
     e.ingest(str(small_corpus))
     st = (folder / "model.safetensors").stat()
-    os.utime(folder / "model.safetensors", ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))  # rewritten in place, as far as anyone can tell
+    # rewritten in place, as far as anyone can tell
+    os.utime(folder / "model.safetensors", ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
     (tmp_path / "more").mkdir()
     (tmp_path / "more" / "a.md").write_text("The lighthouse keeper is Ada.")
-    for refused in (lambda: e.ingest(str(tmp_path / "more")), lambda: e.answer(Query("corpus", "Who keeps the lighthouse?", max_tokens=4))):
+    for refused in (
+        lambda: e.ingest(str(tmp_path / "more")),
+        lambda: e.answer(Query("corpus", "Who keeps the lighthouse?", max_tokens=4)),
+    ):
         with pytest.raises(ModelChanged, match="changed on disk after it was loaded; restart"):
             refused()
     assert e.index.corpus("corpus")["current_snapshot"]  # what was stored stays
 
 
 @pytest.mark.parametrize("kernels", ["avx512", "torch"])
-def test_computed_in_bf16_a_bf16_checkpoint_stays_in_its_file_under_every_format(tiny64_model_dir, small_corpus, tmp_path, monkeypatch, kernels):
+def test_computed_in_bf16_a_bf16_checkpoint_stays_in_its_file_under_every_format(
+    tiny64_model_dir, small_corpus, tmp_path, monkeypatch, kernels
+):
     """Computed in bf16, the layer matrices of a bf16 checkpoint stay views of its file under the packed
     formats (no stack of them, no bf16 question copy beside int4's: a question's rows take the packed
     copy), and the snapshots are bit for bit the same in every format; cag == full in each."""
@@ -171,7 +188,10 @@ def test_computed_in_bf16_a_bf16_checkpoint_stays_in_its_file_under_every_format
             assert all(m.packs.questions is None and m.packs.nbytes < m.weight.nbytes for m in matrices)
         e.ingest(str(small_corpus))
         kv[fmt] = snapshots.load(Path(e.index.snapshot(e.index.corpus("corpus")["current_snapshot"])["path"])).kv
-        a = [e.answer(Query("corpus", "Who keeps the lighthouse?", mode=m, max_tokens=8)).token_ids for m in ("cag", "full")]
+        a = [
+            e.answer(Query("corpus", "Who keeps the lighthouse?", mode=m, max_tokens=8)).token_ids
+            for m in ("cag", "full")
+        ]
         assert a[0] == a[1] and len(a[0]) > 1, fmt  # cag == full
     for fmt in set(kv) - {"fp32"}:
         assert all(torch.equal(a, b) for pa, pb in zip(kv["fp32"], kv[fmt]) for a, b in zip(pa, pb)), fmt

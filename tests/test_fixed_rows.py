@@ -41,7 +41,8 @@ def engine_for(model_dir, monkeypatch, rows: int, max_batch: int = 6):
 
 def test_fixed_rows_resolves_auto_per_device():
     assert fixed_rows("cuda", 16) == 16 and fixed_rows("cpu", 16) == 0  # auto
-    assert fixed_rows("cpu", 16, alone=True) == 1 and fixed_rows("cpu", 16, 4, alone=True) == 4  # torch's kernels without AMX
+    # torch's kernels without AMX
+    assert fixed_rows("cpu", 16, alone=True) == 1 and fixed_rows("cpu", 16, 4, alone=True) == 4
     assert fixed_rows("cpu", 16, 4) == 4 and fixed_rows("cuda", 8, 32) == 8  # never past max_batch
     assert fixed_rows("cuda", 16, 1) == 1  # one request a step
 
@@ -51,7 +52,12 @@ def test_chunks_group_by_prefix_and_cap_rows():
     reqs = [Request(p, [1], DecodeConfig()) for p in (a, b, a, a, b, a)]
     reqs[5].length = 512  # past the room the fixed steps read: alone
     got = chunks(reqs, 2, 512)
-    assert [([reqs.index(r) for r in c], seen) for c, seen in got] == [([0, 2], 512), ([3], 512), ([1, 4], 512), ([5], None)]
+    assert [([reqs.index(r) for r in c], seen) for c, seen in got] == [
+        ([0, 2], 512),
+        ([3], 512),
+        ([1, 4], 512),
+        ([5], None),
+    ]
 
 
 def test_a_row_is_the_same_at_any_place_beside_any_rows(wide_model_dir, one_thread):
@@ -85,7 +91,9 @@ def test_a_row_is_the_same_at_any_place_beside_any_rows(wide_model_dir, one_thre
     assert torch.equal(lone, mixed)
     for ka, km in zip(alone.k, with_others.k):
         assert torch.equal(ka[2, :, :6], km[2, :, :6])
-    unpadded = s.run([Part(torch.tensor([[7]]), [prefix], torch.tensor([2]), torch.tensor([5]), seen=seen)], fresh())[0][0]
+    unpadded = s.run([Part(torch.tensor([[7]]), [prefix], torch.tensor([2]), torch.tensor([5]), seen=seen)], fresh())[
+        0
+    ][0]
     assert torch.allclose(unpadded, lone, atol=1e-4)  # the same math at another shape (its last bits may move)
 
 
@@ -137,7 +145,9 @@ def test_fixed_rows_over_two_snapshots_at_once(wide_model_dir, small_corpus, tmp
     d = DecodeConfig(max_tokens=10, min_tokens=10)
     calls = [("corpus", q) for q in QUESTIONS[:3]] + [("other", q) for q in QUESTIONS[3:]]
     alone = [engine.answer(Query(c, q, decoding=d)).token_ids for c, q in calls]
-    assert together(engine, [lambda c=c, q=q: engine.answer(Query(c, q, decoding=d)).token_ids for c, q in calls]) == alone
+    assert (
+        together(engine, [lambda c=c, q=q: engine.answer(Query(c, q, decoding=d)).token_ids for c, q in calls]) == alone
+    )
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3", "phi3", "olmo2", "granite"])
@@ -153,7 +163,9 @@ def test_the_few_kernel_step_is_the_same_math_and_row_invariant(family, one_thre
     model = build(family, hidden=128, heads=4, kv_heads=2)  # heads of 32
     stacked_products.stack(model)
     torch.manual_seed(2)
-    prefix = PrefixKV.of([(torch.randn(1, 2, 30, 32), torch.randn(1, 2, 30, 32)) for _ in range(2)], torch.bfloat16, "cpu")
+    prefix = PrefixKV.of(
+        [(torch.randn(1, 2, 30, 32), torch.randn(1, 2, 30, 32)) for _ in range(2)], torch.bfloat16, "cpu"
+    )
     W = 4
 
     def run(s, toks, slots, starts):

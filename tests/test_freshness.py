@@ -100,7 +100,9 @@ def test_edit_last_document_reprefills_only_it(engine32, small_corpus, tiny_mode
     other, rebuilt = _rebuild_elsewhere(small_corpus, tiny_model_dir, tmp_path, monkeypatch)
     assert rebuilt.snapshot == r.snapshot  # same key: same content, model, layout, dtype
     _assert_same_tensors(Path(r.path), Path(rebuilt.path))
-    assert refreshed == [other.answer(Query("corpus", q, max_tokens=16)).token_ids for q in (Q, "Who keeps the lighthouse?")]
+    assert refreshed == [
+        other.answer(Query("corpus", q, max_tokens=16)).token_ids for q in (Q, "Who keeps the lighthouse?")
+    ]
 
 
 def test_added_document_is_appended_and_alone_prefilled(engine32, small_corpus):
@@ -112,7 +114,10 @@ def test_added_document_is_appended_and_alone_prefilled(engine32, small_corpus):
     old_end = max(s["end"] for s in engine32.index.snapshot_documents(first.snapshot))
     assert r.reused_tokens == old_end - old_end % PREFILL_BLOCK and r.prefilled_tokens < r.n_tokens / 2
     # the no-cache baseline sees the same order, so answers still agree exactly
-    assert engine32.answer(Query("corpus", Q, max_tokens=12)).token_ids == engine32.answer(Query("corpus", Q, max_tokens=12, mode="full")).token_ids
+    assert (
+        engine32.answer(Query("corpus", Q, max_tokens=12)).token_ids
+        == engine32.answer(Query("corpus", Q, max_tokens=12, mode="full")).token_ids
+    )
 
 
 def test_force_rebuilds_from_scratch(tiny_engine, small_corpus):
@@ -276,7 +281,9 @@ def test_refreshing_one_corpus_leaves_its_identical_twin_fresh(tiny_model_dir, s
     assert cag("ask", "a", Q, "--max-tokens", "4", "--on-stale", "refuse").exit_code == 0
 
 
-def test_gc_removes_every_leftover_it_reports_and_reports_what_it_keeps(tiny_model_dir, small_corpus, monkeypatch, cag_home):
+def test_gc_removes_every_leftover_it_reports_and_reports_what_it_keeps(
+    tiny_model_dir, small_corpus, monkeypatch, cag_home
+):
     """kill -9 leaves temp names that are not `*.tmp` (a library's `.tmpXXXXXX`, any dot-file), and
     whole snapshots renamed but never recorded. gc deletes the first kind and reports the second."""
     monkeypatch.setenv("CAG_MODEL", str(tiny_model_dir))
@@ -333,4 +340,7 @@ def test_a_snapshot_of_another_kv_dtype_is_stale_not_corrupt(tiny_model_dir, sma
     new = e2.index.snapshot(e2.index.corpus("corpus")["current_snapshot"])
     assert new["dtype"] == "bfloat16" and snapshots.load(Path(new["path"])).kv[0][0].dtype == torch.bfloat16
     assert not e2.status("corpus").stale
-    assert e2.answer(Query("corpus", Q, max_tokens=6)).token_ids == e2.answer(Query("corpus", Q, max_tokens=6, mode="full")).token_ids
+    assert (
+        e2.answer(Query("corpus", Q, max_tokens=6)).token_ids
+        == e2.answer(Query("corpus", Q, max_tokens=6, mode="full")).token_ids
+    )

@@ -42,7 +42,11 @@ def tokenizer_fields() -> dict:
     fields = gguf_file.tokenizer_fields()
     tokens, merges = fields["tokenizer.ggml.tokens"][0], fields["tokenizer.ggml.merges"][0]
     assert all(tokens.index(merges[i].replace(" ", "")) == 252 + i for i in (0, 1, VOCAB - 253))
-    for key, n in (("tokenizer.ggml.tokens", VOCAB), ("tokenizer.ggml.token_type", VOCAB), ("tokenizer.ggml.merges", VOCAB - 252)):
+    for key, n in (
+        ("tokenizer.ggml.tokens", VOCAB),
+        ("tokenizer.ggml.token_type", VOCAB),
+        ("tokenizer.ggml.merges", VOCAB - 252),
+    ):
         fields[key] = (fields[key][0][:n], fields[key][1])
     return fields
 
@@ -133,7 +137,9 @@ def test_a_head_on_int4s_grid_stays_int4(tokenizer_fields, small_corpus, tmp_pat
     lm_head = eng.lm.model.lm_head
     assert lm_head.fmt == head and (lm_head.packs.questions is None)
     if qtype == "Q4_0":  # every int4 copy in Q4_0's layout, its steps alone: 18 bytes a group of 32
-        assert all(m.packs.packed[1].shape[-2] == 1 for m in eng.lm.model.modules() if getattr(m, "fmt", None) == "int4")
+        assert all(
+            m.packs.packed[1].shape[-2] == 1 for m in eng.lm.model.modules() if getattr(m, "fmt", None) == "int4"
+        )
     if head == "int4":  # the head's logits: the file's weights exactly (within float32 sums)
         x = torch.randn(3, lm_head.in_features)
         want = x.bfloat16().float() @ expect["lm_head.weight"].t()
@@ -185,7 +191,11 @@ def test_llama3_rope_scaling_is_read_and_answers(tokenizer_fields, small_corpus,
     import transformers
 
     factors = rope_freqs(10000.0, 64, **rope)
-    assert (factors == 1).sum() >= 2 and (factors == rope["factor"]).sum() >= 2 and ((factors > 1) & (factors < rope["factor"])).sum() >= 2
+    assert (
+        (factors == 1).sum() >= 2
+        and (factors == rope["factor"]).sum() >= 2
+        and ((factors > 1) & (factors < rope["factor"])).sum() >= 2
+    )
     path = tmp_path / "tiny-llama3.gguf"
     expect = write(path, T.Q8_0, tokenizer_fields, rope_freqs=factors)
     eng = engine(monkeypatch, path)
@@ -293,7 +303,9 @@ def test_a_phi3_long_rope_file_is_refused_not_read_with_the_wrong_rope(tmp_path)
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    with pytest.raises(ModelError, match="long-context rope scaling .rope_factors_long.weight, rope_factors_short.weight.") as e:
+    with pytest.raises(
+        ModelError, match="long-context rope scaling .rope_factors_long.weight, rope_factors_short.weight."
+    ) as e:
         gguf_checks.check(path)
     assert "\n" not in str(e.value)
 

@@ -84,7 +84,9 @@ def test_a_file_with_only_the_token_embedding_is_refused(good, tmp_path, monkeyp
 
 def test_qwen2_over_llamas_tensors_is_refused_for_its_missing_biases(good, tmp_path, monkeypatch):
     path = rewrite(good, tmp_path / "qwen2_with_llama_tensors.gguf", arch="qwen2")
-    refused(path, tmp_path, monkeypatch, "lacks 6 of the tensors", "blk.0.attn_q.bias, blk.0.attn_k.bias, blk.0.attn_v.bias")
+    refused(
+        path, tmp_path, monkeypatch, "lacks 6 of the tensors", "blk.0.attn_q.bias, blk.0.attn_k.bias, blk.0.attn_v.bias"
+    )
 
 
 def test_a_missing_block_is_refused(good, tmp_path, monkeypatch):
@@ -102,13 +104,26 @@ def test_a_block_count_of_100000_over_one_tensor_is_refused(good, tmp_path, monk
     refused(path, tmp_path, monkeypatch, "lacks 900001 of the tensors", "for its 100000 blocks (llama.block_count)")
 
 
-@pytest.mark.parametrize(("meta", "message"), [
-    ({"llama.embedding_length": (65536, V.UINT32)}, "tensor token_embd.weight is [256, 2048] where its metadata says [65536, 2048]"),
-    ({"llama.feed_forward_length": (262144, V.UINT32)}, "tensor blk.0.ffn_gate.weight is [256, 512] where its metadata says [256, 262144]"),
-    ({"llama.attention.head_count": (64, V.UINT32)}, "tensor blk.0.attn_q.weight is [256, 256] where its metadata says [256, 4096]"),
-    ({"llama.block_count": (1, V.UINT32)}, "holds tensors of block 1, past its llama.block_count 1"),
-    ({"llama.block_count": (0, V.UINT32)}, "llama.block_count is 0, not a whole number from 1"),
-], ids=["embedding_length", "feed_forward_length", "head_count", "fewer_blocks", "no_blocks"])
+@pytest.mark.parametrize(
+    ("meta", "message"),
+    [
+        (
+            {"llama.embedding_length": (65536, V.UINT32)},
+            "tensor token_embd.weight is [256, 2048] where its metadata says [65536, 2048]",
+        ),
+        (
+            {"llama.feed_forward_length": (262144, V.UINT32)},
+            "tensor blk.0.ffn_gate.weight is [256, 512] where its metadata says [256, 262144]",
+        ),
+        (
+            {"llama.attention.head_count": (64, V.UINT32)},
+            "tensor blk.0.attn_q.weight is [256, 256] where its metadata says [256, 4096]",
+        ),
+        ({"llama.block_count": (1, V.UINT32)}, "holds tensors of block 1, past its llama.block_count 1"),
+        ({"llama.block_count": (0, V.UINT32)}, "llama.block_count is 0, not a whole number from 1"),
+    ],
+    ids=["embedding_length", "feed_forward_length", "head_count", "fewer_blocks", "no_blocks"],
+)
 def test_hyperparameters_the_tensors_do_not_have_are_refused(good, tmp_path, monkeypatch, meta, message):
     refused(rewrite(good, tmp_path / "lying.gguf", meta=meta), tmp_path, monkeypatch, "lying.gguf", message)
 
@@ -117,7 +132,12 @@ def test_hyperparameters_the_tensors_do_not_have_are_refused(good, tmp_path, mon
 def test_a_5mb_metadata_string_is_refused(good, tmp_path, monkeypatch):
     meta = {"general.description": ("x" * (5 << 20), V.STRING)}
     path = rewrite(good, tmp_path / "long_string.gguf", meta=meta)
-    refused(path, tmp_path, monkeypatch, "metadata general.description is a string of 5242880 bytes, over cag's cap of 1 MiB")
+    refused(
+        path,
+        tmp_path,
+        monkeypatch,
+        "metadata general.description is a string of 5242880 bytes, over cag's cap of 1 MiB",
+    )
 
 
 def test_a_long_metadata_array_is_refused(good, tmp_path, monkeypatch):

@@ -50,9 +50,32 @@ def test_gpu_check_on_random_weights_of_a_shape(tiny_model_dir, tmp_path):
     assert not (a / SHAPE_OF).exists() and (a / "tokenizer.json").exists()
 
     env = dict(os.environ, CAG_WEIGHTS="auto", CAG_KV_DTYPE="float32")
-    r = subprocess.run([sys.executable, "-m", "bench.gpu_check", "--shape", str(shape), "--tokens", "300", "--questions", "1",
-                        "--max-tokens", "4", "--exact-questions", "2", "--device", "cpu", "--out", str(tmp_path / "out")],
-                       cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "bench.gpu_check",
+            "--shape",
+            str(shape),
+            "--tokens",
+            "300",
+            "--questions",
+            "1",
+            "--max-tokens",
+            "4",
+            "--exact-questions",
+            "2",
+            "--device",
+            "cpu",
+            "--out",
+            str(tmp_path / "out"),
+        ],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == 0, r.stdout + r.stderr
     report = json.loads((tmp_path / "out" / "gpu_check.json").read_text())
     assert report["random_weights_of"] == "tiny-chat" and report["all_identical"] and report["batched_identical"]
@@ -93,8 +116,29 @@ def test_each_part_saves_the_report_and_a_spent_budget_skips_the_rest(tmp_path):
 
 def test_a_spent_budget_exits_3_with_a_report(tiny_model_dir, tmp_path):
     env = dict(os.environ, CAG_WEIGHTS="auto", CAG_KV_DTYPE="float32")
-    r = subprocess.run([sys.executable, "-m", "bench.gpu_check", "--model", str(tiny_model_dir), "--budget", "0.001",
-                        "--device", "cpu", "--out", str(tmp_path)], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "bench.gpu_check",
+            "--model",
+            str(tiny_model_dir),
+            "--budget",
+            "0.001",
+            "--device",
+            "cpu",
+            "--out",
+            str(tmp_path),
+        ],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == 3, r.stdout + r.stderr
     report = json.loads((tmp_path / "gpu_check.json").read_text())
-    assert report["skipped"] == ["ingest"] and "skipped, past the --budget: ingest" in (tmp_path / "gpu_check.md").read_text()
+    assert (
+        report["skipped"] == ["ingest"]
+        and "skipped, past the --budget: ingest" in (tmp_path / "gpu_check.md").read_text()
+    )

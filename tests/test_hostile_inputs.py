@@ -54,26 +54,62 @@ def open_server(tiny_model_dir, models_dir, tmp_path_factory):
 
 # -- E7: a lone surrogate in a chat message ------------------------------------------------------
 SURROGATE_BODIES = [
-    ("/v1/chat/completions", {"model": "notes", "messages": [{"role": "user", "content": "\ud800 hi"}]}, "messages.0.content"),
-    ("/v1/chat/completions", {"model": "notes", "messages": [{"role": "system", "content": "\ud800"},
-                                                             {"role": "user", "content": "hi"}]}, "messages.0.content"),
-    ("/v1/chat/completions", {"model": "notes", "messages": [{"role": "user", "content": [{"type": "text", "text": "\ud800"}]}]},
-     "messages.0.content"),
-    ("/v1/chat/completions", {"model": "notes", "stream": True, "messages": [{"role": "user", "content": "hi"},
-                                                                              {"role": "assistant", "content": "ok"},
-                                                                              {"role": "user", "content": "hi \ud800"}]},
-     "messages.2.content"),
-    ("/v1/ask", {"corpus": "notes", "question": "hi", "history": [{"role": "user", "content": "\udfff x"},
-                                                                  {"role": "assistant", "content": "ok"}]}, "history.0.content"),
-    ("/v1/ask", {"corpus": "notes", "question": "hi", "stream": True,
-                 "history": [{"role": "user", "content": "x"}, {"role": "assistant", "content": "\udc80"}]}, "history.1.content"),
+    (
+        "/v1/chat/completions",
+        {"model": "notes", "messages": [{"role": "user", "content": "\ud800 hi"}]},
+        "messages.0.content",
+    ),
+    (
+        "/v1/chat/completions",
+        {"model": "notes", "messages": [{"role": "system", "content": "\ud800"}, {"role": "user", "content": "hi"}]},
+        "messages.0.content",
+    ),
+    (
+        "/v1/chat/completions",
+        {"model": "notes", "messages": [{"role": "user", "content": [{"type": "text", "text": "\ud800"}]}]},
+        "messages.0.content",
+    ),
+    (
+        "/v1/chat/completions",
+        {
+            "model": "notes",
+            "stream": True,
+            "messages": [
+                {"role": "user", "content": "hi"},
+                {"role": "assistant", "content": "ok"},
+                {"role": "user", "content": "hi \ud800"},
+            ],
+        },
+        "messages.2.content",
+    ),
+    (
+        "/v1/ask",
+        {
+            "corpus": "notes",
+            "question": "hi",
+            "history": [{"role": "user", "content": "\udfff x"}, {"role": "assistant", "content": "ok"}],
+        },
+        "history.0.content",
+    ),
+    (
+        "/v1/ask",
+        {
+            "corpus": "notes",
+            "question": "hi",
+            "stream": True,
+            "history": [{"role": "user", "content": "x"}, {"role": "assistant", "content": "\udc80"}],
+        },
+        "history.1.content",
+    ),
 ]
 
 
 @pytest.mark.parametrize("path,body,param", SURROGATE_BODIES, ids=[f"{p}:{x}" for p, _, x in SURROGATE_BODIES])
 def test_a_lone_surrogate_in_any_message_is_400_naming_the_message(open_server, path, body, param):
     # json.dumps writes the lone surrogate as the escape "\ud800", as the probe's curl sent it
-    r = httpx.post(open_server.url + path, content=json.dumps(body), headers={"content-type": "application/json"}, timeout=60)
+    r = httpx.post(
+        open_server.url + path, content=json.dumps(body), headers={"content-type": "application/json"}, timeout=60
+    )
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert err["code"] == "invalid_request" and err["param"] == param and "surrogate" in err["message"], err
@@ -84,10 +120,12 @@ def test_a_lone_surrogate_in_any_message_is_400_naming_the_message(open_server, 
 def test_the_engine_refuses_a_lone_surrogate_in_messages_and_questions(tiny_engine, small_corpus):
     """Whatever the caller (the CLI, an embedding), before the tokenizer sees it (a TypeError before)."""
     tiny_engine.ingest(str(small_corpus), name="town")
-    for messages, where in [([{"role": "user", "content": "\ud800 hi"}], "message 0 (user)"),
-                            ([{"role": "system", "content": "be \udfff brief"}, {"role": "user", "content": "hi"}], "message 0 (system)"),
-                            ([("user", "hi"), ("assistant", "ok"), ("user", "x\udcff")], "message 2 (user)"),
-                            ([{"role": "user", "content": [{"type": "text", "text": "\ud800"}]}], "message 0 (user)")]:
+    for messages, where in [
+        ([{"role": "user", "content": "\ud800 hi"}], "message 0 (user)"),
+        ([{"role": "system", "content": "be \udfff brief"}, {"role": "user", "content": "hi"}], "message 0 (system)"),
+        ([("user", "hi"), ("assistant", "ok"), ("user", "x\udcff")], "message 2 (user)"),
+        ([{"role": "user", "content": [{"type": "text", "text": "\ud800"}]}], "message 0 (user)"),
+    ]:
         with pytest.raises(BadInput, match=rf"^{re.escape(where)} is not valid text: .*lone surrogate"):
             tiny_engine.answer(Query("town", None, messages=messages))
     with pytest.raises(BadInput, match=r"^the question .*lone surrogate"):
@@ -99,11 +137,19 @@ def test_the_cli_refuses_a_lone_surrogate_or_bytes_not_utf8_in_one_line(town):
     one_line_error(r, "error: message 0 (user) is not valid text")
     # `cag ask NAME $'... \xff'`: Python hands the byte over as U+DCFF (surrogateescape)
     one_line_error(cag("ask", "town", "When does the ferry leave? \udcff"), "error: the question ")
-    one_line_error(cag("ask", "town", "--messages", "-", input=b'[{"role":"user","content":"hi \xff"}]'), "can't decode byte 0xff")
+    one_line_error(
+        cag("ask", "town", "--messages", "-", input=b'[{"role":"user","content":"hi \xff"}]'), "can't decode byte 0xff"
+    )
 
 
 def test_cag_chat_refuses_a_line_that_is_not_utf8_and_goes_on(town):
-    r = cag("chat", "town", "--max-tokens", "4", input=b"When does the ferry leave?\n/new\n\xff hi\nWho keeps the lighthouse?\n")
+    r = cag(
+        "chat",
+        "town",
+        "--max-tokens",
+        "4",
+        input=b"When does the ferry leave?\n/new\n\xff hi\nWho keeps the lighthouse?\n",
+    )
     assert r.exit_code == 0 and "Traceback" not in r.output, r.output
     assert r.stderr.count("error: ") == 1 and "not valid" in r.stderr, r.stderr
     assert r.stderr.count("[cag] prompt") == 2, r.stderr  # the lines before and after were answered
@@ -122,7 +168,9 @@ def test_ask_messages_reads_content_parts_as_the_http_api_does(town):
         assert r.exit_code == 0, r.output
         assert json.loads(r.stdout)["answer"] == plain["answer"]
     image = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:,"}}]}]
-    one_line_error(cag("ask", "town", "--messages", "-", input=json.dumps(image)), "content of type 'image_url' is not supported")
+    one_line_error(
+        cag("ask", "town", "--messages", "-", input=json.dumps(image)), "content of type 'image_url' is not supported"
+    )
 
 
 def test_content_parts_join_as_the_http_api_joins_them():
@@ -140,8 +188,12 @@ def test_a_host_that_is_not_this_server_is_refused(open_server):
     `Host: attacker.example:PORT` to this server, as same-origin as far as it knows."""
     port = httpx.URL(open_server.url).port
     for host in ("attacker.example.com", f"attacker.example.com:{port}", f"localhost.attacker.example:{port}"):
-        for method, path, body in (("GET", "/v1/corpora", None), ("POST", "/v1/ask", {"corpus": "notes", "question": Q}),
-                                   ("GET", "/", None), ("GET", "/health", None)):
+        for method, path, body in (
+            ("GET", "/v1/corpora", None),
+            ("POST", "/v1/ask", {"corpus": "notes", "question": Q}),
+            ("GET", "/", None),
+            ("GET", "/health", None),
+        ):
             r = httpx.request(method, open_server.url + path, json=body, headers={"Host": host}, timeout=60)
             assert r.status_code == 403, (host, path, r.text)
             err = r.json()["error"]
@@ -155,8 +207,12 @@ def test_a_host_that_is_not_this_server_is_refused(open_server):
 def test_cross_site_requests_that_change_state_are_refused(open_server):
     url = open_server.url
     # a plain cross-site form POST (no preflight): it started a refresh job
-    r = httpx.post(url + "/v1/corpora/notes/refresh", headers={"Origin": "http://evil.example", "Content-Type": "text/plain"},
-                   content=b"x", timeout=60)
+    r = httpx.post(
+        url + "/v1/corpora/notes/refresh",
+        headers={"Origin": "http://evil.example", "Content-Type": "text/plain"},
+        content=b"x",
+        timeout=60,
+    )
     assert r.status_code == 403 and r.json()["error"]["code"] == "cross_site", r.text
     for origin in ("null", "http://127.0.0.1.evil.example", f"http://evil.example:{httpx.URL(url).port}"):
         r = httpx.post(url + "/v1/ask", headers={"Origin": origin}, json={"corpus": "notes", "question": Q}, timeout=60)
@@ -170,7 +226,9 @@ def test_cross_site_requests_that_change_state_are_refused(open_server):
     assert httpx.get(url + "/v1/corpora", headers={"Origin": "http://evil.example"}, timeout=60).status_code == 200
     # what the chat page sends (its own origin), and clients that send no Origin
     for headers in ({"Origin": url}, {"Origin": url.replace("127.0.0.1", "localhost")}, {}):
-        r = httpx.post(url + "/v1/ask", headers=headers, json={"corpus": "notes", "question": Q, "max_tokens": 4}, timeout=60)
+        r = httpx.post(
+            url + "/v1/ask", headers=headers, json={"corpus": "notes", "question": Q, "max_tokens": 4}, timeout=60
+        )
         assert r.status_code == 200, (headers, r.text)
     r = httpx.post(url + "/v1/corpora/notes/refresh", headers={"Origin": url}, timeout=60)
     assert r.status_code == 202, r.text
@@ -199,7 +257,9 @@ def test_allowed_hosts_cors_origins_and_keys(tiny):
     assert c.post("/v1/ask", json={}, headers={"Origin": "https://evil.example"}).status_code == 403
     c = _client("anything.example", allowed_hosts="*")  # any Host; cross-site still refused
     assert c.get("/").status_code == 200
-    assert c.post("/v1/ask", json={}, headers={"Origin": "https://evil.example"}).json()["error"]["code"] == "cross_site"
+    assert (
+        c.post("/v1/ask", json={}, headers={"Origin": "https://evil.example"}).json()["error"]["code"] == "cross_site"
+    )
     c = _client("localhost:8000", cors_origins="https://app.example")  # an origin CORS allows may post
     assert c.post("/v1/ask", json={}, headers={"Origin": "https://app.example"}).status_code == 503
     # with API keys the same rule: a key does not make a rebound name this server's
@@ -246,7 +306,10 @@ def _no_compiler(tmp_path, monkeypatch):
 
 def _failing_compiler(tmp_path, monkeypatch):
     cxx = tmp_path / "broken-c++"
-    cxx.write_text('#!/bin/sh\n[ "$1" = "--version" ] && { echo fake; exit 0; }\necho "arch/avx2/step.cpp:1: error: boom" >&2\nexit 1\n')
+    cxx.write_text(
+        '#!/bin/sh\n[ "$1" = "--version" ] && { echo fake; exit 0; }\necho "arch/avx2/step.cpp:1: error: boom" '
+        ">&2\nexit 1\n"
+    )
     cxx.chmod(0o755)
     monkeypatch.setenv("CXX", str(cxx))
     return "error: boom", "it did not build or load (the server's log says why)"

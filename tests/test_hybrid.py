@@ -1,6 +1,6 @@
-"""`cag+rag` (cag.answering.retrieval, Engine.answer): the snapshot as the prefix, the top-k passages quoted before the question;
-exact (== the same prompt with no cache) alone, batched and in a conversation, on one snapshot and on
-shards, and what does not fit is said."""
+"""`cag+rag` (cag.answering.retrieval, Engine.answer): the snapshot as the prefix, the top-k passages quoted before the
+question; exact (== the same prompt with no cache) alone, batched and in a conversation, on one snapshot and on shards,
+and what does not fit is said."""
 
 from __future__ import annotations
 
@@ -57,8 +57,12 @@ def test_cag_rag_equals_the_same_prompt_with_no_cache_alone_batched_and_in_a_con
     none = with_no_cache(engine, "corpus", Q, seen, max_tokens=12)
     assert one.token_ids == none.token_ids and none.cached_tokens == 0
     out: dict = {}
-    threads = [threading.Thread(target=lambda i=i: out.update({i: ask(engine, "corpus", Q, mode="cag+rag", k=2, max_tokens=12)}))
-               for i in range(3)]
+    threads = [
+        threading.Thread(
+            target=lambda i=i: out.update({i: ask(engine, "corpus", Q, mode="cag+rag", k=2, max_tokens=12)})
+        )
+        for i in range(3)
+    ]
     for t in threads:
         t.start()
     for t in threads:
@@ -86,7 +90,8 @@ def test_passages_that_do_not_fit_are_left_out_and_said(tiny_model_dir, small_co
     e = Engine(get_settings(), retrieval=retrieve)
     e.ingest(str(small_corpus))
     plain = e.answer(Query("corpus", Q, max_tokens=4))
-    monkeypatch.setattr(e.lm, "max_context", plain.prompt_tokens + 4 + 8 + 100)  # room for one passage or two, not three
+    # room for one passage or two, not three
+    monkeypatch.setattr(e.lm, "max_context", plain.prompt_tokens + 4 + 8 + 100)
     a = ask(e, "corpus", Q, mode="cag+rag", k=3, max_tokens=4)
     assert 0 < sum(p["quoted"] for p in a.passages) < 3 and "fit the context" in a.warnings[-1]
 

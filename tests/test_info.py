@@ -45,12 +45,15 @@ def test_info_names_the_shape_and_the_decode_path(tiny_model_dir, monkeypatch):
     assert d == d | {"model": str(tiny_model_dir), "model_type": "llama", "class": "LlamaForCausalLM", "layers": 2,
                      "heads": 4, "kv_heads": 2, "head_dim": 16, "context": 4096, "dtype": "float32", "device": "cpu",
                      "weights": "fp32", "kernels": "torch", "step": "fast", "step_reason": None, "native": "none",
-                     "kv_dtype": "float16", "kv_bytes_per_token": 2 * 2 * 2 * 16 * 2}  # K and V x layers x K/V heads x D x 2 bytes
+                     # K and V x layers x K/V heads x D x 2 bytes
+                     "kv_dtype": "float16", "kv_bytes_per_token": 2 * 2 * 2 * 16 * 2}
     assert "heads of 16" in d["kernels_reason"] and d["parameters"] > 0
     r = cag("info", "--model", str(tiny_model_dir))
     assert r.exit_code == 0, r.output
     lines = r.stdout.splitlines()
-    assert lines[0].startswith("model:") and any(line.startswith("decode:   fast step, torch's kernels") for line in lines)
+    assert lines[0].startswith("model:") and any(
+        line.startswith("decode:   fast step, torch's kernels") for line in lines
+    )
     assert any("256 B per token (float16 K/V)" in line for line in lines)
 
 
@@ -59,7 +62,13 @@ def test_info_names_cags_kernels_and_the_one_call_layers(tiny64_model_dir, monke
         pytest.skip(f"cag's kernels cannot run here: {why}")
     monkeypatch.setenv("CAG_WEIGHTS", "int4")
     d = info("--model", str(tiny64_model_dir))
-    assert (d["weights"], d["kernels"], d["step"], d["native"], d["kv_dtype"]) == ("int4", "avx512", "fast", "layers", "bfloat16")
+    assert (d["weights"], d["kernels"], d["step"], d["native"], d["kv_dtype"]) == (
+        "int4",
+        "avx512",
+        "fast",
+        "layers",
+        "bfloat16",
+    )
 
 
 def test_a_model_the_step_does_not_cover_says_forward_and_why(phi2_dir, small_corpus):
@@ -95,11 +104,21 @@ def test_the_api_names_the_decode_path(tiny_model_dir, small_corpus, monkeypatch
     assert want["step"] == "fast" and want["weights"] == "fp32"
     with app_client(engine) as c:
         assert c.get("/health").json()["decode"] == want
-        asked = c.post("/v1/ask", json={"corpus": "notes", "question": "Who keeps the lighthouse?", "max_tokens": 4}).json()
+        asked = c.post(
+            "/v1/ask", json={"corpus": "notes", "question": "Who keeps the lighthouse?", "max_tokens": 4}
+        ).json()
         assert {k: v for k, v in asked["decode"].items() if v is not None} == want
-        with c.stream("POST", "/v1/ask", json={"corpus": "notes", "question": "Who?", "max_tokens": 3, "stream": True}) as r:
+        with c.stream(
+            "POST", "/v1/ask", json={"corpus": "notes", "question": "Who?", "max_tokens": 3, "stream": True}
+        ) as r:
             (answer,) = [json.loads(data) for name, data in sse_events(r) if name == "answer"]
         assert answer["decode"]["step"] == "fast"
-        chat = c.post("/v1/chat/completions", json={"model": "notes", "max_tokens": 4,
-                                                     "messages": [{"role": "user", "content": "Who keeps the lighthouse?"}]}).json()
+        chat = c.post(
+            "/v1/chat/completions",
+            json={
+                "model": "notes",
+                "max_tokens": 4,
+                "messages": [{"role": "user", "content": "Who keeps the lighthouse?"}],
+            },
+        ).json()
         assert {k: v for k, v in chat["cag"]["decode"].items() if v is not None} == want

@@ -36,7 +36,9 @@ PROBE = textwrap.dedent("""
 
 
 def probe(*args: str) -> dict:
-    r = subprocess.run([sys.executable, "-c", PROBE, *args], capture_output=True, text=True, env=os.environ, timeout=120)
+    r = subprocess.run(
+        [sys.executable, "-c", PROBE, *args], capture_output=True, text=True, env=os.environ, timeout=120
+    )
     assert r.returncode == 0, r.stderr
     return json.loads(r.stdout.strip().splitlines()[-1])
 

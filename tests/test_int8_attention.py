@@ -136,6 +136,10 @@ def test_heads_of_80_are_read_as_one_block_a_head():
     with pytest.raises(RuntimeError, match="one a head of 80"):
         torch.ops.cag.pair_kv8(k16[0], s16[0], k16[0], s16[0])
     with pytest.raises(RuntimeError, match="int8 K/V: head dim 64, 80, 96, 128 or 256"):
-        torch.ops.cag.pair_kv8(k16[0][..., :48].contiguous(), s16[0][..., :3].contiguous(), k16[0][..., :48].contiguous(),
-                               s16[0][..., :3].contiguous())
+        torch.ops.cag.pair_kv8(
+            k16[0][..., :48].contiguous(),
+            s16[0][..., :3].contiguous(),
+            k16[0][..., :48].contiguous(),
+            s16[0][..., :3].contiguous(),
+        )
     assert native.INT8_HEAD_DIMS == native.HEAD_DIMS and 80 in native.INT8_HEAD_DIMS

@@ -85,14 +85,17 @@ def test_int8_snapshot_file_engine_and_bound_against_fp16(tiny_model_dir, small_
             err = (y.float() - x.float()).abs().reshape(*x.shape[:-1], -1, block)
             if layer == 0:  # before any attention: the fp16 state quantized, within half a step
                 assert (err <= 0.5 * step * 1.01 + 2e-3 * x.float().abs().reshape(err.shape) + 1e-6).all()
-            else:  # later rows attended to the int8 keys before them (kv_cache.prefill_knowledge): close, not within a step
+            # later rows attended to the int8 keys before them (kv_cache.prefill_knowledge): close, not within a step
+            else:
                 assert float((y.float() - x.float()).norm() / x.float().norm()) < 0.05
     got = int8.answer(Query("c", Q, max_tokens=8))
     assert got.snapshot == b.snapshot and got.cached_tokens == b.n_tokens and got.completion_tokens > 0
     assert int8.answer(Query("c", Q, max_tokens=8)).token_ids == got.token_ids  # deterministic, snapshot unpolluted
 
 
-def test_int8_refresh_stores_what_a_rebuild_stores_for_the_kept_documents(tiny_model_dir, small_corpus, tmp_path, monkeypatch):
+def test_int8_refresh_stores_what_a_rebuild_stores_for_the_kept_documents(
+    tiny_model_dir, small_corpus, tmp_path, monkeypatch
+):
     eng = _engine(tiny_model_dir, monkeypatch, tmp_path / "h", "int8")
     eng.ingest(str(small_corpus), name="c")
     (small_corpus / "c.md").write_text("The bakery on Quay Street sells rye bread on Fridays now.\n")

@@ -129,7 +129,9 @@ async def check_tools(client, url: str) -> None:
         assert r.status_code == status_code and message == r.json()["error"]["message"], args
     assert message.startswith(f"question is {MAX_CHARS + 1} characters")
     # ... and the engine's own, where the REST schema refuses first (as `cag ask` prints them)
-    message = tool_error(await client.call_tool("ask_corpus", {"corpus": "notes", "question": QUESTION, "mode": "bogus"}))
+    message = tool_error(
+        await client.call_tool("ask_corpus", {"corpus": "notes", "question": QUESTION, "mode": "bogus"})
+    )
     assert message.startswith("unknown mode 'bogus'") and "\n" not in message
     assert tool_error(await client.call_tool("ask_corpus", {"corpus": "notes", "question": QUESTION,
                                                             "max_tokens": 0})) == "max_tokens must be at least 1"
@@ -154,8 +156,12 @@ def test_http_tools_answer_as_the_rest_api(served, mode):
 
 def test_http_needs_a_key_when_keys_are_set(served):
     url, _, _ = served
-    init = {"jsonrpc": "2.0", "id": 1, "method": "initialize",
-            "params": {"protocolVersion": "2025-06-18", "capabilities": {}, "clientInfo": {"name": "t", "version": "0"}}}
+    init = {
+        "jsonrpc": "2.0",
+        "id": 1,
+        "method": "initialize",
+        "params": {"protocolVersion": "2025-06-18", "capabilities": {}, "clientInfo": {"name": "t", "version": "0"}},
+    }
     headers = {"Accept": "application/json, text/event-stream"}
     for auth in ({}, {"Authorization": "Bearer wrong-key"}, {"Authorization": f"Basic {KEY}"}):
         r = httpx.post(f"{url}/mcp", json=init, headers={**headers, **auth}, timeout=30)

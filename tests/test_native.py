@@ -60,7 +60,10 @@ def case(B, R, n, lens, D=64, H=2, S=4, room=300, seed=0):
     g = torch.Generator().manual_seed(seed)
     q = torch.randn(B, H, R, D, generator=g)
     kp, vp = (torch.randn(H, n, D, generator=g) * 2).bfloat16(), torch.randn(H, n, D, generator=g).bfloat16()
-    ks, vs = (torch.randn(S, H, room, D, generator=g) * 2).bfloat16(), torch.randn(S, H, room, D, generator=g).bfloat16()
+    ks, vs = (
+        (torch.randn(S, H, room, D, generator=g) * 2).bfloat16(),
+        torch.randn(S, H, room, D, generator=g).bfloat16(),
+    )
     slots = torch.tensor([(3 * b + 1) % S for b in range(B)])
     return q, kp, vp, ks, vs, slots, torch.tensor(lens)
 
@@ -102,7 +105,8 @@ def test_kernel_computes_attention(request, kernel, B, R, n, lens, D):
     assert (got.double() - want).abs().max() < 2e-2  # probabilities rounded to bf16, as torch's flash kernel does
 
 
-@pytest.mark.parametrize("R,D", [(3, 64), (1, 64), (1, 80), (3, 96), (1, 128)])  # R 1: no GQA; a request alone is one row an item
+# R 1: no GQA; a request alone is one row an item
+@pytest.mark.parametrize("R,D", [(3, 64), (1, 64), (1, 80), (3, 96), (1, 128)])
 def test_rows_never_depend_on_the_batch(request, kernel, R, D):
     """Each request alone, and in another order, gets the bits it gets in the batch (the AVX2 kernel takes
     an item's rows two at a time: a row alone, paired and last are all the same bits)."""
@@ -155,7 +159,7 @@ def test_a_pre_paired_prefix_gives_the_same_bits(library, B, R, n, lens, D):
         if vbits is not None:
             assert vt[1, 0, 7].item() & 0xFFFFFFFF == int(vbits[0]) | int(vbits[1]) << 16
     op = torch.ops.cag.decode_attention_avx512
-    assert torch.equal(op(q, kp, vp, ks, vs, slots, lens, D ** -0.5, kt, vt), op(q, kp, vp, ks, vs, slots, lens, D ** -0.5))
+    assert torch.equal(op(q, kp, vp, ks, vs, slots, lens, D**-0.5, kt, vt), op(q, kp, vp, ks, vs, slots, lens, D**-0.5))
     with pytest.raises(RuntimeError, match="pair_kv"):
         op(q, kp, vp, ks, vs, slots, lens, D ** -0.5, kt[:, :, :1].contiguous(), vt)
     with pytest.raises(RuntimeError, match="both or neither"):
@@ -260,7 +264,9 @@ def test_native_kernels_are_refused_where_decode_attends_in_float32(tiny64_model
 
 @pytest.mark.parametrize("mode", HERE)
 @pytest.mark.parametrize("weights,kv_dtype", [("bf16", "auto"), ("int4", "auto"), ("int4", "int8")])
-def test_cag_equals_full_through_the_kernels(request, tiny64_model_dir, small_corpus, monkeypatch, weights, kv_dtype, mode):
+def test_cag_equals_full_through_the_kernels(
+    request, tiny64_model_dir, small_corpus, monkeypatch, weights, kv_dtype, mode
+):
     """Decode rows run on cag's kernels (attention over bf16 K/V with heads of 64, or with the AVX-512
     kernel over an int8 snapshot's codes; the fused norm and rope, the products; the AVX2 library's
     attention, glue and int4 products): cached and uncached answers agree token for token, alone and asked together."""
@@ -329,11 +335,20 @@ def qwen2_64_dir(tiny64_model_dir, tmp_path_factory) -> Path:
     import transformers
 
     c = transformers.AutoConfig.from_pretrained(tiny64_model_dir)
-    config = transformers.Qwen2Config(vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
-                                      num_hidden_layers=c.num_hidden_layers, num_attention_heads=c.num_attention_heads,
-                                      num_key_value_heads=c.num_key_value_heads, max_position_embeddings=4096, initializer_range=0.15,
-                                      tie_word_embeddings=True, bos_token_id=c.bos_token_id, eos_token_id=c.eos_token_id,
-                                      pad_token_id=c.pad_token_id)
+    config = transformers.Qwen2Config(
+        vocab_size=c.vocab_size,
+        hidden_size=c.hidden_size,
+        intermediate_size=c.intermediate_size,
+        num_hidden_layers=c.num_hidden_layers,
+        num_attention_heads=c.num_attention_heads,
+        num_key_value_heads=c.num_key_value_heads,
+        max_position_embeddings=4096,
+        initializer_range=0.15,
+        tie_word_embeddings=True,
+        bos_token_id=c.bos_token_id,
+        eos_token_id=c.eos_token_id,
+        pad_token_id=c.pad_token_id,
+    )
     torch.manual_seed(2)
     model = transformers.Qwen2ForCausalLM(config)
     with torch.no_grad():
@@ -362,7 +377,9 @@ def _fused_engine(tiny64_model_dir, monkeypatch, weights="int4"):
 ])
 @pytest.mark.parametrize(("weights", "family"), [("int4", "llama"), ("bf16", "llama"), ("int4", "qwen2")])
 @torch.inference_mode()
-def test_a_fused_layer_is_the_separate_ops_bit_for_bit(library, tiny64_model_dir, request, monkeypatch, n, starts, which, weights, family):
+def test_a_fused_layer_is_the_separate_ops_bit_for_bit(
+    library, tiny64_model_dir, request, monkeypatch, n, starts, which, weights, family
+):
     """decode_layers (all layers in one parallel region) gives the logits and the K/V the separate ops
     give, bit for bit, over several steps (Qwen2: with its q/k/v biases)."""
     from cag.runtime.slots import PrefixKV, Slots
@@ -404,14 +421,18 @@ def test_decode_layers_refuses_bad_inputs(library, tiny64_model_dir, monkeypatch
     engine, step = _fused_engine(tiny64_model_dir, monkeypatch)
     cfg = engine.lm.model.config
     L = cfg.num_hidden_layers
-    prefix = PrefixKV([tuple(torch.zeros(1, cfg.num_key_value_heads, 20, 64, dtype=torch.bfloat16) for _ in "kv")] * L, 20)
+    prefix = PrefixKV(
+        [tuple(torch.zeros(1, cfg.num_key_value_heads, 20, 64, dtype=torch.bfloat16) for _ in "kv")] * L, 20
+    )
     slots = Slots(L, cfg.num_key_value_heads, 64, 8, 1, torch.bfloat16)
     flat = [t for i in range(L) for t in attention.paired(prefix, i)]
     h, cs, one = torch.zeros(1, cfg.hidden_size), torch.zeros(1, 64), torch.tensor([0])
     assert len(step.fused) == L
 
     def call(h=h, pos=one, k=slots.k, rows=one):
-        torch.ops.cag.decode_layers(h, step.fused, cs, cs, k, slots.v, one, pos, flat, [rows], [one], [torch.tensor([1])])
+        torch.ops.cag.decode_layers(
+            h, step.fused, cs, cs, k, slots.v, one, pos, flat, [rows], [one], [torch.tensor([1])]
+        )
 
     call()
     with pytest.raises(RuntimeError, match="float32"):
@@ -423,8 +444,13 @@ def test_decode_layers_refuses_bad_inputs(library, tiny64_model_dir, monkeypatch
     with pytest.raises(RuntimeError, match="each row once"):
         call(rows=torch.tensor([1]))
 
-    built = torch.classes.cag.DecodeWeights(heads=cfg.num_attention_heads, kv_heads=cfg.num_key_value_heads, head_dim=64,
-                                            hidden=cfg.hidden_size, scale=0.125)
+    built = torch.classes.cag.DecodeWeights(
+        heads=cfg.num_attention_heads,
+        kv_heads=cfg.num_key_value_heads,
+        head_dim=64,
+        hidden=cfg.hidden_size,
+        scale=0.125,
+    )
     layer = engine.lm.model.model.layers[0]
     f = step.fns[0]
     qkv = all_layers._packed(f.qkv_packed, bias=True)

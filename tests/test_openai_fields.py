@@ -109,7 +109,9 @@ def test_stop_cuts_the_same_tokens_answer_on_ask_and_chat(engine):
 
         # the stop completed by the last allowed token: cut, and finish_reason says stop, not length
         last = c.post("/v1/ask", json={**ask, "stop": stop, "max_tokens": n}).json()
-        assert last["answer"] == expected and last["usage"]["completion_tokens"] == n and last["finish_reason"] == "stop"
+        assert (
+            last["answer"] == expected and last["usage"]["completion_tokens"] == n and last["finish_reason"] == "stop"
+        )
         assert c.post("/v1/ask", json={**ask, "max_tokens": n}).json()["finish_reason"] == "length"
 
         # exactness: `full` (the knowledge prefilled again, no snapshot) cuts the same tokens
@@ -125,7 +127,9 @@ def test_stop_cuts_the_same_tokens_answer_on_ask_and_chat(engine):
             events = sse_events(r)
         assert "".join(json.loads(d)["text"] for e, d in events if e == "token") == expected
         assert json.loads(events[-1][1])["finish_reason"] == "stop"
-        with c.stream("POST", "/v1/chat/completions", json={**CHAT, "max_tokens": 40, "stop": [stop], "stream": True}) as r:
+        with c.stream(
+            "POST", "/v1/chat/completions", json={**CHAT, "max_tokens": 40, "stop": [stop], "stream": True}
+        ) as r:
             chunks = [json.loads(d) for _, d in sse_events(r) if d != "[DONE]"]
         assert "".join(ch["choices"][0]["delta"].get("content") or "" for ch in chunks) == expected
         assert [ch["choices"][0]["finish_reason"] for ch in chunks] == [None] * (len(chunks) - 1) + ["stop"]
@@ -157,9 +161,14 @@ def test_a_stop_sequence_is_refused_where_openai_refuses_it(engine):
         for stop in (["a", "b", "c", "d", "e"], "", [""], ["ok", 5], 5, "x" * 257):
             r = c.post("/v1/chat/completions", json={**CHAT, "stop": stop})
             assert r.status_code == 400, (stop, r.text)
-            assert r.json()["error"]["param"].startswith("stop") and r.json()["error"]["type"] == "invalid_request_error"
+            assert (
+                r.json()["error"]["param"].startswith("stop") and r.json()["error"]["type"] == "invalid_request_error"
+            )
         assert c.post("/v1/ask", json={"corpus": "notes", "question": "q", "stop": ["a"] * 5}).status_code == 400
-        assert c.post("/v1/chat/completions", json={**CHAT, "max_tokens": 2, "stop": ["a", "b", "c", "d"]}).status_code == 200
+        assert (
+            c.post("/v1/chat/completions", json={**CHAT, "max_tokens": 2, "stop": ["a", "b", "c", "d"]}).status_code
+            == 200
+        )
         assert c.post("/v1/chat/completions", json={**CHAT, "max_tokens": 2, "stop": None}).status_code == 200
 
 
@@ -210,13 +219,35 @@ def test_content_as_text_parts_is_read_and_other_parts_refused(engine):
     with app_client(engine) as c:
         joined = c.post("/v1/chat/completions", json={**CHAT, "max_tokens": 8, "messages": [
             {"role": "user", "content": "Who keeps\nthe lighthouse?"}]}).json()
-        parts = c.post("/v1/chat/completions", json={**CHAT, "max_tokens": 8, "messages": [
-            {"role": "system", "content": [{"type": "text", "text": "Be brief."}]},
-            {"role": "user", "content": [{"type": "text", "text": "Who keeps"}, {"type": "text", "text": "the lighthouse?"}]}]})
+        parts = c.post(
+            "/v1/chat/completions",
+            json={
+                **CHAT,
+                "max_tokens": 8,
+                "messages": [
+                    {"role": "system", "content": [{"type": "text", "text": "Be brief."}]},
+                    {
+                        "role": "user",
+                        "content": [{"type": "text", "text": "Who keeps"}, {"type": "text", "text": "the lighthouse?"}],
+                    },
+                ],
+            },
+        )
         assert parts.status_code == 200, parts.text
         assert parts.json()["usage"]["prompt_tokens"] > joined["usage"]["prompt_tokens"]  # the system part is read
-        one = c.post("/v1/chat/completions", json={**CHAT, "max_tokens": 8, "messages": [
-            {"role": "user", "content": [{"type": "text", "text": "Who keeps"}, {"type": "text", "text": "the lighthouse?"}]}]})
+        one = c.post(
+            "/v1/chat/completions",
+            json={
+                **CHAT,
+                "max_tokens": 8,
+                "messages": [
+                    {
+                        "role": "user",
+                        "content": [{"type": "text", "text": "Who keeps"}, {"type": "text", "text": "the lighthouse?"}],
+                    }
+                ],
+            },
+        )
         assert one.json()["choices"][0]["message"]["content"] == joined["choices"][0]["message"]["content"]
         for part in ({"type": "image_url", "image_url": {"url": "data:image/png;base64,AA=="}},
                      {"type": "input_audio", "input_audio": {"data": "AA==", "format": "wav"}}):
@@ -246,7 +277,8 @@ def test_cached_tokens_on_a_sharded_corpus_add_the_kept_conversation_each_turn(t
     keeps = engine.decoder.step.flat  # cag's kernels run here (AVX-512, AMX or AVX2)
     ing = engine.ingest(str(root), name="town", shard_tokens=_shard_tokens(engine, root, 2))
     assert ing.n_shards == 2
-    question = ASKS["b-ferry.txt"] + " Please answer in one short sentence, naming the document."  # over 16 tokens: kept
+    # over 16 tokens: kept
+    question = ASKS["b-ferry.txt"] + " Please answer in one short sentence, naming the document."
     messages = [{"role": "system", "content": "Answer from the documents."}]
     turns = []
     with app_client(engine) as c:
@@ -257,7 +289,9 @@ def test_cached_tokens_on_a_sharded_corpus_add_the_kept_conversation_each_turn(t
             turns.append(r.json())
             messages.append({"role": "assistant", "content": r.json()["choices"][0]["message"]["content"]})
     shard = ing.shards[turns[0]["cag"]["shards"][0]["shard"]]["n_tokens"]
-    assert shard < ing.n_tokens and all(t["cag"]["shards"][0]["shard"] == turns[0]["cag"]["shards"][0]["shard"] for t in turns)
+    assert shard < ing.n_tokens and all(
+        t["cag"]["shards"][0]["shard"] == turns[0]["cag"]["shards"][0]["shard"] for t in turns
+    )
     prompt = [t["usage"]["prompt_tokens"] for t in turns]
     cached = [t["usage"]["prompt_tokens_details"]["cached_tokens"] for t in turns]
     split = [t["cag"]["cached_tokens"] for t in turns]
@@ -293,8 +327,16 @@ def test_stop_through_the_openai_client(served):
     c = client.chat.completions.create(model="notes", max_tokens=40, messages=messages, stop=["\u2603\u2603", stop])
     assert c.choices[0].message.content == expected
 
-    chunks = list(client.chat.completions.create(model="notes", max_tokens=40, messages=messages, stop=[stop], stream=True,
-                                                 stream_options={"include_usage": True}))
+    chunks = list(
+        client.chat.completions.create(
+            model="notes",
+            max_tokens=40,
+            messages=messages,
+            stop=[stop],
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     pieces = [ch.choices[0].delta.content or "" for ch in chunks if ch.choices]
     assert "".join(pieces) == expected  # nothing of the stop sequence was ever sent
     assert all(expected.startswith("".join(pieces[: i + 1])) for i in range(len(pieces)))

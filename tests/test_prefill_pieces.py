@@ -15,7 +15,9 @@ from cag.engine import Engine
 from cag.kernels import native
 
 WORDS = "the lighthouse keeper lights the lamp at dusk and the ferry leaves the harbour at seven ".split()
-LONG = [{"role": "user", "content": " ".join(WORDS[i % len(WORDS)] for i in range(400)) + "\nWho keeps the lighthouse?"}]
+LONG = [
+    {"role": "user", "content": " ".join(WORDS[i % len(WORDS)] for i in range(400)) + "\nWho keeps the lighthouse?"}
+]
 
 
 def _engine(request, monkeypatch, small_corpus, model: str, weights: str, chunk: int) -> Engine:
@@ -36,8 +38,14 @@ def test_a_long_prompt_in_pieces_is_exact_alone_batched_and_full(request, monkey
     assert pieces.prompt_tokens - pieces.cached_tokens > 10 * 16  # many pieces
     full = e.answer(Query("corpus", None, messages=LONG, max_tokens=12, mode="full"))
     out: dict = {}
-    threads = [threading.Thread(target=lambda i=i: out.update({i: e.answer(Query("corpus", None, messages=LONG, max_tokens=12, mode=("cag", "full")[i % 2]))}))
-               for i in range(4)]
+    threads = [
+        threading.Thread(
+            target=lambda i=i: out.update(
+                {i: e.answer(Query("corpus", None, messages=LONG, max_tokens=12, mode=("cag", "full")[i % 2]))}
+            )
+        )
+        for i in range(4)
+    ]
     for t in threads:
         t.start()
     for t in threads:

@@ -1,6 +1,6 @@
-"""cag.kernels.native's weight products for decode rows (int4 as GGUF Q4_1 holds it, int8 groups as Q8_0
-holds it for int4's LM head, bf16): the products they compute, rows whose bits never depend on the other rows of a call or on the threads, the int4 layout,
-and bad inputs. Skipped with the reason where the library cannot be built here."""
+"""cag.kernels.native's weight products for decode rows (int4 as GGUF Q4_1 holds it, int8 groups as Q8_0 holds it for
+int4's LM head, bf16): the products they compute, rows whose bits never depend on the other rows of a call or on the
+threads, the int4 layout, and bad inputs. Skipped with the reason where the library cannot be built here."""
 
 from __future__ import annotations
 
@@ -126,7 +126,8 @@ def test_rows_never_depend_on_the_call_or_the_threads(kind):
 
 
 def test_stacked_columns_equal_separate_matrices():
-    """A layer's q/k/v share one packed stack (cag.model.stacked_products): each column comes out as from its own matrix."""
+    """A layer's q/k/v share one packed stack (cag.model.stacked_products): each column comes out as from its own
+    matrix."""
     a, b = weight(192, 576, 1), weight(64, 576, 2)
     x = torch.randn(3, 576).bfloat16()
     stacked = torch.ops.cag.int4_mm(x, *layouts.pack_int4(torch.cat([a, b])))
@@ -165,7 +166,9 @@ def test_panels_give_the_whole_rows_bits():
     g = torch.Generator().manual_seed(5)
     for w in (weight(300, 8192, 4), q4_0_weight(300, 8192, 4)):
         qw, dm = layouts.pack_int4_native(w)
-        whole = layouts.to_panels(qw.permute(1, 0, 2).reshape(300, -1), dm.permute(1, 2, 0, 3).reshape(300, dm.shape[2], -1), 1)
+        whole = layouts.to_panels(
+            qw.permute(1, 0, 2).reshape(300, -1), dm.permute(1, 2, 0, 3).reshape(300, dm.shape[2], -1), 1
+        )
         assert qw.shape == (2, 300, 2048) and dm.shape[:2] == (2, 300) and dm.shape[3] == 128
         assert torch.equal(whole[0], layouts.pack_int4(w)[0])
         for m in (1, 3, 8, 11, 70):

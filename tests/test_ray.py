@@ -133,7 +133,9 @@ def test_openai_client_gets_the_same_answer_as_cag_ask(served):
     assert r.returncode == 0, r.stderr
     want = json.loads(r.stdout)["answer"]
     client = OpenAI(base_url=f"{srv.url}/v1", api_key="unused", max_retries=0)
-    got = client.chat.completions.create(model="alpha", messages=[{"role": "user", "content": Q["alpha"]}], max_tokens=8)
+    got = client.chat.completions.create(
+        model="alpha", messages=[{"role": "user", "content": Q["alpha"]}], max_tokens=8
+    )
     assert got.choices[0].message.content == want
     assert got.usage.prompt_tokens_details.cached_tokens > 0  # answered from the snapshot, on a replica
     pieces = client.chat.completions.create(model="alpha", messages=[{"role": "user", "content": Q["alpha"]}],
@@ -168,7 +170,9 @@ def test_questions_are_routed_by_corpus(served):
         answered = {r: s["answers"][corpus] for r, s in stats.items() if s["answers"].get(corpus)}
         # loaded on one replica, not on every one, and every question on it went there
         assert len(holders) == 1 and holders[0] in answered, stats
-        assert answered[holders[0]] >= 7 and sum(s["loads"][corpus] for s in stats.values() if corpus in s["loads"]) == 1
+        assert (
+            answered[holders[0]] >= 7 and sum(s["loads"][corpus] for s in stats.values() if corpus in s["loads"]) == 1
+        )
     # which replica a new corpus lands on is Serve's choice (the one holding the fewest, as the controller
     # last heard): not asserted, it was one corpus per replica in some runs and both on one in others
 

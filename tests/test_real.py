@@ -30,7 +30,9 @@ def test_real_model_cag_equals_full_token_for_token(real_engine):
 
 def test_cli_end_to_end_in_a_subprocess(cag_home, models_dir):
     env = dict(os.environ, CAG_HOME=str(cag_home), CAG_MODELS_DIR=str(models_dir))
-    run = lambda *a: subprocess.run([sys.executable, "-m", "cag", *a], env=env, capture_output=True, text=True, timeout=600)  # noqa: E731
+    run = lambda *a: subprocess.run(  # noqa: E731
+        [sys.executable, "-m", "cag", *a], env=env, capture_output=True, text=True, timeout=600
+    )
     ing = run("ingest", str(HANDBOOK), "--json")
     assert ing.returncode == 0, ing.stderr
     info = json.loads(ing.stdout)

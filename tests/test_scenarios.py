@@ -23,9 +23,12 @@ pytestmark = pytest.mark.real
 
 TURN2 = [
     {"role": "user", "content": "Who approves travel?"},
-    {"role": "assistant", "content": "The company accepts travel as a normal part of the job. The company has a policy of "
-     "allowing travel to and from the office, and they also have a policy of allowing travel to and from the beach.\n\n"
-     "The company also accepts travel to and from the ship, and they have a policy of allowing travel to and"},
+    {
+        "role": "assistant",
+        "content": "The company accepts travel as a normal part of the job. The company has a policy of allowing "
+        "travel to and from the office, and they also have a policy of allowing travel to and from the beach.\n\n"
+        "The company also accepts travel to and from the ship, and they have a policy of allowing travel to and",
+    },
     {"role": "user", "content": "And what is the limit for that?"},
 ]
 

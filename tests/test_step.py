@@ -17,7 +17,8 @@ from tests.cpu import formats, needs_bf16
 
 PROMPT = list(range(3, 43))  # 40 token ids, any will do on a random model
 QUESTION = list(range(50, 62))  # a question's 12 tokens
-TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2.5e-1}  # logits, absolute (bf16: roundings compound over the steps of the chaotic tiny model)
+# logits, absolute (bf16: roundings compound over the steps of the chaotic tiny model)
+TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2.5e-1}
 
 
 def one_part(step, toks, prefixes, slots, starts, buffers, all_logits=False):
@@ -36,7 +37,11 @@ def forward_step(model, cache, tok: int, pos: int) -> torch.Tensor:
 
 def shapes(model) -> tuple[int, int, int]:
     c = model.config
-    return c.num_hidden_layers, c.num_key_value_heads, getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    return (
+        c.num_hidden_layers,
+        c.num_key_value_heads,
+        getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads,
+    )
 
 
 def prefix_of(model, ids=PROMPT) -> PrefixKV:
@@ -114,7 +119,14 @@ def test_lean_step_uses_the_packed_weights(tiny_model_dir, models_dir, fmt):
     with torch.inference_mode():
         for name, m in (("packed", model), ("fp32", plain)):
             prefix, slots = prefix_of(m), new_slots(m)
-            one_part(lean.for_model(m), torch.tensor([QUESTION] * 2), [prefix] * 2, torch.tensor([0, 1]), torch.tensor([0, 0]), slots)
+            one_part(
+                lean.for_model(m),
+                torch.tensor([QUESTION] * 2),
+                [prefix] * 2,
+                torch.tensor([0, 1]),
+                torch.tensor([0, 0]),
+                slots,
+            )
             out[name] = one_part(lean.for_model(m), torch.tensor([[7], [9]]), [prefix] * 2, torch.tensor([0, 1]),
                                                   torch.tensor([len(QUESTION)] * 2), slots)  # (2, V)
     assert not torch.equal(out["packed"], out["fp32"])
@@ -136,7 +148,14 @@ def test_a_batch_gives_each_request_what_it_gets_alone(tiny_model_dir, models_di
         one_part(built, torch.tensor([q]), [p], torch.tensor([s]), torch.tensor([0]), alone)
         one_part(built, torch.tensor([q]), [p], torch.tensor([s]), torch.tensor([0]), batch)
         want.append(one_part(built, torch.tensor([[5]]), [p], torch.tensor([s]), torch.tensor([len(q)]), alone)[0])
-    got = one_part(built, torch.tensor([[5]] * 3), prefixes, torch.tensor(slot_ids), torch.tensor([len(q) for q in questions]), batch)
+    got = one_part(
+        built,
+        torch.tensor([[5]] * 3),
+        prefixes,
+        torch.tensor(slot_ids),
+        torch.tensor([len(q) for q in questions]),
+        batch,
+    )
     for i, q in enumerate(questions):
         assert torch.allclose(got[i], want[i], atol=1e-4, rtol=0), (got[i] - want[i]).abs().max()
         s = slot_ids[i]
@@ -162,7 +181,8 @@ def _family(name: str):
         rope = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
                 "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
         model = transformers.LlamaForCausalLM(transformers.LlamaConfig(rope_parameters=rope, **common))
-    else:  # Phi-2: partial rotary, parallel attention and MLP, LayerNorm (tests/test_families.py: the families it covers)
+    # Phi-2: partial rotary, parallel attention and MLP, LayerNorm (tests/test_families.py: the families it covers)
+    else:
         model = transformers.PhiForCausalLM(transformers.PhiConfig(**common))
     model.eval()
     prefill_attention.install(model)
@@ -183,14 +203,18 @@ def test_the_support_check_decides_the_path(tiny_engine, small_corpus, monkeypat
     """With the check refusing, the engine answers through the transformers forward over a copy of
     the prefix: the same tokens as the batched step's, and the step never runs."""
     tiny_engine.ingest(str(small_corpus))
-    batched = [tiny_engine.answer(Query("corpus", q, max_tokens=12)).token_ids for q in ("Who keeps the lighthouse?", "When?")]
+    batched = [
+        tiny_engine.answer(Query("corpus", q, max_tokens=12)).token_ids for q in ("Who keeps the lighthouse?", "When?")
+    ]
     assert tiny_engine.decoder.batched and len(set(map(tuple, batched))) == 2
     model = tiny_engine.lm.model
     model.__dict__.pop(lean.ATTR, None)
     tiny_engine._decoder = None
     monkeypatch.setattr(lean, "why_not", lambda m: "refused for the test")
     monkeypatch.setattr(lean.LeanStep, "run", lambda *a: pytest.fail("the batched step ran"))
-    fallback = [tiny_engine.answer(Query("corpus", q, max_tokens=12)).token_ids for q in ("Who keeps the lighthouse?", "When?")]
+    fallback = [
+        tiny_engine.answer(Query("corpus", q, max_tokens=12)).token_ids for q in ("Who keeps the lighthouse?", "When?")
+    ]
     assert not tiny_engine.decoder.batched
     assert fallback == batched
 
@@ -214,10 +238,15 @@ def test_swapped_modules_rebuild_the_step(tiny_model_dir, models_dir):
     second = lean.for_model(model)
     assert second is not first and second.current(model)
     a = model.model.layers[0].self_attn
-    assert isinstance(a.q_proj, weights.FastLinear) and stacked_products.group_of(a.q_proj, a.k_proj, a.v_proj) is a.q_proj.packs
+    assert (
+        isinstance(a.q_proj, weights.FastLinear)
+        and stacked_products.group_of(a.q_proj, a.k_proj, a.v_proj) is a.q_proj.packs
+    )
     x = torch.randn(2, a.q_proj.in_features)
     with torch.inference_mode():  # the step's q/k/v: one product over the stacked packed weights, columns as apart
-        assert all(torch.equal(got, m.decode(x)) for got, m in zip(second.fns[0].qkv(x), (a.q_proj, a.k_proj, a.v_proj)))
+        assert all(
+            torch.equal(got, m.decode(x)) for got, m in zip(second.fns[0].qkv(x), (a.q_proj, a.k_proj, a.v_proj))
+        )
 
 
 @torch.inference_mode()

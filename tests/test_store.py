@@ -274,7 +274,8 @@ def test_of_two_ingests_racing_on_one_corpus_the_second_is_refused_not_lost(s3, 
     a, c = machine(tmp_path, "a"), machine(tmp_path, "c")
     first = a.ingest(str(small_corpus), name="corpus")
     (small_corpus / "c.md").write_text("The bakery on Quay Street sells rye bread on Fridays now.\n")
-    plan = steps.read(c.index, c.remote, c.settings, "corpus", small_corpus, None, None)  # c reads the ref: generation 1
+    # c reads the ref: generation 1
+    plan = steps.read(c.index, c.remote, c.settings, "corpus", small_corpus, None, None)
     steps.pack_shards(c.snapshots(), plan)
     (small_corpus / "b.txt").write_text("The ferry leaves the harbour at 9:00 now.\n")
     won = a.ingest("corpus")  # a publishes generation 2 meanwhile
@@ -300,7 +301,9 @@ def test_the_store_flag_and_a_bad_store_url(s3, small_corpus, tmp_path, monkeypa
     assert cli(tmp_path / "c", "ask", "corpus", Q).exit_code == 1  # no store: c knows no such corpus
     bad = cli(tmp_path / "c", "ask", "corpus", Q, "--store", "http://not-s3/x")
     assert bad.exit_code == 1 and bad.stderr.strip() == (
-        "error: bad setting store='http://not-s3/x': use s3://bucket or s3://bucket/prefix (unset: snapshots stay in CAG_HOME)")
+        "error: bad setting store='http://not-s3/x': use s3://bucket or s3://bucket/prefix (unset: snapshots stay in "
+        "CAG_HOME)"
+    )
 
 
 def test_a_damaged_cache_file_is_refused_then_fetched_again_from_the_store(s3, small_corpus, tmp_path):
@@ -314,7 +317,8 @@ def test_a_damaged_cache_file_is_refused_then_fetched_again_from_the_store(s3, s
     b = machine(tmp_path, "b")
     with pytest.raises(SnapshotCorrupt, match="checksum"):
         b.answer(Query("corpus", Q, max_tokens=8))  # never served
-    healed = machine(tmp_path, "b").answer(Query("corpus", Q, max_tokens=8))  # the next question fetches the store's copy
+    # the next question fetches the store's copy
+    healed = machine(tmp_path, "b").answer(Query("corpus", Q, max_tokens=8))
     assert healed.token_ids == want
     assert cached.read_bytes() == RemoteStore(URL).fs.cat(f"cag-test/{RemoteStore(URL).blob_key(r.snapshot)}")
     assert machine(tmp_path, "b").index.snapshot(r.snapshot)["status"] == "ready"

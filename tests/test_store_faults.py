@@ -136,7 +136,10 @@ def test_a_damaged_blob_that_kept_its_digest_is_healed_by_the_command_its_error_
     assert store._exists(store.failed_key(r.snapshot))  # b's report: the blob's own claim is not trusted now
     healed = cli(tmp_path / "a", *command.split()[1:])  # on the machine that holds a good copy
     assert healed.exit_code == 0, (healed.stderr, healed.exception)
-    assert store.fs.cat(f"{store.bucket}/{store.blob_key(r.snapshot)}") == snapshot_path(tmp_path / "a", r.snapshot).read_bytes()
+    assert (
+        store.fs.cat(f"{store.bucket}/{store.blob_key(r.snapshot)}")
+        == snapshot_path(tmp_path / "a", r.snapshot).read_bytes()
+    )
     assert not store._exists(store.failed_key(r.snapshot))  # answered: the next ingest skips the upload again
     fresh = cli(tmp_path / "c", "ask", "corpus", Q, "--max-tokens", "6", "--json")  # a machine that never saw it
     assert fresh.exit_code == 0, fresh.stderr

@@ -11,7 +11,14 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-FOLDERS = {"cag": "cag", "store": "cag.store", "api": "cag.api", "cli": "cag.cli", "rag": "cag.rag", "compare": "cag.compare"}
+FOLDERS = {
+    "cag": "cag",
+    "store": "cag.store",
+    "api": "cag.api",
+    "cli": "cag.cli",
+    "rag": "cag.rag",
+    "compare": "cag.compare",
+}
 
 
 def _modules() -> dict[str, Path]:
@@ -125,14 +132,20 @@ def _upward(graph: dict[str, set[str]]) -> list[str]:
             if dep.startswith(BASE) or dep == "cag":
                 continue
             rank = _rank(dep)
-            if rank is None or rank > _rank(name) or (rank == _rank(name) and dep.split(".")[:2] != name.split(".")[:2]):
+            if (
+                rank is None
+                or rank > _rank(name)
+                or (rank == _rank(name) and dep.split(".")[:2] != name.split(".")[:2])
+            ):
                 wrong.append(f"{name} -> {dep}")
     return wrong
 
 
 def test_the_rooms_of_cag_point_down():
     mods = _modules()
-    assert {_rank(m) for m in mods if _rank(m) is not None} == set(range(len(ROOMS))), "a room is empty: the walk is broken"
+    assert {_rank(m) for m in mods if _rank(m) is not None} == set(range(len(ROOMS))), (
+        "a room is empty: the walk is broken"
+    )
     assert _upward({name: _imports(name, path, set(mods)) for name, path in mods.items()}) == []
 
 
@@ -195,7 +208,9 @@ def _kernel_names(path: Path) -> list[int]:
 def test_kernel_names_are_compared_only_where_the_backend_is_resolved():
     """What a model decodes on is a Backend object (cag.kernels.backends): no module outside the resolvers
     compares or passes a kernel's name as a string."""
-    found = {name: lines for name, path in _modules().items() if name not in RESOLVERS and (lines := _kernel_names(path))}
+    found = {
+        name: lines for name, path in _modules().items() if name not in RESOLVERS and (lines := _kernel_names(path))
+    }
     assert not found, f"kernel names as strings outside cag.kernels.backends: {found}"
 
 

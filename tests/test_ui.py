@@ -2,10 +2,10 @@
 selenium through Debian's chromedriver (no browser download), against a real `cag serve` on
 loopback with the tiny model, API keys on. One server and one browser for the module.
 
-What the page sent is read from the browser's own network log (chromedriver's performance log),
-what the server did from /metrics, what it keeps (conversations, settings) from its localStorage;
-a broken stream and hostile answers are made by wrapping the page's own fetch in the browser. Skipped, with the reason, where Chromium or chromedriver is
-missing (.ci/run installs them).
+What the page sent is read from the browser's own network log (chromedriver's performance log), what the server did from
+/metrics, what it keeps (conversations, settings) from its localStorage; a broken stream and hostile answers are made by
+wrapping the page's own fetch in the browser. Skipped, with the reason, where Chromium or chromedriver is missing
+(.ci/run installs them).
 
 `CAG_UI_SCREENSHOT=PATH` also writes the page's screenshot there (it is always written to a temp
 path). The README's screenshot, docs/images/chat.png, comes from the real model on the handbook:
@@ -226,8 +226,10 @@ class Page:
         try:
             return WebDriverWait(self.d, timeout, poll_frequency=0.05).until(lambda _: what(), message)
         except TimeoutException:  # say what the page showed
-            raise AssertionError(f"{message or 'timed out'}; the page showed:\n{self.js('return document.body.innerText')}"
-                                 f"\nbrowser log: {self.d.get_log('browser')[-10:]}") from None
+            raise AssertionError(
+                f"{message or 'timed out'}; the page showed:\n{self.js('return document.body.innerText')}\nbrowser "
+                f"log: {self.d.get_log('browser')[-10:]}"
+            ) from None
 
     def el(self, css: str):
         from selenium.webdriver.common.by import By
@@ -235,7 +237,9 @@ class Page:
         return self.d.find_element(By.CSS_SELECTOR, css)
 
     def visible(self, css: str) -> bool:
-        return bool(self.js("const e = document.querySelector(arguments[0]); return !!e && !e.closest('[hidden]')", css))
+        return bool(
+            self.js("const e = document.querySelector(arguments[0]); return !!e && !e.closest('[hidden]')", css)
+        )
 
     def open(self, key: str | None = KEY, clear: bool = True) -> None:
         """Load the page (by default with nothing kept in the browser: no conversations, no
@@ -302,7 +306,9 @@ class Page:
 
     def stored(self) -> str:
         """Everything the page keeps in the browser, as one string."""
-        return self.js("return JSON.stringify({...localStorage}) + JSON.stringify({...sessionStorage}) + document.cookie")
+        return self.js(
+            "return JSON.stringify({...localStorage}) + JSON.stringify({...sessionStorage}) + document.cookie"
+        )
 
     def count_renders(self) -> None:
         """From now on, window.__renders counts the times an answer's text is (re)rendered in place."""
@@ -315,7 +321,10 @@ class Page:
         """Wait until the n-th answer is finished (its meta line or a failure shows); return it."""
         def done():
             got = self.answers()
-            return len(got) >= n and not got[n - 1]["busy"] and (got[n - 1]["meta"] or got[n - 1]["failed"]) and got[n - 1]
+            return (
+                len(got) >= n and not got[n - 1]["busy"] and (got[n - 1]["meta"] or got[n - 1]["failed"]) and got[n - 1]
+            )
+
         return self.wait(done, timeout, f"answer {n} should finish")
 
     def chat_requests(self) -> list[dict]:
@@ -494,7 +503,9 @@ def test_the_mode_picker_asks_cag_rag_and_the_answer_says_so(page, site):
     assert meta["mode"] == "mode cag+rag"
     (sent,) = page.chat_requests()
     assert sent["body"]["mode"] == "cag+rag"
-    want = httpx.post(f"{site.url}/v1/ask", headers=AUTH, json={"corpus": "notes", "question": q, "mode": "cag+rag"}).json()
+    want = httpx.post(
+        f"{site.url}/v1/ask", headers=AUTH, json={"corpus": "notes", "question": q, "mode": "cag+rag"}
+    ).json()
     assert a["raw"] == want["answer"]
     # the sources: the passages the answer read besides the snapshot, as the server named them
     assert a["sources"] == [p["name"] for p in want["passages"] if p.get("quoted", True)] and a["sources"]
@@ -816,15 +827,19 @@ def test_copy_keyboard_and_a_phone_screen(page, site, tmp_path):
     nothing scrolls sideways and the composer is on screen; a screenshot is written."""
     from selenium.webdriver.common.keys import Keys
 
-    page.d.execute_cdp_cmd("Browser.grantPermissions", {"origin": site.url,
-                                                        "permissions": ["clipboardReadWrite", "clipboardSanitizedWrite"]})
+    page.d.execute_cdp_cmd(
+        "Browser.grantPermissions",
+        {"origin": site.url, "permissions": ["clipboardReadWrite", "clipboardSanitizedWrite"]},
+    )
     page.open()
     page.pick("notes")
     page.send("What does the bakery sell on Tuesdays?")
     a = page.answered(1)
     page.el("#log button.copy").click()
     page.wait(lambda: page.el("#log button.copy").text == "Copied")
-    clip = page.d.execute_async_script("navigator.clipboard.readText().then(arguments[0], e => arguments[0]('ERR ' + e))")
+    clip = page.d.execute_async_script(
+        "navigator.clipboard.readText().then(arguments[0], e => arguments[0]('ERR ' + e))"
+    )
     assert clip == a["raw"]  # the answer's markdown
 
     # keyboard: from the corpus picker, Tab reaches each control in order, each one visibly focused
@@ -894,7 +909,7 @@ def test_refresh_corpus_and_a_stale_badge_that_follows_the_server(page, site):
 
     page.js("""window.__job = []; new MutationObserver(() => window.__job.push(
                  document.getElementById('refresh-state').textContent))
-               .observe(document.getElementById('refresh-state'), {childList: true, characterData: true, subtree: true})""")
+               .observe(document.getElementById('refresh-state'), {childList: true, characterData: true, subtree: true})""")  # noqa: E501
     page.d.get_log("performance")
     page.el("#refresh-corpus").click()
     page.wait(lambda: page.el("#refresh-state").text.startswith("Refreshed xss"), 120, "the refresh should finish")
@@ -905,7 +920,9 @@ def test_refresh_corpus_and_a_stale_badge_that_follows_the_server(page, site):
               if json.loads(e["message"])["message"].get("method") == "Network.requestWillBeSent"]
     assert any("/v1/corpora/xss/refresh" in u for u in polled) and any("/v1/jobs/job_" in u for u in polled), polled
     assert httpx.get(f"{site.url}/v1/corpora/xss", headers=AUTH).json()["stale"] is False
-    assert ["xss", "xss"] in page.js("return [...document.querySelectorAll('#corpus option')].map(o => [o.value, o.textContent])")
+    assert ["xss", "xss"] in page.js(
+        "return [...document.querySelectorAll('#corpus option')].map(o => [o.value, o.textContent])"
+    )
 
     (site.xss / "notes.md").write_text(HOSTILE_TEXT + "A line added.\n")
     page.js("window.dispatchEvent(new Event('focus'))")

@@ -62,7 +62,9 @@ def test_stacked_fp32_weights_are_views_and_the_step_multiplies_them_once():
     before = [(m.weight.clone(), m.bias.clone()) for m in mods]
     weights.apply(attn, "fp32")
     w, b = stacked_products.stacked(*mods)
-    assert w.shape == (160, 64) and all(m.weight.untyped_storage().data_ptr() == w.untyped_storage().data_ptr() for m in mods)
+    assert w.shape == (160, 64) and all(
+        m.weight.untyped_storage().data_ptr() == w.untyped_storage().data_ptr() for m in mods
+    )
     assert all(torch.equal(m.weight, wb[0]) and torch.equal(m.bias, wb[1]) for m, wb in zip(mods, before))
     with torch.inference_mode():
         for rows in (1, 5, 18):
@@ -99,7 +101,8 @@ def test_auto_picks_a_runnable_format(tmp_path, monkeypatch):
     assert auto_weights.choose(lin, "int8") == "int8"
     fmts = ("fp32", "bf16") if layouts.bf16_packs() else ("fp32", "int8")
     assert set(auto_weights.probe(fmts)) == set(fmts)
-    monkeypatch.setattr(layouts, "bf16_packs", lambda: True)  # what follows asks what `auto` would pick with bf16 products
+    # what follows asks what `auto` would pick with bf16 products
+    monkeypatch.setattr(layouts, "bf16_packs", lambda: True)
     # bf16 hardware decides by the CPU's flags, whatever a timing probe would say or had said
     monkeypatch.setattr(auto_weights, "probe", lambda fmts, rows=1: {"fp32": 1.0, "bf16": 9.0})
     (tmp_path / "weights-auto.json").write_text("{}")
@@ -217,7 +220,9 @@ def test_a_packed_copy_that_is_the_weight_itself_adds_no_bytes():
     assert p.nbytes == 64 * 64 + w.nbytes
 
 
-def test_a_bf16_checkpoint_keeps_its_layers_in_bf16_under_packed_formats(tiny_model_dir, small_corpus, tmp_path, monkeypatch):
+def test_a_bf16_checkpoint_keeps_its_layers_in_bf16_under_packed_formats(
+    tiny_model_dir, small_corpus, tmp_path, monkeypatch
+):
     """Computed in float32, a model whose weights are all bf16 values (a bf16 checkpoint) keeps its layers'
     matrices in bf16 when decode multiplies a packed copy: the knowledge prefill widens them back exactly,
     so its snapshot is fp32's bit for bit, `cag` == `full`, and the model's own weights take half the bytes."""
@@ -245,7 +250,11 @@ def test_a_bf16_checkpoint_keeps_its_layers_in_bf16_under_packed_formats(tiny_mo
         e = Engine(get_settings(home=tmp_path / fmt))
         e.ingest(str(small_corpus))
         kv[fmt] = snapshots.load(Path(e.index.snapshot(e.index.corpus("corpus")["current_snapshot"])["path"])).kv
-        answers[fmt] = [e.answer(Query("corpus", q, mode=m, max_tokens=12)).token_ids for q in ("Who keeps the lighthouse?",) for m in ("cag", "full")]
+        answers[fmt] = [
+            e.answer(Query("corpus", q, mode=m, max_tokens=12)).token_ids
+            for q in ("Who keeps the lighthouse?",)
+            for m in ("cag", "full")
+        ]
         layer = e.lm.model.model.layers[0]
         sizes[fmt] = sum(p.nbytes for p in e.lm.model.parameters())
         if fmt != "fp32":

@@ -41,8 +41,13 @@ class ShardAnswer:
     mean_logprob: float | None  # scored only when several shards answered
 
     def info(self) -> dict:
-        return {"shard": self.shard, "snapshot": self.snapshot, "score": round(self.score, 4), "n_tokens": self.n_tokens,
-                "mean_logprob": None if self.mean_logprob is None else round(self.mean_logprob, 4)}
+        return {
+            "shard": self.shard,
+            "snapshot": self.snapshot,
+            "score": round(self.score, 4),
+            "n_tokens": self.n_tokens,
+            "mean_logprob": None if self.mean_logprob is None else round(self.mean_logprob, 4),
+        }
 
 
 def route(index: Index, remote: Shared | LocalOnly, tokenizer, corpus: str, text: str,

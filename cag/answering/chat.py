@@ -73,7 +73,9 @@ def turns_of(messages: list) -> list[Turn]:
     for i, m in enumerate(messages):
         role, content = (m.get("role"), m.get("content")) if isinstance(m, dict) else tuple(m)
         if role in ("tool", "function"):
-            raise BadInput(f"message {i}: role {role!r} is not supported: cag answers from its corpus and calls no tools")
+            raise BadInput(
+                f"message {i}: role {role!r} is not supported: cag answers from its corpus and calls no tools"
+            )
         if role not in ROLES:
             raise BadInput(f"message {i}: unknown role {role!r}; use one of {', '.join(ROLES)}")
         text = content_text(i, role, content)
@@ -88,7 +90,9 @@ def turns_of(messages: list) -> list[Turn]:
         if role == "user" and system:
             text, system = "\n\n".join([*system, text]), []
         if role == "assistant" and not turns:
-            raise BadInput(f"message {i}: the conversation starts with an assistant message; it must start with a user message")
+            raise BadInput(
+                f"message {i}: the conversation starts with an assistant message; it must start with a user message"
+            )
         if turns and turns[-1].role == role:
             turns[-1] = Turn(role, f"{turns[-1].text}\n\n{text}")
         else:

@@ -31,5 +31,6 @@ class Query:
     scope: str | None = None  # whose kept conversations it may reuse and extend (an API key's; None: the one user's)
     k: int | None = None  # rag and cag+rag: passages retrieved (None: the mode's default, retrieval.RAG_K/HYBRID_K)
     retriever: str = "bm25"  # rag and cag+rag: the retriever kind (bm25, dense where installed)
-    passage_tokens: int | None = None  # rag and cag+rag: passage size (None: the retriever's; cag+rag: CAG_QUOTE_TOKENS)
+    # rag and cag+rag: passage size (None: the retriever's; cag+rag: CAG_QUOTE_TOKENS)
+    passage_tokens: int | None = None
     search: str | None = None  # what a sharded corpus routes by, in place of the question's own text

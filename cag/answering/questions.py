@@ -58,8 +58,14 @@ def suffix_room(lm: LoadedModel) -> int:
     return -(-min(lm.max_context, MAX_SUFFIX) // 512) * 512
 
 
-def check(query: Query, settings: Settings, index: Index, remote,
-          loaded: Callable[[], tuple[LoadedModel, Layout, str]], stale_reasons: Callable[[dict], list[str]]) -> Question:
+def check(
+    query: Query,
+    settings: Settings,
+    index: Index,
+    remote,
+    loaded: Callable[[], tuple[LoadedModel, Layout, str]],
+    stale_reasons: Callable[[dict], list[str]],
+) -> Question:
     """Everything a query (a question, or a conversation: `messages`) needs before any model work; applies
     the stale policy but a refresh, which it asks of the caller (`Question.refresh`: the engine ingests).
     `remote`: the shared store (cag.store.sync). `loaded`: the model, its prompt layout and chat turn piece
@@ -95,7 +101,11 @@ def check(query: Query, settings: Settings, index: Index, remote,
         torch.set_num_threads(settings.threads)  # process-wide; the same value from every thread
     t_start += time.perf_counter() - t_load
     # one user message gives a plain question's tokens; as a conversation it may use the context's room
-    suffix = build_suffix(lm.tokenizer, layout, question) if turns is None else chat.encode(lm.tokenizer, layout, turn, turns)
+    suffix = (
+        build_suffix(lm.tokenizer, layout, question)
+        if turns is None
+        else chat.encode(lm.tokenizer, layout, turn, turns)
+    )
     if turns is None and len(suffix) > settings.question_room:
         raise TooLarge(f"question is {len(suffix)} tokens; the room left for it is {settings.question_room}")
     reasons = stale_reasons(row)
@@ -110,8 +120,19 @@ def conversation(q: Question, messages: list, mode: Mode, lm: LoadedModel, layou
     its quote in the last user message), routed by what `q` searches by. Only the new turns are read and
     tokenized: nothing is checked again."""
     turns = chat.turns_of(messages)
-    return Question(q.corpus, chat.question(turns), mode, q.row, chat.encode(lm.tokenizer, layout, turn, turns), q.decoding,
-                    q.reasons, time.perf_counter(), turns, q.scope, q.search_text)
+    return Question(
+        q.corpus,
+        chat.question(turns),
+        mode,
+        q.row,
+        chat.encode(lm.tokenizer, layout, turn, turns),
+        q.decoding,
+        q.reasons,
+        time.perf_counter(),
+        turns,
+        q.scope,
+        q.search_text,
+    )
 
 
 def fit(q: Question, n_prefix: int, max_context: int, room: int) -> None:

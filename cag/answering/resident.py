@@ -67,7 +67,8 @@ class ResidentPool:
             if res is not None:
                 self._items.move_to_end(digest)
                 self.stats["snapshot_hits"] += 1
-                self._shrink()  # a prefix grows once decoding makes its pairs (cag.runtime.attention): the budget holds then too
+                # a prefix grows once decoding makes its pairs (cag.runtime.attention): the budget holds then too
+                self._shrink()
                 return res
         res = load()
         with self._lock:

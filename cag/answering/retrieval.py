@@ -85,7 +85,10 @@ def passage_name(doc_id: str, index: int) -> str:
 def in_corpus_order(docs: Sequence[Document], hits: Hits) -> list[tuple[str, str]]:
     """(name, text) of the passages, in corpus order (documents, then passage index), as `full` lists documents."""
     order = {d.name: i for i, d in enumerate(docs)}
-    return [(passage_name(p.doc_id, p.index), p.text) for p, _ in sorted(hits, key=lambda h: (order[h[0].doc_id], h[0].index))]
+    return [
+        (passage_name(p.doc_id, p.index), p.text)
+        for p, _ in sorted(hits, key=lambda h: (order[h[0].doc_id], h[0].index))
+    ]
 
 
 def described(hits: Hits, quoted: Hits | None = None) -> list[dict]:
@@ -144,7 +147,11 @@ def messages_with_quote(question: str | None, messages: Sequence | None, text: s
     """The conversation to answer: `messages` (or the plain `question`) with the last user message (`text`,
     as checked) quoted."""
     pairs = [(m.get("role"), m.get("content")) if isinstance(m, dict) else tuple(m) for m in messages or []]
-    msgs = [{"role": r, "content": c} for r, c in pairs] if messages is not None else [{"role": "user", "content": question}]
+    msgs = (
+        [{"role": r, "content": c} for r, c in pairs]
+        if messages is not None
+        else [{"role": "user", "content": question}]
+    )
     last = max(i for i, m in enumerate(msgs) if m.get("role") == "user")
     msgs[last]["content"] = quoted(quote, text)
     return msgs

@@ -28,7 +28,8 @@ ATTR = "cag_backend"  # on a loaded model: its Backend (cag.model.loading sets i
 @dataclass(frozen=True)
 class Backend:
     name: str  # as `cag info`, /health and answers report it
-    products: str | None  # whose packed products decode rows multiply by: "avx512" (cag's library), "avx2" (its AVX2 one), None: torch's
+    # whose packed products decode rows multiply by: "avx512" (cag's library), "avx2" (its AVX2 one), None: torch's
+    products: str | None
     library: str | None  # torch.ops namespace of its attention and step glue: "cag", "cag_avx2"; None: torch's ops
     attention_op: str | None  # its decode attention op in that namespace
     all_layers: bool = False  # every decoder layer in one native call (cag.runtime.all_layers)

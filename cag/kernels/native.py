@@ -59,7 +59,15 @@ from pathlib import Path
 import torch
 
 from cag.errors import ModelError
-from cag.kernels.build_cache import UnsafeCache, _open_trusted, _sha256_fd, _write_new, digest_path, private_folder, verify  # noqa: F401 (digest_path: tests)
+from cag.kernels.build_cache import (
+    UnsafeCache,  # noqa: F401 (digest_path: tests)
+    _open_trusted,
+    _sha256_fd,
+    _write_new,
+    digest_path,
+    private_folder,
+    verify,
+)
 
 log = logging.getLogger(__name__)
 KERNELS = Path(__file__).parent  # arch/<instruction set>/ and common/ below it; the compiler's include path
@@ -84,7 +92,8 @@ HEAD_DIMS = (64, 80, 96, 128, 256)  # the head widths the attention kernels take
 # and those whose int8 snapshot codes they read (common/attention_plan.h: int8_blocks): all of them, in the snapshot's
 # blocks (store/kv_int8.py): of 32 along the head, or one a head of 80 (80 codes and one scale per key)
 INT8_HEAD_DIMS = HEAD_DIMS
-FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512_vnni")  # the library's floor (every CPU with bf16 has VNNI)
+# the library's floor (every CPU with bf16 has VNNI)
+FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512_vnni")
 TILES = ("amx_tile", "amx_bf16")  # and the AMX attention's
 _lock = threading.Lock()
 _state: dict = {}  # "fn": the loaded op, or "why": why it cannot run here (once per process)
@@ -177,8 +186,19 @@ def _build(sources: tuple[Path, ...], stem: str) -> tuple[Path, int]:
             stale.unlink(missing_ok=True)
         tmp = out.with_name(f".{out.name}.{os.getpid()}.{threading.get_ident()}")
         log.warning("cag: building cag's decode kernels for this machine (once, a few seconds)")
-        cmd = [cxx, *flags, f"-I{KERNELS}", *(f"-I{p}" for p in include_paths()), *(str(f) for f in sources if f.suffix == ".cpp"),
-               "-o", str(tmp), f"-L{lib}", "-lc10", "-ltorch_cpu", f"-Wl,-rpath,{lib}"]
+        cmd = [
+            cxx,
+            *flags,
+            f"-I{KERNELS}",
+            *(f"-I{p}" for p in include_paths()),
+            *(str(f) for f in sources if f.suffix == ".cpp"),
+            "-o",
+            str(tmp),
+            f"-L{lib}",
+            "-lc10",
+            "-ltorch_cpu",
+            f"-Wl,-rpath,{lib}",
+        ]
         try:
             done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
             if done.returncode != 0:
@@ -236,8 +256,8 @@ def reason() -> str | None:
 
 
 def load_avx2() -> bool:
-    """cag's AVX2 library (torch.ops.cag_avx2: int4_mm, q8_mm, decode_attention and the glue), built and loaded once per process;
-    False where they cannot run (the reason: `avx2_reason()`)."""
+    """cag's AVX2 library (torch.ops.cag_avx2: int4_mm, q8_mm, decode_attention and the glue), built and loaded once per
+    process; False where they cannot run (the reason: `avx2_reason()`)."""
     with _lock:
         if not _avx2:
             _avx2["cpu_ok"] = cpu_why_not(AVX2_FLAGS) is None  # else the CPU is why, and nothing to warn about
@@ -286,7 +306,9 @@ def resolve(mode: str, device: torch.device | str = "cpu") -> str:
         return "torch"
     if torch.device(device).type != "cpu":
         if mode != "auto":
-            raise ModelError(f"CAG_DECODE_KERNELS={mode} is for the CPU; on {torch.device(device).type} use auto or torch")
+            raise ModelError(
+                f"CAG_DECODE_KERNELS={mode} is for the CPU; on {torch.device(device).type} use auto or torch"
+            )
         return "torch"
     if mode == "avx2":
         if load_avx2():
@@ -294,7 +316,10 @@ def resolve(mode: str, device: torch.device | str = "cpu") -> str:
         raise ModelError(f"CAG_DECODE_KERNELS=avx2 cannot run here: {avx2_reason()}; use auto or torch")
     if load() is not None:
         if mode == "amx" and not tiles():
-            raise ModelError(f"CAG_DECODE_KERNELS=amx cannot run here: this CPU lacks {', '.join(f for f in TILES if f not in _cpu_flags())}; use avx512 or auto")
+            raise ModelError(
+                "CAG_DECODE_KERNELS=amx cannot run here: this CPU lacks "
+                f"{', '.join(f for f in TILES if f not in _cpu_flags())}; use avx512 or auto"
+            )
         return "avx512" if mode == "auto" else mode  # auto: avx512 decodes faster than amx on AMX CPUs too (README)
     if mode != "auto":
         raise ModelError(f"CAG_DECODE_KERNELS={mode} cannot run here: {reason()}; use auto or torch")

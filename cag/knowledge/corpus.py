@@ -42,7 +42,9 @@ def writer_lock(home: Path, corpus: str):
         yield
 
 
-def read_corpus(index: Index, source: Path, corpus: str | None, limits=None, reporter=None) -> tuple[list[documents.Document], list[str]]:
+def read_corpus(
+    index: Index, source: Path, corpus: str | None, limits=None, reporter=None
+) -> tuple[list[documents.Document], list[str]]:
     """Documents in prompt order, and what was skipped. Documents already in the corpus keep their
     place and new ones are appended (sorted by name), so adding a document re-prefills only it.
 
@@ -54,7 +56,9 @@ def read_corpus(index: Index, source: Path, corpus: str | None, limits=None, rep
         raise NotFound(f"source missing: {source}")
     entries, skipped = documents.scan(source)
     if not entries:
-        what = f" (skipped unsupported: {', '.join(skipped[:5])}{' ...' if len(skipped) > 5 else ''})" if skipped else ""
+        what = (
+            f" (skipped unsupported: {', '.join(skipped[:5])}{' ...' if len(skipped) > 5 else ''})" if skipped else ""
+        )
         raise BadInput(f"no supported documents in {source}{what}; supported: {', '.join(sorted(documents.SUPPORTED))}")
     max_doc, max_corpus = input_limits(limits)
     for e in entries:
@@ -62,8 +66,10 @@ def read_corpus(index: Index, source: Path, corpus: str | None, limits=None, rep
             raise documents.too_large(e.name, e.size, max_doc)
     total = sum(e.size for e in entries)
     if total > max_corpus:
-        raise TooLarge(f"{source} holds {human_bytes(total)} in {len(entries)} documents; a corpus may be at most "
-                       f"{human_bytes(max_corpus)} (CAG_MAX_CORPUS_BYTES={max_corpus}): raise it, or ingest a part of it")
+        raise TooLarge(
+            f"{source} holds {human_bytes(total)} in {len(entries)} documents; a corpus may be at most "
+            f"{human_bytes(max_corpus)} (CAG_MAX_CORPUS_BYTES={max_corpus}): raise it, or ingest a part of it"
+        )
     if (reading := getattr(reporter, "reading", None)) is not None:
         reading(len(entries), total)
     known = {d["path"]: d["ordinal"] for d in index.documents(corpus)} if corpus else {}

@@ -125,8 +125,10 @@ def read(entry: FileEntry, max_bytes: int | None = None) -> Document:
 
 
 def too_large(name: str, size: int, limit: int, more: bool = False) -> TooLarge:
-    return TooLarge(f"{name} is {'over ' if more else ''}{human_bytes(size)}; one document may be at most {human_bytes(limit)} "
-                    f"(CAG_MAX_DOCUMENT_BYTES={limit}): raise it to ingest this file, or split the file")
+    return TooLarge(
+        f"{name} is {'over ' if more else ''}{human_bytes(size)}; one document may be at most {human_bytes(limit)} "
+        f"(CAG_MAX_DOCUMENT_BYTES={limit}): raise it to ingest this file, or split the file"
+    )
 
 
 def content_hash(entry: FileEntry, known: dict | None) -> str:

@@ -29,10 +29,18 @@ def document_changes(source: Path, snap_docs: list[dict], known: list[dict]) -> 
     sharded = len({d.get("shard", 0) for d in snap_docs}) > 1
     where = lambda n: f"{n} (shard {in_snap[n]['shard']})" if sharded else n  # noqa: E731
     reasons = []
-    changed = [n for n in in_snap if n in on_disk and documents.content_hash(on_disk[n], by_name.get(n)) != in_snap[n]["content_hash"]]
+    changed = [
+        n
+        for n in in_snap
+        if n in on_disk and documents.content_hash(on_disk[n], by_name.get(n)) != in_snap[n]["content_hash"]
+    ]
     added = [n for n in on_disk if n not in in_snap]
     removed = [n for n in in_snap if n not in on_disk]
-    for label, names in (("changed", [where(n) for n in changed]), ("added", added), ("removed", [where(n) for n in removed])):
+    for label, names in (
+        ("changed", [where(n) for n in changed]),
+        ("added", added),
+        ("removed", [where(n) for n in removed]),
+    ):
         if names:
             reasons.append(f"documents {label}: {', '.join(names)}")
     return reasons
@@ -71,7 +79,8 @@ def stale_reasons(
             reasons.append(f"{label}model changed: the configured model's weights differ from the snapshot's")
         if tokenizer_fingerprint and snap.get("tokenizer_fingerprint") != tokenizer_fingerprint:
             reasons.append(f"{label}tokenizer changed: the configured tokenizer differs from the snapshot's")
-        if kv_dtype and snap.get("dtype") not in (kv_dtype, None):  # sound, served as stored, but not what `full` rounds to
+        # sound, served as stored, but not what `full` rounds to
+        if kv_dtype and snap.get("dtype") not in (kv_dtype, None):
             reasons.append(f"{label}snapshot stored as {snap['dtype']}, CAG_KV_DTYPE means {kv_dtype} here: "
                            "`cag ingest` rebuilds it")
     ttl = corpus.get("ttl_s") or ttl_s

@@ -101,8 +101,10 @@ def pack_shards(setup: SnapshotSetup, plan: Plan, reporter=None) -> Plan:
     head, mid = encode_template(lm.tokenizer, layout.head), encode_template(lm.tokenizer, layout.mid)
     capacity, layout_tokens = lm.max_context - room, len(head) + len(mid)
     if capacity - layout_tokens < 16:  # the rooms' fault, whatever --shard-tokens says: name them
-        raise BadInput(f"CAG_QUESTION_ROOM + CAG_ANSWER_ROOM ({room}) leave no room in the model's context "
-                       f"({lm.max_context}) for knowledge (the prompt layout alone is {layout_tokens} tokens): lower them")
+        raise BadInput(
+            f"CAG_QUESTION_ROOM + CAG_ANSWER_ROOM ({room}) leave no room in the model's context ({lm.max_context}) for "
+            f"knowledge (the prompt layout alone is {layout_tokens} tokens): lower them"
+        )
     if shard_tokens:
         capacity = min(capacity, shard_tokens)
     if capacity - layout_tokens < 16:
@@ -147,8 +149,10 @@ def check_room(setup: SnapshotSetup, plan: Plan) -> None:
     free = shutil.disk_usage(here).free if here is not None and need else None
     if free is not None and need > free:
         n = sum(len(s.prefix.ids) for s in plan.shards)
-        raise TooLarge(f"the knowledge of {plan.name!r} is {n} tokens in {len(plan.shards)} shard(s): its snapshots need "
-                       f"~{human_bytes(need)} and {folder} has {human_bytes(free)} free; free space, or ingest less")
+        raise TooLarge(
+            f"the knowledge of {plan.name!r} is {n} tokens in {len(plan.shards)} shard(s): its snapshots need "
+            f"~{human_bytes(need)} and {folder} has {human_bytes(free)} free; free space, or ingest less"
+        )
 
 
 def reuse_fresh(setup: SnapshotSetup, shard: Shard) -> Built | None:

@@ -6,15 +6,14 @@ that fits one context is one shard with exactly today's prefix and key. Document
 packing; a document that alone does not fit a shard is cut into parts (paragraphs, then sentences,
 then, as the last resort, token windows), each named `name#partN` and wrapped like a document.
 
-A first build packs the units by first fit in prompt order, unless even loads (largest unit first,
-each to the least loaded shard: `_balanced`) need fewer shards or leave the smallest one fuller;
-each shard keeps its units in prompt order. Even loads matter: a question's speedup over prefilling
-its shard from scratch shrinks with the shard (the prefill grows with the square of its length, the
-question's own pass does not), and the sum of the shards' prefill costs is least when they are even. Assignment is sticky so that an edit re-prefills one shard: units
-keep the shard they were in (read from the previous snapshots' spans) while it still fits; new units
-fill the last shard, then open new ones. Only when a shard no longer fits are it and the shards
-after it packed afresh.
-Token counts add up exactly because each unit is tokenized on its own (cag/model/prompt.py).
+A first build packs the units by first fit in prompt order, unless even loads (largest unit first, each to the least
+loaded shard: `_balanced`) need fewer shards or leave the smallest one fuller; each shard keeps its units in prompt
+order. Even loads matter: a question's speedup over prefilling its shard from scratch shrinks with the shard (the
+prefill grows with the square of its length, the question's own pass does not), and the sum of the shards' prefill costs
+is least when they are even. Assignment is sticky so that an edit re-prefills one shard: units keep the shard they were
+in (read from the previous snapshots' spans) while it still fits; new units fill the last shard, then open new ones.
+Only when a shard no longer fits are it and the shards after it packed afresh. Token counts add up exactly because each
+unit is tokenized on its own (cag/model/prompt.py).
 """
 
 from __future__ import annotations
@@ -98,7 +97,9 @@ def _cut(tokenizer, name: str, text: str, capacity: int) -> list[tuple[str, bool
                 pieces.append((sent, False, n))
                 continue
             ids = encode_text(tokenizer, sent)
-            pieces += [(w, True, count(w)) for w in (tokenizer.decode(ids[i : i + room]) for i in range(0, len(ids), room))]
+            pieces += [
+                (w, True, count(w)) for w in (tokenizer.decode(ids[i : i + room]) for i in range(0, len(ids), room))
+            ]
     join = count(JOIN) + SLACK
     parts: list[tuple[str, bool]] = []
     bound = 0  # at least the current part's tokens

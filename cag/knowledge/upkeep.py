@@ -211,14 +211,26 @@ def reindex(settings: Settings, index: Index) -> dict:
             index.db.table(table).delete_where()
         for path, meta in found:
             digest = path.stem
-            index.db.table("snapshots").insert({  # "superseded" is derived from the corpora, never stored
-                "key": meta["key"], "digest": digest, "corpus": meta["corpus"], "model": meta.get("model"),
-                "model_fingerprint": meta.get("model_fingerprint"), "tokenizer_fingerprint": meta.get("tokenizer_fingerprint"),
-                "n_tokens": meta["n_tokens"], "n_documents": len(meta["spans"]), "bytes": path.stat().st_size,
-                "dtype": meta.get("dtype"), "path": str(path), "status": "ready",
-                "created": meta["created"], "last_used": None, "prefill_ms": meta.get("prefill_ms"),
-                "reused_tokens": meta.get("reused_tokens", 0),
-            })
+            index.db.table("snapshots").insert(
+                {  # "superseded" is derived from the corpora, never stored
+                    "key": meta["key"],
+                    "digest": digest,
+                    "corpus": meta["corpus"],
+                    "model": meta.get("model"),
+                    "model_fingerprint": meta.get("model_fingerprint"),
+                    "tokenizer_fingerprint": meta.get("tokenizer_fingerprint"),
+                    "n_tokens": meta["n_tokens"],
+                    "n_documents": len(meta["spans"]),
+                    "bytes": path.stat().st_size,
+                    "dtype": meta.get("dtype"),
+                    "path": str(path),
+                    "status": "ready",
+                    "created": meta["created"],
+                    "last_used": None,
+                    "prefill_ms": meta.get("prefill_ms"),
+                    "reused_tokens": meta.get("reused_tokens", 0),
+                }
+            )
             index.db.table("snapshot_documents").insert_all(
                 [dict(s, snapshot=digest, ordinal=i) for i, s in enumerate(meta["spans"])]
             )
@@ -240,6 +252,7 @@ def reindex(settings: Settings, index: Index) -> dict:
     if settings.store:  # the store's refs say what is current: the index is this machine's cache of them
         from cag.store.sync import Shared
 
-        out["store_corpora"], out["store_refused"] = Shared(settings, index).adopt_all()  # a bad ref is reported, not fatal
+        # a bad ref is reported, not fatal
+        out["store_corpora"], out["store_refused"] = Shared(settings, index).adopt_all()
         out["corpora"] = sorted(set(out["corpora"]) | set(out["store_corpora"]))
     return out

@@ -26,7 +26,8 @@ def open_snapshot(setup: SnapshotSetup, row: dict, dequant=None) -> snapfiles.Sn
     if row.get("model_fingerprint") != lm.fingerprint:  # a sound snapshot of another model: stale, not corrupt
         raise StaleRefused(f"snapshot {digest[:12]} was built for another model; run `cag ingest {row['corpus']}`")
     try:
-        path = setup.remote.ensure_local(digest, Path(row["path"]))  # a shared store's blob is fetched, verified, when missing
+        # a shared store's blob is fetched, verified, when missing
+        path = setup.remote.ensure_local(digest, Path(row["path"]))
         seen, t0 = stamp(path), time.time_ns()
         snap = snapfiles.load(path, expect_key=row["key"], dequant=dequant, trust=True)
         if (snap.meta.get("model_fingerprint") != lm.fingerprint
@@ -35,7 +36,8 @@ def open_snapshot(setup: SnapshotSetup, row: dict, dequant=None) -> snapfiles.Sn
                                           "layout or dtype, or an edited header)")
         if not kv_cache.kv_shape_ok(snap.kv, lm.n_layers, lm.n_kv_heads, lm.head_dim, snap.n_tokens):
             raise snapfiles.SnapshotError(f"snapshot {digest[:12]}: tensor shapes do not fit the model")
-        snapfiles.spans_of(snap.meta, f"snapshot {digest[:12]}")  # what a refresh reuses by (a file older than the header checksum)
+        # what a refresh reuses by (a file older than the header checksum)
+        snapfiles.spans_of(snap.meta, f"snapshot {digest[:12]}")
         if not FINITE.holds(path, seen):  # once per unchanged file, as the checksum
             if why := kv_cache.nonfinite(snap.kv):  # NaN or inf would reach every answer on it (int8: its scales too)
                 raise snapfiles.SnapshotError(f"snapshot {digest[:12]}: {why}")

@@ -25,7 +25,9 @@ from cag.model.weights import FORMATS, packable, supported
 
 
 @functools.lru_cache(maxsize=8)
-def probe(fmts: tuple[str, ...] = FORMATS, in_f: int = 576, out_f: int = 1536, reps: int = 20, rows: int = 1) -> dict[str, float]:
+def probe(
+    fmts: tuple[str, ...] = FORMATS, in_f: int = 576, out_f: int = 1536, reps: int = 20, rows: int = 1
+) -> dict[str, float]:
     """Milliseconds of one product of `rows` rows per format on this CPU (a (out, in) matrix, best of
     `reps`): what `auto` chooses by. A few ms, once per process."""
     w, x = torch.randn(out_f, in_f) * 0.02, torch.randn(rows, in_f)
@@ -75,10 +77,11 @@ def compute_dtype(requested: str, device: str, config) -> str:
 
 
 def on_4bit_grid(model: torch.nn.Module) -> bool:
-    """Every product int4 would pack (all but the LM head) already lies on a 4-bit affine grid per
-    group of 32 (layouts.grid4: min and max on its ends, as a GGUF's Q4_1 writes it, or Q4_0's
-    d * (q - 8)): int4 then holds these weights as they are (cag's kernels exactly; torch's up to
-    bf16 rounding of each group's scale and zero), and loses nothing the model had not lost already. Any other model fails at its first matrix; SmolLM2 takes well under 0.1 s."""
+    """Every product int4 would pack (all but the LM head) already lies on a 4-bit affine grid per group of 32
+    (layouts.grid4: min and max on its ends, as a GGUF's Q4_1 writes it, or Q4_0's d * (q - 8)): int4 then holds these
+    weights as they are (cag's kernels exactly; torch's up to bf16 rounding of each group's scale and zero), and loses
+    nothing the model had not lost already. Any other model fails at its first matrix; SmolLM2 takes well under
+    0.1 s."""
     get = getattr(model, "get_output_embeddings", None)
     head = get() if callable(get) else None
     lins = [m for m in model.modules() if isinstance(m, torch.nn.Linear) and m is not head]
@@ -90,15 +93,15 @@ def choose(model: torch.nn.Module, requested: str, cache_dir: Path | None = None
     """The format to use: `requested`, or for `auto` int4, bf16 or fp32, the formats that keep fp32's
     quality (the README's table; int8, and int4 off its grid, are opt-in).
 
-    A CPU with bf16 dot products in hardware (AMX, AVX512-BF16) gets, by its flags, int4 when the
-    model's matrices lie on int4's grid (`on_4bit_grid`: the same answers as often as bf16, fp32's
-    F1, faster decode than fp32: bench/bench_decode.py), else bf16. A CPU below that floor where cag's
-    AVX2 library runs gets int4 for such a model too (its int4 products, attention and glue decode
-    several times faster than fp32: bench/bench_decode.py --kernels avx2). A timing probe decided this before and flipped between fp32 and bf16 on one machine under
-    load, so identical machines sharing a store disagreed on the snapshot dtype (CAG_KV_DTYPE=auto
-    follows this choice). Other CPUs are probed: the faster of fp32 and bf16 for one row and for a
-    batch of 8 together (one user, and a server's busy hours), the verdict kept in `cache_dir` per
-    CPU, torch version and thread count, so answers do not change from one start to the next."""
+    A CPU with bf16 dot products in hardware (AMX, AVX512-BF16) gets, by its flags, int4 when the model's matrices lie
+    on int4's grid (`on_4bit_grid`: the same answers as often as bf16, fp32's F1, faster decode than fp32:
+    bench/bench_decode.py), else bf16. A CPU below that floor where cag's AVX2 library runs gets int4 for such a model
+    too (its int4 products, attention and glue decode several times faster than fp32: bench/bench_decode.py --kernels
+    avx2). A timing probe decided this before and flipped between fp32 and bf16 on one machine under load, so identical
+    machines sharing a store disagreed on the snapshot dtype (CAG_KV_DTYPE=auto follows this choice). Other CPUs are
+    probed: the faster of fp32 and bf16 for one row and for a batch of 8 together (one user, and a server's busy hours),
+    the verdict kept in `cache_dir` per CPU, torch version and thread count, so answers do not change from one start to
+    the next."""
     if requested != "auto":
         return requested
     if next(model.parameters()).device.type != "cpu":
@@ -107,7 +110,8 @@ def choose(model: torch.nn.Module, requested: str, cache_dir: Path | None = None
     if bf16 and cpu_flags() & set(BF16_HARDWARE):
         return "int4" if on_4bit_grid(model) else "bf16"
     if native.cpu_why_not() is not None and on_4bit_grid(model) and native.load_avx2():
-        return "int4"  # below the AVX-512 floor, on cag's AVX2 library: the weights as they are, decoded faster than fp32
+        # below the AVX-512 floor, on cag's AVX2 library: the weights as they are, decoded faster than fp32
+        return "int4"
     if not bf16:
         return "fp32"
     key = f"{cpuinfo('model name') or '?'}|torch {torch.__version__}|{torch.get_num_threads()} threads|1+8 rows"

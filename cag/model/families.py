@@ -38,11 +38,13 @@ class Family(NamedTuple):
     residual -> norm -> gated MLP -> residual; biases, if any, inside the Linears)."""
 
     prefix: str  # its classes in transformers.models.<model_type>.modeling_<model_type>: <prefix>ForCausalLM, ...
-    qk_norm: str | None = None  # RMSNorm of q and k before rope: "head" over each head (Qwen3), "all" over the projection (OLMo-2)
+    # RMSNorm of q and k before rope: "head" over each head (Qwen3), "all" over the projection (OLMo-2)
+    qk_norm: str | None = None
     post_norms: bool = False  # norms on the attention's and the MLP's outputs, none on their inputs (OLMo-2)
     multipliers: bool = False  # embedding, residual and logits multipliers (Granite)
     fused_proj: bool = False  # q/k/v in one qkv_proj, gate/up in one gate_up_proj (Phi-3)
-    norm_weight_fp32: bool = False  # RMSNorm multiplies by its weight in float32, then casts (OLMo-2; other bits in bf16)
+    # RMSNorm multiplies by its weight in float32, then casts (OLMo-2; other bits in bf16)
+    norm_weight_fp32: bool = False
 
 
 # model_type -> how its layer differs from Llama's

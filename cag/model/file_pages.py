@@ -55,7 +55,11 @@ def mappings() -> list[Mapping]:
     for line in Path("/proc/self/smaps").read_text().splitlines():
         if m := _HEADER.match(line):
             start, end, perms, inode, path = m.groups()
-            cur = [int(start, 16), int(end, 16), path, int(inode), True] if path.startswith("/") and int(inode) and "p" in perms else None
+            cur = (
+                [int(start, 16), int(end, 16), path, int(inode), True]
+                if path.startswith("/") and int(inode) and "p" in perms
+                else None
+            )
             if cur is not None:
                 out.append(cur)
         elif cur is not None and line.startswith("Anonymous:") and int(line.split()[1]) > 0:
@@ -127,4 +131,6 @@ def check(model: torch.nn.Module) -> None:
     for path, fd, seen in getattr(model, ATTR, ()):
         st = os.fstat(fd)
         if (st.st_size, st.st_mtime_ns) != seen:
-            raise ModelChanged(f"the model's weights file {path} changed on disk after it was loaded; restart cag to load it again")
+            raise ModelChanged(
+                f"the model's weights file {path} changed on disk after it was loaded; restart cag to load it again"
+            )

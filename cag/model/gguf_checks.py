@@ -63,7 +63,9 @@ def check(path: Path) -> Header:
     except Exception as e:  # not GGUF, truncated, or a header that lies about its sizes
         raise ModelError(f"cannot read GGUF file {path.name}: {first_line(e)}") from None
     if arch not in ARCHITECTURES:
-        raise ModelError(f"GGUF file {path.name}: architecture {arch!r} is not one cag reads ({', '.join(ARCHITECTURES)})")
+        raise ModelError(
+            f"GGUF file {path.name}: architecture {arch!r} is not one cag reads ({', '.join(ARCHITECTURES)})"
+        )
     for t in reader.tensors:
         if t.tensor_type.name not in TYPES:
             raise ModelError(f"GGUF file {path.name}: tensor {t.name} is {t.tensor_type.name}, "
@@ -72,8 +74,10 @@ def check(path: Path) -> Header:
     # drops without a word: read on, such a model would rotate keys with the wrong frequencies
     long_rope = [t.name for t in reader.tensors if t.name.startswith(("rope_factors_long", "rope_factors_short"))]
     if long_rope:
-        raise ModelError(f"GGUF file {path.name}: its long-context rope scaling ({', '.join(long_rope)}) is one cag does not "
-                         "read yet; use the model's Hugging Face folder")
+        raise ModelError(
+            f"GGUF file {path.name}: its long-context rope scaling ({', '.join(long_rope)}) is one cag does not read "
+            "yet; use the model's Hugging Face folder"
+        )
     _check_tensors(reader, arch, path.name)
     key_length = reader.fields.get(f"{arch}.attention.key_length")
     head_dim = int(key_length.contents()) if key_length is not None else None
@@ -117,11 +121,14 @@ def check_metadata_sizes(path: Path) -> None:
             if m[:4] != b"GGUF":
                 return
             order = "<" if struct.unpack_from("<I", m, 4)[0] & 0xFFFF else ">"  # big-endian: version 3 reads 3 << 24
-            if struct.unpack_from(order + "I", m, 4)[0] not in (2, 3):  # version 1's counts are 32-bit; GGUFReader refuses it
+            # version 1's counts are 32-bit; GGUFReader refuses it
+            if struct.unpack_from(order + "I", m, 4)[0] not in (2, 3):
                 return
             n_tensors, n_keys = struct.unpack_from(order + "QQ", m, 8)
             if n_tensors > MAX_ENTRIES or n_keys > MAX_ENTRIES:
-                refuse(f"its header claims {n_tensors} tensors and {n_keys} metadata keys, over cag's cap of {MAX_ENTRIES}")
+                refuse(
+                    f"its header claims {n_tensors} tensors and {n_keys} metadata keys, over cag's cap of {MAX_ENTRIES}"
+                )
             at, key = 24, "key"
 
             def skip_string(at: int) -> int:
@@ -181,9 +188,14 @@ def _check_tensors(reader, arch: str, name: str) -> None:
         return value
 
     blocks = whole(f"{arch}.block_count")
-    e, ff, h = whole(f"{arch}.embedding_length"), whole(f"{arch}.feed_forward_length"), whole(f"{arch}.attention.head_count")
+    e, ff, h = (
+        whole(f"{arch}.embedding_length"),
+        whole(f"{arch}.feed_forward_length"),
+        whole(f"{arch}.attention.head_count"),
+    )
     kv = whole(f"{arch}.attention.head_count_kv", h)
-    d = whole(f"{arch}.attention.key_length", max(1, e // h))  # the head width cag gives transformers (gguf._dequantized)
+    # the head width cag gives transformers (gguf._dequantized)
+    d = whole(f"{arch}.attention.key_length", max(1, e // h))
     tokens = fields.get("tokenizer.ggml.tokens")
     vocab = whole(f"{arch}.vocab_size", len(tokens.data) if tokens is not None else None)  # transformers' order
     # Shapes in ggml's order (the input width first), as the file lists them and llama.cpp checks them
@@ -210,7 +222,9 @@ def _check_tensors(reader, arch: str, name: str) -> None:
         if parts[0] == "blk" and len(parts) == 3 and parts[1].isdigit():
             held.setdefault(int(parts[1]), set()).add(parts[2])
     if past := [i for i in held if i >= blocks]:
-        raise ModelError(f"GGUF file {name}: it holds tensors of block {min(past)}, past its {arch}.block_count {blocks}")
+        raise ModelError(
+            f"GGUF file {name}: it holds tensors of block {min(past)}, past its {arch}.block_count {blocks}"
+        )
     # Counted, not listed: a block_count of 100000 over one tensor must not build 900000 names
     missing = (sum(n not in shapes for n in top) + (blocks - len(held)) * len(block)
                + sum(len(block.keys() - names) for names in held.values()))

@@ -74,8 +74,13 @@ def _reproduces(rope: dict, factors: np.ndarray, base: float, dim: int, context:
     from transformers import LlamaConfig
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    config = LlamaConfig(hidden_size=dim, num_attention_heads=1, head_dim=dim, rope_parameters=rope | {"rope_theta": base},
-                         max_position_embeddings=max(int(context or 0), rope["original_max_position_embeddings"] + 1))
+    config = LlamaConfig(
+        hidden_size=dim,
+        num_attention_heads=1,
+        head_dim=dim,
+        rope_parameters=rope | {"rope_theta": base},
+        max_position_embeddings=max(int(context or 0), rope["original_max_position_embeddings"] + 1),
+    )
     scaled, _ = ROPE_INIT_FUNCTIONS["llama3"](config, "cpu")  # (dim / 2,)
     inv = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
     got = (inv.double() / scaled.double()).numpy()

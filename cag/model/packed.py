@@ -23,10 +23,11 @@ NATIVE_MM = {"int4": "int4_mm", "q8": "q8_mm", "bf16": "bf16_mm"}  # cag.kernels
 # rows (questions admitted together) is multiplied in calls of at most this many.
 ROWS = 128
 # bf16 holds two oneDNN layouts of each weight. The one for batches of FEW rows multiplies 1-16 rows
-# faster than the 1-row layout (bench/bench_decode.py) but re-blocks its sum above 32 rows; the 1-row layout serves calls of more rows (a
-# question admitted), row-invariant up to ROWS. Up to 32 rows the two give identical bits, so a row's
-# result never depends on which one ran (tests/test_batch.py). A vocabulary-sized output (the LM head:
-# one row per request) keeps the FEW layout alone, in calls of at most FEW rows.
+# faster than the 1-row layout (bench/bench_decode.py) but re-blocks its sum above 32 rows; the 1-row
+# layout serves calls of more rows (a question admitted), row-invariant up to ROWS. Up to 32 rows the two
+# give identical bits, so a row's result never depends on which one ran (tests/test_batch.py). A
+# vocabulary-sized output (the LM head: one row per request) keeps the FEW layout alone, in calls of at
+# most FEW rows.
 FEW, WIDE = 32, 16384
 
 
@@ -57,7 +58,11 @@ class Packed:
 
     def _shares(self, copy) -> bool:
         # an oneDNN-packed copy (layout torch._mkldnn, bf16 on AVX-512 CPUs without AMX) has no storage to share
-        return isinstance(copy, torch.Tensor) and copy.layout == torch.strided and copy.untyped_storage().data_ptr() == self._source
+        return (
+            isinstance(copy, torch.Tensor)
+            and copy.layout == torch.strided
+            and copy.untyped_storage().data_ptr() == self._source
+        )
 
     def __call__(self, x: torch.Tensor, roles: list[tuple[int, bool]] | None = None) -> torch.Tensor:
         """The packed product of a pass's rows (..., in) -> (..., out). `roles`: (rows, question?) runs

@@ -134,7 +134,8 @@ class _Scope:
 
 
 def packed(how: str, make, w: torch.Tensor):
-    """`make(w)` (a tuple of tensors), or its stored copy where a cache is open for the matrix being packed (weights.apply)."""
+    """`make(w)` (a tuple of tensors), or its stored copy where a cache is open for the matrix being packed
+    (weights.apply)."""
     scope = _current.get()
     if scope is None:
         return make(w)

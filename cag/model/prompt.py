@@ -58,7 +58,12 @@ def layout_for(tokenizer) -> Layout:
                 text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
             except Exception:
                 continue
-            if isinstance(text, str) and text.count(_K) == 1 and text.count(_Q) == 1 and text.index(_K) < text.index(_Q):
+            if (
+                isinstance(text, str)
+                and text.count(_K) == 1
+                and text.count(_Q) == 1
+                and text.index(_K) < text.index(_Q)
+            ):
                 head, rest = text.split(_K)
                 mid, tail = rest.split(_Q)
                 return Layout(head, mid, tail)

@@ -81,8 +81,16 @@ class FastLinear(torch.nn.Module):
     call for the group. Columns come out bit for bit as from separate matrices (the kernels block the
     output columns, never a column's sum: tests/test_batch.py)."""
 
-    def __init__(self, linear: torch.nn.Linear, fmt: str, packs: Packed | None = None, cols: tuple[int, int] | None = None,
-                 backend: Backend = backends.TORCH, out_dtype: torch.dtype | None = None, questions: bool = True):
+    def __init__(
+        self,
+        linear: torch.nn.Linear,
+        fmt: str,
+        packs: Packed | None = None,
+        cols: tuple[int, int] | None = None,
+        backend: Backend = backends.TORCH,
+        out_dtype: torch.dtype | None = None,
+        questions: bool = True,
+    ):
         super().__init__()
         self.in_features, self.out_features, self.fmt = linear.in_features, linear.out_features, fmt
         self.weight, self.bias = linear.weight, linear.bias  # the model's own (shared if tied)
@@ -92,8 +100,14 @@ class FastLinear(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if getattr(_mode, "decoding", False) and x.numel() == self.in_features:  # one decode row
             return self.decode(x).to(x.dtype)  # the packed products give float32 (apply)
-        w = self.weight if self.weight.dtype == x.dtype else self.weight.to(x.dtype)  # a narrowed weight: its exact values
-        if self.cols is not None and w.dtype == torch.float32 and x.numel() == self.in_features and w.data_ptr() % ALIGN:
+        # a narrowed weight: its exact values
+        w = self.weight if self.weight.dtype == x.dtype else self.weight.to(x.dtype)
+        if (
+            self.cols is not None
+            and w.dtype == torch.float32
+            and x.numel() == self.in_features
+            and w.data_ptr() % ALIGN
+        ):
             # A group member left in its checkpoint file lies where the file put it (safetensors: 8-byte
             # aligned), where the fp32 format makes it a view of its stack (16-byte aligned or more). A
             # float32 product of one row (a last prefill chunk of one token) sums differently over a weight
@@ -115,7 +129,10 @@ def supported(fmt: str, model: torch.nn.Module) -> str | None:
     if fmt == "fp32":
         return None
     if next(model.parameters()).device.type != "cpu":
-        return f"weights format {fmt} is a CPU kernel; on {next(model.parameters()).device.type} use fp32 (CAG_DTYPE sets the dtype)"
+        return (
+            f"weights format {fmt} is a CPU kernel; on {next(model.parameters()).device.type} use fp32 "
+            "(CAG_DTYPE sets the dtype)"
+        )
     if fmt == "bf16" and not layouts.bf16_packs():
         return ("weights format bf16 needs oneDNN's bf16 products, which this CPU lacks (they need AVX-512 or "
                 "AVX-NE-CONVERT); use CAG_WEIGHTS=fp32, int8 or int4 (auto picks fp32 here)")
@@ -148,12 +165,23 @@ def apply(model: torch.nn.Module, fmt: str, backend: Backend = backends.TORCH, c
     head = _call(model, "get_output_embeddings")
     kernels = backend.own_products
     # the head's format; whether it lies on int4's grid is read only where it decides (int4 on cag's products)
-    head_fmt = None if head is None else _head_format(fmt, kernels and head.in_features % GROUP == 0,
-                                                      fmt == "int4" and kernels and packable(head, "int4") and on_grid4(head.weight))
+    head_fmt = (
+        None
+        if head is None
+        else _head_format(
+            fmt,
+            kernels and head.in_features % GROUP == 0,
+            fmt == "int4" and kernels and packable(head, "int4") and on_grid4(head.weight),
+        )
+    )
     own = lambda m: (head_fmt or fmt) if m is head else fmt  # noqa: E731 (head_fmt is None only without a head)
     groups = [g for g in stacked_products.groups(model) if all(packable(m, fmt) for m in g[2])]
     grouped = {id(m) for _, _, lins in groups for m in lins}
-    singles = [(n, m) for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and id(m) not in grouped and packable(m, own(m))]
+    singles = [
+        (n, m)
+        for n, m in model.named_modules()
+        if isinstance(m, torch.nn.Linear) and id(m) not in grouped and packable(m, own(m))
+    ]
     emb = _call(model, "get_input_embeddings")
     tied = {id(emb.weight)} if emb is not None else set()  # the token embedding (and a head tied to it): widened
     keep = {id(m.weight) for _, _, lins in groups for m in lins} | {id(m.weight) for _, m in singles} - tied

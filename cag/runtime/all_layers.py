@@ -64,10 +64,27 @@ def weights(step, model):
         qn, kn = ((a.q_norm.weight.detach().float().contiguous(), a.k_norm.weight.detach().float().contiguous())
                   if fam.qk_norm else (_NONE, _NONE))
         qe, ke = (a.q_norm.variance_epsilon, a.k_norm.variance_epsilon) if fam.qk_norm else (0.0, 0.0)
-        out.add_layer(input_norm=f.norm1.contiguous(), input_eps=f.eps1, qkv=qkv[0], qkv_scales=qkv[1], o=o[0],
-                      o_scales=o[1], post_norm=f.norm2.contiguous(), post_eps=f.eps2, gate_up=gu[0], gate_up_scales=gu[1],
-                      down=dn[0], down_scales=dn[1], qkv_bias=bias, q_norm=qn, q_eps=qe, k_norm=kn, k_eps=ke,
-                      post_norms=fam.post_norms, residual_multiplier=residual)
+        out.add_layer(
+            input_norm=f.norm1.contiguous(),
+            input_eps=f.eps1,
+            qkv=qkv[0],
+            qkv_scales=qkv[1],
+            o=o[0],
+            o_scales=o[1],
+            post_norm=f.norm2.contiguous(),
+            post_eps=f.eps2,
+            gate_up=gu[0],
+            gate_up_scales=gu[1],
+            down=dn[0],
+            down_scales=dn[1],
+            qkv_bias=bias,
+            q_norm=qn,
+            q_eps=qe,
+            k_norm=kn,
+            k_eps=ke,
+            post_norms=fam.post_norms,
+            residual_multiplier=residual,
+        )
     return out
 
 
@@ -100,5 +117,7 @@ def layers(step, r, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, buffe
         slots.append(r.slots_cpu if idx is None else r.slots_cpu[j])
         lens.append(r.lens if idx is None else r.lens[j])
     flat = flats[0] if len(flats) == 1 else [t for i in range(L) for f in flats for t in f[4 * i : 4 * i + 4]]
-    torch.ops.cag.decode_layers(h, step.fused, cos, sin, buffers.k, buffers.v, rows_slot, rows_pos, flat, rows, slots, lens)
+    torch.ops.cag.decode_layers(
+        h, step.fused, cos, sin, buffers.k, buffers.v, rows_slot, rows_pos, flat, rows, slots, lens
+    )
     return h

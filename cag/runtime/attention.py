@@ -45,7 +45,9 @@ def _runs(n: int) -> tuple[int, int]:
     return n - t, t
 
 
-def _prefix_parts(q: torch.Tensor, Kp: torch.Tensor, Vp: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+def _prefix_parts(
+    q: torch.Tensor, Kp: torch.Tensor, Vp: torch.Tensor, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """q (1, H_kv, R, D) over a prefix (1, H_kv, n, D) -> outputs (P, H_kv, R, D) and log-sum-exps
     (P, H_kv, R), one per part the prefix is read in (_runs)."""
     c, t = _runs(Kp.shape[2])
@@ -94,28 +96,37 @@ def _flash_parts(r, q: torch.Tensor, Ks: torch.Tensor, Vs: torch.Tensor, i: int,
     return o
 
 
-def _cuda_suffix(r, q: torch.Tensor, Ks: torch.Tensor, Vs: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+def _cuda_suffix(
+    r, q: torch.Tensor, Ks: torch.Tensor, Vs: torch.Tensor, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The suffix on CUDA: q (B, H_kv, M, D) over its L keys in float32, one softmax -> outputs
     (B, H_kv, M, D) and log-sum-exps (B, H_kv, M). Every row sees at least its own key."""
-    ss = torch.matmul(q.float(), Ks.float().transpose(-1, -2)).mul_(scale).masked_fill_(r.hidden, float("-inf"))  # (B, H_kv, M, L)
+    # (B, H_kv, M, L)
+    ss = torch.matmul(q.float(), Ks.float().transpose(-1, -2)).mul_(scale).masked_fill_(r.hidden, float("-inf"))
     lse = torch.logsumexp(ss, -1)
     return torch.matmul(torch.exp(ss - lse[..., None]), Vs.float()), lse
 
 
-def _cuda_prefix(q: torch.Tensor, Kp: torch.Tensor, Vp: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+def _cuda_prefix(
+    q: torch.Tensor, Kp: torch.Tensor, Vp: torch.Tensor, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The prefix on CUDA through torch's flash kernel (bf16/fp16 in, float32 sums; it splits the
     keys across the GPU when the query rows are few): (1, H_kv, R, D), (1, H_kv, R)."""
     o, lse = _CUDA_FLASH(q, Kp, Vp, 0.0, False, False, scale=scale)[:2]
     return o, lse
 
 
-def _efficient_suffix(r, q: torch.Tensor, Ks: torch.Tensor, Vs: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+def _efficient_suffix(
+    r, q: torch.Tensor, Ks: torch.Tensor, Vs: torch.Tensor, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The suffix on CUDA in one kernel: q (B, H_kv, M, D) over its L keys (bf16/fp16), the keys past
     each row's own masked by an additive bias in q's dtype -> outputs (B, H_kv, M, D) in q's dtype and
     log-sum-exps (B, H_kv, M) float32 (the kernel pads its lse rows to 32: sliced off)."""
     bias = r.__dict__.get("bias_low")
     if bias is None or bias.dtype != q.dtype:  # once a pass, shared by the layers
-        bias = r.bias_low = torch.zeros(r.hidden.shape, dtype=q.dtype, device=q.device).masked_fill_(r.hidden, float("-inf"))
+        bias = r.bias_low = torch.zeros(r.hidden.shape, dtype=q.dtype, device=q.device).masked_fill_(
+            r.hidden, float("-inf")
+        )
     B, n_kv, M, _ = q.shape
     o, lse = _CUDA_EFFICIENT(q, Ks, Vs, bias.expand(B, n_kv, M, Ks.shape[2]), True, 0.0, False, scale=scale)[:2]
     return o, lse[..., :M]
@@ -134,7 +145,9 @@ def probe_cuda(device) -> str:
             q, k, v = (torch.randn(B, n_kv, n, d, generator=g, device=device).to(torch.bfloat16) for n in (M, L, L))
 
             class R:  # the one field of Rows the suffix reads: keys past each request's own are hidden
-                hidden = (torch.arange(L, device=device) > torch.tensor([5, 17, 40], device=device)[:, None, None])[:, None].expand(B, 1, M, L)
+                hidden = (torch.arange(L, device=device) > torch.tensor([5, 17, 40], device=device)[:, None, None])[
+                    :, None
+                ].expand(B, 1, M, L)
 
             o1, l1 = _efficient_suffix(R(), q, k, v, d ** -0.5)
             o2, l2 = _cuda_suffix(R(), q, k, v, d ** -0.5)
@@ -206,9 +219,12 @@ def attend(r, q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, i: int, scale: 
     n_kv, d = K.shape[1], K.shape[3]
     rep = M // m
     if kernel is not None and m == 1 and not r.question and K.dtype == torch.bfloat16:
-        return _native(kernel, r, q.view(B, n_kv, rep, d), K, V, i, scale, paired).reshape(B, n_kv * rep * d).to(q.dtype)
+        return (
+            _native(kernel, r, q.view(B, n_kv, rep, d), K, V, i, scale, paired).reshape(B, n_kv * rep * d).to(q.dtype)
+        )
     q = q.view(B, m, n_kv, rep, d).transpose(1, 2).reshape(B, n_kv, M, d)
-    Ks = K[r.slots, :, : r.L] if r.one is None else K[r.one, None, :, : r.L]  # (B, H_kv, L, D): only the suffix is per request
+    # (B, H_kv, L, D): only the suffix is per request
+    Ks = K[r.slots, :, : r.L] if r.one is None else K[r.one, None, :, : r.L]
     Vs = V[r.slots, :, : r.L] if r.one is None else V[r.one, None, :, : r.L]
     out_dtype = q.dtype  # the compute dtype; K/V may be held in a narrower one (LoadedModel.attn_dtype)
     if few and len(r.groups) == 1 and K.dtype in (torch.bfloat16, torch.float16) and d % 8 == 0 and d <= 256 and (
@@ -242,7 +258,9 @@ def attend(r, q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, i: int, scale: 
     return _merge_out(acc, B, m, n_kv, rep, d, K.dtype)
 
 
-def _native(kernel, r, q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, i: int, scale: float, paired: bool) -> torch.Tensor:
+def _native(
+    kernel, r, q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, i: int, scale: float, paired: bool
+) -> torch.Tensor:
     """Decode rows through the native kernel: q (B, H_kv, rep, D) -> (B, H_kv, rep, D) float32, each
     request over its prefix (read once per group of requests sharing it) and its own suffix keys
     [0, r.lens[b]) in its slot, in one call per prefix; no K/V gathered or copied."""
@@ -255,8 +273,17 @@ def _native(kernel, r, q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, i: int
     for prefix, idx in r.groups:
         Kp, Vp = _bf16(prefix.kv[i])
         j = idx.cpu()
-        o[idx] = kernel(q[idx].contiguous(), Kp[0], Vp[0], K, V, r.slots_cpu[j].contiguous(), r.lens[j].contiguous(), scale,
-                        *(_pairs(prefix, i, Kp, Vp) if paired else ()))
+        o[idx] = kernel(
+            q[idx].contiguous(),
+            Kp[0],
+            Vp[0],
+            K,
+            V,
+            r.slots_cpu[j].contiguous(),
+            r.lens[j].contiguous(),
+            scale,
+            *(_pairs(prefix, i, Kp, Vp) if paired else ()),
+        )
     return o
 
 

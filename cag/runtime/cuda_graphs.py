@@ -4,14 +4,14 @@ Why: on CUDA a lean decode step (cag.runtime.step) is hundreds of small kernels,
 a time from Python costs more than running them (bench/gpu_check.py measures both ways; figures in
 docs/performance.md). A CUDA graph records the step's kernels once and launches them all with one call.
 
-What is captured: the step of W rows (CAG_DECODE_ROWS: requests over one resident prefix, the rest
-padding rows; cag.runtime.decoder), one token each, their attention reading the first `room` keys of
-their suffix slots (the question and answer room; the keys past a request's own masked; a longer
-conversation steps eagerly past them), so one graph per prefix, kept on the PrefixKV (PrefixKV.made, keyed by
-the Graphs: a rebuilt decoder captures its own) and gone with it; the first decode step on a prefix pays the capture (an eager step and a recording). The
-rows' tokens, slots and suffix starts are copied into one static device tensor before each replay, and
-the position table is filled up to the prefix's end plus the slots' room before the capture: nothing
-in the step reads a value back from the device or allocates outside the graph's pool.
+What is captured: the step of W rows (CAG_DECODE_ROWS: requests over one resident prefix, the rest padding rows;
+cag.runtime.decoder), one token each, their attention reading the first `room` keys of their suffix slots (the question
+and answer room; the keys past a request's own masked; a longer conversation steps eagerly past them), so one graph per
+prefix, kept on the PrefixKV (PrefixKV.made, keyed by the Graphs: a rebuilt decoder captures its own) and gone with it;
+the first decode step on a prefix pays the capture (an eager step and a recording). The rows' tokens, slots and suffix
+starts are copied into one static device tensor before each replay, and the position table is filled up to the prefix's
+end plus the slots' room before the capture: nothing in the step reads a value back from the device or allocates outside
+the graph's pool.
 
 Exactness: every decode step on CUDA is a replay of W rows (the first one too: a capture does not
 compute, so an eager warm-up runs first and the replay overwrites the K/V it wrote), in `cag` and in
@@ -27,7 +27,8 @@ from cag.runtime.rows import Part
 
 
 class Graphs:
-    """Captured decode steps of `step` (cag.runtime.step.LeanStep) over `rows` rows writing to `slots` (cag.runtime.slots.Slots)."""
+    """Captured decode steps of `step` (cag.runtime.step.LeanStep) over `rows` rows writing to `slots`
+    (cag.runtime.slots.Slots)."""
 
     def __init__(self, step, slots, room: int, rows: int):
         self.step, self.slots, self.rows = step, slots, rows

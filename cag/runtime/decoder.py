@@ -107,7 +107,8 @@ class Decoder:
 
     @property
     def slot_bytes(self) -> int:
-        return self.lm.kv_bytes(self.room, self.lm.attn_dtype)  # one request's suffix slot: the KV formula over its room
+        # one request's suffix slot: the KV formula over its room
+        return self.lm.kv_bytes(self.room, self.lm.attn_dtype)
 
     def snapshot(self) -> dict:
         """Counters and gauges for /metrics: steps, rows (rows / steps = mean batch), active, waiting."""
@@ -151,7 +152,8 @@ class Decoder:
                     if not self._pending and not self._active and not self._filling:
                         release_workers()  # idle: the threads that prefill get the CPUs to themselves
                     while not self._pending and not self._active and not self._filling:
-                        if self._closing or not self._cond.wait(timeout=IDLE_EXIT_S):  # idle: end the thread (the next run starts one)
+                        # idle: end the thread (the next run starts one)
+                        if self._closing or not self._cond.wait(timeout=IDLE_EXIT_S):
                             self._thread = None
                             return
                     free = self.max_batch - len(self._active) - len(self._filling)
@@ -246,7 +248,9 @@ class Decoder:
         return parts + [Part(torch.tensor([r.suffix[r.filled : r.filled + m]]), [r.prefix], torch.tensor([r.slot]),
                              torch.tensor([r.filled]), question=True) for r, m in new]
 
-    def _forward(self, batch: list[Request], new: list[tuple[Request, int]], forward: Callable[[], list[torch.Tensor]]) -> None:
+    def _forward(
+        self, batch: list[Request], new: list[tuple[Request, int]], forward: Callable[[], list[torch.Tensor]]
+    ) -> None:
         """Run `forward` (logits per part: the decode part (B, V) first when `batch`, then each of
         `new`'s (1, V)) and hand every request whose question is all prefilled its next token."""
         try:
@@ -286,12 +290,15 @@ class Decoder:
         later turn."""
         n = len(ids)
         assert self.kept is not None and req.key is not None and self.slots is not None  # as _keeps checked
-        self.kept.keep(req.key, ids, [(K[req.slot, :, :n], V[req.slot, :, :n]) for K, V in zip(self.slots.k, self.slots.v)])
+        self.kept.keep(
+            req.key, ids, [(K[req.slot, :, :n], V[req.slot, :, :n]) for K, V in zip(self.slots.k, self.slots.v)]
+        )
 
     def _emit(self, req: Request, logits: torch.Tensor) -> None:
         """Pick the next token from `logits` (V,): stop, or hand it out and schedule it."""
         cfg = req.cfg
-        tok = _pick(logits if req.gen is None else logits.cpu(), cfg, req.gen, self.lm.stops, len(req.ids))  # a seeded generator lives on the CPU
+        # a seeded generator lives on the CPU
+        tok = _pick(logits if req.gen is None else logits.cpu(), cfg, req.gen, self.lm.stops, len(req.ids))
         if tok in self.lm.stops:
             return self._finish(req)
         if req.t_first is None:
@@ -340,7 +347,9 @@ class Decoder:
         cache = kv_cache.new_cache(lm.model, n + len(req.suffix) + req.cfg.max_tokens + 1)
         kv_cache.load_into(cache, req.prefix.kv, lm.dtype, lm.device)
         try:
-            req.result = generate(lm, cache, n, req.suffix, req.cfg, self.chunk, req.on_text, req.should_stop, req.t_start)
+            req.result = generate(
+                lm, cache, n, req.suffix, req.cfg, self.chunk, req.on_text, req.should_stop, req.t_start
+            )
             if req.score and req.result.ids:
                 req.logprobs = kv_cache.answer_logprobs(lm.model, cache, req.suffix, req.result.ids, n)
         except Exception as e:  # noqa: BLE001 - raised by run()

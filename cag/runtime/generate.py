@@ -162,7 +162,8 @@ class Generated:
     ids: list[int]  # generated token ids (stop token excluded)
     ttft_ms: float  # from t_start to the first token (or to the end, for an empty answer)
     decode_tok_s: float | None  # tokens after the first, per second; None below two tokens
-    reused: int = 0  # suffix tokens taken from a kept conversation (cag.runtime.kept_conversations), not prefilled again
+    # suffix tokens taken from a kept conversation (cag.runtime.kept_conversations), not prefilled again
+    reused: int = 0
 
 
 def generate(lm, cache, n_prefix: int, suffix: list[int], cfg: DecodeConfig, chunk: int = 512,

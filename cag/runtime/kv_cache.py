@@ -144,9 +144,11 @@ def _writes_rounded(cache: StaticCache, store: torch.dtype | None):
 
     def stored(t: torch.Tensor, i: int, name: str) -> torch.Tensor:
         if bound is not None and (top := float(t.abs().amax())) > bound:  # would be stored as inf: refused here
-            raise ModelError(f"the model's keys and values cannot be stored: layer {i} {name} reach {top:.4g}, past what "
-                             f"{str(store).removeprefix('torch.')} stores ({bound:.6g}); prefill in float32 "
-                             "(CAG_DTYPE=float32) or store them in bfloat16 (CAG_KV_DTYPE=bfloat16)")
+            raise ModelError(
+                f"the model's keys and values cannot be stored: layer {i} {name} reach {top:.4g}, past what "
+                f"{str(store).removeprefix('torch.')} stores ({bound:.6g}); prefill in float32 (CAG_DTYPE=float32) or "
+                "store them in bfloat16 (CAG_KV_DTYPE=bfloat16)"
+            )
         return fn(t)
 
     for i, layer in enumerate(_layers(cache)):
@@ -241,7 +243,10 @@ def nonfinite(kv: KV, dtype: torch.dtype | None = None) -> str | None:
             if top != top or top == float("inf"):
                 return f"layer {i} {name} hold NaN or inf"
             if bound is not None and top > bound:
-                return f"layer {i} {name} reach {top:.4g}, past what {str(dtype).removeprefix('torch.')} stores ({bound:.6g})"
+                return (
+                    f"layer {i} {name} reach {top:.4g}, past what {str(dtype).removeprefix('torch.')} stores "
+                    f"({bound:.6g})"
+                )
     return None
 
 

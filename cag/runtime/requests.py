@@ -24,7 +24,8 @@ class Request:
     should_stop: Callable[[], bool] | None = None
     t_start: float = field(default_factory=time.perf_counter)
     score: bool = False  # keep each answer token's log-probability (sharded corpora pick by it)
-    key: str | None = None  # the snapshot digest: its suffix is kept for, and may reuse, kept conversations (cag.runtime.kept_conversations)
+    # the snapshot digest: its suffix is kept for, and may reuse, kept conversations (cag.runtime.kept_conversations)
+    key: str | None = None
     # scheduler state
     start: int = 0  # suffix tokens copied from a kept conversation: prefill starts here
     filled: int = 0  # suffix tokens whose K/V are in the slot (the prefill goes in pieces: Decoder._pieces)

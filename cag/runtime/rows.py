@@ -47,7 +47,8 @@ class Rows:
         n = part.prefixes[0].n if same else torch.tensor([p.n for p in part.prefixes], device=dev)[:, None]  # (B, 1)
         self.pos = (suf + n).reshape(-1)  # (B*m,) absolute positions
         self.top = max(p.n for p in part.prefixes) + seen  # every position of the part is below this
-        self.hidden = (torch.arange(self.L, device=dev) > suf.repeat_interleave(rep, 1)[:, :, None])[:, None]  # (B, 1, M, L)
+        # (B, 1, M, L)
+        self.hidden = (torch.arange(self.L, device=dev) > suf.repeat_interleave(rep, 1)[:, :, None])[:, None]
         # float32 additive mask for torch's CPU flash kernel (cag.runtime.attention); the other way reads `hidden`
         self.bias = torch.zeros(self.hidden.shape, device=dev).masked_fill_(self.hidden, float("-inf")) if cpu else None
         self.slots = part.slots.to(dev)

@@ -33,7 +33,8 @@ class PrefixKV:
     kv: list[tuple[torch.Tensor, torch.Tensor]]  # per layer keys, values (1, H_kv, n, D)
     n: int
     # what kernels made from it once, kept with it and gone with it: "pairs" {layer: (kt, vt)} for
-    # cag.kernels.native's AVX-512 attention (cag.runtime.attention), a Graphs its captured decode step (cag.runtime.cuda_graphs)
+    # cag.kernels.native's AVX-512 attention (cag.runtime.attention), a Graphs its captured decode step
+    # (cag.runtime.cuda_graphs)
     made: dict = field(default_factory=dict, repr=False)
     # an int8 snapshot's codes per layer (store.snapshots.Snapshot.codes), on the CPU: the AVX-512
     # attention pairs them (cag.runtime.attention) and reads them in place of kv; a layer's entry is None once paired
@@ -62,7 +63,11 @@ def _cast(t: torch.Tensor, device, dtype: torch.dtype) -> torch.Tensor:
     every number, inf and subnormal (fp16 -> fp32 is exact, then one rounding either way) in less
     than half the time, since torch converts the two 16-bit types element by element but each step
     through fp32 vectorized."""
-    if {t.dtype, dtype} == {torch.float16, torch.bfloat16} and t.device.type == "cpu" and torch.device(device).type == "cpu":
+    if (
+        {t.dtype, dtype} == {torch.float16, torch.bfloat16}
+        and t.device.type == "cpu"
+        and torch.device(device).type == "cpu"
+    ):
         return t.float().to(dtype)
     return t.to(device, dtype)
 
@@ -107,7 +112,8 @@ def _zeros(shape: tuple, dtype: torch.dtype, device) -> torch.Tensor:
     n = math.prod(shape) * dtype.itemsize
     if n == 0:
         return torch.zeros(shape, dtype=dtype)
-    private = getattr(mmap, "MAP_PRIVATE", None)  # POSIX; a shared one would count as shared memory and be a forked child's too
+    # POSIX; a shared one would count as shared memory and be a forked child's too
+    private = getattr(mmap, "MAP_PRIVATE", None)
     buf = mmap.mmap(-1, n, flags=private | mmap.MAP_ANONYMOUS) if private is not None else mmap.mmap(-1, n)
     if hasattr(mmap, "MADV_NOHUGEPAGE"):  # Linux: where THP is "always", too
         buf.madvise(mmap.MADV_NOHUGEPAGE)
