@@ -292,8 +292,8 @@ class Decoder:
     def _emit(self, req: Request, logits: torch.Tensor) -> None:
         """Pick the next token from `logits` (V,): stop, or hand it out and schedule it."""
         cfg = req.cfg
-        logits = logits if req.gen is None else logits.cpu()  # a seeded generator lives on the CPU
-        tok = _pick(logits, cfg, req.gen, self.lm.stops, len(req.ids))
+        picked = logits if req.gen is None else logits.cpu()  # a seeded generator lives on the CPU
+        tok = _pick(picked, cfg, req.gen, self.lm.stops, len(req.ids))
         if tok in self.lm.stops:
             return self._finish(req)
         if req.t_first is None:

@@ -141,8 +141,8 @@ class LeanStep:
         glue = self.kernel and packed and self.dtype == torch.float32
         # the AVX2 library's glue on CPUs below the AVX-512 floor (kernels/arch/avx2/step.cpp), same signatures
         ops = self.backend.ops()
-        fns = (ops.rms_bf16, ops.rope_write, ops.silu_mul_bf16)
-        self.glue: tuple[Callable, Callable, Callable] | None = fns if glue else None
+        self.glue: tuple[Callable, Callable, Callable] | None = (ops.rms_bf16, ops.rope_write,
+                                                                 ops.silu_mul_bf16) if glue else None
         # a family's q/k norms and post-norms then run natively too (rms_f32: what the one-call layers compute)
         self.branch_rms = ops.rms_f32 if glue else self.rms
         if glue and fam.qk_norm:
