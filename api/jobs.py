@@ -74,7 +74,7 @@ class JobReporter(Reporter):
 
 
 class Jobs:
-    def __init__(self, engine: Engine, on_finish=lambda status: None, keep: int = 100):
+    def __init__(self, engine: Engine, on_finish=lambda job: None, keep: int = 100):
         self.engine = engine
         self.on_finish = on_finish
         self.keep = keep
@@ -118,7 +118,7 @@ class Jobs:
             job.status = "failed"
         finally:
             job.finished = time.time()
-            self.on_finish(job.status)
+            self.on_finish(job)
 
     def get(self, job_id: str) -> Job:
         with self._lock:

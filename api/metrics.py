@@ -35,8 +35,8 @@ class _EngineCollector:
                                   value=stats.get("snapshot_hits", 0))
         yield CounterMetricFamily("cag_snapshot_loads", "Snapshot files loaded (resident cache misses).",
                                   value=stats.get("snapshot_loads", 0))
-        yield GaugeMetricFamily("cag_resident_bytes", "Bytes held by resident snapshots and kept conversations "
-                                "(LRU bound: CAG_RESIDENT_BYTES).", value=engine.resident_bytes)
+        yield GaugeMetricFamily("cag_resident_bytes", "Bytes held by resident snapshots, kept conversations "
+                                "and warmed quotes (LRU bound: CAG_RESIDENT_BYTES).", value=engine.resident_bytes)
         yield GaugeMetricFamily(
             "cag_conversations_kept",
             "Conversations whose K/V are kept for their next turn (cag.runtime.kept_conversations).",
@@ -61,6 +61,14 @@ class _EngineCollector:
         )
         yield CounterMetricFamily("cag_conversation_evictions", "Kept conversations evicted for the byte budget.",
                                   value=stats.get("conversation_evictions", 0))
+        yield GaugeMetricFamily("cag_quotes_kept", "cag+rag quotes warmed and kept (CAG_WARM_QUOTES).",
+                                value=stats.get("quotes_kept", 0))
+        yield GaugeMetricFamily("cag_quote_bytes", "Bytes of warmed quotes (LRU bound: CAG_QUOTE_BYTES; counted in "
+                                "CAG_RESIDENT_BYTES too).", value=stats.get("quote_bytes", 0))
+        yield CounterMetricFamily("cag_quote_hits", "Requests that began with a warmed quote.",
+                                  value=stats.get("quote_hits", 0))
+        yield CounterMetricFamily("cag_quote_reused_tokens", "Prompt tokens copied from warmed quotes.",
+                                  value=stats.get("quote_reused_tokens", 0))
         yield CounterMetricFamily("cag_decode_steps", "Batched decode steps (one forward for every active request).",
                                   value=stats.get("decode_steps", 0))
         yield CounterMetricFamily(

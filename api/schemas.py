@@ -89,7 +89,7 @@ class Usage(BaseModel):
     prompt_tokens: int
     cached_tokens: int = Field(description="Prompt tokens not recomputed: the snapshot's and conversation_tokens.")
     conversation_tokens: int = Field(
-        0, description="Of those, earlier turns' tokens reused from the kept conversation."
+        0, description="Of those, tokens reused from a kept conversation (earlier turns) or a warmed cag+rag quote."
     )
     completion_tokens: int
 

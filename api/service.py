@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import logging
+import threading
 
 from cag.engine import Engine
 from cag.errors import TooLarge
+from cag.results import human_bytes
 
 from .answers import LocalAnswers
 from .errors import NotReady
@@ -29,7 +31,8 @@ class Service:
         self.runner = Runner(settings.workers, settings.max_queue, settings.request_timeout_s,
                              on_stop=lambda reason: self.metrics.stopped.labels(reason).inc(),
                              torch_threads=engine.settings.threads)  # 0: torch's default, every core
-        self.jobs = Jobs(engine, on_finish=lambda status: self.metrics.jobs.labels(status).inc())
+        self.jobs = Jobs(engine, on_finish=self._refreshed)
+        self._closing = threading.Event()  # ends warming (CAG_WARM_QUOTES) between passages
         # where answers are computed: this engine, or engine replicas on Ray Serve (api/ray_app.py swaps it)
         self.answers = LocalAnswers(engine)
 
@@ -44,8 +47,34 @@ class Service:
         except Exception as e:  # noqa: BLE001 - reported by /health and every route
             self.load_error = str(e) or type(e).__name__
             log.error("model failed to load: %s", self.load_error)
+            return
+        self.warm([r["name"] for r in self.engine.index.corpora()])
+
+    def warm(self, corpora: list[str]) -> None:
+        """CAG_WARM_QUOTES: each corpus's cag+rag quotes prefilled and kept (Engine.warm_quotes), in a thread of its
+        own while questions are served; logged, never fatal."""
+        if not self.engine.settings.warm_quotes or not corpora or not isinstance(self.answers, LocalAnswers):
+            return  # (replicas on Ray Serve answer from engines of their own)
+
+        def run() -> None:
+            for name in corpora:
+                try:
+                    w = self.engine.warm_quotes(name, should_stop=self._closing.is_set)
+                except Exception as e:  # noqa: BLE001 - a corpus that cannot be warmed is answered cold
+                    log.warning("quotes of %s not warmed: %s", name, e)
+                    continue
+                log.info("warmed %d quotes of %s (%d tokens, %s) in %.1f s%s", w.passages, name, w.tokens,
+                         human_bytes(w.kept_bytes), w.seconds, f"; {w.reason}" if w.reason else "")
+
+        threading.Thread(target=run, name="cag-warm-quotes", daemon=True).start()
+
+    def _refreshed(self, job) -> None:
+        self.metrics.jobs.labels(job.status).inc()
+        if job.status == "done":  # its new snapshots' quotes
+            self.warm([job.corpus])
 
     def close(self) -> None:
+        self._closing.set()
         self.runner.shutdown()
 
     @property

@@ -33,6 +33,7 @@ import torch
 from cag.config import get_settings
 from cag.engine import Engine
 from cag.kernels import backends, native
+from cag.knowledge import verify
 from cag.model import auto_weights, packed, weights
 from cag.model.loading import attn_dtype
 from cag.runtime import kv_cache
@@ -180,7 +181,7 @@ def main() -> None:
         rows = []
         for size in sizes:
             ing = engine.ingest(str(essay_corpus(home / f"essays-{size}", size, count)), name=f"essays{size}")
-            snap = engine.open_snapshot(engine.index.snapshot(ing.snapshot))
+            snap = verify.open_snapshot(engine.snapshots(), engine.index.snapshot(ing.snapshot))
             for (fmt, ker), model in models.items():
                 cache = kv_cache.new_cache(model, ing.n_tokens + engine.room)
                 kv_cache.load_into(cache, snap.kv, lm.dtype)

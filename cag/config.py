@@ -66,6 +66,9 @@ class Settings(BaseSettings):
     # conversations' K/V kept between turns (cag.runtime.kept_conversations): LRU, counted in resident_bytes
     # too; 0 keeps none
     conversation_bytes: int = Field(512 * 1024**2, ge=0)
+    # `cag serve`: prefill and keep every corpus's cag+rag quotes at start and after a refresh (cag.answering.quotes)
+    warm_quotes: bool = False
+    quote_bytes: int = Field(1024**3, ge=0)  # warmed quotes' K/V: LRU, counted in resident_bytes too; 0 keeps none
     ttl_s: float = Field(0.0, ge=0, allow_inf_nan=False)  # snapshot time-to-live; 0 = never expires
     # where snapshots live: unset = CAG_HOME/snapshots only; s3://bucket/prefix = a shared S3-compatible store
     store: str | None = None

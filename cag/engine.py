@@ -1,19 +1,18 @@
 """The engine: ingest a corpus into a snapshot, answer a question from it, say how fresh it is.
 
-Read top to bottom: ingest (plan the prefix, reuse a verified snapshot, else prefill and save) and answer (check
-the Query once, take the prefix for its mode, generate). The pieces live in their own rooms: knowledge/ (corpus
-files, ingest steps, verify), answering/ (query, questions, chat, resident snapshots, shards, retrieval), runtime/
-(decode), model/ (prompt layout), results.py (what comes back), store/ (files, SQLite). Every mode enters at
-`Engine.answer(Query)`; `rag` and `cag+rag` retrieve through the Retrieval the engine is given
-(cag.answering.retrieval; cag.rag implements it)."""
+Read top to bottom: ingest (plan, reuse a verified snapshot, else prefill and save) and answer (check the Query once,
+take the prefix for its mode, generate). The pieces live in their own rooms: knowledge/ (corpus files, ingest steps,
+verify), answering/ (query, questions, chat, resident snapshots, shards, retrieval, quotes), runtime/ (decode), model/
+(prompt layout), results.py, store/ (files, SQLite). `rag` and `cag+rag` retrieve through the Retrieval it is given."""
 
 from __future__ import annotations
 
 import threading
 import time
+from functools import partial
 from pathlib import Path
 
-from cag.answering import across_shards, answers, chat, questions, retrieval
+from cag.answering import across_shards, answers, chat, questions, quotes, retrieval
 from cag.answering.query import Query
 from cag.answering.questions import Question, suffix_room
 from cag.answering.resident import Resident, ResidentPool, codes_read
@@ -23,6 +22,7 @@ from cag.errors import BadInput, NotFound
 from cag.knowledge import corpus as corpora
 from cag.knowledge import freshness, verify
 from cag.knowledge import ingest as steps
+from cag.knowledge import shards as shard_plan
 from cag.knowledge.names import check_corpus_name
 from cag.knowledge.setup import SnapshotSetup
 from cag.model import facts as model_facts
@@ -32,7 +32,7 @@ from cag.model.prompt import Layout, build_prefix, layout_for
 from cag.results import Answer, CorpusStatus, IngestResult, Mode, Reporter, StalePolicy
 from cag.runtime import describe, kv_cache
 from cag.runtime.decoder import Decoder
-from cag.runtime.generate import stop_at
+from cag.runtime.generate import DecodeConfig
 from cag.runtime.kept_conversations import KeptConversations
 from cag.runtime.requests import Request
 from cag.runtime.slots import PrefixKV
@@ -49,9 +49,10 @@ class Engine:
         self.settings, self.retrieval, self.index = settings, retrieval, Index(settings.index_path)
         self._lm, self._lm_lock = lm, threading.Lock()
         self.on_load = None  # called with None before the model loads, with the seconds it took after (the CLI's line)
-        # kept conversations count in the resident budget (cag.answering.resident), with a cap of their own
+        # kept conversations and warmed quotes count in the resident budget (cag.answering.resident), each with a cap
         self.kept = KeptConversations(min(settings.conversation_bytes, settings.resident_bytes))
-        self.resident = ResidentPool(settings.resident_bytes, self.kept)
+        self.quotes = KeptConversations(min(settings.quote_bytes, settings.resident_bytes), "quote")
+        self.resident = ResidentPool(settings.resident_bytes, [self.kept, self.quotes])
         self._decoder: Decoder | None = None
         self._layout: tuple[LoadedModel, Layout, str] | None = None
         self.remote = shared_store(settings, self.index)  # CAG_STORE (store/sync.py); falsy without one
@@ -94,9 +95,10 @@ class Engine:
         with self._lm_lock:
             if self._decoder is None or self._decoder.lm is not lm:
                 s = self.settings
-                self.kept.clear()  # K/V of another model's (or format's) steps
-                self._decoder = Decoder(lm, suffix_room(lm), s.max_batch, s.threads, chunk, s.cuda_graphs,
-                                        self.kept, graph_room=-(-self.room // 512) * 512, rows=s.decode_rows)
+                for store in (self.kept, self.quotes):  # K/V of another model's (or format's) steps
+                    store.clear()
+                self._decoder = Decoder(lm, suffix_room(lm), s.max_batch, s.threads, chunk, s.cuda_graphs, self.kept,
+                                        -(-self.room // 512) * 512, s.decode_rows, self.quotes)
             return self._decoder
 
     @property
@@ -161,29 +163,8 @@ class Engine:
         reporter = reporter or Reporter()
         with corpora.writer_lock(self.settings.home, name):
             plan = steps.read(self.index, self.remote, self.settings, name, source, ttl_s, shard_tokens, reporter)
-            setup = self.snapshots()
-            steps.pack_shards(setup, plan, reporter)
-            fresh = [None if force else steps.reuse_fresh(setup, s) for s in plan.shards]
-            reuse = [(0, None) if f or force else steps.reusable(setup, name, s) for f, s in zip(fresh, plan.shards)]
-            todo = sum(len(s.prefix.ids) - r for (r, _), s, f in zip(reuse, plan.shards, fresh) if not f)
-            n = sum(len(s.prefix.ids) for s in plan.shards)
-            est = [self.lm.kv_bytes(len(s.prefix.ids), self.kv_dtype) for s in plan.shards]
-            getattr(reporter, "shards", lambda _: None)([{"shard": s.index, "n_tokens": len(s.prefix.ids), "bytes": b}
-                                                         for s, b in zip(plan.shards, est)])
-            if todo:
-                reporter.estimate(n, sum(est), n - todo)
-                tick = reporter.progress(todo)
-            built = [f or steps.build(setup, plan, s, r, o, tick) for f, s, (r, o) in zip(fresh, plan.shards, reuse)]
-            for s in (s for s, f in zip(plan.shards, fresh) if not f):
-                self.resident.evict(s.digest)  # a copy of a file just replaced is not served again
-            if todo:
-                reporter.done()
-            steps.publish(setup, plan, built)
+            built, est = steps.run(self.snapshots(), plan, force, reporter, self.resident.evict)
         return IngestResult.of(plan, built, est)
-
-    def open_snapshot(self, row: dict, dequant=None) -> snapfiles.Snapshot:
-        """Load a snapshot file and verify it (cag.knowledge.verify); a failure marks it corrupt."""
-        return verify.open_snapshot(self.snapshots(), row, dequant)
 
     # -- answer ----------------------------------------------------------------------------------
     def answer(self, query: Query, on_text=None, should_stop=None) -> Answer:
@@ -200,14 +181,10 @@ class Engine:
             a = self._answer_hybrid(q, query, on_text, should_stop)
         else:
             a = self._answer(q, on_text, should_stop, query.shards)
-        if query.decoding is not None and query.decoding.stop:  # the decoder cut the text there and decoded no further
-            text = self.lm.tokenizer.decode(a.token_ids, skip_special_tokens=True)  # type: ignore[attr-defined]
-            a.stopped = stop_at(text, query.decoding.stop) is not None
-        return a
+        return answers.stopped(a, self.lm.tokenizer, query.decoding)
 
     def check(self, query: Query) -> Question:
-        """Everything a query needs before any model work (cag.answering.questions), the stale policy applied
-        (a refresh ingests the corpus again from its recorded source)."""
+        """Everything a query needs before any model work (cag.answering.questions); a refresh ingests again."""
         q = questions.check(query, self.settings, self.index, self.remote, self._layouts, self.stale_reasons)
         if q.refresh:  # the recorded source, never a same-named folder in cwd
             self.ingest(q.row["source"], name=q.corpus)
@@ -263,8 +240,29 @@ class Engine:
         quote = retrieval.in_corpus_order(docs, chosen)
         messages = retrieval.messages_with_quote(query.question, query.messages, q.text, quote)
         quoted = questions.conversation(q, messages, Mode.CAG, lm, layout, turn)
+        quoted.routes = quotes.routes(shard_plan.owners(self.index, q.corpus), hits) if query.shards == 1 else None
         a = self._answer(quoted, on_text, should_stop, query.shards)
         return retrieval.quoting(a, hits, chosen, retrieval_ms)
+
+    def warm_quotes(self, corpus: str, retriever: str = "bm25", tick=None, should_stop=None) -> quotes.Warmed:
+        """Prefill and keep each passage's cag+rag quote after its shard's snapshot: a question quoting it prefills
+        only its own tokens (cag.answering.quotes). `tick(tokens)` after each passage; stops where `should_stop()`."""
+        q = self.check(Query(corpus, "warm", mode=Mode.HYBRID.value))
+        if not q.row.get("current_snapshot"):
+            raise NotFound(f"corpus {corpus!r} has no snapshot: run `cag ingest {corpus}`")
+        if not self.decoder.keeps:
+            return quotes.Warmed(corpus, reason=quotes.NOT_KEPT)
+        every = 1 << 30  # k past the passage count: every passage (a retriever scores them all)
+        docs, hits, _ = self._retrieve(q, Query(corpus, retriever=retriever), every, self.settings.quote_tokens or None)
+        owner = shard_plan.owners(self.index, corpus)
+        todo = quotes.plan(self.index, corpus, q.row["current_snapshot"], owner, docs, hits, self.lm.tokenizer)
+
+        def run(digest: str, ids: list[int]) -> None:
+            prefix = self.resident.get(digest, lambda: self._load_resident(digest)).prefix
+            self.decoder.run(Request(prefix, ids, DecodeConfig(max_tokens=1), key=digest + quotes.WARM, quote=True))
+
+        size = partial(self.lm.kv_bytes, dtype=self.lm.attn_dtype)
+        return quotes.warm(corpus, todo, run, self.quotes.budget_bytes, size, tick, should_stop)
 
     def _answer_prompt(self, q: Question, prefix_ids: list[int], on_text=None, should_stop=None,
                        held: dict | None = None, **extra) -> Answer:
@@ -306,14 +304,15 @@ class Engine:
         res = self.resident.get(digest, lambda: self._load_resident(digest))
         load_ms = (time.perf_counter() - t0) * 1e3
         key = digest if q.scope is None else f"{digest}/{q.scope}"  # one key's conversations: invisible to another's
-        gen, logprob = self._generate(res.prefix, q, on_text, should_stop, score, key=key)
+        gen, logprob = self._generate(res.prefix, q, on_text, should_stop, score, key, digest + quotes.WARM)
         return gen, res.prefix.n, load_ms, logprob
 
     def _generate(self, prefix: PrefixKV, q: Question, on_text, should_stop, score: bool = False,
-                  key: str | None = None):
+                  key: str | None = None, shared: str | None = None):
         """Decode over `prefix`; `key` (a snapshot digest) keeps the suffix for, and reuses, kept conversations."""
         questions.fit(q, prefix.n, self.lm.max_context, suffix_room(self.lm))
-        req = self.decoder.run(Request(prefix, q.suffix, q.decoding, on_text, should_stop, q.t_start, score, key=key))
+        req = self.decoder.run(Request(prefix, q.suffix, q.decoding, on_text, should_stop, q.t_start, score, key=key,
+                                       shared=shared))
         assert req.result is not None  # run returns a finished request, or raises its error
         req.result.reused = req.start
         return req.result, req.mean_logprob()
@@ -322,16 +321,17 @@ class Engine:
         row = self.index.snapshot(digest)
         if row is None:  # gone from the index since it was routed to (a gc, a reindex): as a missing file
             raise NotFound(f"snapshot {digest[:12]} is no longer in the index; `cag ingest` the corpus again")
-        return Resident.of(self.open_snapshot(row), self.lm)
+        return Resident.of(verify.open_snapshot(self.snapshots(), row), self.lm)  # a failure marks it corrupt
 
     # -- resident snapshots ----------------------------------------------------------------------
     @property
-    def stats(self) -> dict:  # resident snapshot and kept conversation counters, and the decoder's once one runs
-        return self.resident.stats | self.kept.snapshot() | (self._decoder.snapshot() if self._decoder else {})
+    def stats(self) -> dict:  # resident snapshot, kept conversation and quote counters, and the decoder's once it runs
+        return self.resident.stats | self.kept.snapshot() | self.quotes.snapshot() | (self._decoder.snapshot()
+                                                                                      if self._decoder else {})
 
     @property
-    def resident_bytes(self) -> int:  # snapshots and kept conversations, as the resident budget counts them
-        return self.resident.nbytes + self.kept.nbytes
+    def resident_bytes(self) -> int:  # snapshots, kept conversations and quotes, as the resident budget counts them
+        return self.resident.nbytes + self.kept.nbytes + self.quotes.nbytes
 
     def evict(self, digest: str | None = None) -> None:
         self.resident.evict(digest)

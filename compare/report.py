@@ -67,6 +67,13 @@ def _settings(meta: dict) -> list[str]:
             "itself. Routing recall@1 shard = share of the question's gold documents (as RAG's recall@k counts them) "
             "in the shard that answered; @2 shards = in the 2 best shards by routing (routing only, no generation)"
         ),
+        (
+            "cag+rag: the snapshot (a sharded set: the shard holding most of the retrieved passages) with the BM25 "
+            "top-k passages quoted in the question's message; "
+            + ("each passage's quote was prefilled after its shard before the first question and kept "
+               "(CAG_WARM_QUOTES, cost in the sets table), so a question quoting it first prefilled only its own tokens"
+               if meta.get("warm_quotes") else "quotes prefilled with each question (CAG_WARM_QUOTES off)")
+        ),
         f"dataset file: `{meta.get('dataset_path')}`",
         (
             f"machine: {machine.get('platform')}, {machine.get('cpus')} CPUs, torch threads "

@@ -33,7 +33,7 @@ def sets_table(sets: list[dict], asked: int | None) -> list[str]:
         reused = _reused(snaps)
         size_b = sum(x.get("bytes") or 0 for x in snaps)
         snap = (human_bytes(size_b) + (f" in {len(snaps)} snapshots" if len(snaps) > 1 else "")) if snaps else "–"
-        rag = "; ".join(f"{m} {v['build_ms']:.0f} ms, {v['n_passages']} passages"
+        rag = "; ".join(f"{m} {v['build_ms']:.0f} ms, {v['n_passages']} passages" + _warmed(v.get("warmed"))
                         for m, v in (s.get("rag_index") or {}).items()) or "–"
         shards = shards_text(snaps)
         if len(snaps) > 1 and s.get("router_ms") is not None:
@@ -72,3 +72,12 @@ def sets_table(sets: list[dict], asked: int | None) -> list[str]:
                 L += ["", f"**Size {size}: {got} of the {asked} questions asked** "
                           f"({n_sets} set{'s' if n_sets != 1 else ''} pooled)."]
     return L + [""]
+
+
+def _warmed(w: dict | None) -> str:
+    """cag+rag's quotes warmed before the questions (CAG_WARM_QUOTES), and what it cost."""
+    if not w:
+        return ""
+    cold = f", {w['cold']} cold" if w.get("cold") else ""
+    size = human_bytes(w["bytes"])
+    return f" (quotes warmed: {w['passages']}, {w['tokens']:,} tokens, {w['seconds']:.1f} s, {size}{cold})"

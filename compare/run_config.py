@@ -99,6 +99,7 @@ def run_meta(engine, cfg: CompareConfig, fmt: str, path: Path | None) -> dict:
         "model": lm.name, "model_fingerprint": lm.fingerprint, "tokenizer_fingerprint": lm.tokenizer_fingerprint,
         "max_context": lm.max_context, "compute_dtype": str(lm.dtype).replace("torch.", ""),
         "kv_dtype": engine.kv_name, "question_room": engine.settings.question_room,
+        "warm_quotes": engine.settings.warm_quotes,
         "answer_room": engine.settings.answer_room, "chunk_tokens": engine.chunk,
         "decode": {"strategy": "greedy", "temperature": 0.0, "max_tokens": cfg.max_tokens,
                    "stop_tokens": [lm.tokenizer.convert_ids_to_tokens(i) for i in stops]},

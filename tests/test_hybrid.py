@@ -114,9 +114,11 @@ def test_quote_tokens_sets_the_quoted_passages_size(tiny_model_dir, small_corpus
     assert all(p["n_tokens"] <= 8 for p in a.passages) and any(p["index"] > 0 for p in a.passages)
 
 
-def test_on_shards_it_routes_by_the_question_and_quotes_from_any_shard(tiny_engine, tmp_path, monkeypatch):
-    """A sharded corpus: the shard is chosen by the question (not by the quote, which holds other shards'
-    text too), and the quote brings passages of the other shards; == the same prompt with no cache."""
+def test_on_shards_it_answers_from_its_best_passages_shard_and_quotes_from_any_shard(tiny_engine, tmp_path,
+                                                                                      monkeypatch):
+    """A sharded corpus: the shard holding most retrieved passages answers (here one each: the best ranked's, which
+    is the question's own shard), and the quote brings passages of the other shards; == the same prompt with no
+    cache (cag.answering.quotes.routes; tests/test_quotes.py has the rule itself)."""
     from tests.test_shards import ASKS, DOCS, _shard_tokens
 
     town = tmp_path / "town"

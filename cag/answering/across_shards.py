@@ -78,7 +78,10 @@ def answer(index: Index, remote: Shared | LocalOnly, tokenizer, generate: Genera
            should_stop) -> tuple[ShardAnswer, list[ShardAnswer], float]:
     """Answer a checked question from the k best shards of its corpus (see the module doc): (the best, every
     shard's, routing ms). `generate` answers over one resident snapshot."""
-    rows, routes, routing_ms = route(index, remote, tokenizer, q.corpus, q.search_text, k)
+    if q.routes:  # cag+rag's: the shards holding its passages (cag.answering.quotes.routes)
+        rows, routes, routing_ms = index.shards(q.corpus), q.routes[:k], 0.0
+    else:
+        rows, routes, routing_ms = route(index, remote, tokenizer, q.corpus, q.search_text, k)
     tried = []
     for rt in routes:
         digest = rows[rt.shard]["snapshot"]

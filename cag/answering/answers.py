@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 from cag.answering.questions import Question
 from cag.results import Answer
 from cag.runtime import describe
-from cag.runtime.generate import Generated
+from cag.runtime.generate import DecodeConfig, Generated, stop_at
 
 if TYPE_CHECKING:
     from cag.model.loading import LoadedModel
@@ -33,3 +33,10 @@ def finish(index: Index, lm: LoadedModel, q: Question, gen: Generated, n_prefix:
     if (failed := index.log_query(dict(row, question=q.text))) is not None:
         ans.warnings.append(failed)  # the answer stands (a read-only index, a full disk)
     return ans
+
+
+def stopped(a: Answer, tokenizer, decoding: DecodeConfig | None) -> Answer:
+    """`a` with `stopped` set where a stop sequence ended it (the decoder cut the text there and decoded no further)."""
+    if decoding is not None and decoding.stop:
+        a.stopped = stop_at(tokenizer.decode(a.token_ids, skip_special_tokens=True), decoding.stop) is not None
+    return a

@@ -18,6 +18,7 @@ from cag.store.sync import known_corpus
 
 if TYPE_CHECKING:
     from cag.answering.query import Query
+    from cag.answering.routing import Route
     from cag.config import Settings
     from cag.model.loading import LoadedModel
     from cag.store.index import Index
@@ -42,6 +43,7 @@ class Question:
     scope: str | None = None  # whose kept conversations it may reuse (an API key's; None: the one user's)
     search: str | None = None  # what to route by instead of its text (cag+rag: the question, not its quote)
     refresh: bool = False  # stale under the refresh policy: the caller ingests it again before answering
+    routes: list[Route] | None = None  # the shards to answer from, best first (cag+rag: cag.answering.quotes)
 
     @property
     def search_text(self) -> str:

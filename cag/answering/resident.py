@@ -49,12 +49,13 @@ def codes_read(lm: LoadedModel, codes: list | None) -> list | None:
 
 
 class ResidentPool:
-    """`kept`: the kept conversations (cag.runtime.kept_conversations), counted in the same budget and evicted first (a
-    conversation is recomputed from its snapshot; a snapshot must be read from its file again)."""
+    """`kept`: stores of kept K/V (cag.runtime.kept_conversations: conversations, then warmed quotes), counted in the
+    same budget and evicted first, in that order (kept K/V are recomputed from a snapshot; a snapshot must be read
+    from its file again)."""
 
-    def __init__(self, budget_bytes: int, kept=None):
+    def __init__(self, budget_bytes: int, kept: list | None = None):
         self.budget_bytes = budget_bytes
-        self.kept = kept
+        self.kept = kept or []
         self._items: OrderedDict[str, Resident] = OrderedDict()
         self._lock = threading.Lock()
         self.stats = {"snapshot_hits": 0, "snapshot_loads": 0}  # read by /metrics
@@ -87,9 +88,9 @@ class ResidentPool:
 
     def _shrink(self) -> None:
         held = sum(r.nbytes for r in self._items.values())
-        if self.kept is not None:
-            self.kept.shrink(max(0, self.budget_bytes - held))
-            held += self.kept.nbytes
+        for i, store in enumerate(self.kept):  # the later stores' bytes stay while an earlier one shrinks
+            store.shrink(max(0, self.budget_bytes - held - sum(s.nbytes for s in self.kept[i + 1:])))
+            held += store.nbytes
         while len(self._items) > 1 and held > self.budget_bytes:
             held -= self._items.popitem(last=False)[1].nbytes
 

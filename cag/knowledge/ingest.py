@@ -2,7 +2,7 @@
 reuse a verified snapshot with the same key or build one (reusing the shard's current snapshot up
 to its first changed document), then publish every shard in one transaction.
 
-`read` needs no model; the steps after it take a SnapshotSetup (model, layout, settings, index, store:
+`read` needs no model; the steps after it (`run`) take a SnapshotSetup (model, layout, settings, index, store:
 cag.knowledge.setup), and `Engine.ingest` runs them under the corpus's writer lock, evicting a rebuilt
 snapshot from memory. A crash before `publish` leaves the corpus on its previous snapshots.
 """
@@ -238,3 +238,27 @@ def publish(setup: SnapshotSetup, plan: Plan, built: list[Built]) -> None:
     if setup.remote:  # the store is the truth: its ref first (conditional), then this machine's index
         setup.remote.publish(corpus_row, doc_rows, [b.row for b in built], plan.ref)
     setup.index.publish_shards(corpus_row, doc_rows, [(b.row, s.spans) for b, s in zip(built, plan.shards)])
+
+
+def run(setup: SnapshotSetup, plan: Plan, force: bool, reporter, evict) -> tuple[list[Built], list[int]]:
+    """Every step after `read`: pack, reuse or build each shard (with progress), publish. `evict(digest)` drops a
+    rebuilt snapshot's copy in memory. (the shards as built, their estimated bytes)"""
+    pack_shards(setup, plan, reporter)
+    fresh = [None if force else reuse_fresh(setup, s) for s in plan.shards]
+    reuse = [(0, None) if f or force else reusable(setup, plan.name, s) for f, s in zip(fresh, plan.shards)]
+    todo = sum(len(s.prefix.ids) - r for (r, _), s, f in zip(reuse, plan.shards, fresh) if not f)
+    n = sum(len(s.prefix.ids) for s in plan.shards)
+    est = [setup.lm.kv_bytes(len(s.prefix.ids), setup.kv_dtype) for s in plan.shards]
+    getattr(reporter, "shards", lambda _: None)([{"shard": s.index, "n_tokens": len(s.prefix.ids), "bytes": b}
+                                                 for s, b in zip(plan.shards, est)])
+    tick = None
+    if todo:
+        reporter.estimate(n, sum(est), n - todo)
+        tick = reporter.progress(todo)
+    built = [f or build(setup, plan, s, r, o, tick) for f, s, (r, o) in zip(fresh, plan.shards, reuse)]
+    for s in (s for s, f in zip(plan.shards, fresh) if not f):
+        evict(s.digest)  # a copy of a file just replaced is not served again
+    if todo:
+        reporter.done()
+    publish(setup, plan, built)
+    return built, est

@@ -182,3 +182,15 @@ def _balanced(units: list[Unit], room: int, most: int) -> list[ShardPlan] | None
         else:
             return [ShardPlan([units[i] for i in sorted(b)]) for b in sorted((b for b in bins if b), key=min)]
     return None
+
+
+def owners(index, corpus: str) -> dict[str, int]:
+    """Document name -> the shard holding it (its first part's, for a document cut across shards); {} unsharded."""
+    rows = index.shards(corpus)
+    if len(rows) < 2:
+        return {}
+    out: dict[str, int] = {}
+    for r in rows:
+        for span in index.snapshot_documents(r["snapshot"]):
+            out.setdefault(doc_of(span["path"]), r["shard"])
+    return out

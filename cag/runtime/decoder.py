@@ -42,7 +42,7 @@ from cag.runtime import kv_cache
 from cag.runtime import step as lean
 from cag.runtime.cuda_graphs import Graphs
 from cag.runtime.generate import TextStream, _pick, generate, generated, sampler
-from cag.runtime.kept_conversations import KeptConversations
+from cag.runtime.kept_conversations import KeptConversations, best_match
 from cag.runtime.omp_pools import release as release_workers
 from cag.runtime.requests import Request, chunks, fixed_rows
 from cag.runtime.rows import Part
@@ -65,12 +65,14 @@ class Decoder:
     """Answers over prefixes: batched (one scheduler thread) where cag.runtime.step applies, else alone."""
 
     def __init__(self, lm, room: int, max_batch: int, threads: int = 0, chunk: int = 512, cuda_graphs: bool = True,
-                 kept: KeptConversations | None = None, graph_room: int = 512, rows: int = 0):
+                 kept: KeptConversations | None = None, graph_room: int = 512, rows: int = 0,
+                 quotes: KeptConversations | None = None):
         # room: the longest suffix (conversation and answer) a slot holds; graph_room: the suffix keys a
         # fixed-rows step reads (cag.runtime.cuda_graphs); rows: CAG_DECODE_ROWS (fixed_rows)
         self.lm, self.room, self.max_batch, self.threads, self.chunk = lm, room, max_batch, threads, chunk
         self.graph_room = graph_room
         self.kept = kept  # conversations' K/V kept between turns (cag.runtime.kept_conversations); None: nothing kept
+        self.quotes = quotes  # warmed quotes (cag.answering.quotes): kept where a request is one, reused by `shared`
         self.step = lean.for_model(lm.model)
         # torch's CPU kernels (flash attention, oneDNN's and the weight-only products) give a row bits that depend
         # on the rows beside it on CPUs without AMX (tests/test_batch.py, bench/bench_exactness.py): there each
@@ -102,6 +104,14 @@ class Decoder:
     @property
     def batched(self) -> bool:
         return self.step is not None
+
+    @property
+    def keeps(self) -> bool:
+        """Whether a request's conversation (one with a key) is kept and reused (cag.runtime.kept_conversations):
+        only where the step makes every row a decode row (LeanStep.flat), so a row's K/V are the same bits whether
+        its turn prefilled it, decoded it or a later turn recomputes it. Elsewhere (torch's kernels, CUDA) a question's
+        products sum a row differently with the rows beside it, and each turn prefills its whole conversation."""
+        return self.kept is not None and self.step is not None and self.step.flat
 
     @property
     def slot_bytes(self) -> int:
@@ -169,9 +179,8 @@ class Decoder:
             return False
         assert self.slots is not None  # made before the scheduler thread starts
         req.slot = self.slots.take()
-        if self._keeps(req):
-            assert self.kept is not None and req.key is not None  # as _keeps checked
-            kept, n = self.kept.match(req.key, req.suffix)
+        if req.key is not None and self.keeps:
+            kept, n = best_match([(self.kept, req.key), (self.quotes, req.shared)], req.suffix)
             if kept is not None:  # the conversation so far: copied into the slot, prefill starts after it
                 for (k, v), K, V in zip(kept.kv, self.slots.k, self.slots.v):
                     K[req.slot, :, :n] = k[:, :n]
@@ -273,21 +282,12 @@ class Decoder:
             self._active.append(r)
             self._emit(r, logits[0])
 
-    def _keeps(self, req: Request) -> bool:
-        """Whether the request's conversation is kept and reused (cag.runtime.kept_conversations): only where
-        the step makes every row a decode row (LeanStep.flat), so a row's K/V are the same bits whether its
-        turn prefilled it, decoded it or a later turn recomputes it. Elsewhere (torch's kernels, CUDA) a
-        question's products sum a row differently with the number of rows beside it (measured: bf16 on
-        torch's CPU kernels), and each turn prefills its whole conversation, as `full` does."""
-        return req.key is not None and self.kept is not None and self.step is not None and self.step.flat
-
     def _keep(self, req: Request, ids: list[int]) -> None:
-        """Keep the K/V of the request's first len(ids) suffix positions (its question and answer) for a
-        later turn."""
+        """Keep the K/V of the request's first len(ids) suffix positions (its question and answer) for a later turn."""
         n = len(ids)
-        assert self.kept is not None and req.key is not None and self.slots is not None  # as _keeps checked
+        assert self.kept is not None and req.key is not None and self.slots is not None  # as keeps checked
         kv = [(K[req.slot, :, :n], V[req.slot, :, :n]) for K, V in zip(self.slots.k, self.slots.v)]
-        self.kept.keep(req.key, ids, kv)
+        (self.quotes if req.quote and self.quotes is not None else self.kept).keep(req.key, ids, kv)
 
     def _emit(self, req: Request, logits: torch.Tensor) -> None:
         """Pick the next token from `logits` (V,): stop, or hand it out and schedule it."""
@@ -318,7 +318,7 @@ class Decoder:
             self._active.remove(req)
         if req in self._filling:
             self._filling.remove(req)
-        if error is None and req.slot is not None and self._keeps(req):
+        if error is None and req.slot is not None and req.key is not None and self.keeps:
             self._keep(req, req.suffix + req.ids[: req.length - len(req.suffix)])  # with the answer's rows
         if req.slot is not None:  # zeroed as far as it may have been written (a failed pass: its whole suffix)
             assert self.slots is not None  # a slot was taken from them

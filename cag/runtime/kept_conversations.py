@@ -60,14 +60,14 @@ def _head(key: str, ids) -> tuple:
 
 
 class KeptConversations:
-    def __init__(self, budget_bytes: int):
-        self.budget_bytes = budget_bytes
+    def __init__(self, budget_bytes: int, kind: str = "conversation"):
+        """`kind` names its counters: conversation (turns kept between requests), quote (cag.answering.quotes)."""
+        self.budget_bytes, self.kind = budget_bytes, kind
         self._items: OrderedDict[int, Kept] = OrderedDict()  # id(Kept) -> Kept, oldest first
         self._heads: dict[tuple, dict[int, Kept]] = {}  # _head -> the kept conversations that start so
         self._held = 0  # bytes of _items
         self._lock = threading.Lock()
-        self.stats = {"conversation_hits": 0, "conversation_misses": 0, "conversation_reused_tokens": 0,
-                      "conversation_evictions": 0}
+        self.stats = {f"{kind}_{k}": 0 for k in ("hits", "misses", "reused_tokens", "evictions")}
 
     def match(self, key: str, ids: list[int]) -> tuple[Kept | None, int]:
         """The kept conversation sharing the longest token prefix with `ids` on snapshot `key`, and
@@ -82,10 +82,10 @@ class KeptConversations:
             n = min(n, len(ids) - 1)
             if best is not None and n >= MIN_REUSE:
                 self._items.move_to_end(id(best))
-                self.stats["conversation_hits"] += 1
-                self.stats["conversation_reused_tokens"] += n
+                self.stats[f"{self.kind}_hits"] += 1
+                self.stats[f"{self.kind}_reused_tokens"] += n
                 return best, n
-            self.stats["conversation_misses"] += 1
+            self.stats[f"{self.kind}_misses"] += 1
         return None, 0
 
     def keep(self, key: str, ids: list[int], kv: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
@@ -111,7 +111,7 @@ class KeptConversations:
     def _shrink(self, budget: int) -> None:
         while self._items and self._held > budget:
             self._drop(next(iter(self._items)))
-            self.stats["conversation_evictions"] += 1
+            self.stats[f"{self.kind}_evictions"] += 1
 
     def _drop(self, k: int) -> Kept:
         item = self._items.pop(k)
@@ -136,5 +136,13 @@ class KeptConversations:
     def snapshot(self) -> dict:
         """Counters and gauges for /metrics."""
         with self._lock:
-            return dict(self.stats, conversations_kept=len(self._items),
-                        conversation_bytes=self._held)
+            return self.stats | {f"{self.kind}s_kept": len(self._items), f"{self.kind}_bytes": self._held}
+
+
+def best_match(stores: list[tuple[KeptConversations | None, str | None]], ids: list[int]) -> tuple[Kept | None, int]:
+    """The longest match of `ids` among (store, key) pairs (a None store or key is skipped)."""
+    found: tuple[Kept | None, int] = (None, 0)
+    for store, key in stores:
+        if store is not None and key is not None and (m := store.match(key, ids))[1] > found[1]:
+            found = m
+    return found

@@ -26,6 +26,8 @@ class Request:
     score: bool = False  # keep each answer token's log-probability (sharded corpora pick by it)
     # the snapshot digest: its suffix is kept for, and may reuse, kept conversations (cag.runtime.kept_conversations)
     key: str | None = None
+    shared: str | None = None  # the key of the warmed quotes it may reuse (Decoder.quotes; cag.answering.quotes)
+    quote: bool = False  # a quote being warmed: kept in Decoder.quotes under `key`
     # scheduler state
     start: int = 0  # suffix tokens copied from a kept conversation: prefill starts here
     filled: int = 0  # suffix tokens whose K/V are in the slot (the prefill goes in pieces: Decoder._pieces)
