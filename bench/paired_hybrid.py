@@ -23,22 +23,21 @@ def fmt(e, pct: bool = False, ratio: bool = False) -> str:
 
 def main(folder: str) -> None:
     rows = [r for r in read_rows(Path(folder) / "results.jsonl") if r.ok]
-    by = {}
+    by: dict = {}
     for r in rows:
-        by.setdefault((r.mode, r.k), {})[(r.set, r.qid)] = r
-    print("| cag+rag | against | n | ΔF1 first sentence | Δanswer in output | TTFT ratio |")
-    print("|---|---|---:|---:|---:|---:|")
-    for hk in sorted(k for m, k in by if m == "cag+rag"):
-        for ref in sorted(((m, k) for m, k in by if m.startswith("rag")), key=lambda x: (x[0], x[1] or 0)):
-            h, g = by[("cag+rag", hk)], by[ref]
+        by.setdefault((r.size, r.mode, r.k), {})[(r.set, r.qid)] = r
+    print("| size | cag+rag | against | n | ΔF1 first sentence | Δanswer in output | TTFT ratio |")
+    print("|---:|---|---|---:|---:|---:|---:|")
+    for size, hk in sorted({(s, k) for s, m, k in by if m == "cag+rag"}):
+        refs = sorted(((m, k) for s, m, k in by if s == size and m.startswith("rag")), key=lambda x: (x[0], x[1] or 0))
+        for ref in refs:
+            h, g = by[(size, "cag+rag", hk)], by[(size, *ref)]
             both = sorted(set(h) & set(g))
             d_f1 = bootstrap([h[q].f1_first - g[q].f1_first for q in both])
             d_aio = bootstrap([float(h[q].answer_in_output) - float(g[q].answer_in_output) for q in both])
             ratio = bootstrap([h[q].ttft_ms / g[q].ttft_ms for q in both], "median")
-            print(
-                f"| k={hk} | {ref[0]} k={ref[1]} | {len(both)} | {fmt(d_f1)} | {fmt(d_aio)} | {fmt(ratio, ratio=True)} "
-                "|"
-            )
+            print(f"| {size} | k={hk} | {ref[0]} k={ref[1]} | {len(both)} | {fmt(d_f1)} | {fmt(d_aio)} "
+                  f"| {fmt(ratio, ratio=True)} |")
 
 
 if __name__ == "__main__":

@@ -133,3 +133,20 @@ def test_on_shards_it_answers_from_its_best_passages_shard_and_quotes_from_any_s
         assert a.shards[0]["shard"] == plain.shards[0]["shard"], doc
         assert sum(p["quoted"] for p in a.passages) == 4  # every document: three from other shards
         assert a.token_ids == with_no_cache(tiny_engine, "town", q, seen, max_tokens=8).token_ids
+
+
+def test_bad_and_edge_inputs_answer_or_refuse_in_one_line(engine, tiny_engine, tmp_path):
+    """k past the passages quotes them all; a one-document corpus and a question of stopwords only (every passage
+    scores 0: the first ones in corpus order) still answer; the quote is deterministic, ties in passage order."""
+    many = ask(engine, "corpus", Q, mode="cag+rag", k=50, max_tokens=4)
+    assert len(many.passages) == 3 and all(p["quoted"] for p in many.passages)
+    one = tmp_path / "one"
+    one.mkdir()
+    (one / "only.md").write_text("The lighthouse keeper is Mara Voss.\n")
+    tiny_engine.ingest(str(one))
+    a = ask(tiny_engine, "one", Q, mode="cag+rag", max_tokens=4)
+    assert [p["doc_id"] for p in a.passages] == ["only.md"]
+    stop = [ask(engine, "corpus", "what is it?", mode="cag+rag", k=2, max_tokens=4) for _ in range(2)]
+    assert [p["score"] for p in stop[0].passages] == [0.0, 0.0]
+    assert [p["doc_id"] for p in stop[0].passages] == ["a.md", "b.txt"]  # ties: passage order (rag.retrieve)
+    assert stop[0].passages == stop[1].passages and stop[0].token_ids == stop[1].token_ids

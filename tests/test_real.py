@@ -79,3 +79,41 @@ def test_real_model_conversation_is_exact_kept_recomputed_full_and_batched(real_
         t.join()
     assert [a.token_ids for a in together[0]] == [a.token_ids for a in kept]
     assert [a.token_ids for a in together[1]] == [a.token_ids for a in converse(QUESTIONS[1:4])[0]]
+
+
+def test_real_model_cag_rag_is_exact_alone_batched_warmed_and_in_three_turns(real_engine, monkeypatch):
+    """cag+rag on the handbook with the real model: == the same messages with no cache (`full`), alone, two at
+    once, after its quotes are warmed, and on the third turn of a conversation (`full` prefills the handbook for
+    each check: two questions and one conversation keep the test short)."""
+    import threading
+
+    from .test_hybrid import quoted_messages, with_no_cache
+
+    real_engine.ingest(str(HANDBOOK))
+    seen = quoted_messages(monkeypatch)
+    qs = QUESTIONS[:2]
+    alone = [real_engine.answer(Query("handbook", q, mode="cag+rag", max_tokens=12)) for q in qs]
+    for q, a, sent in zip(qs, alone, list(seen)):
+        assert a.passages[0]["quoted"] and a.token_ids == with_no_cache(real_engine, "handbook", q, [sent],
+                                                                         max_tokens=12).token_ids
+    real_engine.kept.clear()
+    together: dict = {}
+    threads = [threading.Thread(target=lambda i=i, q=q: together.__setitem__(
+        i, real_engine.answer(Query("handbook", q, mode="cag+rag", max_tokens=12)))) for i, q in enumerate(qs)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert [together[i].token_ids for i in range(2)] == [a.token_ids for a in alone]
+    real_engine.kept.clear()
+    w = real_engine.warm_quotes("handbook")
+    warm = [real_engine.answer(Query("handbook", q, mode="cag+rag", max_tokens=12)) for q in qs]
+    assert [a.token_ids for a in warm] == [a.token_ids for a in alone]
+    if real_engine.decoder.keeps:
+        assert w.passages > 0 and all(a.conversation_tokens > 0 for a in warm)
+    messages: list = []
+    for q in QUESTIONS[:3]:
+        messages.append({"role": "user", "content": q})
+        a = real_engine.answer(Query("handbook", None, mode="cag+rag", max_tokens=12, messages=messages))
+        messages.append({"role": "assistant", "content": a.answer})
+    assert a.token_ids == with_no_cache(real_engine, "handbook", q, seen, max_tokens=12).token_ids  # one snapshot

@@ -24,14 +24,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import numpy as np
+
 from cag.answering.retrieval import Hits, in_corpus_order, quoted
 from cag.answering.routing import Route
 from cag.model.prompt import encode_text
 from cag.runtime.kept_conversations import common_prefix
 
 if TYPE_CHECKING:
-    import numpy as np
-
     from cag.answering.retrieval import Document
     from cag.store.index import Index
 
@@ -55,13 +55,7 @@ def question_free(tokenizer, name: str, text: str) -> list[int]:
     """The tokens of a one-passage quote (`name`, `text`) that no question changes: the common prefix of the quote
     before two questions that differ in their first word."""
     a, b = (encode_text(tokenizer, quoted([(name, text)], q)) for q in ("A", "Z"))
-    return a[: common_prefix(_ids(a), _ids(b))]
-
-
-def _ids(ids: list[int]) -> np.ndarray:
-    import numpy as np
-
-    return np.asarray(ids, dtype=np.int64)
+    return a[: common_prefix(np.asarray(a), np.asarray(b))]
 
 
 def routes(owner: dict[str, int], hits: Hits) -> list[Route] | None:
