@@ -154,6 +154,18 @@ def real_engine(real_lm, monkeypatch):
 
 
 @pytest.fixture
+def town(tmp_path) -> Path:
+    """Four one-line documents (tests.test_shards.DOCS), a shard each with the right --shard-tokens."""
+    from tests.test_shards import DOCS
+
+    root = tmp_path / "town"
+    root.mkdir()
+    for name, text in DOCS.items():
+        (root / name).write_text(text + "\n")
+    return root
+
+
+@pytest.fixture
 def small_corpus(tmp_path) -> Path:
     """Three short documents written for the tests."""
     root = tmp_path / "corpus"

@@ -29,15 +29,6 @@ def keeping_engine(model_dir, monkeypatch, **env) -> Engine:
     return e
 
 
-@pytest.fixture
-def town(tmp_path):
-    folder = tmp_path / "town"
-    folder.mkdir()
-    for name, text in DOCS.items():
-        (folder / name).write_text(text + "\n")
-    return folder
-
-
 def test_the_question_free_prefix_ends_where_the_question_begins(tiny_engine):
     tok = tiny_engine.lm.tokenizer
     ids = quotes.question_free(tok, "a#0.md", "The keeper is Mara.")

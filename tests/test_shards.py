@@ -25,15 +25,6 @@ ASKS = {  # a question routed to each document's shard (BM25 over the shards' te
 
 
 @pytest.fixture
-def town(tmp_path):
-    root = tmp_path / "town"
-    root.mkdir()
-    for name, text in DOCS.items():
-        (root / name).write_text(text + "\n")
-    return root
-
-
-@pytest.fixture
 def engine(tiny_model_dir, monkeypatch):
     monkeypatch.setenv("CAG_MODEL", str(tiny_model_dir))
     monkeypatch.setenv("CAG_KV_DTYPE", "float32")  # bit-identical state: cag == full exactly on the random model
