@@ -21,6 +21,40 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 _LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 30, 60, 120, 300)
 
 
+# The engine's counters and gauges read at scrape time: (family, metric name, key in Engine.stats, help)
+ENGINE_STATS = (
+    (CounterMetricFamily, "cag_snapshot_hits", "snapshot_hits",
+     "Questions served from a resident (in-memory) snapshot."),
+    (CounterMetricFamily, "cag_snapshot_loads", "snapshot_loads", "Snapshot files loaded (resident cache misses)."),
+    (GaugeMetricFamily, "cag_conversations_kept", "conversations_kept",
+     "Conversations whose K/V are kept for their next turn (cag.runtime.kept_conversations)."),
+    (GaugeMetricFamily, "cag_conversation_bytes", "conversation_bytes",
+     "Bytes of kept conversations (LRU bound: CAG_CONVERSATION_BYTES; counted in CAG_RESIDENT_BYTES too)."),
+    (CounterMetricFamily, "cag_conversation_hits", "conversation_hits", "Requests that continued a kept conversation."),
+    (CounterMetricFamily, "cag_conversation_misses", "conversation_misses",
+     "Requests on a snapshot that found no kept conversation to continue."),
+    (CounterMetricFamily, "cag_conversation_reused_tokens", "conversation_reused_tokens",
+     "Prompt tokens copied from kept conversations instead of prefilled."),
+    (CounterMetricFamily, "cag_conversation_evictions", "conversation_evictions",
+     "Kept conversations evicted for the byte budget."),
+    (GaugeMetricFamily, "cag_quotes_kept", "quotes_kept", "cag+rag quotes warmed and kept (CAG_WARM_QUOTES)."),
+    (GaugeMetricFamily, "cag_quote_bytes", "quote_bytes",
+     "Bytes of warmed quotes (LRU bound: CAG_QUOTE_BYTES; counted in CAG_RESIDENT_BYTES too)."),
+    (CounterMetricFamily, "cag_quote_hits", "quote_hits", "Requests that began with a warmed quote."),
+    (CounterMetricFamily, "cag_quote_reused_tokens", "quote_reused_tokens", "Prompt tokens copied from warmed quotes."),
+    (CounterMetricFamily, "cag_decode_steps", "decode_steps",
+     "Batched decode steps (one forward for every active request)."),
+    (CounterMetricFamily, "cag_decode_rows", "decode_rows",
+     "Tokens decoded in batched steps (rows / steps = mean batch size)."),
+    (GaugeMetricFamily, "cag_decode_batch", "decode_active",
+     "Requests in the decode batch now (CAG_MAX_BATCH at most)."),
+    (GaugeMetricFamily, "cag_decode_waiting", "decode_waiting", "Requests waiting for a place in the decode batch."),
+    (GaugeMetricFamily, "cag_decode_slot_bytes", "slot_bytes",
+     "Bytes of one request's suffix slot (its conversation and answer K/V at the slot's full room; pages are "
+     "used as tokens are written; 0 before the first batched answer)."),
+)
+
+
 class _EngineCollector:
     """Read at scrape time from what it was handed (no reference back to the service)."""
 
@@ -31,61 +65,10 @@ class _EngineCollector:
     def collect(self):
         engine = self.engine
         stats = dict(engine.stats)
-        yield CounterMetricFamily("cag_snapshot_hits", "Questions served from a resident (in-memory) snapshot.",
-                                  value=stats.get("snapshot_hits", 0))
-        yield CounterMetricFamily("cag_snapshot_loads", "Snapshot files loaded (resident cache misses).",
-                                  value=stats.get("snapshot_loads", 0))
         yield GaugeMetricFamily("cag_resident_bytes", "Bytes held by resident snapshots, kept conversations "
                                 "and warmed quotes (LRU bound: CAG_RESIDENT_BYTES).", value=engine.resident_bytes)
-        yield GaugeMetricFamily(
-            "cag_conversations_kept",
-            "Conversations whose K/V are kept for their next turn (cag.runtime.kept_conversations).",
-            value=stats.get("conversations_kept", 0),
-        )
-        yield GaugeMetricFamily(
-            "cag_conversation_bytes",
-            "Bytes of kept conversations (LRU bound: CAG_CONVERSATION_BYTES; counted in CAG_RESIDENT_BYTES too).",
-            value=stats.get("conversation_bytes", 0),
-        )
-        yield CounterMetricFamily("cag_conversation_hits", "Requests that continued a kept conversation.",
-                                  value=stats.get("conversation_hits", 0))
-        yield CounterMetricFamily(
-            "cag_conversation_misses",
-            "Requests on a snapshot that found no kept conversation to continue.",
-            value=stats.get("conversation_misses", 0),
-        )
-        yield CounterMetricFamily(
-            "cag_conversation_reused_tokens",
-            "Prompt tokens copied from kept conversations instead of prefilled.",
-            value=stats.get("conversation_reused_tokens", 0),
-        )
-        yield CounterMetricFamily("cag_conversation_evictions", "Kept conversations evicted for the byte budget.",
-                                  value=stats.get("conversation_evictions", 0))
-        yield GaugeMetricFamily("cag_quotes_kept", "cag+rag quotes warmed and kept (CAG_WARM_QUOTES).",
-                                value=stats.get("quotes_kept", 0))
-        yield GaugeMetricFamily("cag_quote_bytes", "Bytes of warmed quotes (LRU bound: CAG_QUOTE_BYTES; counted in "
-                                "CAG_RESIDENT_BYTES too).", value=stats.get("quote_bytes", 0))
-        yield CounterMetricFamily("cag_quote_hits", "Requests that began with a warmed quote.",
-                                  value=stats.get("quote_hits", 0))
-        yield CounterMetricFamily("cag_quote_reused_tokens", "Prompt tokens copied from warmed quotes.",
-                                  value=stats.get("quote_reused_tokens", 0))
-        yield CounterMetricFamily("cag_decode_steps", "Batched decode steps (one forward for every active request).",
-                                  value=stats.get("decode_steps", 0))
-        yield CounterMetricFamily(
-            "cag_decode_rows",
-            "Tokens decoded in batched steps (rows / steps = mean batch size).",
-            value=stats.get("decode_rows", 0),
-        )
-        yield GaugeMetricFamily("cag_decode_batch", "Requests in the decode batch now (CAG_MAX_BATCH at most).",
-                                value=stats.get("decode_active", 0))
-        yield GaugeMetricFamily("cag_decode_waiting", "Requests waiting for a place in the decode batch.",
-                                value=stats.get("decode_waiting", 0))
-        yield GaugeMetricFamily(
-            "cag_decode_slot_bytes",
-            "Bytes of one request's suffix slot (its conversation and answer K/V at the slot's full room; pages are "
-            "used as tokens are written; 0 before the first batched answer).",
-            value=stats.get("slot_bytes", 0),
-        )
+        for family, name, key, text in ENGINE_STATS:
+            yield family(name, text, value=stats.get(key, 0))
         yield GaugeMetricFamily("cag_generations_running", "Generations running on a worker.", value=self.running())
         yield GaugeMetricFamily(
             "cag_generations_waiting", "Generations admitted and waiting for a worker.", value=self.waiting()

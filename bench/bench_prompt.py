@@ -48,15 +48,13 @@ def apply(variant: dict) -> None:
 
     if (text := variant.get("instruction")) is not None:
         prompt.INSTRUCTION = text
-        prompt.SYSTEM = f"{text}\n\n<knowledge>\n{prompt._K}</knowledge>"
-        prompt.OPENINGS = (
-            [{"role": "system", "content": prompt.SYSTEM}, {"role": "user", "content": prompt._Q}],
-            [{"role": "user", "content": f"{prompt.SYSTEM}\n\nQuestion: {prompt._Q}"}],
-        )
+        prompt.SYSTEM, prompt.OPENINGS = prompt.openings(text)
     if variant.get("question_first"):
-        def quoted(passages, question):
-            body = "".join(f'<passage name="{n}">\n{t.strip()}\n</passage>\n' for n, t in passages)
-            return f"Question: {question}\n\n{retrieval.QUOTE_HEAD}\n{body}"
+        shipped = retrieval.quoted
+
+        def quoted(passages, question):  # the shipped quote, its question moved to the front
+            head_and_passages = shipped(passages, question).rpartition("\nQuestion: ")[0]
+            return f"Question: {question}\n\n{head_and_passages}"
 
         retrieval.quoted = quoted
 

@@ -41,13 +41,16 @@ class PrefixTokens:
     spans: list[tuple[str, int, int]] = field(default_factory=list)  # (doc name, start, end) token spans
 
 
-SYSTEM = f"{INSTRUCTION}\n\n<knowledge>\n{_K}</knowledge>"
-# the opening messages a template is rendered with, in order of preference: knowledge in a system
-# turn; for templates without a system role, in the user turn (cag.answering.chat renders the same openings)
-OPENINGS = (
-    [{"role": "system", "content": SYSTEM}, {"role": "user", "content": _Q}],
-    [{"role": "user", "content": f"{SYSTEM}\n\nQuestion: {_Q}"}],
-)
+def openings(instruction: str) -> tuple[str, tuple[list[dict], ...]]:
+    """The system text for `instruction` and the opening messages a template is rendered with, in order of
+    preference: knowledge in a system turn; for templates without a system role, in the user turn
+    (cag.answering.chat renders the same openings)."""
+    system = f"{instruction}\n\n<knowledge>\n{_K}</knowledge>"
+    return system, ([{"role": "system", "content": system}, {"role": "user", "content": _Q}],
+                    [{"role": "user", "content": f"{system}\n\nQuestion: {_Q}"}])
+
+
+SYSTEM, OPENINGS = openings(INSTRUCTION)
 
 
 def layout_for(tokenizer) -> Layout:
