@@ -174,13 +174,21 @@ def prepare_set(engine, cfg: CompareConfig, ks: KnowledgeSet, size: int, corpora
             idx, _ = index_for(engine.lm, docs, kind, *([tokens] if tokens else []))
             info.rag_index[mode] = {"build_ms": round(idx.build_ms, 1), "n_passages": len(idx.passages),
                                     "passage_tokens": idx.passage_tokens}
-            if mode == "cag+rag" and engine.settings.warm_quotes:  # as `cag serve` does (CAG_WARM_QUOTES)
-                w = engine.warm_quotes(info.corpus)
-                info.rag_index[mode]["warmed"] = {"passages": w.passages, "tokens": w.tokens, "bytes": w.kept_bytes,
-                                                  "cold": w.cold, "seconds": w.seconds, "reason": w.reason}
-                log(f"{ks.name}: {w.passages} cag+rag quotes warmed in {w.seconds:.1f} s"
-                    + (f" ({w.reason})" if w.reason else ""))
     return info
+
+
+def warm_quotes(engine, info: SetInfo, log) -> None:
+    """Warm a set's cag+rag quotes (CAG_WARM_QUOTES, as `cag serve` does) once, just before its first question:
+    a run of many sets would otherwise warm them all first and evict the early sets' quotes (CAG_QUOTE_BYTES)
+    before their questions come."""
+    index = info.rag_index.get("cag+rag")
+    if index is None or "warmed" in index or not engine.settings.warm_quotes:
+        return
+    w = engine.warm_quotes(info.corpus)
+    index["warmed"] = {"passages": w.passages, "tokens": w.tokens, "bytes": w.kept_bytes, "cold": w.cold,
+                       "seconds": w.seconds, "reason": w.reason}
+    why = f" ({w.reason})" if w.reason else ""
+    log(f"{info.name}: {w.passages} cag+rag quotes warmed in {w.seconds:.1f} s{why}")
 
 
 def snapshot_records(engine, r) -> list[dict]:

@@ -70,7 +70,7 @@ def _settings(meta: dict) -> list[str]:
         (
             "cag+rag: the snapshot (a sharded set: the shard holding most of the retrieved passages) with the BM25 "
             "top-k passages quoted in the question's message; "
-            + ("each passage's quote was prefilled after its shard before the first question and kept "
+            + ("each passage's quote was prefilled after its shard before its set's first question and kept "
                "(CAG_WARM_QUOTES, cost in the sets table), so a question quoting it first prefilled only its own tokens"
                if meta.get("warm_quotes") else "quotes prefilled with each question (CAG_WARM_QUOTES off)")
         ),

@@ -61,7 +61,7 @@ from cag.runtime.generate import DecodeConfig
 from . import datasets as ds
 from .asking import ask_row, batches, plan, warm_up
 from .dataset_sources import resolve_dataset
-from .ingested_sets import SetInfo, cost_function, prepare_set
+from .ingested_sets import SetInfo, cost_function, prepare_set, warm_quotes
 from .knowledge_sets import KnowledgeSet, pool_sets, set_name
 from .report import write_report
 from .results import RESULTS, RUN, SETS, ResultsLog, read_rows, write_json
@@ -181,6 +181,9 @@ def run_compare(engine, cfg: CompareConfig, log: Callable[[str], None] = lambda 
                 if deadline is not None and time.monotonic() > deadline:
                     stopped = f"stopped at the time budget of {cfg.max_minutes:g} minutes"
                     break
+                for t in group:
+                    if t[4] == "cag+rag":
+                        warm_quotes(engine, t[0], log)
                 for row in workers.map(lambda t: ask_row(engine, t[0], t[2], t[3], t[4], t[5], decoding), group):
                     results_log.append(row)
                 written += len(group)

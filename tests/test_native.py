@@ -315,6 +315,30 @@ def test_the_resident_budget_counts_the_pairs(library):
     assert "a" not in pool and "b" in pool
 
 
+def test_the_resident_pool_lets_snapshots_go_before_kept_rows(library):
+    """Past the budget, snapshots other than the one asked for are evicted before kept K/V (a warmed quote
+    costs a prefill to make again, a snapshot a read of its file); the kept rows go only when the one
+    snapshot asked for and they do not fit together."""
+    from cag.answering.resident import Resident, ResidentPool
+    from cag.runtime.kept_conversations import KeptConversations
+    from cag.runtime.slots import PrefixKV
+
+    def resident(n):
+        return Resident(None, PrefixKV([(torch.zeros(1, 3, n, 64, dtype=torch.bfloat16),) * 2], n))
+
+    a, b = resident(256), resident(256)
+    quotes = KeptConversations(10**9, "quote")
+    quotes.keep("a", list(range(32)), [(torch.zeros(3, 32, 64, dtype=torch.bfloat16),) * 2])
+    assert quotes.nbytes > 0
+    pool = ResidentPool(a.nbytes + b.nbytes, [KeptConversations(10**9), quotes])
+    pool.get("a", lambda: a)
+    pool.get("b", lambda: b)  # a and b and the quote exceed the budget: a goes, the quote stays
+    assert "a" not in pool and "b" in pool and quotes.nbytes > 0
+    pool.budget_bytes = b.nbytes  # the snapshot asked for alone fills it: the quote goes
+    pool.get("b", lambda: b)
+    assert "b" in pool and quotes.nbytes == 0
+
+
 def test_silu_mul_bf16_is_silu_times_up(ops):
     """silu(gate) x up in one call, rounded once to bf16: within one bf16 step of torch's formula, each
     row's bits its own."""

@@ -4,6 +4,8 @@ keys, bounded by CAG_QUOTE_BYTES; and cag+rag on shards answers from the shard h
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from cag.answering import quotes, retrieval
@@ -72,7 +74,7 @@ def test_the_budget_leaves_passages_cold_and_says_so(tiny64_model_dir, small_cor
     e = keeping_engine(tiny64_model_dir, monkeypatch)
     e.ingest(str(small_corpus))
     one = e.warm_quotes("corpus")
-    e.quotes.clear()
+    e.quotes.clear(), e.kept.clear()  # run 1's quotes and its questions' kept conversations
     e.quotes.budget_bytes = one.kept_bytes - 1  # every passage but (at least) the last
     w = e.warm_quotes("corpus")
     assert 0 < w.passages < one.passages and w.cold == one.passages - w.passages
@@ -153,3 +155,33 @@ def test_serve_warms_at_start_and_after_a_refresh(tiny64_model_dir, small_corpus
         wait_quotes(c, first + 1)  # the new snapshot's quotes beside the old ones (LRU)
         r = c.post("/v1/ask", json={"corpus": "corpus", "question": Q, "mode": "cag+rag", "k": 1, "max_tokens": 8})
         assert r.json()["usage"]["conversation_tokens"] > 40
+
+
+def test_compare_warms_each_set_before_its_first_question(tiny64_model_dir, monkeypatch, tmp_path):
+    """`cag compare` with CAG_WARM_QUOTES warms a set's quotes just before its first question: with room for one
+    set's quotes only, every set's cag+rag questions still find theirs warm (warming every set first would have
+    evicted the early sets' quotes before their questions)."""
+    from cag.compare.run_config import CompareConfig
+    from cag.compare.runner import run_compare
+    from tests.test_compare import _hotpot_file, _one_question_size
+
+    path = _hotpot_file(tmp_path / "hot.json")
+    probe = keeping_engine(tiny64_model_dir, monkeypatch, CAG_HOME=str(tmp_path / "probe"))
+    size = _one_question_size(probe, path)
+    e = keeping_engine(tiny64_model_dir, monkeypatch, CAG_HOME=str(tmp_path / "home"), CAG_WARM_QUOTES="true")
+    lines: list[str] = []
+    res = run_compare(e, CompareConfig(str(path), tmp_path / "out", sizes=[size], questions=3, modes=["cag+rag"],
+                                       ks=[1], k_main=1, max_tokens=2), log=lines.append, progress=False)
+    assert res.complete and len(res.sets) == 3
+    warmed = [s.rag_index["cag+rag"]["warmed"] for s in res.sets]
+    assert all(w["passages"] > 0 and w["cold"] == 0 for w in warmed)
+    e.quotes.clear(), e.kept.clear()  # run 1's quotes and its questions' kept conversations
+    e.quotes.budget_bytes = max(w["bytes"] for w in warmed)  # room for the largest set's quotes, not two sets'
+    res = run_compare(e, CompareConfig(str(path), tmp_path / "out2", sizes=[size], questions=3, modes=["cag+rag"],
+                                       ks=[1], k_main=1, max_tokens=2), log=lines.append, progress=False)
+    rows = [json.loads(r) for r in res.out.joinpath("results.jsonl").read_text().splitlines()]
+    assert len(rows) == 3 and not any(r.get("error") for r in rows)
+    question = {r["qid"]: len(e.lm.tokenizer.encode(r["question"], add_special_tokens=False)) for r in rows}
+    for r in rows:  # each question prefilled its own words (and the turn's closing tokens), not its quote
+        assert r["prompt_tokens"] - r["cached_tokens"] <= question[r["qid"]] + 12, r
+    assert sum(line.count("cag+rag quotes warmed") for line in lines) == 6
