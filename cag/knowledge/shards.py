@@ -184,13 +184,22 @@ def _balanced(units: list[Unit], room: int, most: int) -> list[ShardPlan] | None
     return None
 
 
+_OWNERS: dict[tuple, dict[str, int]] = {}  # (shard, snapshot) pairs -> owners(): a snapshot's documents never change
+
+
 def owners(index, corpus: str) -> dict[str, int]:
-    """Document name -> the shard holding it (its first part's, for a document cut across shards); {} unsharded."""
+    """Document name -> the shard holding it (its first part's, for a document cut across shards); {} unsharded.
+    Read from the index once per set of shard snapshots (every cag+rag question on a sharded corpus asks)."""
     rows = index.shards(corpus)
     if len(rows) < 2:
         return {}
-    out: dict[str, int] = {}
-    for r in rows:
-        for span in index.snapshot_documents(r["snapshot"]):
-            out.setdefault(doc_of(span["path"]), r["shard"])
+    key = tuple((r["shard"], r["snapshot"]) for r in rows)
+    if (out := _OWNERS.get(key)) is None:
+        out = {}
+        for r in rows:
+            for span in index.snapshot_documents(r["snapshot"]):
+                out.setdefault(doc_of(span["path"]), r["shard"])
+        if len(_OWNERS) >= 64:  # a long-lived server's refreshed corpora: the oldest sets go
+            _OWNERS.pop(next(iter(_OWNERS)))
+        _OWNERS[key] = out
     return out
