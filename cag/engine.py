@@ -30,7 +30,7 @@ from cag.model.facts import ModelFacts
 from cag.model.loading import LoadedModel, load_model
 from cag.model.prompt import Layout, build_prefix, layout_for
 from cag.results import Answer, CorpusStatus, IngestResult, Mode, Reporter, StalePolicy
-from cag.runtime import describe, kv_cache
+from cag.runtime import describe, knowledge_kv, kv_cache
 from cag.runtime.decoder import Decoder
 from cag.runtime.generate import DecodeConfig
 from cag.runtime.kept_conversations import KeptConversations
@@ -86,7 +86,8 @@ class Engine:
     def _facts_of(self, lm: LoadedModel) -> ModelFacts:
         attn = str(lm.attn_dtype).removeprefix("torch.")
         kv = snapfiles.DTYPES[model_facts.kv_name(self.settings.kv_dtype, attn)]
-        return ModelFacts(lm.fingerprint, lm.tokenizer_fingerprint, attn, describe.info(lm, kv))
+        how = knowledge_kv.method(lm, self.settings.prefill_block, kv)
+        return ModelFacts(lm.fingerprint, lm.tokenizer_fingerprint, attn, describe.info(lm, kv) | {"prefill": how}, how)
 
     @property
     def decoder(self) -> Decoder:
@@ -121,9 +122,11 @@ class Engine:
         return self.settings.chunk_tokens or (4096 if self.lm.device.type == "cuda" else 256)
 
     @property
-    def prefill_block(self) -> int:
-        """Rows of each knowledge-prefill forward on this model's device (kv_cache.BLOCK: part of the key)."""
-        return self.settings.prefill_block or kv_cache.block_for(self.lm.device)
+    def prefill(self) -> str:
+        """How the knowledge is prefilled here (cag.runtime.knowledge_kv.method: as decode rows, or in blocks)."""
+        return knowledge_kv.method(self.lm, self.settings.prefill_block, self.kv_dtype)
+
+    prefill_block = property(lambda self: knowledge_kv.block(self.prefill))
 
     def layout(self) -> Layout:
         return self._layouts()[1]
@@ -138,7 +141,7 @@ class Engine:
     def snapshots(self) -> SnapshotSetup:
         """What keying, building and verifying snapshots read (cag.knowledge.setup): the model loads here."""
         return SnapshotSetup(self.settings, self.index, self.remote, self.lm, self.layout(), self.kv_name,
-                             self.prefill_block)
+                             self.prefill, partial(knowledge_kv.compute, self.decoder))
 
     def read_corpus(self, source: Path, corpus: str | None):
         return corpora.read_corpus(self.index, source, corpus, self.settings)  # within the input limits
@@ -266,19 +269,18 @@ class Engine:
 
     def _answer_prompt(self, q: Question, prefix_ids: list[int], on_text=None, should_stop=None,
                        held: dict | None = None, **extra) -> Answer:
-        """Answer over a prefix prefilled now, with no snapshot (`full`, and RAG's passages): the same
-        prefill as ingest's, then the same question and decode path as `cag`'s. `full` holds its K/V
-        at the precision of the snapshot `cag` reads (`held`, else the corpus's), which may differ
-        from the setting's (stale, still served): cag == full, bitwise."""
+        """Answer over a prefix prefilled now, with no snapshot (`full`, RAG's passages): ingest's prefill, then `cag`'s
+        question and decode path. `full` prefills and holds its K/V as the snapshot `cag` reads was (`held`, else the
+        corpus's; stale, still served, it may differ from the settings'): cag == full, bitwise."""
         lm, n = self.lm, len(prefix_ids)
         self.snapshots().require_fit(n, "the prompt's knowledge")
         store = self.kv_dtype
         if q.mode is not Mode.RAG:  # RAG's passages have no snapshot to match
             held = held or (self.index.snapshot(q.row["current_snapshot"]) if q.row.get("current_snapshot") else None)
             store = snapfiles.DTYPES.get(held["dtype"], self.kv_dtype) if held else self.kv_dtype
-        cache = kv_cache.new_cache(lm.model, kv_cache.padded(n, self.prefill_block))
-        kv_cache.prefill_knowledge(lm.model, cache, prefix_ids, 0, self.prefill_block, store, should_stop=should_stop)
-        views, codes = kv_cache.stored(kv_cache.views(cache, n), store)
+        how = knowledge_kv.matching(lm, self.settings.prefill_block, store, held)
+        kv = knowledge_kv.compute(self.decoder, how, store, prefix_ids, should_stop=should_stop)
+        views, codes = kv_cache.stored(kv, store)
         prefix = PrefixKV.of(views, lm.attn_dtype, lm.device, codes_read(lm, codes))
         gen, _ = self._generate(prefix, q, on_text, should_stop)
         snapshot = None if q.mode is Mode.RAG else q.row["current_snapshot"]

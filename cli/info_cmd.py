@@ -16,6 +16,7 @@ from cag.cli.common import (
     shown,
 )
 
+PREFILL = {"rows": "as decode rows, ", "blocks": "through the transformers forward in "}  # knowledge_kv.method
 NATIVE = {"layers": "all layers in one native call", "glue": "native attention, products and glue",
           "attention": "native attention", "none": "torch's kernels"}
 
@@ -47,5 +48,6 @@ def info(model: ModelOpt = None, json_: JsonOpt = False):
         f"kernels:  {d['kernels']}" + (f" ({d['kernels_reason']})" if d["kernels_reason"] else ""),
         f"decode:   {step}",
         f"snapshot: {_human_bytes(d['kv_bytes_per_token'])} per token ({d['kv_dtype']} K/V)",
+        f"prefill:  {PREFILL.get(known.prefill.split()[0], '')}{known.prefill}",
     ]
     typer.echo("\n".join(shown(line) for line in lines))

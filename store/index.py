@@ -77,7 +77,13 @@ def _m4(db: sqlite_utils.Database) -> None:
     db.table("model_facts").create({"key": str, "facts": str, "recorded": float}, pk="key")
 
 
-MIGRATIONS = [_m1, _m2, _m3, _m4]
+def _m5(db: sqlite_utils.Database) -> None:
+    # How each snapshot's knowledge was prefilled (cag.runtime.knowledge_kv.method): one prefilled another way than
+    # the configured one is sound but stale. Rows from before hold NULL: prefilled in blocks.
+    db.table("snapshots").add_column("prefill", str)
+
+
+MIGRATIONS = [_m1, _m2, _m3, _m4, _m5]
 
 
 class Index:

@@ -46,7 +46,7 @@ def test_info_names_the_shape_and_the_decode_path(tiny_model_dir, monkeypatch):
                      "heads": 4, "kv_heads": 2, "head_dim": 16, "context": 4096, "dtype": "float32", "device": "cpu",
                      "weights": "fp32", "kernels": "torch", "step": "fast", "step_reason": None, "native": "none",
                      # K and V x layers x K/V heads x D x 2 bytes
-                     "kv_dtype": "float16", "kv_bytes_per_token": 2 * 2 * 2 * 16 * 2}
+                     "kv_dtype": "float16", "kv_bytes_per_token": 2 * 2 * 2 * 16 * 2, "prefill": "blocks 16"}
     assert "heads of 16" in d["kernels_reason"] and d["parameters"] > 0
     r = cag("info", "--model", str(tiny_model_dir))
     assert r.exit_code == 0, r.output
@@ -55,6 +55,7 @@ def test_info_names_the_shape_and_the_decode_path(tiny_model_dir, monkeypatch):
         line.startswith("decode:   fast step, torch's kernels") for line in lines
     )
     assert any("256 B per token (float16 K/V)" in line for line in lines)
+    assert "prefill:  through the transformers forward in blocks 16" in lines
 
 
 def test_info_names_cags_kernels_and_the_one_call_layers(tiny64_model_dir, monkeypatch):
@@ -62,12 +63,13 @@ def test_info_names_cags_kernels_and_the_one_call_layers(tiny64_model_dir, monke
         pytest.skip(f"cag's kernels cannot run here: {why}")
     monkeypatch.setenv("CAG_WEIGHTS", "int4")
     d = info("--model", str(tiny64_model_dir))
-    assert (d["weights"], d["kernels"], d["step"], d["native"], d["kv_dtype"]) == (
+    assert (d["weights"], d["kernels"], d["step"], d["native"], d["kv_dtype"], d["prefill"]) == (
         "int4",
         "avx512",
         "fast",
         "layers",
         "bfloat16",
+        "rows int4/avx512",  # the knowledge prefilled as decode rows (cag.runtime.knowledge_kv)
     )
 
 

@@ -26,7 +26,7 @@ from cag.knowledge.shards import Unit, pack, units_of
 from cag.model import windows
 from cag.model.prompt import PrefixTokens, document_text, encode_template, encode_text
 from cag.results import human_bytes
-from cag.runtime import kv_cache
+from cag.runtime import knowledge_kv, kv_cache
 from cag.store import snapshots as snapfiles
 
 if TYPE_CHECKING:
@@ -190,7 +190,7 @@ def reusable(setup: SnapshotSetup, corpus: str, shard: Shard) -> tuple[int, list
     spans = old.meta["spans"]
     bounds = [s["start"] for s in spans] + [max((s["end"] for s in spans), default=0)]
     cut = max((b for b in bounds if b <= common), default=0)
-    if old.meta.get("prefill_block") != setup.prefill_block:  # computed in other blocks: nothing of it is reused
+    if knowledge_kv.of_meta(old.meta) != setup.prefill:  # prefilled another way: nothing of it is reused
         return 0, None
     cut = windows.reusable(cut - cut % setup.prefill_block, len(old.ids), setup.lm.windows)
     return cut, (old.kv if cut else None)
@@ -202,10 +202,8 @@ def build(setup: SnapshotSetup, plan: Plan, shard: Shard, reused: int, old_kv, t
     n = len(ids)
     t0 = time.perf_counter()
     block = setup.prefill_block
-    cache = kv_cache.new_cache(lm.model, reused + kv_cache.padded(n - reused, block))
-    if old_kv is not None:
-        kv_cache.load_into(cache, [(k[:, :, :reused], v[:, :, :reused]) for k, v in old_kv], lm.dtype, lm.device)
-    kv_cache.prefill_knowledge(lm.model, cache, ids[reused:], reused, block, setup.kv_dtype, tick)
+    seed = [(k[:, :, :reused], v[:, :, :reused]) for k, v in old_kv] if old_kv is not None and reused else None
+    layers = [(k.cpu(), v.cpu()) for k, v in setup.compute(setup.prefill, setup.kv_dtype, ids, seed, tick)]
     prefill_ms = (time.perf_counter() - t0) * 1e3
     path = setup.settings.snapshots_dir / f"{shard.digest}.safetensors"
     created = time.time()
@@ -215,19 +213,20 @@ def build(setup: SnapshotSetup, plan: Plan, shard: Shard, reused: int, old_kv, t
             "compute_dtype": str(lm.dtype), "source": str(plan.source), "ttl_s": plan.ttl_s,
             "n_documents": len(shard.units), "reused_tokens": reused, "prefill_ms": prefill_ms,
             "shard": shard.index, "n_shards": len(plan.shards), "shard_tokens": plan.shard_tokens,
-            "prefill_block": block, **({"windows": list(lm.windows)} if any(w is not None for w in lm.windows) else {})}
-    layers = kv_cache.export(cache, n)
+            "prefill_block": block, "prefill": setup.prefill,
+            **({"windows": list(lm.windows)} if any(w is not None for w in lm.windows) else {})}
     if why := kv_cache.nonfinite(layers, setup.kv_dtype):  # a snapshot holding NaN or inf would answer garbage forever
         raise ModelError(f"the model's keys and values for {plan.name!r} cannot be stored: {why}; "
                          "prefill in float32 (CAG_DTYPE=float32) or store them in bfloat16 (CAG_KV_DTYPE=bfloat16)")
     nbytes = snapfiles.save(path, layers, ids, meta, setup.kv_dtype)
-    del cache
+    del layers
     if setup.remote:  # uploaded whole under its final name before any ref can name it
         setup.remote.put_blob(path, shard.digest)
     row = {"key": shard.key, "digest": shard.digest, "corpus": plan.name, "model": lm.name,
            "model_fingerprint": lm.fingerprint, "tokenizer_fingerprint": lm.tokenizer_fingerprint,
            "n_tokens": n, "n_documents": len(shard.units), "bytes": nbytes, "dtype": setup.kv_name,
-           "path": str(path), "created": created, "last_used": None, "prefill_ms": prefill_ms, "reused_tokens": reused}
+           "path": str(path), "created": created, "last_used": None, "prefill_ms": prefill_ms, "reused_tokens": reused,
+           "prefill": setup.prefill}
     return Built(row, "refreshed" if reused else "built", reused, prefill_ms)
 
 

@@ -4,11 +4,13 @@ opens: Engine.snapshots) and hands it to knowledge's steps (ingest.py, verify.py
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from cag.errors import TooLarge
 from cag.hashing import hash_obj
+from cag.runtime import knowledge_kv
 from cag.store import snapshots as snapfiles
 
 if TYPE_CHECKING:
@@ -27,7 +29,13 @@ class SnapshotSetup:
     lm: LoadedModel
     layout: Layout
     kv_name: str  # what snapshots are stored as (Engine.kv_name)
-    prefill_block: int  # rows of each knowledge-prefill forward (part of the key)
+    prefill: str  # how the knowledge is prefilled here (cag.runtime.knowledge_kv.method: part of the key)
+    # (how, store dtype, ids, seed=K/V of the first rows, tick=progress) -> per layer K/V (1, H_kv, n, D) as stored
+    compute: Callable[..., list]
+
+    @property
+    def prefill_block(self) -> int:
+        return knowledge_kv.block(self.prefill)
 
     @property
     def kv_dtype(self):
@@ -38,14 +46,15 @@ class SnapshotSetup:
         """Tokens reserved after the knowledge: CAG_QUESTION_ROOM + CAG_ANSWER_ROOM."""
         return self.settings.question_room + self.settings.answer_room
 
-    def key(self, ids: list[int], kv_name: str | None = None) -> str:
-        """Everything that determines the tensors (stored as `kv_name`, default the configured dtype);
-        docs/concepts.md (snapshot keys)."""
-        lm = self.lm
+    def key(self, ids: list[int], kv_name: str | None = None, prefill: str | None = None) -> str:
+        """Everything that determines the tensors (stored as `kv_name` and prefilled as `prefill`, default the
+        configured ones); docs/concepts.md (snapshot keys). A block's method keys as before methods were named."""
+        lm, how = self.lm, prefill or self.prefill
         return hash_obj({
             "format": snapfiles.FORMAT_VERSION, "model": lm.fingerprint, "tokenizer": lm.tokenizer_fingerprint,
             "layout": self.layout.as_dict(), "ids": hash_obj(ids), "dtype": snapfiles.codec(kv_name or self.kv_name),
-            "compute_dtype": str(lm.dtype), "prefill_block": self.prefill_block,
+            "compute_dtype": str(lm.dtype), "prefill_block": knowledge_kv.block(how),
+            **({"prefill": how} if how.startswith("rows") else {}),
         })
 
     def require_fit(self, n_prefix: int, what: str) -> None:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from cag.errors import IndexUnusable, SnapshotCorrupt, StaleRefused, StorageFull
 from cag.knowledge.setup import SnapshotSetup
-from cag.runtime import kv_cache
+from cag.runtime import knowledge_kv, kv_cache
 from cag.store import snapshots as snapfiles
 from cag.store.stamps import Passed, stamp
 
@@ -31,7 +31,7 @@ def open_snapshot(setup: SnapshotSetup, row: dict, dequant=None) -> snapfiles.Sn
         seen, t0 = stamp(path), time.time_ns()
         snap = snapfiles.load(path, expect_key=row["key"], dequant=dequant, trust=True)
         if (snap.meta.get("model_fingerprint") != lm.fingerprint
-                or setup.key(snap.ids, snap.meta.get("dtype")) != snap.meta["key"]):
+                or setup.key(snap.ids, snap.meta.get("dtype"), knowledge_kv.of_meta(snap.meta)) != snap.meta["key"]):
             raise snapfiles.SnapshotError(f"snapshot {digest[:12]}: header does not match its key (another model, "
                                           "layout or dtype, or an edited header)")
         if not kv_cache.kv_shape_ok(snap.kv, lm.n_layers, lm.n_kv_heads, lm.head_dim, snap.n_tokens):

@@ -22,7 +22,7 @@ from cag.config import DEFAULT_MODEL
 from cag.hashing import hash_obj
 
 # bumped when what is recorded, or how the key is formed, changes: older records are ignored
-VERSION = 1
+VERSION = 2
 
 
 @dataclass(frozen=True)
@@ -31,6 +31,7 @@ class ModelFacts:
     tokenizer_fingerprint: str
     attn_dtype: str  # what decode attends in, "bfloat16" or "float32" ...
     info: dict  # cag.runtime.describe.info: shape, kernels, decode path, snapshot bytes per token
+    prefill: str = ""  # how knowledge is prefilled under these settings (cag.runtime.knowledge_kv.method)
 
     def kv_name(self, setting: str) -> str:
         """The snapshots' storage dtype under CAG_KV_DTYPE=`setting` (Engine.kv_name says why)."""
@@ -105,6 +106,7 @@ def key(settings) -> str | None:
     return hash_obj({
         "version": VERSION, "model": files, "dtype": settings.dtype, "weights": settings.weights,
         "device": settings.device, "kernels": settings.decode_kernels, "kv_dtype": settings.kv_dtype,
+        "prefill_block": settings.prefill_block,
         "cpu": _cpu(), "cuda": [os.environ.get("CUDA_VISIBLE_DEVICES"), os.path.exists("/dev/nvidiactl")],
         "versions": [_version(p) for p in ("torch", "transformers", "cag")],
     })

@@ -20,7 +20,7 @@ same kernels with or without neighbours (tests/test_fixed_rows.py pins it on the
 kernels, whose sums also move with the row count; tests/test_cuda.py on a GPU).
 
 Models the batched step does not cover (cag.runtime.step.why_not) decode alone, in the caller's thread,
-through the transformers forward over a buffer holding a copy of the prefix.
+through the transformers forward over a buffer holding a copy of the prefix (cag.runtime.generate.alone).
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ from cag.model import file_pages
 from cag.runtime import kv_cache
 from cag.runtime import step as lean
 from cag.runtime.cuda_graphs import Graphs
-from cag.runtime.generate import TextStream, _pick, generate, generated, sampler
+from cag.runtime.generate import TextStream, _pick, alone, generated, sampler
 from cag.runtime.kept_conversations import KeptConversations, best_match
 from cag.runtime.omp_pools import release as release_workers
 from cag.runtime.requests import Request, chunks, fixed_rows
@@ -127,7 +127,7 @@ class Decoder:
         before its question was prefilled)."""
         file_pages.check(self.lm.model)  # weights read from their file must still be the file's
         if self.step is None:
-            self._alone(req)
+            alone(self.lm, req, self.chunk)
         else:
             release_workers()  # this thread's OpenMP workers would slow the decode thread's every step
             with self._cond:
@@ -179,14 +179,13 @@ class Decoder:
             return False
         assert self.slots is not None  # made before the scheduler thread starts
         req.slot = self.slots.take()
-        if req.key is not None and self.keeps:
+        rows = req.seed  # knowledge rows a refresh keeps (cag.runtime.rows_prefill), or the conversation so far:
+        if req.key is not None and self.keeps:  # copied into the slot, the prefill starts after them
             kept, n = best_match([(self.kept, req.key), (self.quotes, req.shared)], req.suffix)
-            if kept is not None:  # the conversation so far: copied into the slot, prefill starts after it
-                for (k, v), K, V in zip(kept.kv, self.slots.k, self.slots.v):
-                    K[req.slot, :, :n] = k[:, :n]
-                    V[req.slot, :, :n] = v[:, :n]
-                req.start = n
-        req.filled = req.start
+            rows = [(k[:, :n], v[:, :n]) for k, v in kept.kv] if kept is not None else rows
+        for (k, v), K, V in zip(rows or (), self.slots.k, self.slots.v):
+            K[req.slot, :, : k.shape[1]], V[req.slot, :, : k.shape[1]] = k, v
+        req.filled = req.start = rows[0][0].shape[1] if rows else 0
         return True
 
     def _pieces(self) -> list[tuple[Request, int]]:
@@ -274,6 +273,12 @@ class Decoder:
                 self._emit(r, out[0][i])
         for (r, m), logits in zip(new, out[len(out) - len(new):]):
             r.filled += m
+            try:
+                if r.on_piece is not None:
+                    r.on_piece(m)
+            except Exception as e:  # noqa: BLE001 - a failing callback ends its own request only
+                self._finish(r, e)
+                continue
             if r.filled < len(r.suffix):
                 continue  # more pieces to come: its logits say nothing yet
             self._filling.remove(r)
@@ -320,6 +325,13 @@ class Decoder:
             self._filling.remove(req)
         if error is None and req.slot is not None and req.key is not None and self.keeps:
             self._keep(req, req.suffix + req.ids[: req.length - len(req.suffix)])  # with the answer's rows
+        if error is None and req.slot is not None and req.export is not None:  # before the slot is zeroed
+            assert self.slots is not None  # a slot was taken from them
+            try:
+                req.export([(K[req.slot, :, : len(req.suffix)], V[req.slot, :, : len(req.suffix)])
+                            for K, V in zip(self.slots.k, self.slots.v)])
+            except Exception as e:  # noqa: BLE001 - (memory) raised by run()
+                error = e
         if req.slot is not None:  # zeroed as far as it may have been written (a failed pass: its whole suffix)
             assert self.slots is not None  # a slot was taken from them
             self.slots.give(req.slot, max(req.length, len(req.suffix)) + 1)
@@ -335,16 +347,3 @@ class Decoder:
                 req.result = generated(req.stream.text, req.ids, req.t_start, req.t_first, time.perf_counter())
         req.error = error
         req.done.set()
-
-    # -- models the batched step does not cover -------------------------------------------------------
-    def _alone(self, req: Request) -> None:
-        lm, n = self.lm, req.prefix.n
-        cache = kv_cache.new_cache(lm.model, n + len(req.suffix) + req.cfg.max_tokens + 1)
-        kv_cache.load_into(cache, req.prefix.kv, lm.dtype, lm.device)
-        try:
-            req.result = generate(lm, cache, n, req.suffix, req.cfg, self.chunk, req.on_text, req.should_stop,
-                                  req.t_start)
-            if req.score and req.result.ids:
-                req.logprobs = kv_cache.answer_logprobs(lm.model, cache, req.suffix, req.result.ids, n)
-        except Exception as e:  # noqa: BLE001 - raised by run()
-            req.error = e

@@ -198,3 +198,17 @@ def generated(text: str, ids: list[int], t_start: float, t_first: float | None, 
     ttft = ((t_first or t_end) - t_start) * 1e3
     rate = (len(ids) - 1) / (t_end - t_first) if t_first is not None and len(ids) > 1 and t_end > t_first else None
     return Generated(text.strip(), list(ids), ttft, round(rate, 2) if rate else None)
+
+
+def alone(lm, req, chunk: int) -> None:
+    """Answer a cag.runtime.requests.Request of a model the batched step does not cover, in the caller's thread:
+    the transformers forward over a cache holding a copy of its prefix (its result or error set on it)."""
+    n = req.prefix.n
+    cache = kv_cache.new_cache(lm.model, n + len(req.suffix) + req.cfg.max_tokens + 1)
+    kv_cache.load_into(cache, req.prefix.kv, lm.dtype, lm.device)
+    try:
+        req.result = generate(lm, cache, n, req.suffix, req.cfg, chunk, req.on_text, req.should_stop, req.t_start)
+        if req.score and req.result.ids:
+            req.logprobs = kv_cache.answer_logprobs(lm.model, cache, req.suffix, req.result.ids, n)
+    except Exception as e:  # noqa: BLE001 - raised by Decoder.run
+        req.error = e

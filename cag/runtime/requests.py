@@ -28,6 +28,11 @@ class Request:
     key: str | None = None
     shared: str | None = None  # the key of the warmed quotes it may reuse (Decoder.quotes; cag.answering.quotes)
     quote: bool = False  # a quote being warmed: kept in Decoder.quotes under `key`
+    # knowledge prefilled as decode rows (cag.runtime.rows_prefill): per layer (H_kv, c, D) rows copied into the slot
+    # first, a callback given views of the slot's suffix rows as it finishes, and one after each piece (its rows)
+    seed: list | None = None
+    export: Callable[[list], None] | None = None
+    on_piece: Callable[[int], None] | None = None
     # scheduler state
     start: int = 0  # suffix tokens copied from a kept conversation: prefill starts here
     filled: int = 0  # suffix tokens whose K/V are in the slot (the prefill goes in pieces: Decoder._pieces)
