@@ -162,7 +162,8 @@ def test_computed_in_bf16_a_bf16_checkpoint_stays_in_its_file_under_every_format
 ):
     """Computed in bf16, the layer matrices of a bf16 checkpoint stay views of its file under the packed
     formats (no stack of them, no bf16 question copy beside int4's: a question's rows take the packed
-    copy), and the snapshots are bit for bit the same in every format; cag == full in each."""
+    copy), and the snapshots are bit for bit the same in every format whose knowledge goes in blocks (a format
+    prefilled as decode rows names itself in the key: another snapshot); cag == full in each."""
     from cag.config import get_settings
     from cag.engine import Engine
     from cag.kernels import native
@@ -175,7 +176,7 @@ def test_computed_in_bf16_a_bf16_checkpoint_stays_in_its_file_under_every_format
     monkeypatch.setenv("CAG_MODEL", str(folder))
     monkeypatch.setenv("CAG_DTYPE", "bfloat16")
     monkeypatch.setenv("CAG_DECODE_KERNELS", kernels)
-    kv = {}
+    kv, digest, how = {}, {}, {}
     for fmt in ("fp32", "bf16", "int4") if layouts.bf16_packs() else ("fp32", "int4"):
         monkeypatch.setenv("CAG_WEIGHTS", fmt)
         e = Engine(get_settings(home=tmp_path / fmt))
@@ -186,12 +187,16 @@ def test_computed_in_bf16_a_bf16_checkpoint_stays_in_its_file_under_every_format
             assert all(file_pages.file_backed(m.weight) for m in matrices), fmt
         if fmt == "int4":
             assert all(m.packs.questions is None and m.packs.nbytes < m.weight.nbytes for m in matrices)
-        e.ingest(str(small_corpus))
+        digest[fmt], how[fmt] = e.ingest(str(small_corpus)).snapshot, e.prefill
         kv[fmt] = snapshots.load(Path(e.index.snapshot(e.index.corpus("corpus")["current_snapshot"])["path"])).kv
         a = [
             e.answer(Query("corpus", "Who keeps the lighthouse?", mode=m, max_tokens=8)).token_ids
             for m in ("cag", "full")
         ]
         assert a[0] == a[1] and len(a[0]) > 1, fmt  # cag == full
+    assert how["fp32"] == "blocks 16" and (how["int4"] == "rows int4/avx512") == (kernels == "avx512")
     for fmt in set(kv) - {"fp32"}:
+        if how[fmt].startswith("rows"):  # its own key: never served for another format
+            assert digest[fmt] != digest["fp32"], fmt
+            continue
         assert all(torch.equal(a, b) for pa, pb in zip(kv["fp32"], kv[fmt]) for a, b in zip(pa, pb)), fmt
