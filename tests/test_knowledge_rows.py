@@ -129,3 +129,15 @@ def _engine(model_dir, monkeypatch) -> Engine:
     monkeypatch.setenv("CAG_MODEL", str(model_dir))
     monkeypatch.setenv("CAG_WEIGHTS", "int4")
     return Engine(get_settings())
+
+
+def test_a_context_longer_than_a_slot_prefills_in_blocks(tiny64_model_dir, monkeypatch):
+    """A decoder's slot holds MAX_SUFFIX tokens at most: a model whose context is longer could be asked to prefill
+    more knowledge than a slot holds, so it prefills in blocks (whatever the knowledge's length: the method is
+    the model's, not the corpus's)."""
+    from cag.runtime.slots import MAX_SUFFIX
+
+    e = keeping_engine(tiny64_model_dir, monkeypatch)
+    assert e.prefill.startswith("rows")
+    monkeypatch.setattr(e.lm, "max_context", MAX_SUFFIX + 1)
+    assert e.prefill == "blocks 16" and not knowledge_kv.as_rows(e.lm, e.kv_dtype)

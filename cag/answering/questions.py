@@ -14,6 +14,7 @@ from cag.errors import BadInput, ContextExceeded, StaleRefused, TooLarge
 from cag.model.prompt import Layout, build_suffix
 from cag.results import Mode, StalePolicy, choices
 from cag.runtime.generate import DecodeConfig
+from cag.runtime.slots import MAX_SUFFIX
 from cag.store.sync import known_corpus
 
 if TYPE_CHECKING:
@@ -23,7 +24,6 @@ if TYPE_CHECKING:
     from cag.model.loading import LoadedModel
     from cag.store.index import Index
 
-MAX_SUFFIX = 32768  # a conversation's tokens: a slot's room is virtual memory, bounded for long-context models
 
 
 @dataclass

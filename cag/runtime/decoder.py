@@ -179,7 +179,7 @@ class Decoder:
             return False
         assert self.slots is not None  # made before the scheduler thread starts
         req.slot = self.slots.take()
-        rows = req.seed  # knowledge rows a refresh keeps (cag.runtime.rows_prefill), or the conversation so far:
+        rows = req.seed  # knowledge rows a refresh keeps (cag.runtime.knowledge_kv), or the conversation so far:
         if req.key is not None and self.keeps:  # copied into the slot, the prefill starts after them
             kept, n = best_match([(self.kept, req.key), (self.quotes, req.shared)], req.suffix)
             rows = [(k[:, :n], v[:, :n]) for k, v in kept.kv] if kept is not None else rows

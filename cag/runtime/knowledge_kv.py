@@ -29,15 +29,17 @@ from cag.runtime import kv_cache
 from cag.runtime import step as lean
 from cag.runtime.generate import DecodeConfig
 from cag.runtime.requests import Request
-from cag.runtime.slots import PrefixKV
+from cag.runtime.slots import MAX_SUFFIX, PrefixKV
 
 KV = list[tuple[torch.Tensor, torch.Tensor]]
 
 
 def as_rows(lm, store: torch.dtype) -> bool:
-    """Whether knowledge stored in `store` is prefilled as decode rows for loaded model `lm`."""
+    """Whether knowledge stored in `store` is prefilled as decode rows for loaded model `lm`: where its step is flat,
+    the store is the dtype decode attends in, and any knowledge the context holds fits a decoder's slot (a model of
+    a longer context than MAX_SUFFIX prefills in blocks)."""
     step = lean.for_model(lm.model)
-    return step is not None and step.flat and store == lm.attn_dtype
+    return step is not None and step.flat and store == lm.attn_dtype and lm.max_context <= MAX_SUFFIX
 
 
 def method(lm, setting: int, store: torch.dtype) -> str:

@@ -28,7 +28,7 @@ class Request:
     key: str | None = None
     shared: str | None = None  # the key of the warmed quotes it may reuse (Decoder.quotes; cag.answering.quotes)
     quote: bool = False  # a quote being warmed: kept in Decoder.quotes under `key`
-    # knowledge prefilled as decode rows (cag.runtime.rows_prefill): per layer (H_kv, c, D) rows copied into the slot
+    # knowledge prefilled as decode rows (cag.runtime.knowledge_kv): per layer (H_kv, c, D) rows copied into the slot
     # first, a callback given views of the slot's suffix rows as it finishes, and one after each piece (its rows)
     seed: list | None = None
     export: Callable[[list], None] | None = None

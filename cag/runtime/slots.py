@@ -27,6 +27,8 @@ import torch
 
 from cag.runtime import device_copy
 
+MAX_SUFFIX = 32768  # a conversation's tokens: a slot's room is virtual memory, bounded for long-context models
+
 
 @dataclass(eq=False)  # identity: requests on the same object share one read of it per layer
 class PrefixKV:
