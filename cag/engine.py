@@ -87,7 +87,7 @@ class Engine:
         attn = str(lm.attn_dtype).removeprefix("torch.")
         kv = snapfiles.DTYPES[model_facts.kv_name(self.settings.kv_dtype, attn)]
         how = knowledge_kv.method(lm, self.settings.prefill_block, kv)
-        return ModelFacts(lm.fingerprint, lm.tokenizer_fingerprint, attn, describe.info(lm, kv) | {"prefill": how}, how)
+        return ModelFacts(lm.fingerprint, lm.tokenizer_fingerprint, attn, describe.info(lm, kv) | {"prefill": how})
 
     @property
     def decoder(self) -> Decoder:

@@ -30,8 +30,12 @@ class ModelFacts:
     fingerprint: str  # weights + config (cag.model.loading.weights_fingerprint)
     tokenizer_fingerprint: str
     attn_dtype: str  # what decode attends in, "bfloat16" or "float32" ...
-    info: dict  # cag.runtime.describe.info: shape, kernels, decode path, snapshot bytes per token
-    prefill: str = ""  # how knowledge is prefilled under these settings (cag.runtime.knowledge_kv.method)
+    info: dict  # cag.runtime.describe.info: shape, kernels, decode path, snapshot bytes per token; the prefill method
+
+    @property
+    def prefill(self) -> str:
+        """How knowledge is prefilled under these settings (cag.runtime.knowledge_kv.method), as `cag info` shows it."""
+        return self.info.get("prefill", "")
 
     def kv_name(self, setting: str) -> str:
         """The snapshots' storage dtype under CAG_KV_DTYPE=`setting` (Engine.kv_name says why)."""

@@ -8,7 +8,7 @@ Why: where the step makes every row a decode row (cag's kernels over packed prod
 K/V are a function of its token, its position and the K/V before it, whatever rows shared its pass. So the
 snapshot's rows are the very rows a question, an answer or a `full` prompt of the same tokens gets; a refresh
 that keeps rows 0..c-1 and prefills the rest equals a rebuild at any cut, not only at a block boundary (the
-block is 1: part of the key); and the prefill multiplies through the packed weights (int4: a quarter of
+block is 1: part of the key); and the prefill multiplies through the packed weights (int4: about a sixth of
 float32's bytes read per pass, with cag's native products and attention) instead of the model's float32
 copy through transformers' forward. It runs in the decoder's thread, in pieces between other requests'
 decode steps (Decoder._pieces), like any long question.
@@ -46,8 +46,11 @@ def method(lm, setting: int, store: torch.dtype) -> str:
     """How knowledge stored in `store` is prefilled here (part of a snapshot's key, recorded with it): "rows FORMAT/
     KERNELS" (each row decoded: its bits follow the weights format and the kernels) or "blocks N" (CAG_PREFILL_BLOCK
     `setting`, 0: the device's, kv_cache.BLOCK)."""
-    if as_rows(lm, store):
-        return f"rows {lm.weights}/{lm.backend.name}"
+    return f"rows {lm.weights}/{lm.backend.name}" if as_rows(lm, store) else _blocks(lm, setting)
+
+
+def _blocks(lm, setting: int) -> str:
+    """The method of fixed blocks of CAG_PREFILL_BLOCK `setting` rows (0: the device's, kv_cache.BLOCK)."""
     return f"blocks {setting or kv_cache.block_for(lm.device)}"
 
 
@@ -56,7 +59,7 @@ def matching(lm, setting: int, store: torch.dtype, held: dict | None) -> str:
     computed here (blocks of any size; this decoder's rows), so `cag` == `full` holds while a snapshot prefilled
     another way is served (stale); else as here (another format's or kernels' rows: its stale reason says so)."""
     how = method(lm, setting, store)
-    was = (held.get("prefill") or f"blocks {setting or kv_cache.block_for(lm.device)}") if held else how
+    was = (held.get("prefill") or _blocks(lm, setting)) if held else how  # a row from before methods: blocks
     return was if was.startswith("blocks") or was == how else how
 
 
