@@ -34,7 +34,7 @@ def blocks() -> None:
     """Prefill as before: fixed blocks of 256 rows through the float32 forward, never as decode rows."""
     from cag.runtime import knowledge_kv
 
-    knowledge_kv.as_rows = lambda lm, store: False
+    knowledge_kv.rows_max = lambda lm, store: 0
 
 
 def child(folder: str, home: str) -> None:
@@ -43,6 +43,7 @@ def child(folder: str, home: str) -> None:
         blocks()
     from cag.config import get_settings
     from cag.engine import Engine
+    from cag.runtime import knowledge_kv
 
     engine = Engine(get_settings(home=Path(home), models_dir_override=get_settings().models_dir))
     engine.lm  # noqa: B018 - loaded (and packed) before the ingest is timed
@@ -51,7 +52,8 @@ def child(folder: str, home: str) -> None:
     mib = lambda key: int(status[key].split()[0]) / 1024  # noqa: E731
     s = r.shards[0]
     print(json.dumps({"tokens": s["n_tokens"], "prefill_ms": s["prefill_ms"], "rss_mib": mib("VmRSS"),
-                      "peak_mib": mib("VmHWM"), "weights": engine.lm.weights, "block": engine.prefill_block}))
+                      "peak_mib": mib("VmHWM"), "weights": engine.lm.weights,
+                      "block": knowledge_kv.block(engine.prefill(s["n_tokens"]))}))
 
 
 def speed(sizes: list[int], rounds: int, work: Path) -> list[dict]:

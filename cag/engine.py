@@ -86,8 +86,8 @@ class Engine:
     def _facts_of(self, lm: LoadedModel) -> ModelFacts:
         attn = str(lm.attn_dtype).removeprefix("torch.")
         kv = snapfiles.DTYPES[model_facts.kv_name(self.settings.kv_dtype, attn)]
-        how = knowledge_kv.method(lm, self.settings.prefill_block, kv)
-        return ModelFacts(lm.fingerprint, lm.tokenizer_fingerprint, attn, describe.info(lm, kv) | {"prefill": how})
+        how = knowledge_kv.described(lm, self.settings.prefill_block, kv)
+        return ModelFacts(lm.fingerprint, lm.tokenizer_fingerprint, attn, describe.info(lm, kv) | how)
 
     @property
     def decoder(self) -> Decoder:
@@ -121,12 +121,9 @@ class Engine:
         """Prefill chunk: CAG_CHUNK_TOKENS, 0 = auto (256 on a CPU, 4096 on CUDA; config.py says why)."""
         return self.settings.chunk_tokens or (4096 if self.lm.device.type == "cuda" else 256)
 
-    @property
-    def prefill(self) -> str:
-        """How the knowledge is prefilled here (cag.runtime.knowledge_kv.method: as decode rows, or in blocks)."""
-        return knowledge_kv.method(self.lm, self.settings.prefill_block, self.kv_dtype)
-
-    prefill_block = property(lambda self: knowledge_kv.block(self.prefill))
+    def prefill(self, n: int) -> str:
+        """How `n` knowledge tokens are prefilled here (knowledge_kv.method: as decode rows, or in blocks)."""
+        return knowledge_kv.method(self.lm, self.settings.prefill_block, self.kv_dtype, n)
 
     def layout(self) -> Layout:
         return self._layouts()[1]
@@ -278,7 +275,7 @@ class Engine:
         if q.mode is not Mode.RAG:  # RAG's passages have no snapshot to match
             held = held or (self.index.snapshot(q.row["current_snapshot"]) if q.row.get("current_snapshot") else None)
             store = snapfiles.DTYPES.get(held["dtype"], self.kv_dtype) if held else self.kv_dtype
-        how = knowledge_kv.matching(lm, self.settings.prefill_block, store, held)
+        how = knowledge_kv.matching(lm, self.settings.prefill_block, store, n, held)
         kv = knowledge_kv.compute(self.decoder, how, store, prefix_ids, should_stop=should_stop)
         views, codes = kv_cache.stored(kv, store)
         prefix = PrefixKV.of(views, lm.attn_dtype, lm.device, codes_read(lm, codes))

@@ -21,6 +21,10 @@ NATIVE = {"layers": "all layers in one native call", "glue": "native attention, 
           "attention": "native attention", "none": "torch's kernels"}
 
 
+def _prefill(how: str) -> str:
+    return f"{PREFILL.get(how.split()[0], '')}{how}"
+
+
 @handle_errors
 def info(model: ModelOpt = None, json_: JsonOpt = False):
     """Print the model's shape and how it decodes: weights format, kernels, fast step or forward (and why), snapshot bytes per token.
@@ -48,6 +52,8 @@ def info(model: ModelOpt = None, json_: JsonOpt = False):
         f"kernels:  {d['kernels']}" + (f" ({d['kernels_reason']})" if d["kernels_reason"] else ""),
         f"decode:   {step}",
         f"snapshot: {_human_bytes(d['kv_bytes_per_token'])} per token ({d['kv_dtype']} K/V)",
-        f"prefill:  {PREFILL.get(known.prefill.split()[0], '')}{known.prefill}",
+        f"prefill:  {_prefill(known.prefill)}" + (f" up to {known.rows_max:,} tokens of knowledge, longer: "
+                                                   f"{_prefill(known.prefill_for(known.rows_max + 1))}"
+                                                   if known.rows_max else ""),
     ]
     typer.echo("\n".join(shown(line) for line in lines))

@@ -187,7 +187,8 @@ def test_computed_in_bf16_a_bf16_checkpoint_stays_in_its_file_under_every_format
             assert all(file_pages.file_backed(m.weight) for m in matrices), fmt
         if fmt == "int4":
             assert all(m.packs.questions is None and m.packs.nbytes < m.weight.nbytes for m in matrices)
-        digest[fmt], how[fmt] = e.ingest(str(small_corpus)).snapshot, e.prefill
+        built = e.ingest(str(small_corpus))
+        digest[fmt], how[fmt] = built.snapshot, e.prefill(built.n_tokens)
         kv[fmt] = snapshots.load(Path(e.index.snapshot(e.index.corpus("corpus")["current_snapshot"])["path"])).kv
         a = [
             e.answer(Query("corpus", "Who keeps the lighthouse?", mode=m, max_tokens=8)).token_ids

@@ -73,6 +73,22 @@ def test_info_names_cags_kernels_and_the_one_call_layers(tiny64_model_dir, monke
     )
 
 
+def test_info_says_where_knowledge_stops_going_as_rows(tiny64_model_dir, monkeypatch):
+    """A context longer than a decoder's slot (knowledge_kv.MAX_SUFFIX, made short here): knowledge up to it goes as
+    rows, longer in blocks, and `cag info` says both."""
+    if why := native.why_not():
+        pytest.skip(f"cag's kernels cannot run here: {why}")
+    from cag.runtime import knowledge_kv
+
+    monkeypatch.setenv("CAG_WEIGHTS", "int4")
+    monkeypatch.setattr(knowledge_kv, "MAX_SUFFIX", 1024)
+    d = info("--model", str(tiny64_model_dir))
+    assert (d["prefill"], d["prefill_rows_max"], d["prefill_beyond"]) == ("rows int4/avx512", 1024, "blocks 16")
+    out = cag("info", "--model", str(tiny64_model_dir)).stdout
+    assert ("prefill:  as decode rows, rows int4/avx512 up to 1,024 tokens of knowledge, longer: through the "
+            "transformers forward in blocks 16") in out.splitlines()
+
+
 def test_a_model_the_step_does_not_cover_says_forward_and_why(phi2_dir, small_corpus):
     d = info("--model", str(phi2_dir))
     assert d["class"] == "PhiForCausalLM" and d["step"] == "forward" and d["native"] == "none"

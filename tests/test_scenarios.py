@@ -15,6 +15,7 @@ from safetensors.torch import load_file
 
 from bench import scenarios
 from cag.answering.query import Query
+from cag.runtime import knowledge_kv
 
 from .conftest import HANDBOOK
 from .cpu import needs_bf16
@@ -76,7 +77,7 @@ def test_a_refresh_of_the_last_document_is_the_rebuild_bit_for_bit(auto_lm, tmp_
         f.write("Desserts cost 2 EUR.\n")
     refreshed = engine.ingest("handbook")
     assert refreshed.status == "refreshed" and refreshed.reused_tokens >= refreshed.n_tokens - 512
-    assert refreshed.reused_tokens % engine.prefill_block == 0
+    assert refreshed.reused_tokens % knowledge_kv.block(engine.prefill(refreshed.n_tokens)) == 0
     before = load_file(refreshed.path)
     answer = engine.answer(Query("handbook", "When does the canteen open?", max_tokens=16)).token_ids
     rebuilt = engine.ingest("handbook", force=True)

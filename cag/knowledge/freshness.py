@@ -4,7 +4,7 @@ model or tokenizer configured (by fingerprint), an explicit invalidation, or an 
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from cag.knowledge import documents
@@ -58,7 +58,7 @@ def stale_reasons(
     more_shards: Sequence[dict] = (),
     check_documents: bool = True,
     kv_dtype: str | None = None,
-    prefill: str | None = None,
+    prefill: Callable[[int], str] | None = None,
 ) -> list[str]:
     """`snapshot` is the corpus's current one (shard 0); `more_shards` the snapshots of its other
     shards, each checked the same way (a reason names its shard)."""
@@ -85,9 +85,9 @@ def stale_reasons(
             reasons.append(f"{label}snapshot stored as {snap['dtype']}, CAG_KV_DTYPE means {kv_dtype} here: "
                            "`cag ingest` rebuilds it")
         # sound, served as built; a snapshot from before methods were recorded was prefilled in blocks
-        was = snap.get("prefill") or "blocks"
-        if prefill and was != prefill and not (was == "blocks" and prefill.startswith("blocks")):
-            reasons.append(f"{label}knowledge prefilled as {was}, here as {prefill}: `cag ingest` rebuilds it")
+        was, here = snap.get("prefill") or "blocks", prefill(snap.get("n_tokens") or 0) if prefill else None
+        if here and was != here and not (was == "blocks" and here.startswith("blocks")):
+            reasons.append(f"{label}knowledge prefilled as {was}, here as {here}: `cag ingest` rebuilds it")
     ttl = corpus.get("ttl_s") or ttl_s
     age = (now or time.time()) - snapshot["created"]
     if ttl and age > ttl:
@@ -112,7 +112,7 @@ def corpus_reasons(index, remote, settings, row: dict, facts: ModelFacts | None)
         # are checked where the corpus is ingested, and the store's ref says which snapshots are current
         check_documents=not (remote and not Path(row["source"]).exists()),
         kv_dtype=facts.kv_name(settings.kv_dtype) if facts else None,
-        prefill=(facts.prefill or None) if facts else None,
+        prefill=facts.prefill_for if facts and facts.prefill else None,
     )
 
 

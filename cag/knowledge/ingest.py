@@ -190,9 +190,10 @@ def reusable(setup: SnapshotSetup, corpus: str, shard: Shard) -> tuple[int, list
     spans = old.meta["spans"]
     bounds = [s["start"] for s in spans] + [max((s["end"] for s in spans), default=0)]
     cut = max((b for b in bounds if b <= common), default=0)
-    if knowledge_kv.of_meta(old.meta) != setup.prefill:  # prefilled another way: nothing of it is reused
+    how = setup.prefill(len(shard.prefix.ids))
+    if knowledge_kv.of_meta(old.meta) != how:  # prefilled another way (or to be): nothing of it is reused
         return 0, None
-    cut = windows.reusable(cut - cut % setup.prefill_block, len(old.ids), setup.lm.windows)
+    cut = windows.reusable(cut - cut % knowledge_kv.block(how), len(old.ids), setup.lm.windows)
     return cut, (old.kv if cut else None)
 
 
@@ -201,9 +202,9 @@ def build(setup: SnapshotSetup, plan: Plan, shard: Shard, reused: int, old_kv, t
     lm, ids = setup.lm, shard.prefix.ids
     n = len(ids)
     t0 = time.perf_counter()
-    block = setup.prefill_block
+    how = setup.prefill(n)
     seed = [(k[:, :, :reused], v[:, :, :reused]) for k, v in old_kv] if old_kv is not None and reused else None
-    layers = [(k.cpu(), v.cpu()) for k, v in setup.compute(setup.prefill, setup.kv_dtype, ids, seed, tick)]
+    layers = [(k.cpu(), v.cpu()) for k, v in setup.compute(how, setup.kv_dtype, ids, seed, tick)]
     prefill_ms = (time.perf_counter() - t0) * 1e3
     path = setup.settings.snapshots_dir / f"{shard.digest}.safetensors"
     created = time.time()
@@ -213,7 +214,7 @@ def build(setup: SnapshotSetup, plan: Plan, shard: Shard, reused: int, old_kv, t
             "compute_dtype": str(lm.dtype), "source": str(plan.source), "ttl_s": plan.ttl_s,
             "n_documents": len(shard.units), "reused_tokens": reused, "prefill_ms": prefill_ms,
             "shard": shard.index, "n_shards": len(plan.shards), "shard_tokens": plan.shard_tokens,
-            "prefill_block": block, "prefill": setup.prefill,
+            "prefill_block": knowledge_kv.block(how), "prefill": how,
             **({"windows": list(lm.windows)} if any(w is not None for w in lm.windows) else {})}
     if why := kv_cache.nonfinite(layers, setup.kv_dtype):  # a snapshot holding NaN or inf would answer garbage forever
         raise ModelError(f"the model's keys and values for {plan.name!r} cannot be stored: {why}; "
@@ -226,7 +227,7 @@ def build(setup: SnapshotSetup, plan: Plan, shard: Shard, reused: int, old_kv, t
            "model_fingerprint": lm.fingerprint, "tokenizer_fingerprint": lm.tokenizer_fingerprint,
            "n_tokens": n, "n_documents": len(shard.units), "bytes": nbytes, "dtype": setup.kv_name,
            "path": str(path), "created": created, "last_used": None, "prefill_ms": prefill_ms, "reused_tokens": reused,
-           "prefill": setup.prefill}
+           "prefill": how}
     return Built(row, "refreshed" if reused else "built", reused, prefill_ms)
 
 

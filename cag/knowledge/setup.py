@@ -29,13 +29,10 @@ class SnapshotSetup:
     lm: LoadedModel
     layout: Layout
     kv_name: str  # what snapshots are stored as (Engine.kv_name)
-    prefill: str  # how the knowledge is prefilled here (cag.runtime.knowledge_kv.method: part of the key)
+    # n -> how n knowledge tokens are prefilled here (cag.runtime.knowledge_kv.method: part of the key)
+    prefill: Callable[[int], str]
     # (how, store dtype, ids, seed=K/V of the first rows, tick=progress) -> per layer K/V (1, H_kv, n, D) as stored
     compute: Callable[..., list]
-
-    @property
-    def prefill_block(self) -> int:
-        return knowledge_kv.block(self.prefill)
 
     @property
     def kv_dtype(self):
@@ -49,7 +46,7 @@ class SnapshotSetup:
     def key(self, ids: list[int], kv_name: str | None = None, prefill: str | None = None) -> str:
         """Everything that determines the tensors (stored as `kv_name` and prefilled as `prefill`, default the
         configured ones); docs/concepts.md (snapshot keys). A block's method keys as before methods were named."""
-        lm, how = self.lm, prefill or self.prefill
+        lm, how = self.lm, prefill or self.prefill(len(ids))
         return hash_obj({
             "format": snapfiles.FORMAT_VERSION, "model": lm.fingerprint, "tokenizer": lm.tokenizer_fingerprint,
             "layout": self.layout.as_dict(), "ids": hash_obj(ids), "dtype": snapfiles.codec(kv_name or self.kv_name),

@@ -22,7 +22,7 @@ from cag.config import DEFAULT_MODEL
 from cag.hashing import hash_obj
 
 # bumped when what is recorded, or how the key is formed, changes: older records are ignored
-VERSION = 2
+VERSION = 3
 
 
 @dataclass(frozen=True)
@@ -34,8 +34,19 @@ class ModelFacts:
 
     @property
     def prefill(self) -> str:
-        """How knowledge is prefilled under these settings (cag.runtime.knowledge_kv.method), as `cag info` shows it."""
+        """How knowledge is prefilled under these settings (cag.runtime.knowledge_kv.method), as `cag info` shows it:
+        knowledge up to `rows_max` tokens where longer knowledge is prefilled another way (prefill_for)."""
         return self.info.get("prefill", "")
+
+    @property
+    def rows_max(self) -> int | None:
+        """The most knowledge tokens prefilled as `prefill` says, where longer knowledge is prefilled otherwise."""
+        return self.info.get("prefill_rows_max")
+
+    def prefill_for(self, n: int) -> str:
+        """How `n` knowledge tokens are prefilled under these settings (knowledge_kv.method, without loading)."""
+        most = self.rows_max
+        return self.info.get("prefill_beyond", "") if most is not None and n > most else self.prefill
 
     def kv_name(self, setting: str) -> str:
         """The snapshots' storage dtype under CAG_KV_DTYPE=`setting` (Engine.kv_name says why)."""

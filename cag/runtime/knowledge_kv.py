@@ -13,10 +13,11 @@ float32's bytes read per pass, with cag's native products and attention) instead
 copy through transformers' forward. It runs in the decoder's thread, in pieces between other requests'
 decode steps (Decoder._pieces), like any long question.
 
-Where the step does not apply (torch's kernels, CUDA, window layers) or the snapshot is stored in a dtype
-other than the one decode attends in (its rows must be what a load gives back), kv_cache.prefill_knowledge
-prefills in fixed blocks through the transformers forward instead (kv_cache.BLOCK says why fixed; CAG_PREFILL_BLOCK
-sets their size).
+Where the step does not apply (torch's kernels, CUDA, window layers), the snapshot is stored in a dtype other
+than the one decode attends in (its rows must be what a load gives back), or the knowledge is longer than a slot
+holds (MAX_SUFFIX: a model of a longer context), kv_cache.prefill_knowledge prefills in fixed blocks through the
+transformers forward instead (kv_cache.BLOCK says why fixed; CAG_PREFILL_BLOCK sets their size). The method is
+a function of the knowledge's length, so a snapshot's key and `full`'s prefill agree on it.
 """
 
 from __future__ import annotations
@@ -34,19 +35,34 @@ from cag.runtime.slots import MAX_SUFFIX, PrefixKV
 KV = list[tuple[torch.Tensor, torch.Tensor]]
 
 
-def as_rows(lm, store: torch.dtype) -> bool:
-    """Whether knowledge stored in `store` is prefilled as decode rows for loaded model `lm`: where its step is flat,
-    the store is the dtype decode attends in, and any knowledge the context holds fits a decoder's slot (a model of
-    a longer context than MAX_SUFFIX prefills in blocks)."""
+def rows_max(lm, store: torch.dtype) -> int:
+    """The most knowledge tokens stored in `store` that are prefilled as decode rows for loaded model `lm` (0: none):
+    where its step is flat and the store is the dtype decode attends in, as many as a decoder's slot holds (the
+    model's context, at most MAX_SUFFIX); longer knowledge (a model of a longer context) is prefilled in blocks."""
     step = lean.for_model(lm.model)
-    return step is not None and step.flat and store == lm.attn_dtype and lm.max_context <= MAX_SUFFIX
+    return min(lm.max_context, MAX_SUFFIX) if step is not None and step.flat and store == lm.attn_dtype else 0
 
 
-def method(lm, setting: int, store: torch.dtype) -> str:
-    """How knowledge stored in `store` is prefilled here (part of a snapshot's key, recorded with it): "rows FORMAT/
-    KERNELS" (each row decoded: its bits follow the weights format and the kernels) or "blocks N" (CAG_PREFILL_BLOCK
-    `setting`, 0: the device's, kv_cache.BLOCK)."""
-    return f"rows {lm.weights}/{lm.backend.name}" if as_rows(lm, store) else _blocks(lm, setting)
+def as_rows(lm, store: torch.dtype, n: int) -> bool:
+    """Whether `n` knowledge tokens stored in `store` are prefilled as decode rows for loaded model `lm`."""
+    return 0 < n <= rows_max(lm, store)
+
+
+def method(lm, setting: int, store: torch.dtype, n: int) -> str:
+    """How `n` knowledge tokens stored in `store` are prefilled here (part of a snapshot's key, recorded with it):
+    "rows FORMAT/KERNELS" (each row decoded: its bits follow the weights format and the kernels) or "blocks N"
+    (CAG_PREFILL_BLOCK `setting`, 0: the device's, kv_cache.BLOCK)."""
+    return f"rows {lm.weights}/{lm.backend.name}" if as_rows(lm, store, n) else _blocks(lm, setting)
+
+
+def described(lm, setting: int, store: torch.dtype) -> dict:
+    """The methods of knowledge of every length the context holds, for the model facts and `cag info`: "prefill"
+    (that of knowledge up to "prefill_rows_max" tokens, where longer knowledge has another: "prefill_beyond")."""
+    most = rows_max(lm, store)
+    out: dict[str, str | int] = {"prefill": method(lm, setting, store, max(most, 1))}
+    if 0 < most < lm.max_context:
+        out |= {"prefill_rows_max": most, "prefill_beyond": _blocks(lm, setting)}
+    return out
 
 
 def _blocks(lm, setting: int) -> str:
@@ -54,11 +70,12 @@ def _blocks(lm, setting: int) -> str:
     return f"blocks {setting or kv_cache.block_for(lm.device)}"
 
 
-def matching(lm, setting: int, store: torch.dtype, held: dict | None) -> str:
-    """How `full` prefills the knowledge of snapshot row `held` (None: none): as that snapshot was, where that can be
-    computed here (blocks of any size; this decoder's rows), so `cag` == `full` holds while a snapshot prefilled
-    another way is served (stale); else as here (another format's or kernels' rows: its stale reason says so)."""
-    how = method(lm, setting, store)
+def matching(lm, setting: int, store: torch.dtype, n: int, held: dict | None) -> str:
+    """How `full` prefills the `n` knowledge tokens of snapshot row `held` (None: none): as that snapshot was, where
+    that can be computed here (blocks of any size; this decoder's rows), so `cag` == `full` holds while a snapshot
+    prefilled another way is served (stale); else as here (another format's or kernels' rows: its stale reason
+    says so)."""
+    how = method(lm, setting, store, n)
     was = (held.get("prefill") or _blocks(lm, setting)) if held else how  # a row from before methods: blocks
     return was if was.startswith("blocks") or was == how else how
 
@@ -80,7 +97,7 @@ def compute(decoder, how: str, store: torch.dtype, ids: Sequence[int], seed: KV 
     rows (1, H_kv, c, D) kept as they are (a refresh's reused knowledge; c a multiple of the block). `tick(rows)`
     as rows are done; `should_stop` between pieces."""
     if how.startswith("rows"):
-        if how != (here := method(decoder.lm, 0, store)):
+        if how != (here := method(decoder.lm, 0, store, len(ids))):
             raise ValueError(f"knowledge prefilled as {how!r} cannot be computed here ({here!r})")
         return prefill(decoder, ids, seed, tick, should_stop)
     lm, size, c = decoder.lm, block(how), seed[0][0].shape[2] if seed else 0
