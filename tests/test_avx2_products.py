@@ -58,19 +58,6 @@ def test_products_are_the_held_weights_and_row_invariant(fmt, out_f, in_f):
     assert torch.equal(one_thread, y)
 
 
-@pytest.mark.parametrize(("out_f", "in_f"), [(48, 192), (96, 2048), (40, 4096)])
-def test_many_rows_give_each_rows_bits_alone(out_f, in_f):
-    """A call of many rows (a prefill's piece: each output's weights unpacked once per block of rows) gives every
-    row the bits it gets alone and among a few, over several blocks of rows and a last short one."""
-    torch.manual_seed(1)
-    copy, _ = _int4_reference(torch.randn(out_f, in_f) * 0.05)
-    x = torch.randn(150, in_f).to(torch.bfloat16)
-    together = torch.ops.cag_avx2.int4_mm(x, *copy)
-    assert torch.equal(torch.cat([torch.ops.cag_avx2.int4_mm(x[r : r + 1], *copy) for r in range(150)]), together)
-    assert torch.equal(torch.cat([torch.ops.cag_avx2.int4_mm(x[r : r + 6], *copy) for r in range(0, 150, 6)]), together)
-    assert torch.equal(torch.ops.cag_avx2.int4_mm(x[60:77].contiguous(), *copy), together[60:77])
-
-
 def test_int4_takes_the_avx2_products_for_every_row_and_its_head_in_q8():
     lin = torch.nn.Linear(128, 96, bias=False)
     fl = weights.FastLinear(lin, "int4", backend=backends.AVX2, out_dtype=torch.float32)

@@ -125,21 +125,6 @@ def test_rows_never_depend_on_the_call_or_the_threads(kind):
         torch.set_num_threads(threads)
 
 
-@pytest.mark.parametrize("in_f", [1536, 8192])
-def test_many_rows_give_each_rows_bits_alone(in_f):
-    """A call of many rows (a prefill's piece: the weights unpacked once per block of rows, int4_many.cpp) gives
-    every row the bits it gets alone and among a few (int4_rows), over several blocks of rows, a last short one,
-    panels (8,192 inputs: 2) and both layouts."""
-    g = torch.Generator().manual_seed(9)
-    x = torch.randn(203, in_f, generator=g).bfloat16()
-    for w in (weight(70, in_f, 3), q4_0_weight(70, in_f, 3)):
-        p = layouts.pack_int4_native(w)
-        together = torch.ops.cag.int4_mm(x, *p)
-        assert torch.equal(torch.cat([torch.ops.cag.int4_mm(x[i : i + 1], *p) for i in range(203)]), together)
-        assert torch.equal(torch.cat([torch.ops.cag.int4_mm(x[i : i + 7], *p) for i in range(0, 203, 7)]), together)
-        assert torch.equal(torch.ops.cag.int4_mm(x[100:117].contiguous(), *p), together[100:117])
-
-
 def test_stacked_columns_equal_separate_matrices():
     """A layer's q/k/v share one packed stack (cag.model.stacked_products): each column comes out as from its own
     matrix."""

@@ -16,7 +16,6 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 #include <immintrin.h>
-#include <algorithm>
 #include <cstring>
 #include <vector>
 
@@ -93,82 +92,6 @@ inline void int4_out(const uint8_t* qw, const uint16_t* dm, int64_t K, const flo
   for (int r = 0; r < NR; r++) y[r * N + n] = hsum(acc[r]) + hsum(cst[r]);
 }
 
-// Many rows (a prefill's pieces: the knowledge as decode rows, a question's rows): int4_out's unpacked weights
-// made once per output and block of up to RB rows, not again for every 4 rows (~11 of its ~26 ops a row and
-// group at 4 rows a block), and the block's x kept in L2 while its outputs pass. Output n's: wf (G, 32) its q
-// as float32 in int4_out's order (inputs 0-7, 8-15, 16-23, 24-31 of each group), df (G) its steps, cf (G rounded
-// up to 8) its mins, lanes past the last group 0: the very values int4_out makes in registers.
-constexpr int64_t MANY = 16;
-
-struct Unpacked {
-  std::vector<float> wf, df, cf;
-};
-
-void unpack(const uint8_t* qw, const uint16_t* dm, int64_t K, int64_t n, Unpacked& u) {
-  const int64_t G = K / 32;
-  u.wf.resize(K), u.df.resize(G), u.cf.assign((G + 7) / 8 * 8, 0.0f);
-  const uint8_t* qn = qw + n * (K / 2);
-  const uint16_t* dn = dm + n * 2 * G;
-  const __m256i low = _mm256_set1_epi32(0x0F);
-  for (int64_t g = 0; g < G; g++) {
-    const uint8_t* b = qn + g * 16;
-    const __m256i v0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)b));
-    const __m256i v1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(b + 8)));
-    float* w = u.wf.data() + g * 32;
-    _mm256_storeu_ps(w, _mm256_cvtepi32_ps(_mm256_and_si256(v0, low)));
-    _mm256_storeu_ps(w + 8, _mm256_cvtepi32_ps(_mm256_and_si256(v1, low)));
-    _mm256_storeu_ps(w + 16, _mm256_cvtepi32_ps(_mm256_srli_epi32(v0, 4)));
-    _mm256_storeu_ps(w + 24, _mm256_cvtepi32_ps(_mm256_srli_epi32(v1, 4)));
-  }
-  for (int64_t g0 = 0; g0 < G; g0 += 8) {
-    const int64_t ng = G - g0 < 8 ? G - g0 : 8;
-    __m128i dh = _mm_setzero_si128(), mh = _mm_setzero_si128();
-    std::memcpy(&dh, dn + g0, 2 * ng);
-    std::memcpy(&mh, dn + G + g0, 2 * ng);
-    alignas(32) float d8[8];
-    _mm256_store_ps(d8, _mm256_cvtph_ps(dh));
-    std::memcpy(u.df.data() + g0, d8, 4 * ng);
-    _mm256_storeu_ps(u.cf.data() + g0, _mm256_cvtph_ps(mh));
-  }
-}
-
-// int4_out over unpacked output n: per row the same operations on the same values.
-template <int NR>
-inline void int4_out_many(const Unpacked& u, int64_t K, const float* xf, const float* xs, float* y, int64_t N, int64_t n) {
-  const int64_t G = K / 32;
-  __m256 acc[NR], cst[NR];
-  for (int r = 0; r < NR; r++) acc[r] = cst[r] = _mm256_setzero_ps();
-  for (int64_t g0 = 0; g0 < G; g0 += 8) {
-    const int64_t ng = G - g0 < 8 ? G - g0 : 8;
-    const __m256 c = _mm256_loadu_ps(u.cf.data() + g0);
-    for (int r = 0; r < NR; r++) {
-      __m256 sums;
-      if (ng == 8) {
-        sums = _mm256_loadu_ps(xs + r * G + g0);
-      } else {
-        alignas(32) float s8[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-        std::memcpy(s8, xs + r * G + g0, 4 * ng);
-        sums = _mm256_load_ps(s8);
-      }
-      cst[r] = _mm256_fmadd_ps(c, sums, cst[r]);
-    }
-    for (int64_t g = g0; g < g0 + ng; g++) {
-      const float* w = u.wf.data() + g * 32;
-      const __m256 w0 = _mm256_loadu_ps(w), w1 = _mm256_loadu_ps(w + 8), w2 = _mm256_loadu_ps(w + 16), w3 = _mm256_loadu_ps(w + 24);
-      const __m256 dg = _mm256_broadcast_ss(u.df.data() + g);
-      for (int r = 0; r < NR; r++) {
-        const float* xr = xf + r * K + g * 32;
-        __m256 s0 = _mm256_mul_ps(w0, _mm256_loadu_ps(xr));
-        __m256 s1 = _mm256_mul_ps(w2, _mm256_loadu_ps(xr + 16));
-        s0 = _mm256_fmadd_ps(w1, _mm256_loadu_ps(xr + 8), s0);
-        s1 = _mm256_fmadd_ps(w3, _mm256_loadu_ps(xr + 24), s1);
-        acc[r] = _mm256_fmadd_ps(_mm256_add_ps(s0, s1), dg, acc[r]);
-      }
-    }
-  }
-  for (int r = 0; r < NR; r++) y[r * N + n] = hsum(acc[r]) + hsum(cst[r]);
-}
-
 // Rows [r, r + NR) times output n's int8 weights (w = d q per group of 32).
 template <int NR>
 inline void q8_out(const int8_t* qw, const uint16_t* dd, int64_t K, const float* xf, float* y, int64_t N, int64_t n) {
@@ -209,21 +132,8 @@ at::Tensor int4_mm(const at::Tensor& x, const at::Tensor& qw, const at::Tensor& 
   const uint16_t* d = reinterpret_cast<const uint16_t*>(dm.data_ptr<at::Half>());
   float* yd = y.data_ptr<float>();
   at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
-    if (M < MANY) {
-      for (int64_t n = n0; n < n1; n++)
-        blocks(M, [&](auto nr, int64_t r) { int4_out<decltype(nr)::value>(q, d, K, xf.data() + r * K, xs.data() + r * G, yd + r * N, N, n); });
-      return;
-    }
-    const int64_t RB = std::max<int64_t>(MB, std::min<int64_t>(64, 98304 / K / MB * MB));  // x of a block: ~384 KiB
-    thread_local Unpacked u;
-    for (int64_t r0 = 0; r0 < M; r0 += RB)
-      for (int64_t n = n0; n < n1; n++) {
-        unpack(q, d, K, n, u);
-        blocks(std::min(RB, M - r0), [&](auto nr, int64_t r) {
-          const int64_t row = r0 + r;
-          int4_out_many<decltype(nr)::value>(u, K, xf.data() + row * K, xs.data() + row * G, yd + row * N, N, n);
-        });
-      }
+    for (int64_t n = n0; n < n1; n++)
+      blocks(M, [&](auto nr, int64_t r) { int4_out<decltype(nr)::value>(q, d, K, xf.data() + r * K, xs.data() + r * G, yd + r * N, N, n); });
   });
   return y;
 }

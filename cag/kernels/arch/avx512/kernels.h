@@ -17,9 +17,6 @@ namespace cagk {
 void int4_prepare(const uint16_t* x, int64_t M, int64_t K, uint16_t* xp, float* xs);
 void int4_outputs(const uint8_t* qw, const uint16_t* dm, int64_t K, int64_t M, const uint16_t* xp, const float* xs,
                   float* y, int64_t N, int64_t n0, int64_t n1, int64_t S, int64_t P);
-// int4_many.cpp: int4_outputs of MANY rows or more (rows.h), the same bits.
-void int4_outputs_many(const uint8_t* qw, const uint16_t* dm, int64_t K, int64_t M, const uint16_t* xp, const float* xs,
-                       float* y, int64_t N, int64_t n0, int64_t n1, int64_t S, int64_t P);
 // bf16: outputs [n0, n1) of y (M, N) float32 from w (N, K) bf16 and x (M, K) bf16.
 void bf16_outputs(const uint16_t* w, int64_t K, int64_t M, const uint16_t* x, float* y, int64_t N, int64_t n0, int64_t n1);
 

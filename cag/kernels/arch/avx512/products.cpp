@@ -31,10 +31,14 @@
 #include <vector>
 
 #include "arch/avx512/kernels.h"
-#include "arch/avx512/rows.h"
 #include "common/product_args.h"
 
 namespace {
+
+constexpr int MB = 8;  // rows held in registers at a time (a call of more rows runs blocks of MB, then the rest)
+// int4's: a block's rows of x are read again for every output, and 8 rows of 3,072 inputs (48 KiB) do not
+// stay in L1 where 4 (24 KiB) do (bench/JOURNAL.md, 2026-12-04).
+constexpr int MB4 = 4;
 
 // x (M, K) bf16 -> per row: xp (K) bf16 in the order the unpacked nibbles come out (per 64 inputs:
 // 0-15 and 32-47 of group pair's low nibbles, then 16-31 and 48-63), xs (K/32) float32 group sums.
@@ -54,6 +58,25 @@ void prepare(const uint16_t* x, int64_t M, int64_t K, uint16_t* xp, float* xs) {
       xs[r * (K / 32) + g] = _mm512_reduce_add_ps(_mm512_add_ps(lo, hi));
     }
   }
+}
+
+// The lanes of v summed as hsum16 sums each of its vectors: ((l0 + l2) + (l1 + l3)) per 4 lanes, then
+// (s0 + s1) + (s2 + s3). An output's bits are the same whichever of the two sums it.
+inline float hsum(__m512 v) {
+  alignas(64) float l[16];
+  _mm512_store_ps(l, v);
+  float s[4];
+  for (int k = 0; k < 4; k++) s[k] = (l[4 * k] + l[4 * k + 2]) + (l[4 * k + 1] + l[4 * k + 3]);
+  return (s[0] + s[1]) + (s[2] + s[3]);
+}
+
+// v[o]'s lanes summed into lane o, 16 vectors at once (~3 ops a vector instead of ~9 each).
+inline __m512 hsum16(const __m512* v) {
+  __m512 t[8], u[4], w[2];
+  for (int i = 0; i < 8; i++) t[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  for (int i = 0; i < 4; i++) u[i] = _mm512_add_ps(_mm512_shuffle_ps(t[2 * i], t[2 * i + 1], 0x44), _mm512_shuffle_ps(t[2 * i], t[2 * i + 1], 0xEE));
+  for (int i = 0; i < 2; i++) w[i] = _mm512_add_ps(_mm512_shuffle_f32x4(u[2 * i], u[2 * i + 1], 0x88), _mm512_shuffle_f32x4(u[2 * i], u[2 * i + 1], 0xDD));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(w[0], w[1], 0x88), _mm512_shuffle_f32x4(w[0], w[1], 0xDD));
 }
 
 // Rows [r0, r0 + NR) (NR <= MB4) times outputs [n, n + NO)'s int4 weights over the GP groups of a panel
@@ -104,6 +127,12 @@ inline void int4_acc(const uint8_t* q, const uint16_t* d, int64_t S, int64_t GP,
   for (int r = 0; r < NR; r++)
     for (int o = 0; o < NO; o++) acc[r * 16 + o] = a[r][o];
 }
+
+// Outputs taken together: one for a single row (a decode step reads the weights as one stream; several
+// weight rows read side by side were slower), 4 for several (a question's rows: each unpack and x load
+// serves more dot products).
+template <int NR>
+constexpr int int4_outs() { return NR == 1 ? 1 : 4; }
 
 // Rows [r0, r0 + NR) times outputs [n, n + no), no <= 16, over one panel of GP groups (q, d: the panel's,
 // N outputs; xp, xs from the panel's first input). The sums start at zero on the first panel (else from
@@ -172,6 +201,25 @@ void q8_rows(const int8_t* qw, const uint16_t* dh, int64_t K, const float* xf, f
   for (int r = 0; r < NR; r++) y[r * N + n] = _mm512_reduce_add_ps(acc[r]);
 }
 
+// Rows in blocks of B (MB, or MB4 for int4), then the rest (fewer than B) as one block of their own, each
+// weight read once for the block: f(std::integral_constant<int, NR>, first row). A row's sequence of
+// operations is the same in a block of any size, so its bits do not depend on how many rows the call has.
+template <int B = MB, typename F>
+void blocks(int64_t M, F f) {
+  int64_t r = 0;
+  for (; r + B <= M; r += B) f(std::integral_constant<int, B>{}, r);
+  switch (M - r) {
+    case 1: f(std::integral_constant<int, 1>{}, r); break;
+    case 2: f(std::integral_constant<int, 2>{}, r); break;
+    case 3: f(std::integral_constant<int, 3>{}, r); break;
+    case 4: if constexpr (B > 4) f(std::integral_constant<int, 4>{}, r); break;
+    case 5: if constexpr (B > 5) f(std::integral_constant<int, 5>{}, r); break;
+    case 6: if constexpr (B > 6) f(std::integral_constant<int, 6>{}, r); break;
+    case 7: if constexpr (B > 7) f(std::integral_constant<int, 7>{}, r); break;
+    default: break;
+  }
+}
+
 }  // namespace
 
 namespace cagk {
@@ -181,7 +229,6 @@ void int4_prepare(const uint16_t* x, int64_t M, int64_t K, uint16_t* xp, float* 
 void int4_outputs(const uint8_t* q, const uint16_t* d, int64_t K, int64_t M, const uint16_t* xp, const float* xs,
                   float* y, int64_t N, int64_t n0, int64_t n1, int64_t S, int64_t P) {
   const int64_t G = K / 32, GP = G / P;
-  if (M >= MANY) return int4_outputs_many(q, d, K, M, xp, xs, y, N, n0, n1, S, P);
   // Per chunk of outputs, one panel after another (pack_int4_native; whole rows: P = 1), each read as one
   // stream of bytes while its rows' x stays in L1; a (row, output)'s sums are carried from panel to panel
   // in order. Within a panel, 16 outputs' weights stay in L1 for every block of rows.
