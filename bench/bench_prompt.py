@@ -72,7 +72,8 @@ def run_variant(name: str, args, out: Path, work: Path) -> None:
     os.environ["CAG_HOME"] = str(work / "home")
     engine = Engine(get_settings(), retrieval=retrieve)
     cfg = CompareConfig(dataset=args.dataset, out=out, sizes=[args.size], questions=args.questions,
-                        full_sample=0, modes=args.modes.split(","), ks=[1], k_main=1, k_sample=args.questions,
+                        max_sets=args.max_sets, full_sample=0, modes=args.modes.split(","), ks=[1], k_main=1,
+                        k_sample=args.questions,
                         max_tokens=32, corpora=work / "corpora", resume=(out / "results.jsonl").exists())
     run_compare(engine, cfg, log=lambda s: print(f"[{name}] {s}", flush=True))
 
@@ -109,6 +110,7 @@ def main() -> None:
     ap.add_argument("--dataset", default="squad")
     ap.add_argument("--size", type=int, default=4000, help="knowledge tokens (one snapshot: within the context)")
     ap.add_argument("--questions", type=int, default=50)
+    ap.add_argument("--max-sets", type=int, default=10, help="sets pooled to reach --questions (cag compare's)")
     ap.add_argument("--modes", default="cag,cag+rag,rag-bm25")
     ap.add_argument("--variants", default=",".join(VARIANTS))
     ap.add_argument("--name", default="prompt")
@@ -132,7 +134,8 @@ def main() -> None:
         print(f"[{n}] done in {time.perf_counter() - t0:.0f} s", flush=True)
     lines = [f"# Prompt variants: {args.dataset}, {args.size} tokens, {args.questions} questions", "",
              f"`python -m bench.bench_prompt --dataset {args.dataset} --size {args.size} --questions "
-             f"{args.questions} --modes {args.modes} --variants {args.variants} --name {args.name}`; "
+             f"{args.questions} --max-sets {args.max_sets} --modes {args.modes} --variants {args.variants} --name "
+             f"{args.name}`; "
              f"{time.strftime('%Y-%m-%d')}; cag+rag and rag with k = 1; every variant's run under its folder.", "",
              "Variants: " + "; ".join(f"**{n}** {json.dumps(VARIANTS[n]) if VARIANTS[n] else '(shipped)'}"
                                       for n in names), "", *pair(folder, names)]
