@@ -52,8 +52,8 @@ def info(model: ModelOpt = None, json_: JsonOpt = False):
         f"kernels:  {d['kernels']}" + (f" ({d['kernels_reason']})" if d["kernels_reason"] else ""),
         f"decode:   {step}",
         f"snapshot: {_human_bytes(d['kv_bytes_per_token'])} per token ({d['kv_dtype']} K/V)",
-        f"prefill:  {_prefill(known.prefill)}" + (f" up to {known.rows_max:,} tokens of knowledge, longer: "
-                                                   f"{_prefill(known.prefill_for(known.rows_max + 1))}"
-                                                   if known.rows_max else ""),
+        f"prefill:  {_prefill(known.prefill)}" + (
+            f" up to {d['prefill_rows_max']:,} tokens of knowledge, longer: {_prefill(d['prefill_beyond'])}"
+            if "prefill_rows_max" in d else ""),
     ]
     typer.echo("\n".join(shown(line) for line in lines))

@@ -59,7 +59,7 @@ def described(lm, setting: int, store: torch.dtype) -> dict:
     """The methods of knowledge of every length the context holds, for the model facts and `cag info`: "prefill"
     (that of knowledge up to "prefill_rows_max" tokens, where longer knowledge has another: "prefill_beyond")."""
     most = rows_max(lm, store)
-    out: dict[str, str | int] = {"prefill": method(lm, setting, store, max(most, 1))}
+    out: dict[str, str | int] = {"prefill": method(lm, setting, store, most)}  # most = 0: no rows, blocks
     if 0 < most < lm.max_context:
         out |= {"prefill_rows_max": most, "prefill_beyond": _blocks(lm, setting)}
     return out
