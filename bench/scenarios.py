@@ -5,8 +5,11 @@ A scenario is drawn from one integer seed (`draw`): documents (SQuAD v1.1 dev pa
 datasets, the handbook's paragraphs where they are absent), an edit of the corpus (first, middle or last
 document; appended to, rewritten, removed, or a document added), a conversation of 1-8 turns (first
 questions under and over 16 tokens, answers of 8-48 tokens, sometimes an earlier turn edited), a shard
-size (one context, or shards of a few hundred tokens), a snapshot dtype (bf16, fp16 or int8) and whether
-each turn is asked beside other questions (a mixed batch). `run` then checks, on one loaded model:
+size (one context, or shards of a few hundred tokens), a snapshot dtype (bf16, fp16 or int8), whether
+each turn is asked beside other questions (a mixed batch), and sometimes a decoder slot shorter than the
+knowledge (as a 128K model's 32K slot is for longer knowledge: what fits a slot is prefilled as decode rows,
+longer knowledge in blocks, so shards and refreshes cross between the two methods). `run` then checks, on
+one loaded model:
 
 - refresh == rebuild: after the edit, the refreshed snapshot of every shard equals, bit for bit, the one
   `cag ingest --force` builds from the same files (same key, so they must be the same snapshot);
@@ -21,8 +24,10 @@ ever failed becomes a named test there.
 
 from __future__ import annotations
 
+import contextlib
 import random
 import threading
+import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -49,6 +54,7 @@ class Scenario:
     shard_tokens: int  # 0: one shard
     kv_dtype: str
     batched: bool  # each turn asked while other questions decode beside it
+    slot_tokens: int = 0  # 0: the model's own; else knowledge longer than this is prefilled in blocks, not as rows
 
     def describe(self) -> dict:
         d = asdict(self)
@@ -114,6 +120,7 @@ def draw(seed: int, kv_dtypes: tuple[str, ...] = ("bfloat16", "float16", "int8")
         shard_tokens=r.choice((0, 0, 384, 640)),
         kv_dtype=r.choice(kv_dtypes),
         batched=r.random() < 0.3,
+        slot_tokens=r.choice((256, 512)) if r.random() < 0.25 else 0,
     )
 
 
@@ -183,9 +190,25 @@ def _beside(engine, messages: list[dict], max_tokens: int, others: list[str]) ->
 def run(s: Scenario, engine, folder: Path) -> Outcome:
     """Check scenario `s` on `engine` (a fresh CAG_HOME, its kv_dtype the scenario's), the corpus written in
     `folder`."""
-    import time
-
     t0 = time.perf_counter()
+    with _slot(s.slot_tokens):
+        return _run(s, engine, folder, t0)
+
+
+@contextlib.contextmanager
+def _slot(tokens: int):
+    """Knowledge of more than `tokens` prefilled in blocks for the scenario's length (0: as the model has it)."""
+    from cag.runtime import knowledge_kv
+
+    was = knowledge_kv.MAX_SUFFIX
+    knowledge_kv.MAX_SUFFIX = tokens or was
+    try:
+        yield
+    finally:
+        knowledge_kv.MAX_SUFFIX = was
+
+
+def _run(s: Scenario, engine, folder: Path, t0: float) -> Outcome:
     out = Outcome(s.describe())
     _write(folder, s.docs)
     engine.ingest(str(folder), name="s", shard_tokens=s.shard_tokens or None)

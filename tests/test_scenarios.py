@@ -88,8 +88,9 @@ def test_a_refresh_of_the_last_document_is_the_rebuild_bit_for_bit(auto_lm, tmp_
     assert engine.answer(Query("handbook", "When does the canteen open?", max_tokens=16)).token_ids == answer
 
 
-# CI-sized: seeds drawn small (at most 5 documents, 3 turns); bench/bench_exactness.py draws the full range
-SEEDS = [11, 12, 13, 14]
+# CI-sized: seeds drawn small (at most 5 documents, 3 turns); bench/bench_exactness.py draws the full range.
+# 19 draws a slot of 256 tokens: its knowledge is longer, so prefilled in blocks where rows would be the default
+SEEDS = [11, 12, 13, 14, 19]
 
 
 @pytest.mark.parametrize("seed", SEEDS)
