@@ -128,6 +128,24 @@ def test_rows_never_depend_on_the_batch(request, kernel, R, D):
         torch.set_num_threads(threads)
 
 
+@pytest.mark.parametrize("R,D", [(2, 64), (3, 80)])
+def test_rows_on_one_slot_read_chunks_together_with_their_own_bits(request, kernel, R, D):
+    """A knowledge prefill's decode rows are requests on one slot: their items take up to GROUP rows that read a
+    whole chunk together (the rows share its K/V reads). Each row still gets the bits it gets alone, over runs of
+    the slot longer than a group, rows whose last chunk is partial, and a run broken by another slot."""
+    if request.node.callspec.params["kernel"] == "amx" and D % 64:
+        pytest.skip("the AMX attention takes heads of 64, 128 or 256")
+    lens = [250 + 7 * b for b in range(70)] + [600, 3, 256, 512]  # chunks of 256: full, partial, exactly full
+    B = len(lens)
+    q, kp, vp, ks, vs, _, _ = case(B, R, 0, lens, D, room=760)
+    slots = torch.tensor([0] * 40 + [2] + [0] * (B - 41))
+    lens = torch.tensor(lens)
+    together = kernel(q, kp, vp, ks, vs, slots, lens, 0.125)
+    for b in range(B):
+        alone = kernel(q[b : b + 1].contiguous(), kp, vp, ks, vs, slots[b : b + 1], lens[b : b + 1], 0.125)
+        assert torch.equal(alone, together[b : b + 1]), b
+
+
 def test_bad_inputs_are_refused(kernel):
     q, kp, vp, ks, vs, slots, lens = case(1, 3, 64, [4])
     with pytest.raises(RuntimeError, match="bfloat16"):

@@ -21,30 +21,53 @@ constexpr int64_t int8_blocks(int64_t D) { return D % 32 == 0 ? D / 32 : 1; }  /
 // An item's result for one row: its max score m and the sum l of its probabilities.
 struct Partial { float m, l; };
 
+// A suffix item: rows b0 .. b0 + nb - 1 (one request's, or consecutive requests reading one slot, as a knowledge
+// prefill's decode rows do), K/V head h, suffix chunk c. Several rows only where each reads all C keys of the
+// chunk: an item's rows then share its K/V reads (and on AVX-512 its pairing of K), and each row's sums run as
+// they would alone (the items take any number of rows, each row on its own), so the same bits.
+struct SuffixItem { int64_t b0, nb, h, c; };
+
 // One call's work: q (B, H, R, D) (request b, K/V head h, row r: the query heads sharing h) over a prefix of n
 // keys the requests share and request b's own suffix of len[b] keys in slot slot[b]. Keys go in items of CHUNK:
-// the prefix items (h, c) first, for the rows of every request on them, then the suffix items (b, h, c), for one
-// request's rows; `most` is the longest suffix's count of items. Each item leaves per row a Partial and the
-// unnormalized sum of p_t v_t, at index `at(b, h, r, c)` (c: prefix chunks, then suffix chunks).
+// the prefix items (h, c) first, for the rows of every request on them, then the suffix items (SuffixItem), run
+// by run of consecutive requests on one slot, per head and chunk; `most` is the longest suffix's count of items.
+// Each item leaves per row a Partial and the unnormalized sum of p_t v_t, at index `at(b, h, r, c)` (c: prefix
+// chunks, then suffix chunks).
 struct AttentionPlan {
+  static constexpr int64_t GROUP = 64;  // rows of one slot an item takes at most (items stay many for the threads)
+
   void lay_out(int64_t B_, int64_t H_, int64_t R_, int64_t D_, int64_t n_, int64_t most_, const int64_t* slot_,
                const int64_t* len_) {
     B = B_, H = H_, R = R_, D = D_, n = n_, most = most_, slot = slot_, len = len_;
     np = (n + CHUNK - 1) / CHUNK, chunks = np + most;  // per row: prefix chunks, then suffix chunks
     items.clear();
+    suffix.clear();
     for (int64_t h = 0; h < H; h++)
       for (int64_t c = 0; c < np; c++) items.push_back(h * np + c);
     n_pre = (int64_t)items.size();
-    for (int64_t b = 0; b < B; b++)
+    for (int64_t b0 = 0, b1; b0 < B; b0 = b1) {  // runs [b0, b1) of requests on one slot
+      int64_t top = 0;
+      for (b1 = b0; b1 < B && slot[b1] == slot[b0]; b1++) top = std::max(top, len[b1]);
       for (int64_t h = 0; h < H; h++)
-        for (int64_t c = 0; c < (len[b] + CHUNK - 1) / CHUNK; c++) items.push_back((b * H + h) * most + c);
+        for (int64_t c = 0; c * CHUNK < top; c++)
+          for (int64_t b = b0; b < b1;) {
+            if (len[b] <= c * CHUNK) { b++; continue; }  // no key of this chunk
+            int64_t e = b + 1;  // rows reading the whole chunk go together, up to GROUP
+            if (len[b] >= (c + 1) * CHUNK)
+              while (e < b1 && e - b < GROUP && len[e] >= (c + 1) * CHUNK) e++;
+            suffix.push_back({b, e - b, h, c});
+            b = e;
+          }
+    }
   }
   int64_t at(int64_t b, int64_t h, int64_t r, int64_t c) const { return ((b * H + h) * R + r) * chunks + c; }
   int64_t row_chunks(int64_t b) const { return np + (len[b] + CHUNK - 1) / CHUNK; }  // a row of request b's items
+  int64_t items_n() const { return n_pre + (int64_t)suffix.size(); }
 
   int64_t B = 0, H = 0, R = 0, D = 0, n = 0, np = 0, most = 0, chunks = 0, n_pre = 0;
   const int64_t *slot = nullptr, *len = nullptr;
-  std::vector<int64_t> items;  // prefix items (h, c), then suffix items (b, h, c)
+  std::vector<int64_t> items;  // prefix items (h, c): h * np + c
+  std::vector<SuffixItem> suffix;  // then these, item n_pre + j being suffix[j]
 };
 
 // The merge's weights for one row's kn partials, in chunk order: ev[c] = e^(m_c - m), m the largest m_c; returns

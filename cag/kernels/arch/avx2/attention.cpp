@@ -3,7 +3,7 @@
 // one call, with the signature of the main library's `decode_attention` (arch/avx512/attention.cpp).
 //
 // Work: keys in items of C (a prefix chunk for the rows of every request on it, or a suffix chunk for one
-// request's rows: common/attention_plan.h), spread over torch's threads; each item (attention_item.cpp) leaves
+// request's rows, or for rows of one slot that all read the whole chunk: common/attention_plan.h), spread over torch's threads; each item (attention_item.cpp) leaves
 // per row its max score m, its sum l of e^(s - m) and sum_t e^(s_t - m) v_t, merged per row in chunk order. A
 // row's result depends on its own query and keys only, in a fixed order of operations: a request's bits never
 // depend on its neighbours or on the thread count.
@@ -31,7 +31,7 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& kp, const at:
   cagk::check_attention_q(q);
   const int64_t B = q.size(0), H = q.size(1), R = q.size(2), D = q.size(3);
   const int64_t most = cagk::check_attention(B, H, D, kp, vp, ks, vs, slots, lens, false);  // suffix chunks of the longest suffix
-  cagk::AttentionPlan plan;  // prefix items (h, c), then suffix items (b, h, c)
+  cagk::AttentionPlan plan;  // prefix items (h, c), then suffix items (rows, h, c)
   plan.lay_out(B, H, R, D, kp.size(1), most, slots.data_ptr<int64_t>(), lens.data_ptr<int64_t>());
   const int64_t n = plan.n, np = plan.np, chunks = plan.chunks, n_pre = plan.n_pre;
   const int64_t *slot = plan.slot, *len = plan.len;
@@ -45,7 +45,7 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& kp, const at:
   const uint16_t* vpd = reinterpret_cast<const uint16_t*>(vp.data_ptr<at::BFloat16>());
   const uint16_t* ksd = reinterpret_cast<const uint16_t*>(ks.data_ptr<at::BFloat16>());
   const uint16_t* vsd = reinterpret_cast<const uint16_t*>(vs.data_ptr<at::BFloat16>());
-  at::parallel_for(0, (int64_t)items.size(), 1, [&](int64_t i0, int64_t i1) {
+  at::parallel_for(0, plan.items_n(), 1, [&](int64_t i0, int64_t i1) {
     std::vector<const float*> qs(B * R);
     std::vector<float*> accs(B * R);
     std::vector<Partial> ps(B * R);
@@ -61,16 +61,18 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& kp, const at:
                         kp.stride(1), std::min(C, n - t0), D, scale, ps.data(), accs.data());
         for (int64_t b = 0; b < B; b++)
           for (int64_t r = 0; r < R; r++) part[at_(b, h, r, c)] = ps[b * R + r];
-      } else {  // a suffix chunk: one request's rows
-        const int64_t f = items[i], c = f % most, b = f / most / H, h = (f / most) % H, t0 = c * C;
-        for (int64_t r = 0; r < R; r++) {
-          qs[r] = qd + ((b * H + h) * R + r) * D;
-          accs[r] = acc.data() + at_(b, h, r, np + c) * D;
+      } else {  // a suffix chunk: one request's rows, or several on one slot that read all its keys
+        const cagk::SuffixItem& it = plan.suffix[i - n_pre];
+        const int64_t b0 = it.b0, nb = it.nb, h = it.h, c = it.c, t0 = c * C;
+        for (int64_t j = 0; j < nb * R; j++) {  // row r of request b0 + j / R
+          qs[j] = qd + (((b0 + j / R) * H + h) * R + j % R) * D;
+          accs[j] = acc.data() + at_(b0 + j / R, h, j % R, np + c) * D;
         }
-        const int64_t off_k = slot[b] * ks.stride(0) + h * ks.stride(1) + t0 * ks.stride(2);
-        const int64_t off_v = slot[b] * vs.stride(0) + h * vs.stride(1) + t0 * vs.stride(2);
-        cagk::item_avx2(qs.data(), R, ksd + off_k, vsd + off_v, ks.stride(2), std::min(C, len[b] - t0), D, scale, ps.data(), accs.data());
-        for (int64_t r = 0; r < R; r++) part[at_(b, h, r, np + c)] = ps[r];
+        const int64_t off_k = slot[b0] * ks.stride(0) + h * ks.stride(1) + t0 * ks.stride(2);
+        const int64_t off_v = slot[b0] * vs.stride(0) + h * vs.stride(1) + t0 * vs.stride(2);
+        cagk::item_avx2(qs.data(), nb * R, ksd + off_k, vsd + off_v, ks.stride(2), std::min(C, len[b0] - t0), D, scale,
+                        ps.data(), accs.data());
+        for (int64_t j = 0; j < nb * R; j++) part[at_(b0 + j / R, h, j % R, np + c)] = ps[j];
       }
     }
   });

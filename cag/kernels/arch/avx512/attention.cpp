@@ -5,7 +5,8 @@
 // int8 snapshot's codes, and inside layer.cpp's one call.
 //
 // Work: keys are read in items of C keys (a prefix chunk for all rows of every request on it, or a
-// suffix chunk for one request's rows: common/attention_plan.h), spread over the threads; each item leaves
+// suffix chunk for one request's rows, or for rows of one slot that all read the whole chunk, as a
+// knowledge prefill's decode rows do: common/attention_plan.h), spread over the threads; each item leaves
 // per row its max score m, its probability sum l and sum_t p_t v_t (unnormalized), merged per row in chunk
 // order. An item runs on AMX tiles (`decode_attention`: arch/amx/attention_item.cpp), by AVX512-BF16 dot
 // products (`decode_attention_avx512`: attention_item.cpp; the two differ in the last bits), or over int8
@@ -79,7 +80,7 @@ void Attention::work(int64_t p, int64_t nt) {
   std::vector<const float*> qs(B * R);
   std::vector<float*> accs(B * R);
   std::vector<Partial> ps(B * R);
-  const int64_t n_items = (int64_t)items.size();
+  const int64_t n_items = items_n();
   for (int64_t i = p; i < n_items; i += nt) {  // share p takes items p, p + nt, ...: prefix and suffix spread evenly
     if (i < n_pre) {
       const int64_t h = items[i] / np, c = items[i] % np, t0 = c * C;
@@ -117,19 +118,21 @@ void Attention::work(int64_t p, int64_t nt) {
       for (int64_t b = 0; b < B; b++)
         for (int64_t r = 0; r < R; r++) part[at(b, h, r, c)] = ps[b * R + r];
     } else {
-      const int64_t f = items[i], c = f % most, b = f / most / H, h = (f / most) % H, t0 = c * C;
-      for (int64_t r = 0; r < R; r++) {
-        qs[r] = qd + ((b * H + h) * R + r) * D;
-        accs[r] = acc.data() + at(b, h, r, np + c) * D;
+      const SuffixItem& it = suffix[i - n_pre];
+      const int64_t b0 = it.b0, nb = it.nb, h = it.h, c = it.c, t0 = c * C;
+      for (int64_t j = 0; j < nb * R; j++) {  // row r of request b0 + j / R
+        qs[j] = qd + (((b0 + j / R) * H + h) * R + j % R) * D;
+        accs[j] = acc.data() + at(b0 + j / R, h, j % R, np + c) * D;
       }
-      const at::BFloat16* k0 = ks.data_ptr<at::BFloat16>() + slot[b] * ks.stride(0) + h * ks.stride(1) + t0 * ks.stride(2);
-      const at::BFloat16* v0 = vs.data_ptr<at::BFloat16>() + slot[b] * vs.stride(0) + h * vs.stride(1) + t0 * vs.stride(2);
+      const at::BFloat16* k0 = ks.data_ptr<at::BFloat16>() + slot[b0] * ks.stride(0) + h * ks.stride(1) + t0 * ks.stride(2);
+      const at::BFloat16* v0 = vs.data_ptr<at::BFloat16>() + slot[b0] * vs.stride(0) + h * vs.stride(1) + t0 * vs.stride(2);
+      const int64_t w = std::min(C, len[b0] - t0);  // the same for every row of the item
 #ifdef CAG_AMX
-      if (AMX) item_amx(qs.data(), R, k0, v0, ks.stride(2), std::min(C, len[b] - t0), D, scale, ps.data(), accs.data());
+      if (AMX) item_amx(qs.data(), nb * R, k0, v0, ks.stride(2), w, D, scale, ps.data(), accs.data());
       else
 #endif
-      item_avx512(qs.data(), R, k0, v0, ks.stride(2), std::min(C, len[b] - t0), D, scale, ps.data(), accs.data());
-      for (int64_t r = 0; r < R; r++) part[at(b, h, r, np + c)] = ps[r];
+      item_avx512(qs.data(), nb * R, k0, v0, ks.stride(2), w, D, scale, ps.data(), accs.data());
+      for (int64_t j = 0; j < nb * R; j++) part[at(b0 + j / R, h, j % R, np + c)] = ps[j];
     }
   }
 }

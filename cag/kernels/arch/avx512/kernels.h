@@ -66,7 +66,6 @@ struct Attention : AttentionPlan {
             const std::optional<at::Tensor>& kt, const std::optional<at::Tensor>& vt, bool amx);
   template <bool AMX> void work(int64_t p, int64_t nt);
   void merge(float* out) const;  // (B, H, R, D) float32
-  int64_t items_n() const { return (int64_t)items.size(); }
 
   const float* qd;
   at::Tensor kp, vp, ks, vs;
