@@ -18,13 +18,25 @@ ESSAYS = (
 )
 
 
+def cpu_class() -> str:
+    """The CPU class a speed depends on (the same model name covers several across clouds)."""
+    from cag.model.auto_weights import cpu_flags
+
+    flags = cpu_flags()
+    if "amx_tile" in flags:
+        return "AMX, AVX-512"
+    if "avx512f" in flags:
+        return "AVX-512" + (" with BF16 and VNNI" if {"avx512_bf16", "avx512_vnni"} <= flags else "") + ", no AMX"
+    return "AVX2 only" if "avx2" in flags else "no AVX2"
+
+
 def machine() -> str:
     import torch
 
     from cag.model.auto_weights import cpuinfo
 
     cpu = cpuinfo("model name") or platform.processor()
-    return f"{os.cpu_count()} x {cpu}, torch {torch.__version__}, {torch.get_num_threads()} threads"
+    return f"{os.cpu_count()} x {cpu} ({cpu_class()}), torch {torch.__version__}, {torch.get_num_threads()} threads"
 
 
 def family_config(family: str, granite: dict, **fields):
