@@ -118,6 +118,10 @@ class DecodeInfo(BaseModel):
     weights: str = Field(
         description="The weights format decode multiplies in (CAG_WEIGHTS resolved): fp32, bf16, int8 or int4."
     )
+    arithmetic: str = Field(
+        description="What the weight products multiply: the weights format, or int4-q8 where cag's AVX-512 "
+        "products meet int4 weights with 8-bit activations (per group of 32, as GGUF's Q4_0 x Q8_0)."
+    )
     kernels: str = Field(
         description="What decode rows run on: amx, avx512 (cag's kernels), avx2 (cag's AVX2 kernels) or torch."
     )

@@ -48,7 +48,8 @@ def info(model: ModelOpt = None, json_: JsonOpt = False):
         f"family:   {d['model_type']} ({d['class']}), {d['parameters'] / 1e6:.1f}M parameters",
         f"shape:    {d['layers']} layers, {d['heads']} heads ({d['kv_heads']} K/V), heads of {d['head_dim']}, context "
         f"{d['context']}",
-        f"compute:  {d['dtype']} on {d['device']}, weights {d['weights']}",
+        f"compute:  {d['dtype']} on {d['device']}, weights {d['weights']}"
+        + (", products on 8-bit activations" if d.get("arithmetic", "").endswith("-q8") else ""),
         f"kernels:  {d['kernels']}" + (f" ({d['kernels_reason']})" if d["kernels_reason"] else ""),
         f"decode:   {step}",
         f"snapshot: {_human_bytes(d['kv_bytes_per_token'])} per token ({d['kv_dtype']} K/V)",

@@ -163,6 +163,7 @@ def test_cag_equals_full_alone_and_together(family_dirs, small_corpus, monkeypat
     native_path = "none" if kernels == "torch" else "layers"
     assert describe.decode_path(engine.lm) == {
         "weights": weights,
+        "arithmetic": "int4-q8" if weights == "int4" else weights,  # int4 multiplies 8-bit activations on avx512
         "kernels": kernels,
         "kernels_reason": engine.lm.kernels_why,
         "step": "fast",
@@ -308,16 +309,16 @@ def test_each_family_decodes_through_the_avx2_kernels(tmp_path, small_corpus, mo
     cached_is_full_alone_and_together(engine, QUESTIONS[:3], 12)
 
 
-def test_a_product_in_panels_decodes_as_the_separate_ops_and_cag_equals_full(tmp_path, small_corpus, monkeypatch):
-    """A down projection of more than WHOLE inputs (6,400: two panels of 3,200, layouts.panels) is read panel
-    by panel by the one call and by the separate native calls alike: the same logits and K/V bit for bit,
-    and cag == full, alone and together."""
+def test_a_wide_product_decodes_as_the_separate_ops_and_cag_equals_full(tmp_path, small_corpus, monkeypatch):
+    """A down projection of 6,400 inputs (200 groups of 32, 8 blocks of 16 outputs) is multiplied alike by the one
+    call and by the separate native calls: the same logits and K/V bit for bit, and cag == full, alone and
+    together."""
     from tests.test_native import test_a_fused_layer_is_the_separate_ops_bit_for_bit as same_bits
 
     folder = model_dir(tmp_path, "llama", hidden=128, heads=2, kv_heads=1, intermediate_size=6400)
     engine = _engine(monkeypatch, folder, "int4", "avx512")
     down = engine.lm.model.model.layers[0].mlp.down_proj.packs.packed
-    assert down[0].shape == (2, 128, 1600) and describe.decode_path(engine.lm)["native"] == "layers"
+    assert down[0].shape == (8, 200, 256) and describe.decode_path(engine.lm)["native"] == "layers"
     engine.ingest(str(small_corpus))
     cached_is_full_alone_and_together(engine, QUESTIONS[:3], 12)
     same_bits(None, folder, None, monkeypatch, 300, [0, 3, 6], [0, 1, 0], "int4", "llama")

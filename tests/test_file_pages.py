@@ -195,7 +195,7 @@ def test_computed_in_bf16_a_bf16_checkpoint_stays_in_its_file_under_every_format
             for m in ("cag", "full")
         ]
         assert a[0] == a[1] and len(a[0]) > 1, fmt  # cag == full
-    assert how["fp32"] == "blocks 16" and (how["int4"] == "rows int4/avx512") == (kernels == "avx512")
+    assert how["fp32"] == "blocks 16" and (how["int4"] == "rows int4-q8/avx512") == (kernels == "avx512")
     for fmt in set(kv) - {"fp32"}:
         if how[fmt].startswith("rows"):  # its own key: never served for another format
             assert digest[fmt] != digest["fp32"], fmt

@@ -36,7 +36,7 @@ def info(*args: str) -> dict:
     return json.loads(r.stdout)
 
 
-DECODE = ("weights", "kernels", "kernels_reason", "step", "step_reason", "native")
+DECODE = ("weights", "arithmetic", "kernels", "kernels_reason", "step", "step_reason", "native")
 
 
 def test_info_names_the_shape_and_the_decode_path(tiny_model_dir, monkeypatch):
@@ -44,7 +44,7 @@ def test_info_names_the_shape_and_the_decode_path(tiny_model_dir, monkeypatch):
     d = info("--model", str(tiny_model_dir))
     assert d == d | {"model": str(tiny_model_dir), "model_type": "llama", "class": "LlamaForCausalLM", "layers": 2,
                      "heads": 4, "kv_heads": 2, "head_dim": 16, "context": 4096, "dtype": "float32", "device": "cpu",
-                     "weights": "fp32", "kernels": "torch", "step": "fast", "step_reason": None, "native": "none",
+                     "weights": "fp32", "arithmetic": "fp32", "kernels": "torch", "step": "fast", "step_reason": None, "native": "none",
                      # K and V x layers x K/V heads x D x 2 bytes
                      "kv_dtype": "float16", "kv_bytes_per_token": 2 * 2 * 2 * 16 * 2, "prefill": "blocks 16"}
     assert "heads of 16" in d["kernels_reason"] and d["parameters"] > 0
@@ -69,8 +69,11 @@ def test_info_names_cags_kernels_and_the_one_call_layers(tiny64_model_dir, monke
         "fast",
         "layers",
         "bfloat16",
-        "rows int4/avx512",  # the knowledge prefilled as decode rows (cag.runtime.knowledge_kv)
+        "rows int4-q8/avx512",  # the knowledge prefilled as decode rows (cag.runtime.knowledge_kv)
     )
+    assert d["arithmetic"] == "int4-q8"  # int4 weights meet 8-bit activations in the AVX-512 products
+    out = cag("info", "--model", str(tiny64_model_dir)).stdout
+    assert "compute:  float32 on cpu, weights int4, products on 8-bit activations" in out.splitlines()
 
 
 def test_info_says_where_knowledge_stops_going_as_rows(tiny64_model_dir, monkeypatch):
@@ -83,9 +86,9 @@ def test_info_says_where_knowledge_stops_going_as_rows(tiny64_model_dir, monkeyp
     monkeypatch.setenv("CAG_WEIGHTS", "int4")
     monkeypatch.setattr(knowledge_kv, "MAX_SUFFIX", 1024)
     d = info("--model", str(tiny64_model_dir))
-    assert (d["prefill"], d["prefill_rows_max"], d["prefill_beyond"]) == ("rows int4/avx512", 1024, "blocks 16")
+    assert (d["prefill"], d["prefill_rows_max"], d["prefill_beyond"]) == ("rows int4-q8/avx512", 1024, "blocks 16")
     out = cag("info", "--model", str(tiny64_model_dir)).stdout
-    assert ("prefill:  as decode rows, rows int4/avx512 up to 1,024 tokens of knowledge, longer: through the "
+    assert ("prefill:  as decode rows, rows int4-q8/avx512 up to 1,024 tokens of knowledge, longer: through the "
             "transformers forward in blocks 16") in out.splitlines()
 
 

@@ -1,6 +1,7 @@
-"""cag.kernels.native's weight products for decode rows (int4 as GGUF Q4_1 holds it, int8 groups as Q8_0 holds it for
-int4's LM head, bf16): the products they compute, rows whose bits never depend on the other rows of a call or on the
-threads, the int4 layout, and bad inputs. Skipped with the reason where the library cannot be built here."""
+"""cag.kernels.native's weight products for decode rows (int4 as GGUF Q4_1 / Q4_0 hold it, multiplied with 8-bit
+activations; int8 groups as Q8_0 holds it for int4's LM head; bf16): the products they compute, rows whose bits never
+depend on the other rows of a call or on the threads, the int4 layouts, and bad inputs. Skipped with the reason where
+the library cannot be built here."""
 
 from __future__ import annotations
 
@@ -62,14 +63,40 @@ def test_int4_pack_holds_a_q4_1_weight_exactly():
     assert torch.equal(dequantized(*layouts.pack_int4(w)).float(), w)
 
 
+def q8_reference(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """The int4 product as the AVX-512 kernel defines it, in float64: each row's bf16 input in groups of 32 to codes
+    round(x * (127 / max|x|)) (float32, to nearest even) with scale max|x| / 127, times the codes and steps / mins
+    of pack_int4(w): sum over groups of d dx sum(q qx) + m dx sum(qx)."""
+    qw, dm = layouts.pack_int4(w)
+    out_f, g = qw.shape[0], qw.shape[1] // 16
+    q = torch.cat([qw.view(out_f, g, 16) & 15, qw.view(out_f, g, 16) >> 4], -1).double()  # (out, G, 32)
+    xg = x.float().view(x.shape[0], g, 32)
+    amax = xg.abs().amax(-1, keepdim=True)
+    # 127 / max|x| correctly rounded to float32 (as the kernel divides; torch's float32 division may differ in the last
+    # bit), then x times it in float32: exact ties (63.5) round to even in both
+    factor = torch.where(amax > 0, (127 / amax.double()).float(), torch.zeros_like(amax))
+    codes = torch.round(xg * factor).clamp(-127, 127).double()
+    dx = (amax / 127).double()  # (rows, G, 1)
+    d, m = dm[:, 0].double(), dm[:, 1].double()  # (out, G)
+    dots = torch.einsum("rgi,ogi->rog", codes, q)  # (rows, out, G)
+    return (dots * d * dx[:, None, :, 0] + m * (dx[..., 0] * codes.sum(-1))[:, None]).sum(-1)
+
+
 @pytest.mark.parametrize("rows", [1, 3, 8, 11, 17])
-def test_int4_product_is_the_dequantized_product(rows):
-    qw, dm = layouts.pack_int4(weight())
+@pytest.mark.parametrize("grid", ["q4_1", "q4_0"])
+def test_int4_product_multiplies_8_bit_activations(rows, grid):
+    """The product is the int4 weights times each row's 8-bit codes (q8_reference) to float32's precision, and
+    within ~1% of the exact product of the bf16 input (the codes' rounding)."""
+    w = weight(330) if grid == "q4_1" else q4_0_weight(330)  # 330 outputs: the last block of 16 partly empty
+    qw, dm = layouts.pack_int4_native(w)
+    assert dm.shape[0] == (1 if grid == "q4_0" else 2)
     x = torch.randn(rows, 576, generator=torch.Generator().manual_seed(rows)).bfloat16()
     got = torch.ops.cag.int4_mm(x, qw, dm)
-    want = x.double() @ dequantized(qw, dm).t()
-    assert got.dtype == torch.float32 and got.shape == (rows, 320)
-    assert (got.double() - want).abs().max() < 1e-4 * want.abs().max()
+    assert got.dtype == torch.float32 and got.shape == (rows, 330)
+    want = q8_reference(x, w)
+    assert (got.double() - want).abs().max() < 1e-5 * want.abs().max()
+    exact = x.double() @ dequantized(*layouts.pack_int4(w)).t()
+    assert (got.double() - exact).norm() < 0.01 * exact.norm()
 
 
 def test_q8_pack_holds_a_q8_0_weight_exactly():
@@ -106,7 +133,7 @@ def test_rows_never_depend_on_the_call_or_the_threads(kind):
     """Each row alone, in another order, among 8 or 19 rows, and on one thread; and each output among
     others at another place in the call (a block of 16 summed at once, or not): the same bits."""
     w = weight(768 if kind == "int4" else 777, 1536)
-    of = {"int4": lambda w: lambda x, p=layouts.pack_int4(w): torch.ops.cag.int4_mm(x, *p),
+    of = {"int4": lambda w: lambda x, p=layouts.pack_int4_native(w): torch.ops.cag.int4_mm(x, *p),
           "q8": lambda w: lambda x, p=layouts.pack_q8(w): torch.ops.cag.q8_mm(x, *p),
           "bf16": lambda w: lambda x, p=w.bfloat16(): torch.ops.cag.bf16_mm(x, p)}[kind]
     mm = of(w)
@@ -128,10 +155,10 @@ def test_rows_never_depend_on_the_call_or_the_threads(kind):
 def test_stacked_columns_equal_separate_matrices():
     """A layer's q/k/v share one packed stack (cag.model.stacked_products): each column comes out as from its own
     matrix."""
-    a, b = weight(192, 576, 1), weight(64, 576, 2)
+    a, b = weight(200, 576, 1), weight(56, 576, 2)  # a's last block of 16 outputs partly b's in the stack
     x = torch.randn(3, 576).bfloat16()
-    stacked = torch.ops.cag.int4_mm(x, *layouts.pack_int4(torch.cat([a, b])))
-    assert torch.equal(stacked, torch.cat([torch.ops.cag.int4_mm(x, *layouts.pack_int4(m)) for m in (a, b)], 1))
+    stacked = torch.ops.cag.int4_mm(x, *layouts.pack_int4_native(torch.cat([a, b])))
+    assert torch.equal(stacked, torch.cat([torch.ops.cag.int4_mm(x, *layouts.pack_int4_native(m)) for m in (a, b)], 1))
 
 
 def q4_0_weight(out_f=320, in_f=576, seed=0) -> torch.Tensor:
@@ -143,52 +170,35 @@ def q4_0_weight(out_f=320, in_f=576, seed=0) -> torch.Tensor:
     return (d * (q - 8)).reshape(out_f, in_f)
 
 
-def test_the_q4_0_layout_gives_the_two_row_layouts_bits():
-    """A matrix on Q4_0's grid packs its steps alone (18 bytes a group), and the product gives the
-    bits the steps-and-mins layout gives, for any row count; other matrices keep both rows."""
-    w, x = q4_0_weight(), torch.randn(9, 576).bfloat16()
+def test_the_native_layout_holds_the_codes_in_blocks_of_16_outputs():
+    """pack_int4_native holds pack_int4's codes, 4 inputs of 16 outputs a 64-byte run (low nibbles inputs 4k..4k+3,
+    high 16+4k..), outputs past the matrix zero; a matrix on Q4_0's grid keeps its steps alone (18 bytes a group),
+    any other steps and mins."""
+    w = q4_0_weight(40, 576)
     qw, dm = layouts.pack_int4_native(w)
-    assert dm.shape == (320, 1, 18) and torch.equal(qw, layouts.pack_int4(w)[0])
-    full = torch.ops.cag.int4_mm(x, *layouts.pack_int4(w))
-    assert torch.equal(torch.ops.cag.int4_mm(x, qw, dm), full)
-    assert torch.equal(torch.ops.cag.int4_mm(x[:1].contiguous(), qw, dm), full[:1])
-    assert layouts.pack_int4_native(weight())[1].shape == (320, 2, 18)  # off Q4_0's grid: mins kept
-    with pytest.raises(RuntimeError, match="K/32"):
-        torch.ops.cag.int4_mm(x, qw, dm[:, :, :9].contiguous())
+    assert qw.shape == (3, 18, 256) and dm.shape == (1, 18, 40) and qw.dtype == torch.uint8
+    two, dm2 = layouts.pack_int4(w)
+    codes = torch.cat([two.view(40, 18, 16) & 15, two.view(40, 18, 16) >> 4], -1)  # (out, G, 32)
+    runs = qw.view(3, 18, 4, 16, 4)  # (block, group, run, output, input)
+    for o, g, k, j in ((0, 0, 0, 0), (17, 5, 3, 2), (39, 17, 1, 3)):
+        byte = runs[o // 16, g, k, o % 16, j]
+        assert byte & 15 == codes[o, g, 4 * k + j] and byte >> 4 == codes[o, g, 16 + 4 * k + j]
+    assert not runs[2, :, :, 8:].any()  # outputs 40..47: none
+    assert torch.equal(dm[0], dm2[:, 0].t())
+    assert layouts.pack_int4_native(weight())[1].shape == (2, 18, 320)  # off Q4_0's grid: mins kept
 
 
-def test_panels_give_the_whole_rows_bits():
-    """A matrix of more than WHOLE inputs is stored in panels (x's share of a panel stays in L1): where a
-    panel is a multiple of 16 groups the product gives the whole rows' bits, for any row count (blocks
-    of 4 rows and the rest, outputs carried from panel to panel in chunks) and both layouts; elsewhere
-    (11,008 inputs: panels of 2,752) as near the float64 product as the whole rows are."""
-    assert [layouts.panels(k) for k in (576, 6144, 8192, 11008, 14336)] == [1, 1, 2, 4, 4]
-    g = torch.Generator().manual_seed(5)
-    for w in (weight(300, 8192, 4), q4_0_weight(300, 8192, 4)):
-        qw, dm = layouts.pack_int4_native(w)
-        whole = layouts.to_panels(
-            qw.permute(1, 0, 2).reshape(300, -1), dm.permute(1, 2, 0, 3).reshape(300, dm.shape[2], -1), 1
-        )
-        assert qw.shape == (2, 300, 2048) and dm.shape[:2] == (2, 300) and dm.shape[3] == 128
-        assert torch.equal(whole[0], layouts.pack_int4(w)[0])
-        for m in (1, 3, 8, 11, 70):
-            x = torch.randn(m, 8192, generator=g).bfloat16()
-            assert torch.equal(torch.ops.cag.int4_mm(x, qw, dm), torch.ops.cag.int4_mm(x, *whole)), m
-    w = q4_0_weight(40, 11008, 6)
-    qw, dm = layouts.pack_int4_native(w)
-    assert qw.shape == (4, 40, 1376)
-    x = torch.randn(5, 11008, generator=g).bfloat16()
-    ref = x.double() @ w.double().t()
-    whole = torch.ops.cag.int4_mm(x, layouts.pack_int4(w)[0], dm.permute(1, 2, 0, 3).reshape(40, 1, -1).contiguous())
-    assert (torch.ops.cag.int4_mm(x, qw, dm).double() - ref).abs().max() <= 2 * (whole.double() - ref).abs().max()
-    with pytest.raises(RuntimeError, match="in panels"):
-        torch.ops.cag.int4_mm(x, qw, dm[:3].contiguous())
-    with pytest.raises(RuntimeError, match="a panel's inputs"):
-        torch.ops.cag.int4_mm(x[:, :64 * 43].contiguous(), qw[:, :, :1368].contiguous(), dm[..., :86].contiguous())
+def test_a_wide_matrix_is_the_reference():
+    """14,336 inputs (Llama 3 8B's down projection: 448 groups) and 100 outputs (a partial last block)."""
+    w = q4_0_weight(100, 14336, 9)
+    x = torch.randn(5, 14336, generator=torch.Generator().manual_seed(9)).bfloat16()
+    got = torch.ops.cag.int4_mm(x, *layouts.pack_int4_native(w))
+    want = q8_reference(x, w)
+    assert (got.double() - want).abs().max() < 1e-5 * want.abs().max()
 
 
 def test_bad_inputs_are_refused():
-    qw, dm = layouts.pack_int4(weight())
+    qw, dm = layouts.pack_int4_native(weight())
     x = torch.randn(2, 576).bfloat16()
     with pytest.raises(RuntimeError, match="bfloat16"):
         torch.ops.cag.int4_mm(x.float(), qw, dm)
@@ -196,8 +206,10 @@ def test_bad_inputs_are_refused():
         torch.ops.cag.int4_mm(x[:, :512].contiguous(), qw, dm)
     with pytest.raises(RuntimeError, match="float16"):
         torch.ops.cag.int4_mm(x, qw, dm.float())
-    with pytest.raises(RuntimeError, match="multiple of 64"):
-        torch.ops.cag.int4_mm(torch.randn(1, 32).bfloat16(), qw[:, :16].contiguous(), dm[..., :1].contiguous())
+    with pytest.raises(RuntimeError, match="256"):
+        torch.ops.cag.int4_mm(x, *layouts.pack_int4(weight()))  # the AVX2 products' layout
+    with pytest.raises(RuntimeError, match="blocks of 16"):
+        torch.ops.cag.int4_mm(x, qw, dm[..., :100].contiguous())
     with pytest.raises(RuntimeError, match="multiple of 32"):
         torch.ops.cag.bf16_mm(torch.randn(1, 40).bfloat16(), torch.randn(8, 40).bfloat16())
     q8, d = layouts.pack_q8(weight(64, 576))

@@ -40,8 +40,15 @@ class Backend:
 
     @property
     def cag_products(self) -> bool:
-        """Decode rows through cag's AVX-512 products (its int4 panels, q8 head, bf16)."""
+        """Decode rows through cag's AVX-512 products (its int4 on 8-bit activations, q8 head, bf16)."""
         return self.products == "avx512"
+
+    def arithmetic(self, weights: str) -> str:
+        """What its products multiply in a weights format: "int4-q8" where cag's AVX-512 products meet int4 weights
+        with 8-bit activations (VPDPBUSD; every other format and backend multiplies the activations as the step
+        holds them). Part of the prefill method of knowledge prefilled as decode rows: another arithmetic,
+        other bits."""
+        return f"{weights}-q8" if self.cag_products and weights == "int4" else weights
 
     @property
     def avx2_products(self) -> bool:

@@ -22,7 +22,7 @@ from cag.config import DEFAULT_MODEL
 from cag.hashing import hash_obj
 
 # bumped when what is recorded, or how the key is formed, changes: older records are ignored
-VERSION = 3
+VERSION = 4
 
 
 @dataclass(frozen=True)

@@ -2,8 +2,9 @@
 kernels that multiply it (cag.model.packed), and the 4-bit grid an int4 group lies on.
 
   int4 (cag's)   GGUF Q4_1's layout: a float16 step and min per group of 32 inputs, two 4-bit codes a
-                 byte (pack_int4); on a GGUF Q4_0 grid, the steps alone, in panels of at most PANEL
-                 inputs for the AVX-512 products (pack_int4_native)
+                 byte (pack_int4, the AVX2 products'); for the AVX-512 products the same codes in blocks
+                 of 16 outputs, 4 inputs of each output a 32-bit lane, and on a GGUF Q4_0 grid the steps
+                 alone (pack_int4_native)
   q8             GGUF Q8_0's: int8 codes and a float16 scale per group of 32 (pack_q8; int4's LM head)
   int8, int4     torch's weight-only layouts (_pack_int8, _pack_int4); bf16: oneDNN's (_pack_bf16)
 A vocabulary-sized matrix is packed in blocks of CHUNK rows (_by_rows): every value depends on its own
@@ -121,43 +122,27 @@ def pack_int4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return qw, torch.stack([d[..., 0], m[..., 0]], 1).contiguous()
 
 
-PANEL = 4096  # the most inputs a panel of an int4 matrix holds (pack_int4_native), where it has more than WHOLE
-WHOLE = 6144
-
-
-def panels(in_f: int) -> int:
-    """How many panels of in_f / P inputs each cag.kernels.native reads an int4 matrix of in_f inputs in: 1 up
-    to WHOLE inputs, else the fewest of at most PANEL inputs, each a multiple of 64 (1 where none is).
-    Why: a product reads a row's x (2 bytes an input) once per output, and beside the weights streaming
-    through, more than ~12 KiB of it does not stay in L1 (bench/JOURNAL.md, 2026-12-04). A panel's rows
-    are read one after another as one stream."""
-    if in_f <= WHOLE:
-        return 1
-    return next((p for p in range(-(-in_f // PANEL), in_f // 64 + 1) if in_f % (64 * p) == 0 and in_f // p <= PANEL), 1)
-
-
 def pack_int4_native(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """pack_int4's copy for cag.kernels.native's AVX-512 products: where every group's min is -8 times its
-    step (a matrix on GGUF Q4_0's grid), dm (out, 1, in/32), the steps alone (18 bytes a group, not 20:
-    the kernel takes each min as -8 d, the very value it would have read, so the same bits). A group of
-    zeros (a padding token's embedding) is step 0, min 0 there: zeros exactly. A matrix of more than WHOLE
-    inputs is stored as P = panels(in) panels of in/P inputs: qw (P, out, in/2P), dm (P, out, S, in/32P),
-    the same bytes reordered; where in/P is a multiple of 512 (16 groups) the product's bits are the
-    whole rows' (the sums run over the same groups in the same order)."""
+    """pack_int4's codes for cag.kernels.native's AVX-512 products, whose integer dot products (VPDPBUSD) take 4
+    inputs of each of 16 outputs in one vector: qw (N16, in/32, 256) uint8, N16 = ceil(out / 16), block b's group
+    g holding 4 runs of 64 bytes, run k's byte 4 o + j = output 16 b + o's code of input 4 k + j (low nibble) and
+    16 + 4 k + j (high), outputs past `out` zero; dm (S, in/32, out) float16, the steps (then the mins where S = 2).
+    Where every min is -8 times its step (a matrix on GGUF Q4_0's grid) S = 1: the steps alone, 18 bytes a group,
+    the kernel computing d (q - 8), the very value m + q d would give. A group of zeros (a padding token's
+    embedding) is step 0, min 0 there: zeros exactly."""
     qw, dm, zero = _int4_zeros(w)
     d = torch.where(zero, 0.0, dm[:, 0].float()).half()
     if torch.equal(dm[:, 1], d * -8):
-        dm = d[:, None].contiguous()
-    return to_panels(qw, dm, panels(w.shape[1]))
-
-
-def to_panels(qw: torch.Tensor, dm: torch.Tensor, p: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """qw (out, in/2), dm (out, S, in/32) as p panels: (p, out, in/2p), (p, out, S, in/32p); as they are for p = 1."""
-    if p == 1:
-        return qw, dm
-    out_f, s = qw.shape[0], dm.shape[1]
-    return (qw.reshape(out_f, p, -1).transpose(0, 1).contiguous(),
-            dm.reshape(out_f, s, p, -1).permute(2, 0, 1, 3).contiguous())
+        dm = d[:, None]
+    out_f, groups = qw.shape[0], qw.shape[1] // 16
+    n16 = -(-out_f // 16)
+    codes = torch.zeros(n16 * 16, groups, 16, dtype=torch.uint8)  # (out, in/32, 16): byte j = inputs j, j + 16
+    codes[:out_f] = qw.view(out_f, groups, 16)
+    lo, hi = codes & 15, codes >> 4  # (out16, in/32, 16): inputs 0-15 and 16-31
+    # (N16, 16 outputs, in/32, 4 runs, 4 inputs) -> (N16, in/32, 4 runs, 16 outputs, 4 inputs)
+    lo = lo.view(n16, 16, groups, 4, 4).permute(0, 2, 3, 1, 4)
+    hi = hi.view(n16, 16, groups, 4, 4).permute(0, 2, 3, 1, 4)
+    return (lo | (hi << 4)).reshape(n16, groups, 256).contiguous(), dm.permute(1, 2, 0).contiguous()
 
 
 @_by_rows

@@ -81,7 +81,8 @@ class Packed:
 
 
 class NativePacked(Packed):
-    """cag.kernels.native's products: decode rows in int4 (GGUF Q4_1's layout), q8 (Q8_0's) or bf16,
+    """cag.kernels.native's products: decode rows in int4 (GGUF Q4_1's or Q4_0's codes in blocks of 16 outputs, times
+    8-bit activations), q8 (Q8_0's) or bf16,
     any number of rows in one call, float32 out; a question's rows through its bf16 product, over a
     plain bf16 copy (int4) or the format's own product (bf16, q8)."""
 

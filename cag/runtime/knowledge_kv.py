@@ -50,9 +50,10 @@ def as_rows(lm, store: torch.dtype, n: int) -> bool:
 
 def method(lm, setting: int, store: torch.dtype, n: int) -> str:
     """How `n` knowledge tokens stored in `store` are prefilled here (part of a snapshot's key, recorded with it):
-    "rows FORMAT/KERNELS" (each row decoded: its bits follow the weights format and the kernels) or "blocks N"
+    "rows ARITHMETIC/KERNELS" (each row decoded: its bits follow the weights format, the activations its products
+    multiply (Backend.arithmetic: "int4-q8" on the AVX-512 kernels) and the kernels) or "blocks N"
     (CAG_PREFILL_BLOCK `setting`, 0: the device's, kv_cache.BLOCK)."""
-    return f"rows {lm.weights}/{lm.backend.name}" if as_rows(lm, store, n) else _blocks(lm, setting)
+    return f"rows {lm.backend.arithmetic(lm.weights)}/{lm.backend.name}" if as_rows(lm, store, n) else _blocks(lm, setting)
 
 
 def described(lm, setting: int, store: torch.dtype) -> dict:

@@ -1,5 +1,6 @@
-// What the weight products of both libraries share (arch/avx512/products.cpp, arch/avx2/products.cpp: the
-// same layouts): their arguments' checks, their rows in float32, and the q8 product's op around each one's rows.
+// What the weight products of both libraries share (arch/avx512/products.cpp, arch/avx2/products.cpp): their
+// arguments' checks (one q8 layout; int4 in Q4_1's rows for AVX2, in blocks of 16 outputs for AVX-512), their rows
+// in float32, and the q8 product's op around each one's rows.
 #pragma once
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -17,29 +18,35 @@ inline void check_x(const at::Tensor& x, int64_t K) {
               "x: (M, K) bfloat16, contiguous, K the weight's input width");
 }
 
-// The shape of an int4 product's weights: N outputs, K inputs, S rows of steps and mins, P panels.
+// The shape of an int4 product's weights: N outputs, K inputs, S rows of steps and mins.
 struct Int4Shape {
-  int64_t N, K, S, P;
+  int64_t N, K, S;
 };
 
-// int4: qw (N, K/2) uint8, dm (N, 2, K/32) float16; and where `native` (the AVX-512 products' layouts,
-// cag.model.weights.pack_int4_native): dm (N, 1, K/32), the steps alone, each min -8 d, and P panels of
-// K/P inputs each, K/P a multiple of 64: qw (P, N, K/2P), dm (P, N, S, K/32P).
-inline Int4Shape int4_shape(const at::Tensor& qw, const at::Tensor& dm, bool native, const char* name) {
-  const bool panels = native && qw.dim() == 3;
-  TORCH_CHECK((qw.dim() == 2 || panels) && qw.scalar_type() == at::kByte && qw.is_contiguous(), name,
-              native ? ": int4 weights: qw (N, K/2) or (P, N, K/2P) uint8" : ": int4 weights: qw (N, K/2) uint8");
-  const int64_t P = panels ? qw.size(0) : 1, N = qw.size(-2), KP = qw.size(-1) * 2;
-  TORCH_CHECK(P >= 1 && KP % 64 == 0, name, ": int4 weights: K (a panel's inputs) a multiple of 64");
-  TORCH_CHECK(dm.dim() == qw.dim() + 1 && dm.scalar_type() == at::kHalf && dm.is_contiguous() && (!panels || dm.size(0) == P) &&
-              dm.size(-3) == N && (dm.size(-2) == 2 || native && dm.size(-2) == 1) && dm.size(-1) == KP / 32,
-              name, native ? ": int4 weights: dm (N, 2, K/32) or (N, 1, K/32) float16, (P, N, S, K/32P) in panels" : ": int4 weights: dm (N, 2, K/32) float16");
-  return {N, P * KP, dm.size(-2), P};
+// The AVX2 products' int4 (cag.model.layouts.pack_int4): qw (N, K/2) uint8, dm (N, 2, K/32) float16, K a multiple of 64.
+inline Int4Shape int4_shape(const at::Tensor& qw, const at::Tensor& dm, const char* name) {
+  TORCH_CHECK(qw.dim() == 2 && qw.scalar_type() == at::kByte && qw.is_contiguous(), name, ": int4 weights: qw (N, K/2) uint8");
+  const int64_t N = qw.size(0), K = qw.size(1) * 2;
+  TORCH_CHECK(K % 64 == 0, name, ": int4 weights: K a multiple of 64");
+  TORCH_CHECK(dm.dim() == 3 && dm.scalar_type() == at::kHalf && dm.is_contiguous() && dm.size(0) == N && dm.size(1) == 2 &&
+              dm.size(2) == K / 32, name, ": int4 weights: dm (N, 2, K/32) float16");
+  return {N, K, 2};
 }
 
-// The same for a product of x (M, K) bfloat16.
-inline Int4Shape check_int4(const at::Tensor& x, const at::Tensor& qw, const at::Tensor& dm, bool native) {
-  const Int4Shape sh = int4_shape(qw, dm, native, "int4_mm");
+// The AVX-512 products' int4 (cag.model.layouts.pack_int4_native): qw (N16, G, 256) uint8 in blocks of 16 outputs,
+// dm (S, G, N) float16, S = 1 (steps: Q4_0's grid) or 2 (steps, then mins), N16 = ceil(N / 16), K = 32 G.
+inline Int4Shape int4_blocks_shape(const at::Tensor& qw, const at::Tensor& dm, const char* name) {
+  TORCH_CHECK(qw.dim() == 3 && qw.scalar_type() == at::kByte && qw.is_contiguous() && qw.size(2) == 256, name,
+              ": int4 weights: qw (N16, K/32, 256) uint8");
+  TORCH_CHECK(dm.dim() == 3 && dm.scalar_type() == at::kHalf && dm.is_contiguous() && (dm.size(0) == 1 || dm.size(0) == 2) &&
+              dm.size(1) == qw.size(1) && (dm.size(2) + 15) / 16 == qw.size(0) && dm.size(2) >= 1, name,
+              ": int4 weights: dm (S, K/32, N) float16, S 1 or 2, N within qw's blocks of 16");
+  return {dm.size(2), qw.size(1) * 32, dm.size(0)};
+}
+
+// The same for a product of x (M, K) bfloat16 (the AVX2 layout).
+inline Int4Shape check_int4(const at::Tensor& x, const at::Tensor& qw, const at::Tensor& dm) {
+  const Int4Shape sh = int4_shape(qw, dm, "int4_mm");
   check_x(x, sh.K);
   return sh;
 }

@@ -123,7 +123,7 @@ inline void blocks(int64_t M, F f) {
 
 // x (M, K) bf16, qw (N, K/2) uint8, dm (N, 2, K/32) float16 -> (M, N) float32.
 at::Tensor int4_mm(const at::Tensor& x, const at::Tensor& qw, const at::Tensor& dm) {
-  const int64_t K = cagk::check_int4(x, qw, dm, false).K, N = qw.size(0), M = x.size(0), G = K / 32;
+  const int64_t K = cagk::check_int4(x, qw, dm).K, N = qw.size(0), M = x.size(0), G = K / 32;
   std::vector<float> xf(M * K), xs(M * G);
   cagk::bf16_to_float(reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()), M * K, xf.data());
   group_sums(xf.data(), M, K, xs.data());

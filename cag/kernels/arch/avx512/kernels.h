@@ -11,12 +11,12 @@
 
 namespace cagk {
 
-// products.cpp. int4: x (M, K) bf16 -> xp (M, K) bf16 in the order the nibbles unpack, xs (M, K/32)
-// float32 group sums; then outputs [n0, n1) of y (M, N) float32 from qw (N, K/2), dm (N, S, K/32) (S = 1:
-// steps alone, Q4_0's grid), or from P panels of K/P inputs each (qw (P, N, K/2P), dm (P, N, S, K/32P)).
-void int4_prepare(const uint16_t* x, int64_t M, int64_t K, uint16_t* xp, float* xs);
-void int4_outputs(const uint8_t* qw, const uint16_t* dm, int64_t K, int64_t M, const uint16_t* xp, const float* xs,
-                  float* y, int64_t N, int64_t n0, int64_t n1, int64_t S, int64_t P);
+// products.cpp. int4: x (M, K) bf16 -> per row and group of 32 its int8 codes qx (M, K), scale dx (M, K/32) and
+// code sum sx (M, K/32); then outputs [n0, n1) (n0 a multiple of 16) of y (M, N) float32 from qw (N16, K/32, 256),
+// dm (S, K/32, N) (cag.model.layouts.pack_int4_native).
+void int4_prepare(const uint16_t* x, int64_t M, int64_t K, int8_t* qx, float* dx, int32_t* sx);
+void int4_outputs(const uint8_t* qw, const uint16_t* dm, int64_t K, int64_t M, const int8_t* qx, const float* dx,
+                  const int32_t* sx, float* y, int64_t N, int64_t n0, int64_t n1, int64_t S);
 // bf16: outputs [n0, n1) of y (M, N) float32 from w (N, K) bf16 and x (M, K) bf16.
 void bf16_outputs(const uint16_t* w, int64_t K, int64_t M, const uint16_t* x, float* y, int64_t N, int64_t n0, int64_t n1);
 

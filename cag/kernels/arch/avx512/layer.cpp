@@ -24,30 +24,39 @@
 
 namespace {
 
-struct Product {  // a packed product: int4 (q: (N, K/2) uint8, d: (N, S, K/32) float16, or P panels of them;
-  const uint8_t* q;   // cag.model.weights.pack_int4_native) or bf16 (w: (N, K))
+struct Product {  // a packed product: int4 (q: (N16, K/32, 256) uint8, d: (S, K/32, N) float16;
+  const uint8_t* q;   // cag.model.layouts.pack_int4_native) or bf16 (w: (N, K))
   const uint16_t* d;
   const uint16_t* w;
-  int64_t N, K, S, P;
+  int64_t N, K, S;
 };
 
 // [qw, dm] for int4, or [w, anything] for bf16.
 Product product_of(const at::Tensor& a, const at::Tensor& b, int64_t K, const char* name) {
   if (a.scalar_type() == at::kBFloat16) {
     TORCH_CHECK(a.dim() == 2 && a.is_contiguous() && a.size(1) == K && K % 32 == 0, name, ": bf16 weights (N, K) for K inputs");
-    return {nullptr, nullptr, reinterpret_cast<const uint16_t*>(a.data_ptr<at::BFloat16>()), a.size(0), K, 0, 1};
+    return {nullptr, nullptr, reinterpret_cast<const uint16_t*>(a.data_ptr<at::BFloat16>()), a.size(0), K, 0};
   }
-  const cagk::Int4Shape sh = cagk::int4_shape(a, b, true, name);
+  const cagk::Int4Shape sh = cagk::int4_blocks_shape(a, b, name);
   TORCH_CHECK(sh.K == K, name, ": int4 weights for ", K, " inputs");
-  return {a.data_ptr<uint8_t>(), reinterpret_cast<const uint16_t*>(b.data_ptr<at::Half>()), nullptr, sh.N, K, sh.S, sh.P};
+  return {a.data_ptr<uint8_t>(), reinterpret_cast<const uint16_t*>(b.data_ptr<at::Half>()), nullptr, sh.N, K, sh.S};
 }
 
-// Thread p of nt: its outputs of w, in whole blocks of 16, for the R rows x (bf16; int4 reads them as prepared in xp, xs).
-inline void share(const Product& w, int64_t R, const uint16_t* x, const uint16_t* xp, const float* xs, float* y, int64_t p, int64_t nt) {
+// The R rows of a product's input as int4 reads them (int4_prepare): codes, scales and code sums per group of 32.
+struct Q8Rows {
+  std::vector<int8_t> q;
+  std::vector<float> d;
+  std::vector<int32_t> s;
+  Q8Rows(int64_t R, int64_t K) : q(R * K), d(R * K / 32), s(R * K / 32) {}
+  void of(const uint16_t* x, int64_t R, int64_t K) { cagk::int4_prepare(x, R, K, q.data(), d.data(), s.data()); }
+};
+
+// Thread p of nt: its outputs of w, in whole blocks of 16, for the R rows x (bf16; int4 reads them as prepared in xq).
+inline void share(const Product& w, int64_t R, const uint16_t* x, const Q8Rows& xq, float* y, int64_t p, int64_t nt) {
   const int64_t blocks = (w.N + 15) / 16;
   const int64_t n0 = std::min(w.N, blocks * p / nt * 16), n1 = std::min(w.N, blocks * (p + 1) / nt * 16);
   if (w.w) cagk::bf16_outputs(w.w, w.K, R, x, y, w.N, n0, n1);
-  else cagk::int4_outputs(w.q, w.d, w.K, R, xp, xs, y, w.N, n0, n1, w.S, w.P);
+  else if (n0 < n1) cagk::int4_outputs(w.q, w.d, w.K, R, xq.q.data(), xq.d.data(), xq.s.data(), y, w.N, n0, n1, w.S);
 }
 
 // h += y (R, hidden) float32, y first normed by `norm` (post-norms) where there is one, then x `mult`
@@ -166,8 +175,9 @@ void decode_layers(at::Tensor h, const c10::intrusive_ptr<DecodeWeights>& w, con
   for (int64_t r = 0; r < R; r++)
     TORCH_CHECK(sl[r] >= 0 && sl[r] < K[0].size(0) && ps[r] >= 0 && ps[r] < room, "slot or position outside the buffers");
   const int64_t wide = std::max({hid, H * D, I});  // the widest product input
-  std::vector<uint16_t> xb(R * wide), xp(R * wide);   // a product's input in bf16, and as the kernel reads it
-  std::vector<float> xs(R * wide / 32), yqkv(R * (H + 2 * Hk) * D), q(R * H * D), o(R * H * D), yo(R * hid), ygu(R * 2 * I),
+  std::vector<uint16_t> xb(R * wide);  // a product's input in bf16
+  Q8Rows xq(R, wide);                   // and as int4 reads it
+  std::vector<float> yqkv(R * (H + 2 * Hk) * D), q(R * H * D), o(R * H * D), yo(R * hid), ygu(R * 2 * I),
       ydn(R * hid);
   std::vector<std::vector<float>> qg(G), og(G);  // each group's rows of q and of the attention, together
   std::vector<const int64_t*> gr(G);
@@ -205,10 +215,10 @@ void decode_layers(at::Tensor h, const c10::intrusive_ptr<DecodeWeights>& w, con
       if (p == 0) {
         if (y.post) cagk::to_bf16(hd, R * hid, xb.data());
         else cagk::rms_rows(hd, y.norm1, R, hid, y.eps1, xb.data());
-        if (!y.qkv.w) cagk::int4_prepare(xb.data(), R, hid, xp.data(), xs.data());
+        if (!y.qkv.w) xq.of(xb.data(), R, hid);
       }
 #pragma omp barrier
-      share(y.qkv, R, xb.data(), xp.data(), xs.data(), yqkv.data(), p, nt);
+      share(y.qkv, R, xb.data(), xq, yqkv.data(), p, nt);
 #pragma omp barrier
       if (p == 0) {
         if (y.qkv_bias)  // float32 adds, as the separate ops' product + bias
@@ -234,26 +244,26 @@ void decode_layers(at::Tensor h, const c10::intrusive_ptr<DecodeWeights>& w, con
           for (int64_t i = 0; i < rows[g].numel(); i++) std::copy_n(og[g].data() + i * hd_, hd_, o.data() + gr[g][i] * hd_);
         }
         cagk::to_bf16(o.data(), R * H * D, xb.data());
-        if (!y.o.w) cagk::int4_prepare(xb.data(), R, H * D, xp.data(), xs.data());
+        if (!y.o.w) xq.of(xb.data(), R, H * D);
       }
 #pragma omp barrier
-      share(y.o, R, xb.data(), xp.data(), xs.data(), yo.data(), p, nt);
+      share(y.o, R, xb.data(), xq, yo.data(), p, nt);
 #pragma omp barrier
       if (p == 0) {
         add_branch(hd, yo.data(), R, hid, y.post ? y.norm1 : nullptr, y.eps1, y.residual);
         if (y.post) cagk::to_bf16(hd, R * hid, xb.data());
         else cagk::rms_rows(hd, y.norm2, R, hid, y.eps2, xb.data());
-        if (!y.gu.w) cagk::int4_prepare(xb.data(), R, hid, xp.data(), xs.data());
+        if (!y.gu.w) xq.of(xb.data(), R, hid);
       }
 #pragma omp barrier
-      share(y.gu, R, xb.data(), xp.data(), xs.data(), ygu.data(), p, nt);
+      share(y.gu, R, xb.data(), xq, ygu.data(), p, nt);
 #pragma omp barrier
       if (p == 0) {
         cagk::silu_mul_rows(ygu.data(), R, I, xb.data());
-        if (!y.down.w) cagk::int4_prepare(xb.data(), R, I, xp.data(), xs.data());
+        if (!y.down.w) xq.of(xb.data(), R, I);
       }
 #pragma omp barrier
-      share(y.down, R, xb.data(), xp.data(), xs.data(), ydn.data(), p, nt);
+      share(y.down, R, xb.data(), xq, ydn.data(), p, nt);
 #pragma omp barrier
       if (p == 0) add_branch(hd, ydn.data(), R, hid, y.post ? y.norm2 : nullptr, y.eps2, y.residual);
     }

@@ -1,25 +1,25 @@
-// Weight products of decode rows on AVX512-BF16, at the speed of reading the weights: int4 groups
-// (CAG_WEIGHTS=int4), int8 groups (the LM head under int4) and plain bf16 (CAG_WEIGHTS=bf16, and a
-// question's rows). Built with the rest of arch/avx512/ into one library by cag/kernels/native.py; called by
-// cag/model/packed.py for decode rows.
+// Weight products of decode rows on AVX-512 (VNNI and BF16): int4 groups (CAG_WEIGHTS=int4), int8 groups (the
+// LM head under int4) and plain bf16 (CAG_WEIGHTS=bf16). Built with the rest of arch/avx512/ into one library
+// by cag/kernels/native.py; called by cag/model/packed.py for decode rows and inside layer.cpp's one call.
 //
-// torch's int4 kernel dequantizes each weight row to float per input row, well below the read rate
-// (bench/bench_decode.py measures both); here the nibbles become bf16 in registers with two integer ops and go straight into
-// AVX512-BF16 dot products, so one pass over the packed bytes serves every row of the call.
+// int4 multiplies 8-bit activations, as GGUF's Q4_0 x Q8_0 does: each row's x is cut into groups of 32, each
+// group's codes q_x = round(x / d_x) in -127..127 with d_x = max |x| / 127 (`int4_prepare`), and the weights'
+// nibbles meet the codes in integer dot products (VPDPBUSD: 64 byte products a call), whose lanes are 16
+// outputs: a group's integer sum per output is exact, then one float multiply-add per row, group and 16
+// outputs applies d_w d_x. Per 64 weight inputs that is one integer dot product where bf16 activations took
+// two dot products and a multiply-add, for each row (bench/JOURNAL.md, 2026-12-07).
 //
-// int4 layout (cag.model.weights.pack_int4): qw (N, K/2) uint8, each group of 32 inputs in 16 bytes, byte j
-// holding input j (low nibble) and input j + 16 (high nibble); dm (N, 2, K/32) float16: per group its
-// step d and its min m, so w = m + q d, q in 0..15 (GGUF Q4_1's shape and precision); or dm (N, 1, K/32),
-// the steps alone, where every min is -8 d (GGUF Q4_0's grid: pack_int4_native), 18 bytes a group, not
-// 20: the min is then computed as -8 d, exactly the value the two-row layout would hold, so the same bits.
-// bf16 (OR 0x4300) is 128 + q exactly, so a group's dot product of (128 + q) with x, times d, plus
-// (m - 128 d) times the group's sum of x, is sum_i w_i x_i.
+// int4 layout (cag.model.layouts.pack_int4_native): qw (N16, G, 256) uint8, N16 = ceil(N / 16) blocks of 16
+// outputs, G = K / 32 groups: a block's group is 4 runs of 64 bytes, run k's byte 4 o + b holding output o's
+// input 4 k + b (low nibble) and 16 + 4 k + b (high nibble), outputs past N zero; dm (S, G, N) float16: per
+// group and output its step d (S = 1: GGUF Q4_0's grid, w = d (q - 8)), then its min m (S = 2: Q4_1's, w = m +
+// q d), q in 0..15.
 //
-// q8 layout (cag.model.weights.pack_q8, GGUF Q8_0's shape and precision): qw (N, K) int8, d (N, K/32)
+// q8 layout (cag.model.layouts.pack_q8, GGUF Q8_0's shape and precision): qw (N, K) int8, d (N, K/32)
 // float16, w = d q; the int8 values go to float32 in registers (bf16 cannot hold d q exactly).
 //
 // Every row runs the same sequence of operations whatever the other rows of its call and whichever
-// thread takes its outputs: a row's bits are its own (tests/test_native.py).
+// thread takes its outputs: a row's bits are its own (tests/test_native.py, tests/test_products.py).
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/Parallel.h>
@@ -36,124 +36,66 @@
 namespace {
 
 constexpr int MB = 8;  // rows held in registers at a time (a call of more rows runs blocks of MB, then the rest)
-// int4's: a block's rows of x are read again for every output, and 8 rows of 3,072 inputs (48 KiB) do not
-// stay in L1 where 4 (24 KiB) do (bench/JOURNAL.md, 2026-12-04).
-constexpr int MB4 = 4;
+constexpr int MB4 = 4;  // int4's: 4 rows' integer and float sums for 16 outputs, beside a group's 8 weight vectors
 
-// x (M, K) bf16 -> per row: xp (K) bf16 in the order the unpacked nibbles come out (per 64 inputs:
-// 0-15 and 32-47 of group pair's low nibbles, then 16-31 and 48-63), xs (K/32) float32 group sums.
-void prepare(const uint16_t* x, int64_t M, int64_t K, uint16_t* xp, float* xs) {
-  for (int64_t r = 0; r < M; r++) {
-    const uint16_t* xr = x + r * K;
-    uint16_t* pr = xp + r * K;
-    for (int64_t p = 0; p < K; p += 64) {
-      std::memcpy(pr + p, xr + p, 32);            // group g, inputs 0-15
-      std::memcpy(pr + p + 16, xr + p + 32, 32);  // group g + 1, inputs 0-15
-      std::memcpy(pr + p + 32, xr + p + 16, 32);  // group g, inputs 16-31
-      std::memcpy(pr + p + 48, xr + p + 48, 32);  // group g + 1, inputs 16-31
-    }
-    for (int64_t g = 0; g < K / 32; g++) {
-      const __m512 lo = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(xr + 32 * g))), 16));
-      const __m512 hi = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(xr + 32 * g + 16))), 16));
-      xs[r * (K / 32) + g] = _mm512_reduce_add_ps(_mm512_add_ps(lo, hi));
-    }
-  }
-}
-
-// The lanes of v summed as hsum16 sums each of its vectors: ((l0 + l2) + (l1 + l3)) per 4 lanes, then
-// (s0 + s1) + (s2 + s3). An output's bits are the same whichever of the two sums it.
-inline float hsum(__m512 v) {
-  alignas(64) float l[16];
-  _mm512_store_ps(l, v);
-  float s[4];
-  for (int k = 0; k < 4; k++) s[k] = (l[4 * k] + l[4 * k + 2]) + (l[4 * k + 1] + l[4 * k + 3]);
-  return (s[0] + s[1]) + (s[2] + s[3]);
-}
-
-// v[o]'s lanes summed into lane o, 16 vectors at once (~3 ops a vector instead of ~9 each).
-inline __m512 hsum16(const __m512* v) {
-  __m512 t[8], u[4], w[2];
-  for (int i = 0; i < 8; i++) t[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
-  for (int i = 0; i < 4; i++) u[i] = _mm512_add_ps(_mm512_shuffle_ps(t[2 * i], t[2 * i + 1], 0x44), _mm512_shuffle_ps(t[2 * i], t[2 * i + 1], 0xEE));
-  for (int i = 0; i < 2; i++) w[i] = _mm512_add_ps(_mm512_shuffle_f32x4(u[2 * i], u[2 * i + 1], 0x88), _mm512_shuffle_f32x4(u[2 * i], u[2 * i + 1], 0xDD));
-  return _mm512_add_ps(_mm512_shuffle_f32x4(w[0], w[1], 0x88), _mm512_shuffle_f32x4(w[0], w[1], 0xDD));
-}
-
-// Rows [r0, r0 + NR) (NR <= MB4) times outputs [n, n + NO)'s int4 weights over the GP groups of a panel
-// (q: the panel's N rows of GP * 16 bytes, d: its S rows of GP steps / mins each; xp, xs: the rows' inputs
-// from the panel's first, rows K inputs and G group sums apart): per (row, output) a vector whose lanes
-// sum to the product, added to acc[r * 16 + o]. Each row's x is loaded once for the NO outputs and each
-// output's unpacked weights serve the NR rows; a (row, output)'s sum runs the same sequence whatever NR
-// and NO, so the same bits.
-template <int NR, int NO>
-inline void int4_acc(const uint8_t* q, const uint16_t* d, int64_t S, int64_t GP, const uint16_t* xp, int64_t K, const float* xs,
-                     int64_t G, int64_t n, __m512* acc) {
-  const __m512i low = _mm512_set1_epi16(0x000F), one28 = _mm512_set1_epi16(0x4300);
-  __m512 a[NR][NO];
-  for (int r = 0; r < NR; r++)
-    for (int o = 0; o < NO; o++) a[r][o] = acc[r * 16 + o];
-  for (int64_t g0 = 0; g0 < GP; g0 += 16) {  // 16 groups' steps and mins at a time
-    const int64_t ng = std::min<int64_t>(16, GP - g0);
-    const __mmask16 gm = (__mmask16)((1u << ng) - 1);
-    __m512 d16[NO];
-    for (int o = 0; o < NO; o++) {
-      const uint16_t* dn = d + (n + o) * S * GP;
-      d16[o] = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(gm, dn + g0));
-      // S: 2 (steps, then mins) or 1 (steps alone, mins -8 d)
-      const __m512 m16 = S == 2 ? _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(gm, dn + GP + g0)) : _mm512_mul_ps(d16[o], _mm512_set1_ps(-8.0f));
-      const __m512 c16 = _mm512_fnmadd_ps(_mm512_set1_ps(128.0f), d16[o], m16);  // m - 128 d
-      for (int r = 0; r < NR; r++) a[r][o] = _mm512_fmadd_ps(c16, _mm512_maskz_loadu_ps(gm, xs + r * G + g0), a[r][o]);
-    }
-    __m512i idx = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
-    for (int64_t g = 0; g < ng; g += 2, idx = _mm512_add_epi32(idx, _mm512_set1_epi32(2))) {  // a pair of groups: 64 inputs
-      __m512bh x0[NR], x1[NR];
-      for (int r = 0; r < NR; r++) {
-        const uint16_t* xr = xp + r * K + (g0 + g) * 32;
-        x0[r] = (__m512bh)_mm512_loadu_si512(xr), x1[r] = (__m512bh)_mm512_loadu_si512(xr + 32);
-      }
-      for (int o = 0; o < NO; o++) {
-        const __m512i w = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i*)(q + (n + o) * GP * 16 + (g0 + g) * 16)));
-        const __m512bh lo = (__m512bh)_mm512_or_si512(_mm512_and_si512(w, low), one28);  // 128 + q, inputs 0-15 of both
-        const __m512bh hi = (__m512bh)_mm512_or_si512(_mm512_srli_epi16(w, 4), one28);   // inputs 16-31 of both
-        const __m512 dv = _mm512_permutexvar_ps(idx, d16[o]);  // lanes 0-7: group g's d, 8-15: group g + 1's
-        for (int r = 0; r < NR; r++) {
-          __m512 s = _mm512_dpbf16_ps(_mm512_setzero_ps(), lo, x0[r]);
-          s = _mm512_dpbf16_ps(s, hi, x1[r]);
-          a[r][o] = _mm512_fmadd_ps(s, dv, a[r][o]);
-        }
-      }
-    }
-  }
-  for (int r = 0; r < NR; r++)
-    for (int o = 0; o < NO; o++) acc[r * 16 + o] = a[r][o];
-}
-
-// Outputs taken together: one for a single row (a decode step reads the weights as one stream; several
-// weight rows read side by side were slower), 4 for several (a question's rows: each unpack and x load
-// serves more dot products).
-template <int NR>
-constexpr int int4_outs() { return NR == 1 ? 1 : 4; }
-
-// Rows [r0, r0 + NR) times outputs [n, n + no), no <= 16, over one panel of GP groups (q, d: the panel's,
-// N outputs; xp, xs from the panel's first input). The sums start at zero on the first panel (else from
-// carry), go on to carry, or on the last panel are reduced into y: a row's sums of a whole block of 16 in
-// one reduction, of a shorter block one by one (the same bits).
-template <int NR>
-void int4_rows(const uint8_t* q, const uint16_t* d, int64_t S, int64_t GP, const uint16_t* xp, int64_t K, const float* xs, float* y,
-               int64_t N, int64_t n, int64_t no, __m512* carry, bool first, bool last) {
-  constexpr int NO = int4_outs<NR>();
+// x (M, K) bf16 -> per row and group of 32: codes qx (M, K) int8 = round(x / d) (to nearest even), scale dx (M, K/32)
+// = max |x| / 127 (0 for a group of zeros: codes 0), and the codes' sum sx (M, K/32) int32.
+void prepare(const uint16_t* x, int64_t M, int64_t K, int8_t* qx, float* dx, int32_t* sx) {
   const int64_t G = K / 32;
-  __m512 acc[NR][16];
-  for (int r = 0; r < NR; r++)
-    for (int64_t o = 0; o < no; o++) acc[r][o] = first ? _mm512_setzero_ps() : carry[r * 16 + o];
-  int64_t o = 0;
-  for (; o + NO <= no; o += NO) int4_acc<NR, NO>(q, d, S, GP, xp, K, xs, G, n + o, &acc[0][o]);
-  for (; o < no; o++) int4_acc<NR, 1>(q, d, S, GP, xp, K, xs, G, n + o, &acc[0][o]);
-  for (int r = 0; r < NR; r++) {
-    if (!last) for (int64_t j = 0; j < no; j++) carry[r * 16 + j] = acc[r][j];
-    else if (no == 16) _mm512_storeu_ps(y + r * N + n, hsum16(acc[r]));
-    else for (int64_t j = 0; j < no; j++) y[r * N + n + j] = hsum(acc[r][j]);
+  for (int64_t r = 0; r < M; r++)
+    for (int64_t g = 0; g < G; g++) {
+      const uint16_t* xg = x + r * K + g * 32;
+      const __m512 lo = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)xg)), 16));
+      const __m512 hi = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(xg + 16))), 16));
+      const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
+      const float d = amax / 127.0f, id = amax > 0 ? 127.0f / amax : 0.0f;
+      const __m512i lim = _mm512_set1_epi32(127), nlim = _mm512_set1_epi32(-127);  // within rounding of 127 anyway
+      const __m512i ql = _mm512_max_epi32(_mm512_min_epi32(_mm512_cvtps_epi32(_mm512_mul_ps(lo, _mm512_set1_ps(id))), lim), nlim);
+      const __m512i qh = _mm512_max_epi32(_mm512_min_epi32(_mm512_cvtps_epi32(_mm512_mul_ps(hi, _mm512_set1_ps(id))), lim), nlim);
+      _mm_storeu_si128((__m128i*)(qx + r * K + g * 32), _mm512_cvtepi32_epi8(ql));
+      _mm_storeu_si128((__m128i*)(qx + r * K + g * 32 + 16), _mm512_cvtepi32_epi8(qh));
+      dx[r * G + g] = d;
+      sx[r * G + g] = _mm512_reduce_add_epi32(_mm512_add_epi32(ql, qh));
+    }
+}
+
+// Rows [r0, r0 + NR) (their codes K apart, scales and sums G apart) times block nb's 16 outputs (its G groups of
+// 256 bytes in q; d: dm's first row, N apart per group and a second row (mins) S = 2 rows on) into y (N apart),
+// the last block's lanes past N not stored. Per row and group, in this order: the integer sum of codes times
+// nibbles (starting at -8 sx on Q4_0's grid: d (q - 8)), to float32, times (d_w x d_x), added; on Q4_1's grid
+// then m_w times (d_x x sx) added. The same sequence for a row whatever NR: its bits are its own.
+template <int NR>
+inline void int4_tile(const uint8_t* q, const uint16_t* d, int64_t S, int64_t G, int64_t N, int64_t nb, const int8_t* qx,
+                      const float* dx, const int32_t* sx, int64_t K, float* y) {
+  const __m512i low = _mm512_set1_epi8(0x0F);
+  const int64_t left = std::min<int64_t>(16, N - nb * 16);
+  const __mmask16 lm = (__mmask16)((1u << left) - 1);
+  __m512 acc[NR];
+  for (int r = 0; r < NR; r++) acc[r] = _mm512_setzero_ps();
+  const uint8_t* qb = q + nb * G * 256;
+  for (int64_t g = 0; g < G; g++) {
+    __m512i lo[4], hi[4];
+    for (int k = 0; k < 4; k++) {
+      const __m512i v = _mm512_loadu_si512(qb + g * 256 + 64 * k);
+      lo[k] = _mm512_and_si512(v, low);                          // inputs 4k .. 4k + 3 of each output
+      hi[k] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);    // inputs 16 + 4k .. 16 + 4k + 3
+    }
+    const __m512 dv = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(lm, d + g * N + nb * 16));
+    const __m512 mv = S == 2 ? _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(lm, d + (G + g) * N + nb * 16)) : _mm512_setzero_ps();
+    for (int r = 0; r < NR; r++) {
+      const int32_t* xr = reinterpret_cast<const int32_t*>(qx + r * K + g * 32);  // 4 codes a dword
+      const int32_t s = sx[r * G + g];
+      __m512i t = S == 2 ? _mm512_setzero_si512() : _mm512_set1_epi32(-8 * s);
+      for (int k = 0; k < 4; k++) {
+        t = _mm512_dpbusd_epi32(t, lo[k], _mm512_set1_epi32(xr[k]));
+        t = _mm512_dpbusd_epi32(t, hi[k], _mm512_set1_epi32(xr[4 + k]));
+      }
+      const float xd = dx[r * G + g];
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(t), _mm512_mul_ps(dv, _mm512_set1_ps(xd)), acc[r]);
+      if (S == 2) acc[r] = _mm512_fmadd_ps(mv, _mm512_set1_ps(xd * (float)s), acc[r]);
+    }
   }
+  for (int r = 0; r < NR; r++) _mm512_mask_storeu_ps(y + r * N + nb * 16, lm, acc[r]);
 }
 
 // Rows [r, r + NR) times outputs [n, n + NO): each weight vector loaded once for NR rows, each row's
@@ -224,27 +166,17 @@ void blocks(int64_t M, F f) {
 
 namespace cagk {
 
-void int4_prepare(const uint16_t* x, int64_t M, int64_t K, uint16_t* xp, float* xs) { prepare(x, M, K, xp, xs); }
+void int4_prepare(const uint16_t* x, int64_t M, int64_t K, int8_t* qx, float* dx, int32_t* sx) { prepare(x, M, K, qx, dx, sx); }
 
-void int4_outputs(const uint8_t* q, const uint16_t* d, int64_t K, int64_t M, const uint16_t* xp, const float* xs,
-                  float* y, int64_t N, int64_t n0, int64_t n1, int64_t S, int64_t P) {
-  const int64_t G = K / 32, GP = G / P;
-  // Per chunk of outputs, one panel after another (pack_int4_native; whole rows: P = 1), each read as one
-  // stream of bytes while its rows' x stays in L1; a (row, output)'s sums are carried from panel to panel
-  // in order. Within a panel, 16 outputs' weights stay in L1 for every block of rows.
-  const int64_t chunk = M <= MB4 ? 256 : 64;
-  std::vector<__m512> carry(P > 1 ? M * chunk : 0);  // rows [r, r + NR)'s block at n: r * chunk + (n - c0) * NR on
-  for (int64_t c0 = n0; c0 < n1; c0 += chunk) {
-    const int64_t c1 = std::min(n1, c0 + chunk);
-    for (int64_t p = 0; p < P; p++) {
-      const uint8_t* qp = q + p * N * GP * 16;
-      const uint16_t* dp = d + p * N * S * GP;
-      for (int64_t n = c0; n < c1; n += 16)
-        blocks<MB4>(M, [&](auto nr, int64_t r) {
-          int4_rows<decltype(nr)::value>(qp, dp, S, GP, xp + r * K + p * GP * 32, K, xs + r * G + p * GP, y + r * N, N, n,
-                                         std::min<int64_t>(16, c1 - n), carry.data() + r * chunk + (n - c0) * decltype(nr)::value, p == 0, p == P - 1);
-        });
-    }
+void int4_outputs(const uint8_t* q, const uint16_t* d, int64_t K, int64_t M, const int8_t* qx, const float* dx, const int32_t* sx,
+                  float* y, int64_t N, int64_t n0, int64_t n1, int64_t S) {
+  // Per block of 16 outputs (its weights, G x 256 bytes, stay in L2 for every block of rows), rows in blocks of
+  // MB4, then the rest one by one.
+  const int64_t G = K / 32;
+  for (int64_t nb = n0 / 16; nb * 16 < n1; nb++) {
+    int64_t r = 0;
+    for (; r + MB4 <= M; r += MB4) int4_tile<MB4>(q, d, S, G, N, nb, qx + r * K, dx + r * G, sx + r * G, K, y + r * N);
+    for (; r < M; r++) int4_tile<1>(q, d, S, G, N, nb, qx + r * K, dx + r * G, sx + r * G, K, y + r * N);
   }
 }
 
@@ -260,18 +192,22 @@ void bf16_outputs(const uint16_t* w, int64_t K, int64_t M, const uint16_t* x, fl
 
 namespace {
 
-// x (M, K) bf16, qw (N, K/2) uint8, dm (N, 2, K/32) or (N, 1, K/32) float16 (or their P panels) -> (M, N) float32.
+// x (M, K) bf16, qw (N16, K/32, 256) uint8, dm (S, K/32, N) float16 (pack_int4_native) -> (M, N) float32.
 at::Tensor int4_mm(const at::Tensor& x, const at::Tensor& qw, const at::Tensor& dm) {
-  const cagk::Int4Shape sh = cagk::check_int4(x, qw, dm, true);
+  const cagk::Int4Shape sh = cagk::int4_blocks_shape(qw, dm, "int4_mm");
+  cagk::check_x(x, sh.K);
   const int64_t K = sh.K, N = sh.N, M = x.size(0), G = K / 32;
-  std::vector<uint16_t> xp(M * K);
-  std::vector<float> xs(M * G);
-  cagk::int4_prepare(reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()), M, K, xp.data(), xs.data());
+  std::vector<int8_t> qx(M * K);
+  std::vector<float> dx(M * G);
+  std::vector<int32_t> sx(M * G);
+  cagk::int4_prepare(reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()), M, K, qx.data(), dx.data(), sx.data());
   at::Tensor y = at::empty({M, N}, x.options().dtype(at::kFloat));
   const uint8_t* q = qw.data_ptr<uint8_t>();
   const uint16_t* d = reinterpret_cast<const uint16_t*>(dm.data_ptr<at::Half>());
   float* yd = y.data_ptr<float>();
-  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) { cagk::int4_outputs(q, d, K, M, xp.data(), xs.data(), yd, N, n0, n1, sh.S, sh.P); });
+  at::parallel_for(0, (N + 15) / 16, 1, [&](int64_t b0, int64_t b1) {
+    cagk::int4_outputs(q, d, K, M, qx.data(), dx.data(), sx.data(), yd, N, b0 * 16, std::min(N, b1 * 16), sh.S);
+  });
   return y;
 }
 
