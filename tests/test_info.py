@@ -44,7 +44,8 @@ def test_info_names_the_shape_and_the_decode_path(tiny_model_dir, monkeypatch):
     d = info("--model", str(tiny_model_dir))
     assert d == d | {"model": str(tiny_model_dir), "model_type": "llama", "class": "LlamaForCausalLM", "layers": 2,
                      "heads": 4, "kv_heads": 2, "head_dim": 16, "context": 4096, "dtype": "float32", "device": "cpu",
-                     "weights": "fp32", "arithmetic": "fp32", "kernels": "torch", "step": "fast", "step_reason": None, "native": "none",
+                     "weights": "fp32", "arithmetic": "fp32", "kernels": "torch", "step": "fast", "step_reason": None,
+                     "native": "none",
                      # K and V x layers x K/V heads x D x 2 bytes
                      "kv_dtype": "float16", "kv_bytes_per_token": 2 * 2 * 2 * 16 * 2, "prefill": "blocks 16"}
     assert "heads of 16" in d["kernels_reason"] and d["parameters"] > 0

@@ -31,7 +31,8 @@ def test_rows_do_not_depend_on_pieces_or_the_cut(tiny64_model_dir, monkeypatch):
     e = keeping_engine(tiny64_model_dir, monkeypatch)
     how = e.prefill(300)
     assert knowledge_kv.as_rows(e.lm, e.kv_dtype, 300) and knowledge_kv.block(how) == 1
-    assert how == f"rows {e.lm.backend.arithmetic('int4')}/{e.lm.backend.name}"  # a row's bits follow the format and kernels: in the key
+    # a row's bits follow the format, its arithmetic and the kernels: in the key
+    assert how == f"rows {e.lm.backend.arithmetic('int4')}/{e.lm.backend.name}"
     vocab = e.lm.model.config.vocab_size
     ids = [(37 * i) % (vocab - 20) + 20 for i in range(300)]
     whole = knowledge_kv.compute(e.decoder, how, e.kv_dtype, ids)

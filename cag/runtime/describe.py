@@ -12,7 +12,8 @@ from cag.runtime import step
 
 def decode_path(lm: LoadedModel) -> dict:
     built = step.for_model(lm.model)
-    return {"weights": lm.weights, "arithmetic": lm.backend.arithmetic(lm.weights), "kernels": lm.kernels, "kernels_reason": lm.kernels_why or None,
+    return {"weights": lm.weights, "arithmetic": lm.backend.arithmetic(lm.weights), "kernels": lm.kernels,
+            "kernels_reason": lm.kernels_why or None,
             "step": "fast" if built is not None else "forward",
             "step_reason": None if built is not None else step.why_not(lm.model),
             "native": built.native if built is not None else "none"}

@@ -53,7 +53,9 @@ def method(lm, setting: int, store: torch.dtype, n: int) -> str:
     "rows ARITHMETIC/KERNELS" (each row decoded: its bits follow the weights format, the activations its products
     multiply (Backend.arithmetic: "int4-q8" on the AVX-512 kernels) and the kernels) or "blocks N"
     (CAG_PREFILL_BLOCK `setting`, 0: the device's, kv_cache.BLOCK)."""
-    return f"rows {lm.backend.arithmetic(lm.weights)}/{lm.backend.name}" if as_rows(lm, store, n) else _blocks(lm, setting)
+    if as_rows(lm, store, n):
+        return f"rows {lm.backend.arithmetic(lm.weights)}/{lm.backend.name}"
+    return _blocks(lm, setting)
 
 
 def described(lm, setting: int, store: torch.dtype) -> dict:
