@@ -1,6 +1,7 @@
-"""cag's AVX2 products (CAG_DECODE_KERNELS=avx2, `auto` on CPUs below the AVX512-BF16 floor): int4 and
-q8 products equal to the dequantized weights' within float32 rounding, a row's bits its own whatever
-the other rows and the thread count, and an engine on them exact: `cag` == `full`, batched == alone."""
+"""cag's AVX2 products (CAG_DECODE_KERNELS=avx2, `auto` on CPUs below the AVX512-BF16 floor): int4 on 8-bit
+activations (the AVX-512 products' arithmetic, to the bit where both run) and q8 products equal to their references
+within float32 rounding, a row's bits its own whatever the other rows and the thread count, and an engine on them
+exact: `cag` == `full`, batched == alone."""
 
 import pytest
 import torch
@@ -9,6 +10,7 @@ from cag.answering.query import Query
 from cag.kernels import backends, native
 from cag.model import layouts, packed, weights
 from tests.test_batch import QUESTIONS, together
+from tests.test_products import q4_0_weight, q8_reference
 
 # Skipped only where the CPU or the compiler cannot build them: a failed build fails the tests
 pytestmark = pytest.mark.skipif(
@@ -19,14 +21,6 @@ pytestmark = pytest.mark.skipif(
 @pytest.fixture(autouse=True)
 def _built():
     assert native.load_avx2(), native.avx2_reason()
-
-
-def _int4_reference(w: torch.Tensor) -> tuple[tuple, torch.Tensor]:
-    """pack_int4's copy of w and the weights it holds (w = m + q d), in float64."""
-    qw, dm = layouts.pack_int4(w)
-    g = qw.view(w.shape[0], -1, 16)
-    q = torch.cat([g & 15, g >> 4], -1).double()  # byte j: input j (low nibble), j + 16 (high)
-    return (qw, dm), (dm[:, 1, :, None].double() + q * dm[:, 0, :, None].double()).reshape(w.shape)
 
 
 def _q8_reference(w: torch.Tensor) -> tuple[tuple, torch.Tensor]:
@@ -40,11 +34,15 @@ def _q8_reference(w: torch.Tensor) -> tuple[tuple, torch.Tensor]:
 def test_products_are_the_held_weights_and_row_invariant(fmt, out_f, in_f):
     torch.manual_seed(0)
     w = torch.randn(out_f, in_f) * 0.05
-    copy, held = (_int4_reference if fmt == "int4" else _q8_reference)(w)
     mm = getattr(torch.ops.cag_avx2, packed.NATIVE_MM[fmt])
     x = torch.randn(11, in_f).to(torch.bfloat16)
+    if fmt == "int4":  # the weights' codes times each row's 8-bit codes (tests/test_products.py's model of it)
+        copy = layouts.pack_int4_native(w)
+        ref = q8_reference(x, w)
+    else:
+        copy, held = _q8_reference(w)
+        ref = x.double() @ held.t()
     y = mm(x, *copy)  # (11, out) float32
-    ref = x.double() @ held.t()
     assert y.dtype == torch.float32 and ((y.double() - ref).abs().max() / ref.abs().max()) < 1e-5
     alone = torch.cat([mm(x[r : r + 1].contiguous(), *copy) for r in range(11)])
     threads = torch.get_num_threads()
@@ -56,6 +54,18 @@ def test_products_are_the_held_weights_and_row_invariant(fmt, out_f, in_f):
     for m in (2, 4, 5, 9, 11):  # blocks of 4 rows and the rest
         assert torch.equal(mm(x[:m].contiguous(), *copy), alone[:m]), m
     assert torch.equal(one_thread, y)
+
+
+@pytest.mark.skipif(native.why_not() is not None, reason="the AVX-512 library does not run here")
+@pytest.mark.parametrize("grid", ["q4_1", "q4_0"])
+def test_int4_is_the_avx512_products_bit_for_bit(grid):
+    """Per output the same operations in the same order (codes, an exact integer sum, one conversion, the scales'
+    product, a multiply-add per group), 8 lanes at a time here and 16 there: the same bits."""
+    assert native.load() is not None
+    w = torch.randn(200, 1536) * 0.05 if grid == "q4_1" else q4_0_weight(200, 1536)
+    copy = layouts.pack_int4_native(w)
+    x = torch.randn(13, 1536).to(torch.bfloat16)
+    assert torch.equal(torch.ops.cag_avx2.int4_mm(x, *copy), torch.ops.cag.int4_mm(x, *copy))
 
 
 def test_int4_takes_the_avx2_products_for_every_row_and_its_head_in_q8():

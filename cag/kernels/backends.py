@@ -44,11 +44,11 @@ class Backend:
         return self.products == "avx512"
 
     def arithmetic(self, weights: str) -> str:
-        """What its products multiply in a weights format: "int4-q8" where cag's AVX-512 products meet int4 weights
-        with 8-bit activations (VPDPBUSD; every other format and backend multiplies the activations as the step
-        holds them). Part of the prefill method of knowledge prefilled as decode rows: another arithmetic,
-        other bits."""
-        return f"{weights}-q8" if self.cag_products and weights == "int4" else weights
+        """What its products multiply in a weights format: "int4-q8" where cag's products (AVX-512: VPDPBUSD; AVX2:
+        VPMADDUBSW) meet int4 weights with 8-bit activations; every other format and backend multiplies the
+        activations as the step holds them. Part of the prefill method of knowledge prefilled as decode rows:
+        another arithmetic, other bits."""
+        return f"{weights}-q8" if self.own_products and weights == "int4" else weights
 
     @property
     def avx2_products(self) -> bool:

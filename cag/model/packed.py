@@ -14,7 +14,7 @@ import torch
 from cag.kernels import backends
 from cag.kernels.backends import Backend
 from cag.model import layouts, packed_cache
-from cag.model.layouts import GROUP, _pack_bf16, _pack_int4, _pack_int8, pack_int4, pack_int4_native, pack_q8
+from cag.model.layouts import GROUP, _pack_bf16, _pack_int4, _pack_int8, pack_int4_native, pack_q8
 
 NATIVE_MM = {"int4": "int4_mm", "q8": "q8_mm", "bf16": "bf16_mm"}  # cag.kernels.native's product per packed format
 # Rows per packed product call. Up to 128 rows, each row's result is bit-identical whatever the
@@ -162,13 +162,13 @@ class TorchPackedNativeQuestions(TorchPacked):
 
 
 class Avx2Packed(Packed):
-    """cag.kernels.native's AVX2 products (CAG_DECODE_KERNELS=avx2): int4 in GGUF Q4_1's layout, q8 in
-    Q8_0's (int4's LM head), float32 out. Any number of rows in one call, a row's bits its own, so a
+    """cag.kernels.native's AVX2 products (CAG_DECODE_KERNELS=avx2): int4 in the AVX-512 products' layout (times 8-bit
+    activations), q8 in Q8_0's (int4's LM head), float32 out. Any number of rows in one call, a row's bits its own, so a
     question's rows take the same copy as decode rows: no second copy."""
 
     def __init__(self, w: torch.Tensor, bias: torch.Tensor | None, fmt: str, out_dtype: torch.dtype | None = None):
         super().__init__(w, bias, fmt, out_dtype)
-        self.packed = packed_cache.packed(f"avx2-{fmt}", {"int4": pack_int4, "q8": pack_q8}[fmt], w.detach())
+        self.packed = packed_cache.packed(f"avx2-{fmt}", {"int4": pack_int4_native, "q8": pack_q8}[fmt], w.detach())
         self.mm = getattr(torch.ops.cag_avx2, NATIVE_MM[fmt])
 
     def _rows(self, x2: torch.Tensor, question: bool) -> torch.Tensor:

@@ -1,6 +1,6 @@
 // What the weight products of both libraries share (arch/avx512/products.cpp, arch/avx2/products.cpp): their
-// arguments' checks (one q8 layout; int4 in Q4_1's rows for AVX2, in blocks of 16 outputs for AVX-512), their rows
-// in float32, and the q8 product's op around each one's rows.
+// arguments' checks (the same layouts: int4 in blocks of 16 outputs, q8 in Q8_0's rows), their rows in float32, and
+// the q8 product's op around each one's rows.
 #pragma once
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -23,17 +23,7 @@ struct Int4Shape {
   int64_t N, K, S;
 };
 
-// The AVX2 products' int4 (cag.model.layouts.pack_int4): qw (N, K/2) uint8, dm (N, 2, K/32) float16, K a multiple of 64.
-inline Int4Shape int4_shape(const at::Tensor& qw, const at::Tensor& dm, const char* name) {
-  TORCH_CHECK(qw.dim() == 2 && qw.scalar_type() == at::kByte && qw.is_contiguous(), name, ": int4 weights: qw (N, K/2) uint8");
-  const int64_t N = qw.size(0), K = qw.size(1) * 2;
-  TORCH_CHECK(K % 64 == 0, name, ": int4 weights: K a multiple of 64");
-  TORCH_CHECK(dm.dim() == 3 && dm.scalar_type() == at::kHalf && dm.is_contiguous() && dm.size(0) == N && dm.size(1) == 2 &&
-              dm.size(2) == K / 32, name, ": int4 weights: dm (N, 2, K/32) float16");
-  return {N, K, 2};
-}
-
-// The AVX-512 products' int4 (cag.model.layouts.pack_int4_native): qw (N16, G, 256) uint8 in blocks of 16 outputs,
+// int4 (cag.model.layouts.pack_int4_native): qw (N16, G, 256) uint8 in blocks of 16 outputs,
 // dm (S, G, N) float16, S = 1 (steps: Q4_0's grid) or 2 (steps, then mins), N16 = ceil(N / 16), K = 32 G.
 inline Int4Shape int4_blocks_shape(const at::Tensor& qw, const at::Tensor& dm, const char* name) {
   TORCH_CHECK(qw.dim() == 3 && qw.scalar_type() == at::kByte && qw.is_contiguous() && qw.size(2) == 256, name,
@@ -42,13 +32,6 @@ inline Int4Shape int4_blocks_shape(const at::Tensor& qw, const at::Tensor& dm, c
               dm.size(1) == qw.size(1) && (dm.size(2) + 15) / 16 == qw.size(0) && dm.size(2) >= 1, name,
               ": int4 weights: dm (S, K/32, N) float16, S 1 or 2, N within qw's blocks of 16");
   return {dm.size(2), qw.size(1) * 32, dm.size(0)};
-}
-
-// The same for a product of x (M, K) bfloat16 (the AVX2 layout).
-inline Int4Shape check_int4(const at::Tensor& x, const at::Tensor& qw, const at::Tensor& dm) {
-  const Int4Shape sh = int4_shape(qw, dm, "int4_mm");
-  check_x(x, sh.K);
-  return sh;
 }
 
 // q8: qw (N, K) int8, d (N, K/32) float16, K a multiple of 32; returns K.

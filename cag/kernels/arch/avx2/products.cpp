@@ -1,13 +1,14 @@
 // Weight products of decode rows on CPUs with AVX2, FMA and F16C but not the AVX512-BF16 floor of the
 // rest of cag's kernels (AMD Zen 2/3, Intel before Cooper Lake): int4 groups (CAG_WEIGHTS=int4) and
-// int8 groups (int4's LM head), the layouts arch/avx512/products.cpp takes (cag.model.layouts: pack_int4, pack_q8).
-// Built with the rest of arch/avx2/ into a library of its own by cag/kernels/native.py (CAG_DECODE_KERNELS=avx2);
-// called by cag/model/packed.py (Avx2Packed) for a pass's rows, decode and question rows alike.
+// int8 groups (int4's LM head), in the layouts arch/avx512/products.cpp takes (cag.model.layouts:
+// pack_int4_native, pack_q8). Built with the rest of arch/avx2/ into a library of its own by
+// cag/kernels/native.py (CAG_DECODE_KERNELS=avx2); called by cag/model/packed.py (Avx2Packed) for a pass's rows.
 //
-// torch's int4 kernel for one row runs at a fraction of the read rate (bench/bench_models.py shows
-// the step beside its bound). Here a group's dot product of q (exact in float32) with x, times its
-// step d, plus its min m times the group's sum of x, is sum_i w_i x_i, with w = m + q d as the layout
-// holds it (GGUF Q4_1's shape and precision).
+// int4 multiplies 8-bit activations, as the AVX-512 library does and as llama.cpp's AVX2 path does: each row's
+// x to int8 codes per group of 32 (scale max |x| / 127), and per block of 8 outputs (half a block of 16 of the
+// layout) VPMADDUBSW of the weights' nibbles (unsigned) with 4 codes broadcast (signed): 16-bit sums of two
+// products, 8 of them added per lane (16 products of at most 15 x 127: no overflow), then VPMADDWD by ones to a
+// 32-bit sum per output, exact; then one float multiply-add per row, group and 8 outputs applies d_w d_x.
 //
 // Every row runs the same sequence of operations whatever the other rows of its call and whichever
 // thread takes its outputs: a row's bits are its own (tests/test_avx2_products.py).
@@ -16,6 +17,7 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 #include <immintrin.h>
+#include <algorithm>
 #include <cstring>
 #include <vector>
 
@@ -26,70 +28,72 @@ namespace {
 
 constexpr int MB = 4;  // rows held in registers at a time (16 ymm: 4 weight vectors, a sum and a total per row)
 
-// xf (M, K) float32 -> xs (M, K/32): each group's sum, in one fixed order.
-void group_sums(const float* xf, int64_t M, int64_t K, float* xs) {
+// x (M, K) bf16 -> per row and group of 32: codes qx (M, K) int8 = round(x * (127 / max|x|)) (to nearest even,
+// within -127..127), scale dx (M, K/32) = max |x| / 127, and the codes' sum sx (M, K/32).
+void prepare(const uint16_t* x, int64_t M, int64_t K, int8_t* qx, float* dx, int32_t* sx) {
+  const int64_t G = K / 32;
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  const __m256i lim = _mm256_set1_epi32(127), nlim = _mm256_set1_epi32(-127);
   for (int64_t r = 0; r < M; r++)
-    for (int64_t g = 0; g < K / 32; g++) {
-      const float* p = xf + r * K + 32 * g;
-      const __m256 s = _mm256_add_ps(_mm256_add_ps(_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)),
-                                     _mm256_add_ps(_mm256_loadu_ps(p + 16), _mm256_loadu_ps(p + 24)));
-      xs[r * (K / 32) + g] = hsum(s);
+    for (int64_t g = 0; g < G; g++) {
+      const uint16_t* xg = x + r * K + g * 32;
+      __m256 v[4], m = _mm256_setzero_ps();
+      for (int k = 0; k < 4; k++) m = _mm256_max_ps(m, _mm256_andnot_ps(sign, v[k] = widen(xg + 8 * k)));
+      alignas(32) float l[8];
+      _mm256_store_ps(l, m);
+      float amax = 0.0f;
+      for (float f : l) amax = amax > f ? amax : f;  // max is exact: any order
+      const float id = amax > 0 ? 127.0f / amax : 0.0f;
+      alignas(32) int32_t c[32];
+      for (int k = 0; k < 4; k++)
+        _mm256_store_si256(reinterpret_cast<__m256i*>(c + 8 * k),
+                           _mm256_max_epi32(_mm256_min_epi32(_mm256_cvtps_epi32(_mm256_mul_ps(v[k], _mm256_set1_ps(id))), lim), nlim));
+      int32_t s = 0;
+      for (int i = 0; i < 32; i++) { qx[r * K + g * 32 + i] = (int8_t)c[i]; s += c[i]; }
+      dx[r * G + g] = amax / 127.0f;
+      sx[r * G + g] = s;
     }
 }
 
-// Rows [r, r + NR) times output n's int4 weights: y[r][n].
+// Rows [r0, r0 + NR) (codes K apart, scales and sums G apart) times outputs [n, n + 8) of the block layout (8 of the
+// 16 of block n / 16: byte offset 32 (n % 16 / 8) in each 64-byte run) into y (N apart), lanes past N not stored.
 template <int NR>
-inline void int4_out(const uint8_t* qw, const uint16_t* dm, int64_t K, const float* xf, const float* xs, float* y, int64_t N, int64_t n) {
-  const int64_t G = K / 32;
-  const uint8_t* qn = qw + n * (K / 2);
-  const uint16_t* dn = dm + n * 2 * G;
-  const __m256i low = _mm256_set1_epi32(0x0F);
-  __m256 acc[NR], cst[NR];
-  for (int r = 0; r < NR; r++) acc[r] = cst[r] = _mm256_setzero_ps();
-  for (int64_t g0 = 0; g0 < G; g0 += 8) {  // 8 groups' steps and mins at a time
-    alignas(32) float d8[8];
-    const int64_t ng = G - g0 < 8 ? G - g0 : 8;
-    __m128i dh = _mm_setzero_si128(), mh = _mm_setzero_si128();
-    if (ng == 8) {
-      dh = _mm_loadu_si128((const __m128i*)(dn + g0));
-      mh = _mm_loadu_si128((const __m128i*)(dn + G + g0));
-    } else {  // a last block of fewer groups: lanes past ng are 0
-      std::memcpy(&dh, dn + g0, 2 * ng);
-      std::memcpy(&mh, dn + G + g0, 2 * ng);
+inline void int4_half(const uint8_t* q, const uint16_t* d, int64_t S, int64_t G, int64_t N, int64_t n, const int8_t* qx,
+                      const float* dx, const int32_t* sx, int64_t K, float* y) {
+  const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  const int64_t left = std::min<int64_t>(8, N - n);
+  const uint8_t* qb = q + (n / 16) * G * 256 + (n % 16 / 8) * 32;
+  __m256 acc[NR];
+  for (int r = 0; r < NR; r++) acc[r] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < G; g++) {
+    __m256i lo[4], hi[4];
+    for (int k = 0; k < 4; k++) {
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qb + g * 256 + 64 * k));
+      lo[k] = _mm256_and_si256(v, low);                        // inputs 4k .. 4k + 3 of each of the 8 outputs
+      hi[k] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);  // inputs 16 + 4k ..
     }
-    _mm256_store_ps(d8, _mm256_cvtph_ps(dh));
-    const __m256 c = _mm256_cvtph_ps(mh);
-    for (int r = 0; r < NR; r++) {  // m . group sums, 8 groups a vector (lanes past ng: 0 . 0)
-      __m256 sums;
-      if (ng == 8) {
-        sums = _mm256_loadu_ps(xs + r * G + g0);
-      } else {
-        alignas(32) float s8[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-        std::memcpy(s8, xs + r * G + g0, 4 * ng);
-        sums = _mm256_load_ps(s8);
+    alignas(16) uint16_t dh[8] = {0, 0, 0, 0, 0, 0, 0, 0}, mh[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    std::memcpy(dh, d + g * N + n, 2 * left);
+    if (S == 2) std::memcpy(mh, d + (G + g) * N + n, 2 * left);
+    const __m256 dv = _mm256_cvtph_ps(_mm_load_si128(reinterpret_cast<const __m128i*>(dh)));
+    const __m256 mv = _mm256_cvtph_ps(_mm_load_si128(reinterpret_cast<const __m128i*>(mh)));
+    for (int r = 0; r < NR; r++) {
+      const int32_t* xr = reinterpret_cast<const int32_t*>(qx + r * K + g * 32);  // 4 codes a dword
+      __m256i t = _mm256_maddubs_epi16(lo[0], _mm256_set1_epi32(xr[0]));
+      t = _mm256_add_epi16(t, _mm256_maddubs_epi16(hi[0], _mm256_set1_epi32(xr[4])));
+      for (int k = 1; k < 4; k++) {
+        t = _mm256_add_epi16(t, _mm256_maddubs_epi16(lo[k], _mm256_set1_epi32(xr[k])));
+        t = _mm256_add_epi16(t, _mm256_maddubs_epi16(hi[k], _mm256_set1_epi32(xr[4 + k])));
       }
-      cst[r] = _mm256_fmadd_ps(c, sums, cst[r]);
-    }
-    for (int64_t g = 0; g < ng; g++) {
-      const uint8_t* b = qn + (g0 + g) * 16;  // byte j: input j (low nibble), j + 16 (high)
-      const __m256i v0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)b));
-      const __m256i v1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(b + 8)));
-      const __m256 w0 = _mm256_cvtepi32_ps(_mm256_and_si256(v0, low));  // q of inputs 0-7
-      const __m256 w1 = _mm256_cvtepi32_ps(_mm256_and_si256(v1, low));  // 8-15
-      const __m256 w2 = _mm256_cvtepi32_ps(_mm256_srli_epi32(v0, 4));   // 16-23
-      const __m256 w3 = _mm256_cvtepi32_ps(_mm256_srli_epi32(v1, 4));   // 24-31
-      const __m256 dg = _mm256_broadcast_ss(d8 + g);
-      for (int r = 0; r < NR; r++) {  // two half sums: a shorter chain of dependent products
-        const float* xr = xf + r * K + (g0 + g) * 32;
-        __m256 s0 = _mm256_mul_ps(w0, _mm256_loadu_ps(xr));
-        __m256 s1 = _mm256_mul_ps(w2, _mm256_loadu_ps(xr + 16));
-        s0 = _mm256_fmadd_ps(w1, _mm256_loadu_ps(xr + 8), s0);
-        s1 = _mm256_fmadd_ps(w3, _mm256_loadu_ps(xr + 24), s1);
-        acc[r] = _mm256_fmadd_ps(_mm256_add_ps(s0, s1), dg, acc[r]);
-      }
+      const int32_t s = sx[r * G + g];
+      __m256i t32 = _mm256_madd_epi16(t, ones);  // per output: its 32 products
+      if (S == 1) t32 = _mm256_add_epi32(t32, _mm256_set1_epi32(-8 * s));  // d (q - 8)
+      const float xd = dx[r * G + g];
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t32), _mm256_mul_ps(dv, _mm256_set1_ps(xd)), acc[r]);
+      if (S == 2) acc[r] = _mm256_fmadd_ps(mv, _mm256_set1_ps(xd * (float)s), acc[r]);
     }
   }
-  for (int r = 0; r < NR; r++) y[r * N + n] = hsum(acc[r]) + hsum(cst[r]);
+  for (int r = 0; r < NR; r++) store(y + r * N + n, acc[r], left);
 }
 
 // Rows [r, r + NR) times output n's int8 weights (w = d q per group of 32).
@@ -121,19 +125,25 @@ inline void blocks(int64_t M, F f) {
   for (; r < M; r++) f(std::integral_constant<int, 1>{}, r);
 }
 
-// x (M, K) bf16, qw (N, K/2) uint8, dm (N, 2, K/32) float16 -> (M, N) float32.
+// x (M, K) bf16, qw (N16, K/32, 256) uint8, dm (S, K/32, N) float16 (pack_int4_native) -> (M, N) float32.
 at::Tensor int4_mm(const at::Tensor& x, const at::Tensor& qw, const at::Tensor& dm) {
-  const int64_t K = cagk::check_int4(x, qw, dm).K, N = qw.size(0), M = x.size(0), G = K / 32;
-  std::vector<float> xf(M * K), xs(M * G);
-  cagk::bf16_to_float(reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()), M * K, xf.data());
-  group_sums(xf.data(), M, K, xs.data());
+  const cagk::Int4Shape sh = cagk::int4_blocks_shape(qw, dm, "int4_mm");
+  cagk::check_x(x, sh.K);
+  const int64_t K = sh.K, N = sh.N, M = x.size(0), G = K / 32;
+  std::vector<int8_t> qx(M * K);
+  std::vector<float> dx(M * G);
+  std::vector<int32_t> sx(M * G);
+  prepare(reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()), M, K, qx.data(), dx.data(), sx.data());
   at::Tensor y = at::empty({M, N}, x.options().dtype(at::kFloat));
   const uint8_t* q = qw.data_ptr<uint8_t>();
   const uint16_t* d = reinterpret_cast<const uint16_t*>(dm.data_ptr<at::Half>());
   float* yd = y.data_ptr<float>();
-  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
-    for (int64_t n = n0; n < n1; n++)
-      blocks(M, [&](auto nr, int64_t r) { int4_out<decltype(nr)::value>(q, d, K, xf.data() + r * K, xs.data() + r * G, yd + r * N, N, n); });
+  at::parallel_for(0, (N + 7) / 8, 1, [&](int64_t h0, int64_t h1) {  // halves of the blocks of 16: 8 outputs each
+    for (int64_t h = h0; h < h1; h++)
+      blocks(M, [&](auto nr, int64_t r) {
+        int4_half<decltype(nr)::value>(q, d, sh.S, G, N, 8 * h, qx.data() + r * K, dx.data() + r * G, sx.data() + r * G, K,
+                                       yd + r * N);
+      });
   });
   return y;
 }
