@@ -217,20 +217,23 @@ def glue_is_near_torch(model, name: str) -> None:
 
     native_ = logits(step.glue)
     torch_ = logits(None, None, None)
-    scale, kernels_apart = torch_.abs().mean(), (native_ - torch_).abs().mean()  # measured: 0.5-0.8% of the scale
-    assert kernels_apart < 0.03 * scale
+    # measured: 0.5-0.8% of the scale over bf16 activations; 3.2-3.4% where int4 multiplies 8-bit codes (AVX2 and
+    # AVX-512 alike): a last-bit change of a product's bf16 input can move its code, and these random 4-layer models
+    # carry it to the logits
+    scale, kernels_apart = torch_.abs().mean(), (native_ - torch_).abs().mean()
+    assert kernels_apart < 0.05 * scale
     if name in ("qwen3", "olmo2"):  # the q/k norms left out
         saved = [f.qk for f in step.fns]
         step.fns = [f._replace(qk=None) for f in step.fns]
         try:
-            assert (logits(step.glue) - native_).abs().mean() > max(5 * kernels_apart, 0.05 * scale)
+            assert (logits(step.glue) - native_).abs().mean() > max(3 * kernels_apart, 0.1 * scale)
         finally:
             step.fns = [f._replace(qk=q) for f, q in zip(step.fns, saved)]
     if name == "granite":
         saved = step.residual
         step.residual = None
         try:
-            assert (logits(step.glue) - native_).abs().mean() > max(5 * kernels_apart, 0.05 * scale)
+            assert (logits(step.glue) - native_).abs().mean() > max(3 * kernels_apart, 0.1 * scale)
         finally:
             step.residual = saved
 
