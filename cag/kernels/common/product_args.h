@@ -6,6 +6,7 @@
 #include <ATen/ops/empty.h>
 #include <ATen/Parallel.h>
 #include <c10/util/Exception.h>
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <vector>
@@ -32,6 +33,30 @@ inline Int4Shape int4_blocks_shape(const at::Tensor& qw, const at::Tensor& dm, c
               dm.size(1) == qw.size(1) && (dm.size(2) + 15) / 16 == qw.size(0) && dm.size(2) >= 1, name,
               ": int4 weights: dm (S, K/32, N) float16, S 1 or 2, N within qw's blocks of 16");
   return {dm.size(2), qw.size(1) * 32, dm.size(0)};
+}
+
+// The int4 product x (M, K) bf16 times qw, dm (int4_blocks_shape) -> (M, N) float32, around an instruction set's
+// `prepare(x, M, K, qx, dx, sx)` (each row's 8-bit codes, scales and code sums per group of 32) and
+// `outputs(q, d, S, K, N, M, qx, dx, sx, y, n0, n1)` (outputs [n0, n1) of every row, n0 a multiple of `unit`):
+// the outputs go over torch's threads in runs of `unit`; a row's bits are its own.
+template <class Prepare, class Outputs>
+at::Tensor int4_product(const at::Tensor& x, const at::Tensor& qw, const at::Tensor& dm, int64_t unit, Prepare prepare,
+                        Outputs outputs) {
+  const Int4Shape sh = int4_blocks_shape(qw, dm, "int4_mm");
+  check_x(x, sh.K);
+  const int64_t K = sh.K, N = sh.N, M = x.size(0), G = K / 32;
+  std::vector<int8_t> qx(M * K);
+  std::vector<float> dx(M * G);
+  std::vector<int32_t> sx(M * G);
+  prepare(reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()), M, K, qx.data(), dx.data(), sx.data());
+  at::Tensor y = at::empty({M, N}, x.options().dtype(at::kFloat));
+  const uint8_t* q = qw.data_ptr<uint8_t>();
+  const uint16_t* d = reinterpret_cast<const uint16_t*>(dm.data_ptr<at::Half>());
+  float* yd = y.data_ptr<float>();
+  at::parallel_for(0, (N + unit - 1) / unit, 1, [&](int64_t u0, int64_t u1) {
+    outputs(q, d, sh.S, K, N, M, qx.data(), dx.data(), sx.data(), yd, u0 * unit, std::min(N, u1 * unit));
+  });
+  return y;
 }
 
 // q8: qw (N, K) int8, d (N, K/32) float16, K a multiple of 32; returns K.

@@ -194,21 +194,11 @@ namespace {
 
 // x (M, K) bf16, qw (N16, K/32, 256) uint8, dm (S, K/32, N) float16 (pack_int4_native) -> (M, N) float32.
 at::Tensor int4_mm(const at::Tensor& x, const at::Tensor& qw, const at::Tensor& dm) {
-  const cagk::Int4Shape sh = cagk::int4_blocks_shape(qw, dm, "int4_mm");
-  cagk::check_x(x, sh.K);
-  const int64_t K = sh.K, N = sh.N, M = x.size(0), G = K / 32;
-  std::vector<int8_t> qx(M * K);
-  std::vector<float> dx(M * G);
-  std::vector<int32_t> sx(M * G);
-  cagk::int4_prepare(reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()), M, K, qx.data(), dx.data(), sx.data());
-  at::Tensor y = at::empty({M, N}, x.options().dtype(at::kFloat));
-  const uint8_t* q = qw.data_ptr<uint8_t>();
-  const uint16_t* d = reinterpret_cast<const uint16_t*>(dm.data_ptr<at::Half>());
-  float* yd = y.data_ptr<float>();
-  at::parallel_for(0, (N + 15) / 16, 1, [&](int64_t b0, int64_t b1) {
-    cagk::int4_outputs(q, d, K, M, qx.data(), dx.data(), sx.data(), yd, N, b0 * 16, std::min(N, b1 * 16), sh.S);
-  });
-  return y;
+  return cagk::int4_product(x, qw, dm, 16, cagk::int4_prepare,
+                            [](const uint8_t* q, const uint16_t* d, int64_t S, int64_t K, int64_t N, int64_t M, const int8_t* qx,
+                               const float* dx, const int32_t* sx, float* y, int64_t n0, int64_t n1) {
+                              cagk::int4_outputs(q, d, K, M, qx, dx, sx, y, N, n0, n1, S);
+                            });
 }
 
 // x (M, K) bf16, qw (N, K) int8, d (N, K/32) float16 -> (M, N) float32 (common/product_args.h's q8_product).
