@@ -2,9 +2,9 @@
 kernels that multiply it (cag.model.packed), and the 4-bit grid an int4 group lies on.
 
   int4 (cag's)   GGUF Q4_1's layout: a float16 step and min per group of 32 inputs, two 4-bit codes a
-                 byte (pack_int4, the AVX2 products'); for the AVX-512 products the same codes in blocks
-                 of 16 outputs, 4 inputs of each output a 32-bit lane, and on a GGUF Q4_0 grid the steps
-                 alone (pack_int4_native)
+                 byte (pack_int4); for cag's products (AVX-512 and AVX2) the same codes in blocks of 16
+                 outputs, 4 inputs of each output a 32-bit lane, and on a GGUF Q4_0 grid the steps alone
+                 (pack_int4_native)
   q8             GGUF Q8_0's: int8 codes and a float16 scale per group of 32 (pack_q8; int4's LM head)
   int8, int4     torch's weight-only layouts (_pack_int8, _pack_int4); bf16: oneDNN's (_pack_bf16)
 A vocabulary-sized matrix is packed in blocks of CHUNK rows (_by_rows): every value depends on its own
@@ -123,8 +123,8 @@ def pack_int4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def pack_int4_native(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """pack_int4's codes for cag.kernels.native's AVX-512 products, whose integer dot products (VPDPBUSD) take 4
-    inputs of each of 16 outputs in one vector: qw (N16, in/32, 256) uint8, N16 = ceil(out / 16), block b's group
+    """pack_int4's codes for cag.kernels.native's products, whose integer dot products (AVX-512's VPDPBUSD, AVX2's
+    VPMADDUBSW on each half) take 4 inputs of each of 16 outputs in one vector: qw (N16, in/32, 256) uint8, N16 = ceil(out / 16), block b's group
     g holding 4 runs of 64 bytes, run k's byte 4 o + j = output 16 b + o's code of input 4 k + j (low nibble) and
     16 + 4 k + j (high), outputs past `out` zero; dm (S, in/32, out) float16, the steps (then the mins where S = 2).
     Where every min is -8 times its step (a matrix on GGUF Q4_0's grid) S = 1: the steps alone, 18 bytes a group,

@@ -171,13 +171,12 @@ void int4_prepare(const uint16_t* x, int64_t M, int64_t K, int8_t* qx, float* dx
 void int4_outputs(const uint8_t* q, const uint16_t* d, int64_t K, int64_t M, const int8_t* qx, const float* dx, const int32_t* sx,
                   float* y, int64_t N, int64_t n0, int64_t n1, int64_t S) {
   // Per block of 16 outputs (its weights, G x 256 bytes, stay in L2 for every block of rows), rows in blocks of
-  // MB4, then the rest one by one.
+  // MB4, then the rest as one block.
   const int64_t G = K / 32;
-  for (int64_t nb = n0 / 16; nb * 16 < n1; nb++) {
-    int64_t r = 0;
-    for (; r + MB4 <= M; r += MB4) int4_tile<MB4>(q, d, S, G, N, nb, qx + r * K, dx + r * G, sx + r * G, K, y + r * N);
-    for (; r < M; r++) int4_tile<1>(q, d, S, G, N, nb, qx + r * K, dx + r * G, sx + r * G, K, y + r * N);
-  }
+  for (int64_t nb = n0 / 16; nb * 16 < n1; nb++)
+    blocks<MB4>(M, [&](auto nr, int64_t r) {
+      int4_tile<decltype(nr)::value>(q, d, S, G, N, nb, qx + r * K, dx + r * G, sx + r * G, K, y + r * N);
+    });
 }
 
 void bf16_outputs(const uint16_t* w, int64_t K, int64_t M, const uint16_t* x, float* y, int64_t N, int64_t n0, int64_t n1) {
