@@ -125,11 +125,11 @@ def pack_int4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def pack_int4_native(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """pack_int4's codes for cag.kernels.native's products, whose integer dot products (AVX-512's VPDPBUSD, AVX2's
     VPMADDUBSW on each half) take 4 inputs of each of 16 outputs in one vector: qw (N16, in/32, 256) uint8,
-    N16 = ceil(out / 16), block b's group g holding 4 runs of 64 bytes, run k's byte 4 o + j = output 16 b + o's code of input 4 k + j (low nibble) and
-    16 + 4 k + j (high), outputs past `out` zero; dm (S, in/32, out) float16, the steps (then the mins where S = 2).
-    Where every min is -8 times its step (a matrix on GGUF Q4_0's grid) S = 1: the steps alone, 18 bytes a group,
-    the kernel computing d (q - 8), the very value m + q d would give. A group of zeros (a padding token's
-    embedding) is step 0, min 0 there: zeros exactly."""
+    N16 = ceil(out / 16), block b's group g holding 4 runs of 64 bytes, run k's byte 4 o + j = output 16 b + o's
+    code of input 4 k + j (low nibble) and 16 + 4 k + j (high), outputs past `out` zero; dm (S, in/32, out)
+    float16, the steps (then the mins where S = 2). Where every min is -8 times its step (a matrix on GGUF Q4_0's
+    grid) S = 1: the steps alone, 18 bytes a group, the kernel computing d (q - 8), the very value m + q d would
+    give. A group of zeros (a padding token's embedding) is step 0, min 0 there: zeros exactly."""
     qw, dm, zero = _int4_zeros(w)
     d = torch.where(zero, 0.0, dm[:, 0].float()).half()
     if torch.equal(dm[:, 1], d * -8):
