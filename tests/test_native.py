@@ -146,6 +146,66 @@ def test_rows_on_one_slot_read_chunks_together_with_their_own_bits(request, kern
         assert torch.equal(alone, together[b : b + 1]), b
 
 
+def windowed_reference(q, kp, vp, ks, vs, slots, lens, scale, window, rounded=True):
+    """reference() where request b's row (at position n + lens[b] - 1) reads its last `window` keys only."""
+    out = torch.empty(q.shape, dtype=torch.float64)
+    for b in range(q.shape[0]):
+        K = torch.cat([kp, ks[slots[b], :, : lens[b]]], 1).double()[:, -window:]  # (H, <= W, D)
+        V = torch.cat([vp, vs[slots[b], :, : lens[b]]], 1).double()[:, -window:]
+        s = (q[b].bfloat16() if rounded else q[b]).double() @ K.transpose(-1, -2) * scale
+        out[b] = torch.softmax(s, -1) @ V
+    return out
+
+
+@pytest.mark.parametrize(("n", "lens", "window"), [
+    (1000, [1, 300, 17, 260, 5], 300),   # windows from inside the prefix, across chunks, inside the suffix
+    (700, [1, 9, 260, 4, 33], 8),        # Gemma-like narrow windows: one chunk, the prefix's last keys
+    (0, [3, 600, 257, 256, 1], 256),     # no prefix: each row's window starts inside its own suffix
+    (513, [2, 40, 512, 700, 1], 4096),   # a window wider than every row's keys: plain attention
+])
+def test_a_window_reads_each_rows_last_keys(request, kernel, n, lens, window):
+    """A window layer's row reads only its last W keys (cag.model.windows); its bits are its own: alone, in the
+    batch, shuffled, and one thread; keys outside every window (zeros where a snapshot dropped them) are never
+    read; W past every row's keys is plain attention, bit for bit."""
+    mode = request.node.callspec.params["kernel"]
+    q, kp, vp, ks, vs, slots, lens = case(len(lens), 3, n, lens, 64, room=760)
+    got = kernel(q, kp, vp, ks, vs, slots, lens, 0.125, window=window)
+    want = windowed_reference(q, kp, vp, ks, vs, slots, lens, 0.125, window, rounded=mode != "avx2")
+    assert (got.double() - want).abs().max() < (1e-5 if mode == "avx2" else 2e-2)
+    for b in range(len(lens)):
+        alone = kernel(q[b : b + 1].contiguous(), kp, vp, ks, vs, slots[b : b + 1], lens[b : b + 1], 0.125, window=window)
+        assert torch.equal(alone, got[b : b + 1]), b
+    order = torch.arange(len(lens)).flip(0)
+    shuffled = kernel(q[order].contiguous(), kp, vp, ks, vs, slots[order].contiguous(), lens[order].contiguous(), 0.125,
+                      window=window)
+    assert torch.equal(shuffled, got[order])
+    hidden = kp.clone()  # the prefix keys no row's window reaches, as a snapshot's window layer leaves them: zeros
+    first = min(n + int(length) - window for length in lens)
+    if first > 0:
+        hidden[:, :first] = 0
+        vz = vp.clone()
+        vz[:, :first] = 0
+        assert torch.equal(kernel(q, hidden, vz, ks, vs, slots, lens, 0.125, window=window), got)
+    if window >= n + max(lens):
+        assert torch.equal(got, kernel(q, kp, vp, ks, vs, slots, lens, 0.125))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        assert torch.equal(kernel(q, kp, vp, ks, vs, slots, lens, 0.125, window=window), got)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_a_window_over_a_pre_paired_prefix_gives_the_same_bits(library):
+    """The AVX-512 kernel's pre-paired prefix under a window: the bits of K/V as given."""
+    q, kp, vp, ks, vs, slots, lens = case(3, 3, 900, [1, 40, 300], 64, room=400)
+    op = backends.AVX512.attention_kernel
+    plain = op(q, kp, vp, ks, vs, slots, lens, 0.125, window=333)
+    kt, vt = torch.ops.cag.pair_kv(kp, vp)
+    assert torch.equal(op(q, kp, vp, ks, vs, slots, lens, 0.125, kt, vt, window=333), plain)
+    assert not torch.equal(plain, op(q, kp, vp, ks, vs, slots, lens, 0.125))  # the window changed what was read
+
+
 def test_bad_inputs_are_refused(kernel):
     q, kp, vp, ks, vs, slots, lens = case(1, 3, 64, [4])
     with pytest.raises(RuntimeError, match="bfloat16"):

@@ -33,17 +33,28 @@ struct SuffixItem { int64_t b0, nb, h, c; };
 // by run of consecutive requests on one slot, per head and chunk; `most` is the longest suffix's count of items.
 // Each item leaves per row a Partial and the unnormalized sum of p_t v_t, at index `at(b, h, r, c)` (c: prefix
 // chunks, then suffix chunks).
+// A sliding window W (a window layer: cag/model/windows.py) hides from request b's row, at absolute position
+// n + len[b] - 1, every key before lo[b] = n + len[b] - W (prefix key j at j, suffix key t at n + t): an item
+// wholly before a row's lo leaves that row out (and an item before every row's lo is not laid out), and inside
+// an item the keys before lo score -inf (`from`), probability exactly 0. Which keys a row reads and how its
+// chunks merge depend on its position alone, so the window keeps a row's bits independent of its neighbours.
 struct AttentionPlan {
   static constexpr int64_t GROUP = 64;  // rows of one slot an item takes at most (items stay many for the threads)
 
   void lay_out(int64_t B_, int64_t H_, int64_t R_, int64_t D_, int64_t n_, int64_t most_, const int64_t* slot_,
-               const int64_t* len_) {
+               const int64_t* len_, int64_t window = 0) {
     B = B_, H = H_, R = R_, D = D_, n = n_, most = most_, slot = slot_, len = len_;
     np = (n + CHUNK - 1) / CHUNK, chunks = np + most;  // per row: prefix chunks, then suffix chunks
+    lo.assign(B, 0);
+    int64_t low = 0;  // the lowest lo: prefix chunks wholly before it are read by no row
+    for (int64_t b = 0; b < B; b++) {
+      if (window > 0) lo[b] = std::max<int64_t>(0, n + len[b] - window);
+      low = b == 0 ? lo[b] : std::min(low, lo[b]);
+    }
     items.clear();
     suffix.clear();
     for (int64_t h = 0; h < H; h++)
-      for (int64_t c = 0; c < np; c++) items.push_back(h * np + c);
+      for (int64_t c = low / CHUNK; c < np; c++) items.push_back(h * np + c);
     n_pre = (int64_t)items.size();
     for (int64_t b0 = 0, b1; b0 < B; b0 = b1) {  // runs [b0, b1) of requests on one slot
       int64_t top = 0;
@@ -51,21 +62,30 @@ struct AttentionPlan {
       for (int64_t h = 0; h < H; h++)
         for (int64_t c = 0; c * CHUNK < top; c++)
           for (int64_t b = b0; b < b1;) {
-            if (len[b] <= c * CHUNK) { b++; continue; }  // no key of this chunk
+            if (!sees(b, c)) { b++; continue; }  // no key of this chunk
             int64_t e = b + 1;  // rows reading the whole chunk go together, up to GROUP
-            if (len[b] >= (c + 1) * CHUNK)
-              while (e < b1 && e - b < GROUP && len[e] >= (c + 1) * CHUNK) e++;
+            if (whole(b, c))
+              while (e < b1 && e - b < GROUP && whole(e, c)) e++;
             suffix.push_back({b, e - b, h, c});
             b = e;
           }
     }
   }
   int64_t at(int64_t b, int64_t h, int64_t r, int64_t c) const { return ((b * H + h) * R + r) * chunks + c; }
-  int64_t row_chunks(int64_t b) const { return np + (len[b] + CHUNK - 1) / CHUNK; }  // a row of request b's items
+  // request b's row reads its chunks first_chunk(b) .. row_chunks(b) - 1 (prefix chunks, then suffix chunks)
+  int64_t row_chunks(int64_t b) const { return np + (len[b] + CHUNK - 1) / CHUNK; }
+  int64_t first_chunk(int64_t b) const { return lo[b] < n ? lo[b] / CHUNK : np + (lo[b] - n) / CHUNK; }
   int64_t items_n() const { return n_pre + (int64_t)suffix.size(); }
+  // whether request b's row reads keys of prefix chunk c; of suffix chunk c (some of them; all of them)
+  bool sees_prefix(int64_t b, int64_t c) const { return lo[b] < std::min(n, (c + 1) * CHUNK); }
+  bool sees(int64_t b, int64_t c) const { return len[b] > c * CHUNK && lo[b] < n + (c + 1) * CHUNK; }
+  bool whole(int64_t b, int64_t c) const { return len[b] >= (c + 1) * CHUNK && lo[b] <= n + c * CHUNK; }
+  // the first key request b's row reads in an item whose first key is at absolute position t0 (0: all of them)
+  int64_t from(int64_t b, int64_t t0) const { return std::max<int64_t>(0, lo[b] - t0); }
 
   int64_t B = 0, H = 0, R = 0, D = 0, n = 0, np = 0, most = 0, chunks = 0, n_pre = 0;
   const int64_t *slot = nullptr, *len = nullptr;
+  std::vector<int64_t> lo;  // per request: its row's first visible key (0 without a window)
   std::vector<int64_t> items;  // prefix items (h, c): h * np + c
   std::vector<SuffixItem> suffix;  // then these, item n_pre + j being suffix[j]
 };

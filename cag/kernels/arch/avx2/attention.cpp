@@ -25,14 +25,17 @@ using cagk::Partial;
 
 // q (B, H, R, D) float32: request b, K/V head h, row r (the query heads sharing h); kp, vp (H, n, D) bf16:
 // the prefix the requests share (n may be 0); ks, vs (S, H, room, D) bf16: the request slots; slots (B,),
-// lens (B,) int64: request b reads keys [0, lens[b]) of slot slots[b]. -> (B, H, R, D) float32.
+// lens (B,) int64: request b reads keys [0, lens[b]) of slot slots[b]; window: a sliding window's W (each row
+// reads its last W keys: common/attention_plan.h), 0 for none. -> (B, H, R, D) float32.
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& kp, const at::Tensor& vp, const at::Tensor& ks,
-                            const at::Tensor& vs, const at::Tensor& slots, const at::Tensor& lens, double scale_) {
+                            const at::Tensor& vs, const at::Tensor& slots, const at::Tensor& lens, double scale_,
+                            int64_t window) {
   cagk::check_attention_q(q);
   const int64_t B = q.size(0), H = q.size(1), R = q.size(2), D = q.size(3);
   const int64_t most = cagk::check_attention(B, H, D, kp, vp, ks, vs, slots, lens, false);  // suffix chunks of the longest suffix
+  TORCH_CHECK(window >= 0, "window: 0 (none) or a sliding window's width");
   cagk::AttentionPlan plan;  // prefix items (h, c), then suffix items (rows, h, c)
-  plan.lay_out(B, H, R, D, kp.size(1), most, slots.data_ptr<int64_t>(), lens.data_ptr<int64_t>());
+  plan.lay_out(B, H, R, D, kp.size(1), most, slots.data_ptr<int64_t>(), lens.data_ptr<int64_t>(), window);
   const int64_t n = plan.n, np = plan.np, chunks = plan.chunks, n_pre = plan.n_pre;
   const int64_t *slot = plan.slot, *len = plan.len;
   const std::vector<int64_t>& items = plan.items;
@@ -49,29 +52,32 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& kp, const at:
     std::vector<const float*> qs(B * R);
     std::vector<float*> accs(B * R);
     std::vector<Partial> ps(B * R);
+    std::vector<int64_t> fr(B * R), who(B * R);  // per row of an item: its first key (a window's), its request
     for (int64_t i = i0; i < i1; i++) {
-      if (i < n_pre) {  // a prefix chunk: every request's rows
+      if (i < n_pre) {  // a prefix chunk: the rows of every request that reads it (all without a window)
         const int64_t h = items[i] / np, c = items[i] % np, t0 = c * C;
+        int64_t nr = 0;
         for (int64_t b = 0; b < B; b++)
-          for (int64_t r = 0; r < R; r++) {
-            qs[b * R + r] = qd + ((b * H + h) * R + r) * D;
-            accs[b * R + r] = acc.data() + at_(b, h, r, c) * D;
+          for (int64_t r = 0; r < R && plan.sees_prefix(b, c); r++, nr++) {
+            qs[nr] = qd + ((b * H + h) * R + r) * D;
+            accs[nr] = acc.data() + at_(b, h, r, c) * D;
+            fr[nr] = plan.from(b, t0), who[nr] = b;
           }
-        cagk::item_avx2(qs.data(), B * R, kpd + h * kp.stride(0) + t0 * kp.stride(1), vpd + h * vp.stride(0) + t0 * vp.stride(1),
-                        kp.stride(1), std::min(C, n - t0), D, scale, ps.data(), accs.data());
-        for (int64_t b = 0; b < B; b++)
-          for (int64_t r = 0; r < R; r++) part[at_(b, h, r, c)] = ps[b * R + r];
+        cagk::item_avx2(qs.data(), nr, kpd + h * kp.stride(0) + t0 * kp.stride(1), vpd + h * vp.stride(0) + t0 * vp.stride(1),
+                        kp.stride(1), std::min(C, n - t0), D, scale, ps.data(), accs.data(), fr.data());
+        for (int64_t j = 0; j < nr; j++) part[at_(who[j], h, j % R, c)] = ps[j];
       } else {  // a suffix chunk: one request's rows, or several on one slot that read all its keys
         const cagk::SuffixItem& it = plan.suffix[i - n_pre];
         const int64_t b0 = it.b0, nb = it.nb, h = it.h, c = it.c, t0 = c * C;
         for (int64_t j = 0; j < nb * R; j++) {  // row r of request b0 + j / R
           qs[j] = qd + (((b0 + j / R) * H + h) * R + j % R) * D;
           accs[j] = acc.data() + at_(b0 + j / R, h, j % R, np + c) * D;
+          fr[j] = plan.from(b0 + j / R, n + t0);
         }
         const int64_t off_k = slot[b0] * ks.stride(0) + h * ks.stride(1) + t0 * ks.stride(2);
         const int64_t off_v = slot[b0] * vs.stride(0) + h * vs.stride(1) + t0 * vs.stride(2);
         cagk::item_avx2(qs.data(), nb * R, ksd + off_k, vsd + off_v, ks.stride(2), std::min(C, len[b0] - t0), D, scale,
-                        ps.data(), accs.data());
+                        ps.data(), accs.data(), fr.data());
         for (int64_t j = 0; j < nb * R; j++) part[at_(b0 + j / R, h, j % R, np + c)] = ps[j];
       }
     }
@@ -82,7 +88,7 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& kp, const at:
   for (int64_t b = 0; b < B; b++)  // each row's chunks merged in a fixed order: prefix, then suffix
     for (int64_t h = 0; h < H; h++)
       for (int64_t r = 0; r < R; r++) {
-        const int64_t k0 = at_(b, h, r, 0), kn = plan.row_chunks(b);
+        const int64_t k0 = at_(b, h, r, plan.first_chunk(b)), kn = plan.row_chunks(b) - plan.first_chunk(b);
         const float l = cagk::merge_weights(part.data() + k0, kn, ev.data());
         float* dst = od + ((b * H + h) * R + r) * D;
         for (int64_t j = 0; j < D; j += 8) {
@@ -97,7 +103,7 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& kp, const at:
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(cag_avx2, m) {
-  m.def("decode_attention(Tensor q, Tensor kp, Tensor vp, Tensor ks, Tensor vs, Tensor slots, Tensor lens, float scale) -> Tensor");
+  m.def("decode_attention(Tensor q, Tensor kp, Tensor vp, Tensor ks, Tensor vs, Tensor slots, Tensor lens, float scale, int window=0) -> Tensor");
 }
 TORCH_LIBRARY_IMPL(cag_avx2, CPU, m) {
   m.impl("decode_attention", decode_attention);

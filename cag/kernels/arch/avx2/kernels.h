@@ -8,8 +8,9 @@
 namespace cagk {
 
 // One item: each of `rows` query rows q[r] (D floats) over keys [0, w) of k, v (bf16 rows `stride` apart, w <=
-// CHUNK): part[r] = (max, sum), acc[r] (D floats) = the unnormalized sum of e^(s_t - m) v_t.
+// CHUNK): part[r] = (max, sum), acc[r] (D floats) = the unnormalized sum of e^(s_t - m) v_t. from (null: none): per
+// row, the keys before from[r] masked too (a sliding window's, common/attention_plan.h), probability exactly 0.
 void item_avx2(const float* const* q, int64_t rows, const uint16_t* k, const uint16_t* v, int64_t stride, int64_t w, int64_t D,
-               float scale, Partial* part, float* const* acc);
+               float scale, Partial* part, float* const* acc, const int64_t* from = nullptr);
 
 }  // namespace cagk

@@ -43,11 +43,12 @@ namespace cagk {
 // bf16: the shared prefix (n may be 0); ks, vs (S, H, room, D) bf16: the request slots; slots (B,),
 // lens (B,) int64: request b reads keys [0, lens[b]) of slot slots[b].
 // kt, vt (avx512 only): the prefix as pair_kv gives it, read in place of kp and vp's rows; or as pair_kv8 gives
-// it (uint8: an int8 snapshot's codes), kp and vp then read for their shapes only.
+// it (uint8: an int8 snapshot's codes), kp and vp then read for their shapes only. window: a sliding window's W
+// (each row reads its last W keys: common/attention_plan.h), 0 for none.
 Attention::Attention(const float* q, int64_t B, int64_t H, int64_t R, int64_t D, const at::Tensor& kp_,
                      const at::Tensor& vp_, const at::Tensor& ks_, const at::Tensor& vs_, const at::Tensor& slots,
                      const at::Tensor& lens, double scale_, const std::optional<at::Tensor>& kt,
-                     const std::optional<at::Tensor>& vt, bool amx)
+                     const std::optional<at::Tensor>& vt, bool amx, int64_t window)
     : qd(q), kp(kp_), vp(vp_), ks(ks_), vs(vs_), scale((float)scale_) {
 #ifndef CAG_AMX
   TORCH_CHECK(!amx, "this library was built for a CPU without AMX: use decode_attention_avx512");
@@ -55,7 +56,8 @@ Attention::Attention(const float* q, int64_t B, int64_t H, int64_t R, int64_t D,
   TORCH_CHECK(!amx || amx_permitted(), "the kernel refused to start: Linux did not grant AMX tile state to this process");
   TORCH_CHECK(!amx || D % 64 == 0, "the AMX attention takes heads of 64, 128 or 256 (it sums values 64 dims a tile group)");
   const int64_t most_ = cagk::check_attention(B, H, D, kp, vp, ks, vs, slots, lens, true);  // suffix chunks of the longest suffix
-  lay_out(B, H, R, D, kp.size(1), most_, slots.data_ptr<int64_t>(), lens.data_ptr<int64_t>());  // its items
+  TORCH_CHECK(window >= 0, "window: 0 (none) or a sliding window's width");
+  lay_out(B, H, R, D, kp.size(1), most_, slots.data_ptr<int64_t>(), lens.data_ptr<int64_t>(), window);  // its items
   TORCH_CHECK(kt.has_value() == vt.has_value() && (!kt || !amx), "kt and vt: both or neither, and for the avx512 kernel");
   if (kt && kt->scalar_type() == at::kByte) {
     TORCH_CHECK(vt->scalar_type() == at::kByte && kt->is_contiguous() && vt->is_contiguous() &&
@@ -80,28 +82,31 @@ void Attention::work(int64_t p, int64_t nt) {
   std::vector<const float*> qs(B * R);
   std::vector<float*> accs(B * R);
   std::vector<Partial> ps(B * R);
+  std::vector<int64_t> fr(B * R), who(B * R);  // per row of an item: its first key (a window's), its request
   const int64_t n_items = items_n();
   for (int64_t i = p; i < n_items; i += nt) {  // share p takes items p, p + nt, ...: prefix and suffix spread evenly
     if (i < n_pre) {
       const int64_t h = items[i] / np, c = items[i] % np, t0 = c * C;
+      int64_t nr = 0;  // the rows of every request that reads this chunk (all of them without a window)
       for (int64_t b = 0; b < B; b++)
-        for (int64_t r = 0; r < R; r++) {
-          qs[b * R + r] = qd + ((b * H + h) * R + r) * D;
-          accs[b * R + r] = acc.data() + at(b, h, r, c) * D;
+        for (int64_t r = 0; r < R && sees_prefix(b, c); r++, nr++) {
+          qs[nr] = qd + ((b * H + h) * R + r) * D;
+          accs[nr] = acc.data() + at(b, h, r, c) * D;
+          fr[nr] = from(b, t0), who[nr] = b;
         }
       const at::BFloat16* k0 = kp.data_ptr<at::BFloat16>() + h * kp.stride(0) + t0 * kp.stride(1);
       const at::BFloat16* v0 = vp.data_ptr<at::BFloat16>() + h * vp.stride(0) + t0 * vp.stride(1);
 #ifdef CAG_AMX
-      if (AMX) item_amx(qs.data(), B * R, k0, v0, kp.stride(1), std::min(C, n - t0), D, scale, ps.data(), accs.data());
+      if (AMX) item_amx(qs.data(), nr, k0, v0, kp.stride(1), std::min(C, n - t0), D, scale, ps.data(), accs.data(), fr.data());
       else
 #endif
       if (k8) {
         const int64_t kb = cagk::int8_item_bytes(D), vb = kb;
         const bool next = i + AHEAD * nt < n_pre;  // a prefix item this thread takes later: prefetched as this one runs
         const int64_t j = next ? items[i + AHEAD * nt] : 0;
-        cagk::item_int8(qs.data(), B * R, k8 + items[i] * kb, v8 + items[i] * vb, std::min(C, n - t0), D, scale, ps.data(),
+        cagk::item_int8(qs.data(), nr, k8 + items[i] * kb, v8 + items[i] * vb, std::min(C, n - t0), D, scale, ps.data(),
                         accs.data(), next ? reinterpret_cast<const char*>(k8 + j * kb) : nullptr,
-                        next ? reinterpret_cast<const char*>(v8 + j * vb) : nullptr);
+                        next ? reinterpret_cast<const char*>(v8 + j * vb) : nullptr, fr.data());
       } else {
         const char *nk = nullptr, *nv = nullptr;  // a prefix item this thread takes later, if any
         int64_t nkb = 0, nvb = 0;
@@ -111,27 +116,27 @@ void Attention::work(int64_t p, int64_t nt) {
           nv = reinterpret_cast<const char*>(vtd + (h2 * ((n + 1) / 2) + c2 * C / 2) * D);
           nvb = (std::min(C, n - c2 * C) + 1) / 2 * D * 4;
         }
-        item_avx512(qs.data(), B * R, k0, v0, kp.stride(1), std::min(C, n - t0), D, scale, ps.data(), accs.data(),
+        item_avx512(qs.data(), nr, k0, v0, kp.stride(1), std::min(C, n - t0), D, scale, ps.data(), accs.data(), fr.data(),
                     ktd ? ktd + (h * np + c) * (D / 2) * C : nullptr, vtd ? vtd + (h * ((n + 1) / 2) + t0 / 2) * D : nullptr,
                     nk, nkb, nv, nvb);
       }
-      for (int64_t b = 0; b < B; b++)
-        for (int64_t r = 0; r < R; r++) part[at(b, h, r, c)] = ps[b * R + r];
+      for (int64_t j = 0; j < nr; j++) part[at(who[j], h, j % R, c)] = ps[j];
     } else {
       const SuffixItem& it = suffix[i - n_pre];
       const int64_t b0 = it.b0, nb = it.nb, h = it.h, c = it.c, t0 = c * C;
       for (int64_t j = 0; j < nb * R; j++) {  // row r of request b0 + j / R
         qs[j] = qd + (((b0 + j / R) * H + h) * R + j % R) * D;
         accs[j] = acc.data() + at(b0 + j / R, h, j % R, np + c) * D;
+        fr[j] = from(b0 + j / R, n + t0);
       }
       const at::BFloat16* k0 = ks.data_ptr<at::BFloat16>() + slot[b0] * ks.stride(0) + h * ks.stride(1) + t0 * ks.stride(2);
       const at::BFloat16* v0 = vs.data_ptr<at::BFloat16>() + slot[b0] * vs.stride(0) + h * vs.stride(1) + t0 * vs.stride(2);
       const int64_t w = std::min(C, len[b0] - t0);  // the same for every row of the item
 #ifdef CAG_AMX
-      if (AMX) item_amx(qs.data(), nb * R, k0, v0, ks.stride(2), w, D, scale, ps.data(), accs.data());
+      if (AMX) item_amx(qs.data(), nb * R, k0, v0, ks.stride(2), w, D, scale, ps.data(), accs.data(), fr.data());
       else
 #endif
-      item_avx512(qs.data(), nb * R, k0, v0, ks.stride(2), w, D, scale, ps.data(), accs.data());
+      item_avx512(qs.data(), nb * R, k0, v0, ks.stride(2), w, D, scale, ps.data(), accs.data(), fr.data());
       for (int64_t j = 0; j < nb * R; j++) part[at(b0 + j / R, h, j % R, np + c)] = ps[j];
     }
   }
@@ -146,7 +151,7 @@ void Attention::merge(float* od) const {
   for (int64_t b = 0; b < B; b++)  // each row's chunks merged in a fixed order: prefix, then suffix
     for (int64_t h = 0; h < H; h++)
       for (int64_t r = 0; r < R; r++) {
-        const int64_t k0 = at(b, h, r, 0), kn = row_chunks(b);
+        const int64_t k0 = at(b, h, r, first_chunk(b)), kn = row_chunks(b) - first_chunk(b);
         const float l = merge_weights(part.data() + k0, kn, ev.data());
         float* dst = od + ((b * H + h) * R + r) * D;
         for (int64_t j = 0; j < D; j += 16) {
@@ -166,9 +171,11 @@ namespace {
 template <bool AMX>
 at::Tensor attend(const at::Tensor& q, const at::Tensor& kp, const at::Tensor& vp, const at::Tensor& ks,
                   const at::Tensor& vs, const at::Tensor& slots, const at::Tensor& lens, double scale,
-                  const std::optional<at::Tensor>& kt = std::nullopt, const std::optional<at::Tensor>& vt = std::nullopt) {
+                  const std::optional<at::Tensor>& kt = std::nullopt, const std::optional<at::Tensor>& vt = std::nullopt,
+                  int64_t window = 0) {
   cagk::check_attention_q(q);
-  cagk::Attention a(q.data_ptr<float>(), q.size(0), q.size(1), q.size(2), q.size(3), kp, vp, ks, vs, slots, lens, scale, kt, vt, AMX);
+  cagk::Attention a(q.data_ptr<float>(), q.size(0), q.size(1), q.size(2), q.size(3), kp, vp, ks, vs, slots, lens, scale, kt, vt, AMX,
+                    window);
   const int64_t nt = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), a.items_n()));
   at::parallel_for(0, nt, 1, [&](int64_t p0, int64_t p1) {
     for (int64_t p = p0; p < p1; p++) a.work<AMX>(p, nt);
@@ -179,21 +186,22 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& kp, const at::Tensor& v
 }
 
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& kp, const at::Tensor& vpre, const at::Tensor& ks,
-                            const at::Tensor& vs, const at::Tensor& slots, const at::Tensor& lens, double scale) {
-  return attend<true>(q, kp, vpre, ks, vs, slots, lens, scale);
+                            const at::Tensor& vs, const at::Tensor& slots, const at::Tensor& lens, double scale,
+                            int64_t window) {
+  return attend<true>(q, kp, vpre, ks, vs, slots, lens, scale, std::nullopt, std::nullopt, window);
 }
 
 at::Tensor decode_attention_avx512(const at::Tensor& q, const at::Tensor& kp, const at::Tensor& vpre, const at::Tensor& ks,
                                    const at::Tensor& vs, const at::Tensor& slots, const at::Tensor& lens, double scale,
-                                   const std::optional<at::Tensor>& kt, const std::optional<at::Tensor>& vt) {
-  return attend<false>(q, kp, vpre, ks, vs, slots, lens, scale, kt, vt);
+                                   const std::optional<at::Tensor>& kt, const std::optional<at::Tensor>& vt, int64_t window) {
+  return attend<false>(q, kp, vpre, ks, vs, slots, lens, scale, kt, vt, window);
 }
 
 }  // namespace
 
 TORCH_LIBRARY(cag, m) {
-  m.def("decode_attention(Tensor q, Tensor kp, Tensor vp, Tensor ks, Tensor vs, Tensor slots, Tensor lens, float scale) -> Tensor");
-  m.def("decode_attention_avx512(Tensor q, Tensor kp, Tensor vp, Tensor ks, Tensor vs, Tensor slots, Tensor lens, float scale, Tensor? kt=None, Tensor? vt=None) -> Tensor");
+  m.def("decode_attention(Tensor q, Tensor kp, Tensor vp, Tensor ks, Tensor vs, Tensor slots, Tensor lens, float scale, int window=0) -> Tensor");
+  m.def("decode_attention_avx512(Tensor q, Tensor kp, Tensor vp, Tensor ks, Tensor vs, Tensor slots, Tensor lens, float scale, Tensor? kt=None, Tensor? vt=None, int window=0) -> Tensor");
 }
 TORCH_LIBRARY_IMPL(cag, CPU, m) {
   m.impl("decode_attention", decode_attention);

@@ -64,7 +64,7 @@ void quantize_row(const float* q, int64_t D, int8_t* qc, float* qd, int32_t* qz)
 
 template <int64_t D>
 void item_int8_d(const float* const* q, int64_t rows, const uint8_t* kc, const uint8_t* vc, int64_t w, float scale,
-                 cagk::Partial* part, float* const* acc, const char* nk, const char* nv) {
+                 cagk::Partial* part, float* const* acc, const char* nk, const char* nv, const int64_t* from) {
   constexpr int64_t QB = (D + B32 - 1) / B32;    // the query's blocks (quantize_row): of 32, the last of 32 g + 16 a half
   constexpr int64_t NB = cagk::int8_blocks(D);    // the keys' and values' blocks: of 32, or one a head of 80
   constexpr int64_t BW = D / NB;                  // their width
@@ -115,7 +115,7 @@ void item_int8_d(const float* const* q, int64_t rows, const uint8_t* kc, const u
         }
       }
     }
-    cagk::softmax_block(sc.s, sc.pb, nr, w, wp, scale, part + r0);
+    cagk::softmax_block(sc.s, sc.pb, nr, w, wp, scale, part + r0, from ? from + r0 : nullptr);
     for (int64_t g0 = 0; g0 < nr; g0 += 4) {  // values, 4 rows at a time
       const int64_t ng = std::min<int64_t>(4, nr - g0);
       for (int64_t g = 0; g < ng; g++)  // each key's weight per block: p_t x scale
@@ -191,13 +191,13 @@ std::tuple<at::Tensor, at::Tensor> pair_kv8(const at::Tensor& k, const at::Tenso
 namespace cagk {
 
 void item_int8(const float* const* q, int64_t rows, const uint8_t* kc, const uint8_t* vc, int64_t w, int64_t D, float scale,
-               Partial* part, float* const* acc, const char* nk, const char* nv) {
+               Partial* part, float* const* acc, const char* nk, const char* nv, const int64_t* from) {
   switch (D) {
-    case 64: item_int8_d<64>(q, rows, kc, vc, w, scale, part, acc, nk, nv); break;
-    case 80: item_int8_d<80>(q, rows, kc, vc, w, scale, part, acc, nk, nv); break;
-    case 96: item_int8_d<96>(q, rows, kc, vc, w, scale, part, acc, nk, nv); break;
-    case 128: item_int8_d<128>(q, rows, kc, vc, w, scale, part, acc, nk, nv); break;
-    default: item_int8_d<256>(q, rows, kc, vc, w, scale, part, acc, nk, nv);
+    case 64: item_int8_d<64>(q, rows, kc, vc, w, scale, part, acc, nk, nv, from); break;
+    case 80: item_int8_d<80>(q, rows, kc, vc, w, scale, part, acc, nk, nv, from); break;
+    case 96: item_int8_d<96>(q, rows, kc, vc, w, scale, part, acc, nk, nv, from); break;
+    case 128: item_int8_d<128>(q, rows, kc, vc, w, scale, part, acc, nk, nv, from); break;
+    default: item_int8_d<256>(q, rows, kc, vc, w, scale, part, acc, nk, nv, from);
   }
 }
 

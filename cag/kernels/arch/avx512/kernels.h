@@ -36,15 +36,18 @@ void to_bf16(const float* x, int64_t n, uint16_t* y);
 
 // attention_item.cpp: the softmax of nr rows of scores s (rows CHUNK apart, keys [0, w) of wp, w <= wp <= CHUNK,
 // wp a multiple of 64), keys past w masked: the probabilities rounded to bf16 into pb (rows CHUNK apart), and
-// part[r] = (max, sum of the rounded values). Scores are multiplied by `scale` first.
-void softmax_block(float* s, uint16_t* pb, int64_t nr, int64_t w, int64_t wp, float scale, Partial* part);
+// part[r] = (max, sum of the rounded values). Scores are multiplied by `scale` first. `from` (null: none): per
+// row, the keys before from[r] masked too (a sliding window's, common/attention_plan.h; from[r] < w).
+void softmax_block(float* s, uint16_t* pb, int64_t nr, int64_t w, int64_t wp, float scale, Partial* part,
+                   const int64_t* from = nullptr);
 
 // attention_item.cpp: one item by AVX512-BF16 dot products: `rows` query rows (fp32, D floats at q[r]) over keys
 // [0, w) whose K and V rows (bf16, D each) start at k and v, `stride` elements apart; part[r] = (max score,
 // probability sum), acc[r] (D floats) = sum_t p_t V[t]. kpre, vpre: the item's K and V as pair_kv gives them (then
 // read in place of k's and v's rows); nk, nv (nkb, nvb bytes): the item this thread takes next, to prefetch.
+// from: per row, its first key (softmax_block), or null.
 void item_avx512(const float* const* q, int64_t rows, const at::BFloat16* k, const at::BFloat16* v, int64_t stride,
-                 int64_t w, int64_t D, float scale, Partial* part, float* const* acc,
+                 int64_t w, int64_t D, float scale, Partial* part, float* const* acc, const int64_t* from = nullptr,
                  const uint32_t* kpre = nullptr, const uint32_t* vpre = nullptr,
                  const char* nk = nullptr, int64_t nkb = 0, const char* nv = nullptr, int64_t nvb = 0);
 
@@ -52,7 +55,7 @@ void item_avx512(const float* const* q, int64_t rows, const at::BFloat16* k, con
 // unnormalized sum of p_t V_t per row into acc[r] (D floats) and (max, sum) into part[r]; nk, nv: the
 // bytes of the item this thread takes next (to prefetch) or null.
 void item_int8(const float* const* q, int64_t rows, const uint8_t* kc, const uint8_t* vc, int64_t w, int64_t D, float scale,
-               Partial* part, float* const* acc, const char* nk, const char* nv);
+               Partial* part, float* const* acc, const char* nk, const char* nv, const int64_t* from = nullptr);
 // An int8 item's K (or V: the same size) bytes in pair_kv8's layout: CHUNK keys' codes, then their float16
 // scales per block (int8_blocks).
 constexpr int64_t int8_item_bytes(int64_t D) { return D * CHUNK + int8_blocks(D) * CHUNK * 2; }
@@ -63,7 +66,7 @@ constexpr int64_t int8_item_bytes(int64_t D) { return D * CHUNK + int8_blocks(D)
 struct Attention : AttentionPlan {
   Attention(const float* q, int64_t B, int64_t H, int64_t R, int64_t D, const at::Tensor& kp, const at::Tensor& vp,
             const at::Tensor& ks, const at::Tensor& vs, const at::Tensor& slots, const at::Tensor& lens, double scale,
-            const std::optional<at::Tensor>& kt, const std::optional<at::Tensor>& vt, bool amx);
+            const std::optional<at::Tensor>& kt, const std::optional<at::Tensor>& vt, bool amx, int64_t window = 0);
   template <bool AMX> void work(int64_t p, int64_t nt);
   void merge(float* out) const;  // (B, H, R, D) float32
 
