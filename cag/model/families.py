@@ -13,7 +13,15 @@ Families (FAMILIES) and the transformers classes that take the step:
     attention scaled by attention_multiplier (the attention's own `scaling`), logits / logits_scaling;
   * Olmo2ForCausalLM: no norms on the layer's inputs; RMSNorm on the attention's and the MLP's outputs
     (post_attention_layernorm, post_feedforward_layernorm) before each residual add; q_norm and k_norm
-    over the whole q and k projections; its RMSNorm applies the weight in float32 before the cast.
+    over the whole q and k projections; its RMSNorm applies the weight in float32 before the cast;
+  * Gemma3ForCausalLM (model type gemma3_text): the embedding x sqrt(hidden) in the weights' dtype; norms on
+    each branch's input and output (input_layernorm, post_attention_layernorm; pre_feedforward_layernorm,
+    post_feedforward_layernorm); RMSNorm by (1 + weight) in float32; q_norm and k_norm per head; rope per layer
+    type (a base for sliding-window layers, another for full ones); gelu(tanh) x up; attention scaled by
+    query_pre_attn_scalar^-1/2 (its `scaling`); window layers read their last W keys (cag.model.windows), which
+    only cag's native attention does: the step takes Gemma where every row is a decode row (LeanStep.flat).
+    Attention logit soft-capping (Gemma 2) and bidirectional attention are refused; final logit soft-capping
+    is applied (LeanStep.logits).
 Partial rotary embeddings (rope on part of a head) and longrope (its frequencies switch with a call's
 longest position) are refused. With cag's kernels every family decodes its attention, products, glue
 (RMSNorm to bf16, rope with the K/V write, silu x up), q/k norms and post-norms natively; with int4 or bf16
@@ -45,6 +53,10 @@ class Family(NamedTuple):
     fused_proj: bool = False  # q/k/v in one qkv_proj, gate/up in one gate_up_proj (Phi-3)
     # RMSNorm multiplies by its weight in float32, then casts (OLMo-2; other bits in bf16)
     norm_weight_fp32: bool = False
+    sandwich: bool = False  # norms on each branch's input and output (Gemma 3: four a layer)
+    plus_one: bool = False  # RMSNorm multiplies by 1 + weight, in float32 (Gemma)
+    embed_scale: bool = False  # the embedding x its embed_scale, in the weights' dtype (Gemma)
+    module: str | None = None  # transformers.models.<module>.modeling_<module> where not the model type's
 
 
 # model_type -> how its layer differs from Llama's
@@ -56,13 +68,42 @@ FAMILIES = {
     "phi3": Family("Phi3", fused_proj=True),
     "granite": Family("Granite", multipliers=True),
     "olmo2": Family("Olmo2", qk_norm="all", post_norms=True, norm_weight_fp32=True),
+    "gemma3_text": Family("Gemma3", qk_norm="head", norm_weight_fp32=True, sandwich=True, plus_one=True,
+                          embed_scale=True, module="gemma3"),
 }
 
 
 def classes(model_type: str):
-    mod = importlib.import_module(f"transformers.models.{model_type}.modeling_{model_type}")
-    prefix = FAMILIES[model_type].prefix
-    return tuple(getattr(mod, prefix + s) for s in ("ForCausalLM", "DecoderLayer", "Attention", "MLP", "RMSNorm"))
+    fam = FAMILIES[model_type]
+    name = fam.module or model_type
+    mod = importlib.import_module(f"transformers.models.{name}.modeling_{name}")
+    return tuple(getattr(mod, fam.prefix + s) for s in ("ForCausalLM", "DecoderLayer", "Attention", "MLP", "RMSNorm"))
+
+
+def embedding_class(model_type: str) -> type:
+    """The embedding module the family's model holds: torch's, or Gemma's scaled one."""
+    if not FAMILIES[model_type].embed_scale:
+        return torch.nn.Embedding
+    fam = FAMILIES[model_type]
+    mod = importlib.import_module(f"transformers.models.{fam.module}.modeling_{fam.module}")
+    return mod.Gemma3TextScaledWordEmbedding
+
+
+def eps(norm) -> float:
+    """An RMSNorm's epsilon (Gemma's modules call it `eps`)."""
+    return norm.variance_epsilon if hasattr(norm, "variance_epsilon") else norm.eps
+
+
+def norm_weight(norm, fam: Family, dtype: torch.dtype) -> torch.Tensor:
+    """What an RMSNorm multiplies the normed row by: its weight in the step's dtype, or 1 + weight in float32
+    (Gemma: the module adds them in float32 at every call, the same bits)."""
+    return 1.0 + norm.weight.float() if fam.plus_one else norm.weight.to(dtype)
+
+
+def after_norms(layer, fam: Family) -> tuple | None:
+    """The norms on a sandwich layer's two branch outputs (Gemma 3), else None (OLMo-2's post-norms are its
+    `norms`)."""
+    return (layer.post_attention_layernorm, layer.post_feedforward_layernorm) if fam.sandwich else None
 
 
 def family(model) -> Family:
@@ -73,6 +114,8 @@ def norms(layer, fam: Family) -> tuple:
     """The layer's two norms in the order the step applies them (before or after attention, then the MLP)."""
     if fam.post_norms:
         return layer.post_attention_layernorm, layer.post_feedforward_layernorm
+    if fam.sandwich:
+        return layer.input_layernorm, layer.pre_feedforward_layernorm
     return layer.input_layernorm, layer.post_attention_layernorm
 
 
@@ -101,6 +144,8 @@ def refs(model) -> tuple:
         a, m = layer.self_attn, layer.mlp
         (n1, n2), (qkv, gu, act) = norms(layer, fam), projections(layer, fam)
         out += [layer, n1, n1.weight, *qkv, a.o_proj, n2, n2.weight, *gu, m.down_proj, act]
+        for n in after_norms(layer, fam) or ():
+            out += [n, n.weight]
         if fam.qk_norm:
             out += [a.q_norm, a.q_norm.weight, a.k_norm, a.k_norm.weight]
     return tuple(out)
@@ -120,24 +165,33 @@ def why_not(model) -> str | None:
         return "training mode (dropout)"
     inner = model.model
     layers = inner.layers[: config.num_hidden_layers]
-    if type(inner.embed_tokens) is not torch.nn.Embedding or type(inner.norm) is not norm_cls:
+    if type(inner.embed_tokens) is not embedding_class(model_type) or type(inner.norm) is not norm_cls:
         return "embedding or final norm of another kind"
-    if getattr(config, "sliding_window", None) is not None and getattr(config, "use_sliding_window", True):
+    if not fam.sandwich and getattr(config, "sliding_window", None) is not None and getattr(
+            config, "use_sliding_window", True):
         return "sliding-window attention"
-    rope_type = str(getattr(inner.rotary_emb, "rope_type", ""))
-    if "longrope" in rope_type:
+    if fam.sandwich and (getattr(config, "attn_logit_softcapping", None) is not None
+                         or getattr(config, "use_bidirectional_attention", False)):
+        return "attention logit soft-capping or bidirectional attention"
+    kinds = rope_kinds(model)
+    rope_types = [str(getattr(inner.rotary_emb, "rope_type", ""))] if kinds is None else [
+        str(inner.rotary_emb.rope_type.get(k, "")) for k in kinds]
+    if any("longrope" in t for t in rope_types):
         return "longrope rotary embeddings (their frequencies switch with a call's longest position)"
+    if kinds is not None and any("dynamic" in t for t in rope_types):
+        return "dynamic rotary embeddings per layer type"
     for layer in layers:
         a = layer.self_attn
         if (type(layer) is not layer_cls or type(a) is not attn_cls or type(layer.mlp) is not mlp_cls
-                or any(type(n) is not norm_cls for n in norms(layer, fam))):
+                or any(type(n) is not norm_cls for n in (*norms(layer, fam), *(after_norms(layer, fam) or ())))):
             return "a layer of another structure"
-        if getattr(a, "sliding_window", None) is not None:
+        if not fam.sandwich and getattr(a, "sliding_window", None) is not None:
             return "sliding-window attention"
         if a.num_key_value_groups * config.num_key_value_heads != config.num_attention_heads:
             return "query heads not a multiple of K/V heads"
-        inv_freq = getattr(inner.rotary_emb, "inv_freq", None)
-        if inv_freq is None or 2 * inv_freq.numel() != a.head_dim:
+        freqs = [getattr(inner.rotary_emb, "inv_freq", None)] if kinds is None else [
+            getattr(inner.rotary_emb, f"{k}_inv_freq", None) for k in kinds]
+        if any(f is None or 2 * f.numel() != a.head_dim for f in freqs):
             return "partial rotary embeddings (rope on part of each head)"
         if fam.qk_norm:
             per = (a.head_dim,) * 2 if fam.qk_norm == "head" else (config.num_attention_heads * a.head_dim,
@@ -156,9 +210,19 @@ def qk_norms(attn, fam: Family, rms: Callable, d: int, dtype: torch.dtype | None
     `dtype`: the step's, which the norm weights are widened to (None: as they are)."""
     if fam.qk_norm is None:
         return None
-    wq, eq, wk, ek = attn.q_norm.weight, attn.q_norm.variance_epsilon, attn.k_norm.weight, attn.k_norm.variance_epsilon
-    if dtype is not None:
+    wq, eq, wk, ek = attn.q_norm.weight, eps(attn.q_norm), attn.k_norm.weight, eps(attn.k_norm)
+    if fam.plus_one:
+        wq, wk = norm_weight(attn.q_norm, fam, torch.float32), norm_weight(attn.k_norm, fam, torch.float32)
+    elif dtype is not None:
         wq, wk = wq.to(dtype), wk.to(dtype)
     if fam.qk_norm == "all":
         return lambda q, k: (rms(q, wq, eq), rms(k, wk, ek))
     return lambda q, k: (rms(q.view(q.shape[0], -1, d), wq, eq), rms(k.view(k.shape[0], -1, d), wk, ek))
+
+
+def rope_kinds(model) -> list[str] | None:
+    """Per layer, the layer type whose rope it takes (Gemma 3: its rotary module holds one per type), or None
+    where one rope serves every layer."""
+    if not family(model).sandwich:
+        return None
+    return list(model.config.layer_types[: model.config.num_hidden_layers])

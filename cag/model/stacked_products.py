@@ -10,6 +10,8 @@ a layer where it made 5.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 
@@ -102,3 +104,28 @@ def together(*mods):
         return lambda x, roles=None: F.linear(x, w, b).split(sizes, -1)
     fns = [product(m) for m in mods]
     return lambda x, roles=None: tuple(fn(x, roles) for fn in fns)
+
+
+def group_products(mods: tuple, widths: tuple[int, ...]) -> Callable:
+    """(x, roles) -> the products of a group (q/k/v, gate/up), one tensor per member's columns: stacked
+    members (`together`), or the family's one fused Linear split into them (Phi-3)."""
+    if len(mods) > 1:
+        return together(*mods)
+    f = product(mods[0])
+    return lambda x, roles=None: f(x, roles).split(widths, -1)
+
+
+def group_one(mods: tuple) -> Callable | None:
+    """x -> the one product of a q/k/v group of plain Linears stacked in one tensor (`stacked`),
+    or a family's fused Linear, else None."""
+    if len(mods) == 1:
+        return mods[0].forward if type(mods[0]) is torch.nn.Linear else None
+    st = stacked(*mods)
+    return None if st is None else (lambda x, w=st[0], b=st[1]: torch.nn.functional.linear(x, w, b))
+
+
+def group_shared(mods: tuple):
+    """The packed copy a group's product reads: the members' shared one, or a fused Linear's own."""
+    if len(mods) > 1:
+        return group_of(*mods)
+    return mods[0].packs if getattr(mods[0], "cols", 0) is None else None  # a fused Linear's own copy, not a share

@@ -19,15 +19,14 @@ Same math as transformers, op for op where it matters for the bits:
   * attention: the query heads that share a K/V head folded into the query length (as
     cag/model/prefill_attention.py does), q (1, H_kv, rep, D) over keys (1, H_kv, pos+1, D), no K/V copy; decode
     rows over bf16 K/V through cag.kernels.native's kernel where CAG_DECODE_KERNELS resolved to amx, avx512 or avx2.
-The cache is the caller's StaticCache: the new K and V are written in place at `pos` and each
-layer's `cumulative_length` set to pos+1, so the next transformers forward (a question's prefill)
-continues from a consistent cache.
+The cache is the caller's StaticCache: the new K and V are written in place at `pos` (and each layer's
+`cumulative_length` set to pos+1): a transformers forward continues from a consistent cache.
 
-Families: cag.model.families (FAMILIES): Llama, Mistral, Qwen2, Qwen3 (q/k norms per head), Phi-3 (fused
-q/k/v and gate/up), Granite (multipliers), OLMo-2 (post-norms, q/k norms over the projection). With
-cag's kernels every family's attention, products, glue, q/k norms and post-norms run natively (Granite's
-multipliers in torch between them); with int4 or bf16 weights on the AVX-512 kernels all layers run in one
-native call (cag.runtime.all_layers) for every family.
+Families: cag.model.families (FAMILIES): Llama, Mistral, Qwen2, Qwen3, Phi-3, Granite, OLMo-2, and Gemma 3
+(sandwich norms, gelu, a rope per layer type, window layers: over cag's native decode rows only). With cag's
+kernels attention, products, glue, q/k norms and post-norms run natively (Granite's multipliers, Gemma's gelu
+in torch between them); with int4 or bf16 weights on the AVX-512 kernels all layers of the families up to
+OLMo-2 run in one native call (cag.runtime.all_layers).
 
 `for_model(model)` returns None for anything else (other families or layer structures, hooks, training
 mode), and `why_not(model)` says why; the caller then runs the transformers forward.
@@ -41,10 +40,15 @@ from typing import NamedTuple
 import torch
 
 from cag.kernels import backends
-from cag.model.families import FAMILIES, family, norms, projections, qk_norms, refs, why_not  # noqa: F401 (FAMILIES, why_not: the step's API)
-from cag.model.stacked_products import group_of, product, together
-from cag.model.stacked_products import stacked as together_weights
+from cag.model import families
+from cag.model.families import FAMILIES, family, norms, projections, qk_norms, refs  # noqa: F401 (FAMILIES: the step's API)
+from cag.model.stacked_products import group_one as _one
+from cag.model.stacked_products import group_products as _together
+from cag.model.stacked_products import group_shared as _shared
+from cag.model.stacked_products import product
+from cag.model.windows import layer_windows
 from cag.runtime import all_layers, attention
+from cag.runtime import norms as norms_
 from cag.runtime.rows import Part, Rows, offsets
 from cag.runtime.rows import flat as flat_rows
 from cag.runtime.rows import roles as role_runs
@@ -69,6 +73,9 @@ class Layer(NamedTuple):
     gu_packed: Callable | None  # (x, roles) -> the stacked gate/up product (R, 2 I) where packed, else None
     qk: Callable | None  # (q, k) -> q, k normed before rope (Family.qk_norm), else None
     qkv_one: Callable | None  # x -> the stacked q/k/v product (R, (H + 2 H_kv) D) of plain Linears, else None
+    after: tuple | None = None  # ((weight, eps) x 2): the norms on the attention's and the MLP's outputs (Gemma 3)
+    window: int | None = None  # its sliding window W (cag.model.windows), None: full attention
+    kind: str | None = None  # the layer type whose rope it takes (Gemma 3), None: the model's one rope
 
 
 class LeanStep:
@@ -87,7 +94,6 @@ class LeanStep:
         every = (all(not isinstance(m, torch.nn.Linear) for m in inner.layers.modules())
                  and hasattr(model.lm_head, "decode"))
         self.dtype = torch.float32 if self.device.type == "cpu" and every else self.model_dtype
-        wide = lambda t: t.to(self.dtype)  # noqa: E731 (a float32 weight as it is: no copy)
         self.n_kv = config.num_key_value_heads
         # few kernels a step (CUDA, where each kernel's launch costs more than its work; attention.attend_few):
         # fused norms, q and k roped in one pass, an attention merge of three kernels. Other bits than the
@@ -95,20 +101,21 @@ class LeanStep:
         self.few = self.device.type == "cuda" if few is None else few  # few=True on the CPU: tests/test_fixed_rows.py
         if self.few and self.device.type == "cuda":
             attention.probe_cuda(self.device)  # which kernel reads the suffix, decided before any capture
-        self.rms = (_rms_fused if self.few else _rms_fp32 if self.dtype == torch.float32
-                    else _rms_w32 if fam.norm_weight_fp32 else _rms)
+        self.rms = (norms_.rms_fused if self.few else norms_.rms_fp32 if self.dtype == torch.float32
+                    else norms_.rms_w32 if fam.norm_weight_fp32 else norms_.rms)
         self.post = fam.post_norms  # OLMo-2: norms on the attention's and the MLP's outputs
         # Granite: the embedding x embedding_multiplier, each branch x residual_multiplier, logits / logits_scaling
-        self.embed_mult: float | None
-        self.residual: float | None
-        self.logits_div: float | None
+        self.embed_mult: float | None; self.residual: float | None; self.logits_div: float | None  # noqa: E702
         self.embed_mult, self.residual, self.logits_div = (  # Granite's, read only where the family has them
             (config.embedding_multiplier, config.residual_multiplier, config.logits_scaling) if fam.multipliers
             else (None,) * 3)
         self.embed = inner.embed_tokens.weight  # (V, hidden)
+        # Gemma: the embedding row x embed_scale, multiplied in the weights' dtype as its module does
+        self.embed_scale = inner.embed_tokens.embed_scale.to(self.embed.dtype) if fam.embed_scale else None
+        self.softcap = getattr(config, "final_logit_softcapping", None)  # logits = c tanh(logits / c) where set
         self.rope = inner.rotary_emb
-        self.table: tuple | None = None  # cos, sin (positions, D) for static rope types (cos_sin)
-        self.final = (wide(inner.norm.weight), inner.norm.variance_epsilon)
+        self.tables: dict[str | None, tuple] = {}  # per rope kind: cos, sin (positions, D) for static types (cos_sin)
+        self.final = (families.norm_weight(inner.norm, fam, self.dtype), families.eps(inner.norm))
         self.head = getattr(model.lm_head, "decode", model.lm_head.forward)  # one row per request: the packed copy
         first = inner.layers[0].self_attn
         self.head_dim, self.rep = first.head_dim, first.num_key_value_groups
@@ -119,41 +126,52 @@ class LeanStep:
         self.fns: list[Layer] = []
         f = product  # bound methods skip Module.__call__: a few µs x 7 x layers
         packed = True  # every layer's q/k/v and gate/up share packed copies (they take bf16 input)
-        for layer in inner.layers[: config.num_hidden_layers]:
+        self.silu = True  # and every layer's MLP is silu(gate) x up (native glue and one-call layers); Gemma: gelu
+        kinds = families.rope_kinds(model) or [None] * config.num_hidden_layers
+        windows = layer_windows(config)[0] if fam.sandwich else (None,) * config.num_hidden_layers
+        for layer, kind, window in zip(inner.layers[: config.num_hidden_layers], kinds, windows):
             a, m = layer.self_attn, layer.mlp
             (n1, n2), (qkv, gu, act) = norms(layer, fam), projections(layer, fam)
             inter = m.down_proj.in_features
+            nw = [(families.norm_weight(n, fam, self.dtype), families.eps(n))  # (weight, eps) of each norm
+                  for n in (n1, n2, *(families.after_norms(layer, fam) or ()))]
             self.fns.append(Layer(
-                wide(n1.weight), n1.variance_epsilon, _together(qkv, self.widths), f(a.o_proj), a.scaling,
-                wide(n2.weight), n2.variance_epsilon, _together(gu, (inter, inter)), f(m.down_proj), act.forward,
+                *nw[0], _together(qkv, self.widths), f(a.o_proj), a.scaling,
+                *nw[1], _together(gu, (inter, inter)), f(m.down_proj), act.forward,
                 _shared(qkv), _shared(gu), qk_norms(a, fam, self.rms, d, self.dtype), _one(qkv),
+                tuple(nw[2:]) or None, window, kind,
             ))
             last = self.fns[-1]
-            packed = packed and last.qkv_packed is not None and last.gu_packed is not None and all_layers.is_silu(act)
+            packed = packed and last.qkv_packed is not None and last.gu_packed is not None
+            self.silu = self.silu and all_layers.is_silu(act)
         half = self.head_dim // 2
         # decode rows over bf16 K/V through the attention of the backend the model loaded with (cag.kernels.backends)
         self.backend = backends.of(model).for_heads(self.head_dim)
         self.kernel = self.backend.attention(self.head_dim)
         # and with it, for a float32 step over packed products, the glue around them in one call each: RMSNorm
         # straight to the products' bf16 input, rope of q and k with the K/V write (same bits as the formulas
-        # below), silu(gate) x up rounded to bf16 (its own bits); with int4/bf16 weights, all layers in one call
-        # (cag.runtime.all_layers)
+        # below), silu(gate) x up rounded to bf16 (its own bits); all layers in one call (cag.runtime.all_layers)
         glue = self.kernel and packed and self.dtype == torch.float32
         # the AVX2 library's glue on CPUs below the AVX-512 floor (kernels/arch/avx2/step.cpp), same signatures
         ops = self.backend.ops()
-        self.glue: tuple[Callable, Callable, Callable] | None = (ops.rms_bf16, ops.rope_write,
-                                                                 ops.silu_mul_bf16) if glue else None
+        self.glue: tuple[Callable, Callable, Callable | None] | None = (
+            (ops.rms_bf16, ops.rope_write, ops.silu_mul_bf16 if self.silu else None) if glue else None)
         # a family's q/k norms and post-norms then run natively too (rms_f32: what the one-call layers compute)
         self.branch_rms = ops.rms_f32 if glue else self.rms
         if glue and fam.qk_norm:
             self.fns = [L._replace(qk=qk_norms(layer.self_attn, fam, self.branch_rms, d, self.dtype))
                         for L, layer in zip(self.fns, inner.layers)]
-        self.fused = all_layers.weights(self, model) if glue and self.backend.all_layers else None
+        # one-call layers compute Llama's layer with its families' pieces up to OLMo-2's: not Gemma's
+        plain = self.silu and not fam.sandwich
+        self.fused = all_layers.weights(self, model) if glue and plain and self.backend.all_layers else None
         # with cag's kernels on the CPU over packed products (whose kernels give a row its bits at any row
         # count: cag.model.weights) every row of a pass is a decode row (rows.flat): one arithmetic for a
         # question's tokens and an answer's, so an answer's K/V are what a prefill of it writes. fp32
         # weights multiply through torch's GEMM, whose sums may move with the row count: not flat
         self.flat = self.kernel is not None and self.device.type == "cpu" and packed
+        # window layers read their last W keys: only cag's native attention over decode rows does (and Gemma's
+        # float32 norms by 1 + weight need a float32 step): elsewhere for_model leaves them to transformers' forward
+        self.fits = not (fam.sandwich and not (self.flat and self.dtype == torch.float32))
         # rotate_half(x) = cat(-x2, x1) = roll(x, D/2) * sign, sign = (-1)*D/2 ++ (+1)*D/2
         self.sign = torch.cat([-torch.ones(half), torch.ones(half)]).to(self.device, self.dtype)  # (D,)
 
@@ -164,22 +182,27 @@ class LeanStep:
         own call; multipliers in torch between them), "attention" (the attention alone) or "none"."""
         return "layers" if self.fused else "glue" if self.glue else "attention" if self.kernel else "none"
 
-    def cos_sin(self, pos: torch.Tensor, h: torch.Tensor, top: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def cos_sin(self, pos: torch.Tensor, h: torch.Tensor, top: int, kind: str | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sign-folded sin (R, D) at positions `pos` (R,), all below `top` (known on the host:
         nothing is read back from the device), from the model's rope module.
 
         Static rope types are read from a table the module fills in blocks of 64 positions: cos and
         sin are vectorized over all but a tail of each call, and the tail is computed another way
         (last bits differ), so a position's values must not depend on which rows share the call.
-        Dynamic types rescale with the longest position of the call: they are called directly."""
-        if "dynamic" in str(getattr(self.rope, "rope_type", "")):
-            cos, sin = self.rope(h, pos.view(1, -1))
+        Dynamic types rescale with the longest position of the call: they are called directly. `kind`: the
+        layer type (Gemma 3's rotary module holds a rope per type: families.rope_kinds), None: the one rope."""
+        rope = self.rope if kind is None else (lambda x, p: self.rope(x, p, kind))
+        if kind is None and "dynamic" in str(getattr(self.rope, "rope_type", "")):
+            cos, sin = rope(h, pos.view(1, -1))
             return cos[0], sin[0] * self.sign
-        if self.table is None or top > self.table[0].shape[0]:
+        table = self.tables.get(kind)
+        if table is None or top > table[0].shape[0]:
             n = -(-top // 1024) * 1024
-            blocks = [self.rope(h, torch.arange(a, a + 64, device=self.device).view(1, -1)) for a in range(0, n, 64)]
-            self.table = (torch.cat([c[0] for c, _ in blocks]), torch.cat([si[0] for _, si in blocks]) * self.sign)
-        return self.table[0][pos], self.table[1][pos]
+            blocks = [rope(h, torch.arange(a, a + 64, device=self.device).view(1, -1)) for a in range(0, n, 64)]
+            table = self.tables[kind] = (torch.cat([c[0] for c, _ in blocks]),
+                                         torch.cat([si[0] for _, si in blocks]) * self.sign)
+        return table[0][pos], table[1][pos]
 
     def current(self, model) -> bool:
         """Still the model's modules (identity: modules define no __eq__), dtype and device."""
@@ -209,12 +232,16 @@ class LeanStep:
         fns: Sequence[Layer] = s.fns
         R = rows[-1].r1
         toks = torch.cat([p.toks.reshape(-1) for p in parts]).to(s.device)  # (R,)
-        h = s.embed.index_select(0, toks).to(s.dtype)  # (R, hidden)
+        h = s.embed.index_select(0, toks)  # (R, hidden)
+        h = (h if s.embed_scale is None else h * s.embed_scale).to(s.dtype)
         if s.embed_mult is not None:
             h = h * s.embed_mult
         post, mult, widths, branch_rms = s.post, s.residual, s.widths, s.branch_rms
-        cos, sin = s.cos_sin(torch.cat([r.pos for r in rows]), h, max(r.top for r in rows))
-        cos, sin = cos.view(R, 1, d), sin.view(R, 1, d)
+        pos, top = torch.cat([r.pos for r in rows]), max(r.top for r in rows)
+        ropes = {}  # per rope kind: cos, sin (R, 1, D)
+        for kind in {L.kind for L in fns}:
+            c, si = s.cos_sin(pos, h, top, kind)
+            ropes[kind] = (c.view(R, 1, d), si.view(R, 1, d))
         rows_slot = torch.cat([r.rows_slot for r in rows])  # (R,) where each token's K/V is written
         rows_pos = torch.cat([r.rows_pos for r in rows])
         roles = role_runs(parts)
@@ -222,11 +249,12 @@ class LeanStep:
         glue, norm = s.glue, rms  # a layer's norms: with the glue, (R, hidden) float32 -> bf16, the products' input
         if glue:
             norm, rope_write, silu_mul = glue
-            cos2, sin2 = cos.view(R, d), sin.view(R, d)
         if glue and all_layers.applies(s, rows, roles, kernel):  # all layers in one native call
-            h = all_layers.layers(s, rows[0], h, cos2, sin2, buffers, rows_slot, rows_pos)
+            cos, sin = ropes[None]
+            h = all_layers.layers(s, rows[0], h, cos.view(R, d), sin.view(R, d), buffers, rows_slot, rows_pos)
             fns = ()
         for i, (L, K, V) in enumerate(zip(fns, buffers.k, buffers.v)):  # L: the layer's Layer
+            cos, sin = ropes[L.kind]
             x = h if post else norm(h, L.norm1, L.eps1)
             if glue:  # roped q (R, H, D); roped k and v written to each row's slot and position
                 assert L.qkv_packed is not None  # the glue is built only where q/k/v and gate/up are packed
@@ -235,7 +263,7 @@ class LeanStep:
                     q, k, v = qkv.split(widths, -1)
                     q, k = L.qk(q, k)
                     qkv = torch.cat([q.reshape(R, -1), k.reshape(R, -1), v], -1)
-                q = rope_write(qkv, cos2, sin2, K, V, rows_slot, rows_pos, n_kv * rep)
+                q = rope_write(qkv, cos.view(R, d), sin.view(R, d), K, V, rows_slot, rows_pos, n_kv * rep)
             elif s.few and L.qk is None and L.qkv_one is not None:  # q and k roped in one pass over their columns
                 t = L.qkv_one(x)  # (R, (H + 2 H_kv) D)
                 qk = t[:, : (n_kv * rep + n_kv) * d].view(R, n_kv * rep + n_kv, d)
@@ -253,23 +281,31 @@ class LeanStep:
                 K[rows_slot, :, rows_pos] = (k * cos + k.roll(half, -1) * sin).to(K.dtype)
                 V[rows_slot, :, rows_pos] = v.view(R, n_kv, d).to(V.dtype)
                 q = (q * cos + q.roll(half, -1) * sin).to(q.dtype)  # OLMo-2 ropes in float32 (its cos, sin), then casts
-            outs = [attention.attend(r, q[r.r0 : r.r1], K, V, i, L.scale, up, kernel, s.few, s.backend.paired)
+            outs = [attention.attend(r, q[r.r0 : r.r1], K, V, i, L.scale, up, kernel, s.few, s.backend.paired, L.window)
                     for r in rows]
             o = outs[0] if len(outs) == 1 else torch.cat(outs)
             # with the glue: the products' bf16 input, as they round it
             y = L.o(o.to(torch.bfloat16) if glue else o, roles)
             if post:
                 y = branch_rms(y, L.norm1, L.eps1)
+            elif L.after is not None:
+                y = branch_rms(y, *L.after[0])
             h = h + y if mult is None else h + y * mult
             x = h if post else norm(h, L.norm2, L.eps2)
-            if glue:  # silu(gate) x up straight to the down product's bf16 input
+            if glue and silu_mul is not None:  # silu(gate) x up straight to the down product's bf16 input
                 assert L.gu_packed is not None  # as above: the glue is built only where it is
                 y = L.down(silu_mul(L.gu_packed(x, roles)), roles)
+            elif glue:  # another activation (Gemma's gelu) in torch, rounded to the down product's bf16 input
+                assert L.gu_packed is not None
+                g, u = L.gu_packed(x, roles).chunk(2, -1)
+                y = L.down((L.act(g) * u).to(torch.bfloat16), roles)
             else:
                 g, u = L.gate_up(x, roles)
                 y = L.down(L.act(g) * u, roles)
             if post:
                 y = branch_rms(y, L.norm2, L.eps2)
+            elif L.after is not None:
+                y = branch_rms(y, *L.after[1])
             h = h + y if mult is None else h + y * mult
         w, e = s.final
         if picks is not None:
@@ -284,57 +320,11 @@ class LeanStep:
         return list(logits.split([r.B for r in rows]))
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
-        """The LM head over final-normed rows (Granite: divided by its logits_scaling, as its forward does)."""
-        return self.head(x) if self.logits_div is None else self.head(x) / self.logits_div
+        """The LM head over final-normed rows (Granite: divided by its logits_scaling, as its forward does; final
+        logit soft-capping where the config sets it, as Gemma's forward applies it)."""
+        y = self.head(x) if self.logits_div is None else self.head(x) / self.logits_div
+        return y if self.softcap is None else torch.tanh(y / self.softcap) * self.softcap
 
-
-
-def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-    """LlamaRMSNorm's formula, op for op (float32 inside, weight applied in the compute dtype)."""
-    h = x.float()
-    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    return w * h.to(x.dtype)
-
-
-def _rms_fp32(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-    """_rms for float32 compute, without its two no-op casts (two calls x 61 norms a token)."""
-    return w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
-
-
-def _rms_fused(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm in one call (torch's fused kernel where the device has one): float32 inside, the weight
-    applied before the cast back, as Olmo2RMSNorm does."""
-    return torch.nn.functional.rms_norm(x, (x.shape[-1],), w, eps)
-
-
-def _rms_w32(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-    """Olmo2RMSNorm's formula: the weight applied in float32, then cast (the same as _rms in float32)."""
-    h = x.float()
-    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    return (w * h).to(x.dtype)
-
-
-def _together(mods: tuple, widths: tuple[int, ...]) -> Callable:
-    """(x, roles) -> the products of a group (q/k/v, gate/up), one tensor per member's columns: stacked
-    members (cag.model.stacked_products), or the family's one fused Linear split into them (Phi-3)."""
-    if len(mods) > 1:
-        return together(*mods)
-    f = product(mods[0])
-    return lambda x, roles=None: f(x, roles).split(widths, -1)
-
-
-def _one(mods: tuple) -> Callable | None:
-    """x -> the one product of a q/k/v group of plain Linears stacked in one tensor (cag.model.stacked_products),
-    or a family's fused Linear, else None."""
-    if len(mods) == 1:
-        return mods[0].forward if type(mods[0]) is torch.nn.Linear else None
-    st = together_weights(*mods)
-    return None if st is None else (lambda x, w=st[0], b=st[1]: torch.nn.functional.linear(x, w, b))
-
-
-def _shared(mods: tuple):
-    """The packed copy a group's product reads: the members' shared one, or a fused Linear's own."""
-    return group_of(*mods) if len(mods) > 1 else all_layers.own(mods[0])
 
 
 def for_model(model) -> LeanStep | None:
@@ -345,5 +335,17 @@ def for_model(model) -> LeanStep | None:
         if step is None or step.current(model):
             return step
     step = None if why_not(model) else LeanStep(model)
+    step = step if step is None or step.fits else None  # Gemma off cag's native decode rows: transformers' forward
     model.__dict__[ATTR] = (step,)  # a tuple: "checked, unsupported" is kept as (None,)
     return step
+
+
+def why_not(model) -> str | None:
+    """Why the lean step does not take `model` (families.why_not, or Gemma off cag's decode rows), else None."""
+    if (reason := families.why_not(model)) is not None:
+        return reason
+    entry = model.__dict__.get(ATTR)
+    if entry is not None and entry[0] is None:
+        return ("sliding-window layers need cag's native attention over decode rows (int4 or bf16 weights on "
+                "cag's CPU kernels)")
+    return None
