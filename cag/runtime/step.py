@@ -326,7 +326,6 @@ class LeanStep:
         return y if self.softcap is None else torch.tanh(y / self.softcap) * self.softcap
 
 
-
 def for_model(model) -> LeanStep | None:
     """The lean step for `model`, built once and kept on it; None when it does not apply."""
     entry = model.__dict__.get(ATTR)
