@@ -127,7 +127,7 @@ class LeanStep:
         f = product  # bound methods skip Module.__call__: a few µs x 7 x layers
         packed = True  # every layer's q/k/v and gate/up share packed copies (they take bf16 input)
         self.silu = True  # and every layer's MLP is silu(gate) x up (native glue and one-call layers); Gemma: gelu
-        kinds = families.rope_kinds(model) or [None] * config.num_hidden_layers
+        kinds: list[str | None] = list(families.rope_kinds(model) or ()) or [None] * config.num_hidden_layers
         windows = layer_windows(config)[0] if fam.sandwich else (None,) * config.num_hidden_layers
         for layer, kind, window in zip(inner.layers[: config.num_hidden_layers], kinds, windows):
             a, m = layer.self_attn, layer.mlp
