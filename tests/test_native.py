@@ -129,21 +129,30 @@ def test_rows_never_depend_on_the_batch(request, kernel, R, D):
 
 
 @pytest.mark.parametrize("R,D", [(2, 64), (3, 80)])
-def test_rows_on_one_slot_read_chunks_together_with_their_own_bits(request, kernel, R, D):
-    """A knowledge prefill's decode rows are requests on one slot: their items take up to GROUP rows that read a
-    whole chunk together (the rows share its K/V reads). Each row still gets the bits it gets alone, over runs of
-    the slot longer than a group, rows whose last chunk is partial, and a run broken by another slot."""
+@pytest.mark.parametrize("lens,n,window", [
+    ([250 + 7 * b for b in range(70)] + [600, 3, 256, 512], 0, None),  # chunks of 256: full, partial, exactly full
+    (list(range(1, 301)) + list(range(500, 530)), 100, None),  # a prefill's diagonal: row t reads t + 1 keys
+    (list(range(1, 301)), 40, 100),  # and under a sliding window
+])
+def test_rows_on_one_slot_read_chunks_together_with_their_own_bits(request, kernel, R, D, lens, n, window):
+    """A knowledge prefill's decode rows are requests on one slot: their items take up to GROUP rows that read keys
+    of a chunk together (the rows share its K/V reads), the item as long as its longest row, each row's keys past
+    its own count masked. Each row still gets the bits it gets alone, over runs of the slot longer than a group,
+    rows whose last chunk is partial (the diagonal), a window, and a run broken by another slot."""
     if request.node.callspec.params["kernel"] == "amx" and D % 64:
         pytest.skip("the AMX attention takes heads of 64, 128 or 256")
-    lens = [250 + 7 * b for b in range(70)] + [600, 3, 256, 512]  # chunks of 256: full, partial, exactly full
     B = len(lens)
-    q, kp, vp, ks, vs, _, _ = case(B, R, 0, lens, D, room=760)
+    q, kp, vp, ks, vs, _, _ = case(B, R, n, lens, D, room=760)
     slots = torch.tensor([0] * 40 + [2] + [0] * (B - 41))
     lens = torch.tensor(lens)
-    together = kernel(q, kp, vp, ks, vs, slots, lens, 0.125)
+    win = {} if window is None else {"window": window}
+    together = kernel(q, kp, vp, ks, vs, slots, lens, 0.125, **win)
     for b in range(B):
-        alone = kernel(q[b : b + 1].contiguous(), kp, vp, ks, vs, slots[b : b + 1], lens[b : b + 1], 0.125)
+        alone = kernel(q[b : b + 1].contiguous(), kp, vp, ks, vs, slots[b : b + 1], lens[b : b + 1], 0.125, **win)
         assert torch.equal(alone, together[b : b + 1]), b
+    mode = request.node.callspec.params["kernel"]
+    want = (windowed_reference(q, kp, vp, ks, vs, slots, lens, 0.125, window or 10**6, rounded=mode != "avx2"))
+    assert (together.double() - want).abs().max() < (1e-5 if mode == "avx2" else 2e-2)
 
 
 def windowed_reference(q, kp, vp, ks, vs, slots, lens, scale, window, rounded=True):

@@ -22,9 +22,10 @@ constexpr int64_t int8_blocks(int64_t D) { return D % 32 == 0 ? D / 32 : 1; }  /
 struct Partial { float m, l; };
 
 // A suffix item: rows b0 .. b0 + nb - 1 (one request's, or consecutive requests reading one slot, as a knowledge
-// prefill's decode rows do), K/V head h, suffix chunk c. Several rows only where each reads all C keys of the
-// chunk: an item's rows then share its K/V reads (and on AVX-512 its pairing of K), and each row's sums run as
-// they would alone (the items take any number of rows, each row on its own), so the same bits.
+// prefill's decode rows do), K/V head h, suffix chunk c. Its rows share its K/V reads (and on AVX-512 its pairing
+// of K) and each row's sums run as they would alone: an item reads keys [0, w) of its chunk, w its longest row's
+// count, and a row's keys past its own count (`to`: the chunk on the diagonal, where row t sees t + 1 keys) score
+// -inf, so their probabilities are exactly 0 and they add exact zeros to the row's sums: the bits of the row alone.
 struct SuffixItem { int64_t b0, nb, h, c; };
 
 // One call's work: q (B, H, R, D) (request b, K/V head h, row r: the query heads sharing h) over a prefix of n
@@ -41,8 +42,11 @@ struct SuffixItem { int64_t b0, nb, h, c; };
 struct AttentionPlan {
   static constexpr int64_t GROUP = 64;  // rows of one slot an item takes at most (items stay many for the threads)
 
+  // `partial`: rows that read part of a chunk (the diagonal) join its item too, where sharing the item's K
+  // pairing pays for their masked keys (AVX-512, AMX); else only rows that read all of it share an item (AVX2,
+  // whose items pair nothing: measured 0.88x at 256 rows over 256 keys with them)
   void lay_out(int64_t B_, int64_t H_, int64_t R_, int64_t D_, int64_t n_, int64_t most_, const int64_t* slot_,
-               const int64_t* len_, int64_t window = 0) {
+               const int64_t* len_, int64_t window = 0, bool partial = true) {
     B = B_, H = H_, R = R_, D = D_, n = n_, most = most_, slot = slot_, len = len_;
     np = (n + CHUNK - 1) / CHUNK, chunks = np + most;  // per row: prefix chunks, then suffix chunks
     lo.assign(B, 0);
@@ -63,9 +67,9 @@ struct AttentionPlan {
         for (int64_t c = 0; c * CHUNK < top; c++)
           for (int64_t b = b0; b < b1;) {
             if (!sees(b, c)) { b++; continue; }  // no key of this chunk
-            int64_t e = b + 1;  // rows reading the whole chunk go together, up to GROUP
-            if (whole(b, c))
-              while (e < b1 && e - b < GROUP && whole(e, c)) e++;
+            int64_t e = b + 1;  // rows reading keys of the chunk (all of them: `partial` off) go together, up to GROUP
+            if (partial || whole(b, c))
+              while (e < b1 && e - b < GROUP && (partial ? sees(e, c) : whole(e, c))) e++;
             suffix.push_back({b, e - b, h, c});
             b = e;
           }
@@ -80,6 +84,8 @@ struct AttentionPlan {
   bool sees_prefix(int64_t b, int64_t c) const { return lo[b] < std::min(n, (c + 1) * CHUNK); }
   bool sees(int64_t b, int64_t c) const { return len[b] > c * CHUNK && lo[b] < n + (c + 1) * CHUNK; }
   bool whole(int64_t b, int64_t c) const { return len[b] >= (c + 1) * CHUNK && lo[b] <= n + c * CHUNK; }
+  // the keys request b's row reads of its suffix chunk c: [from, to(b, c)) of the chunk's C
+  int64_t to(int64_t b, int64_t c) const { return std::min(CHUNK, len[b] - c * CHUNK); }
   // the first key request b's row reads in an item whose first key is at absolute position t0 (0: all of them)
   int64_t from(int64_t b, int64_t t0) const { return std::max<int64_t>(0, lo[b] - t0); }
 

@@ -22,7 +22,8 @@ bool amx_permitted() {  // Linux hands out AMX tile state on request, once per p
 
 #ifdef CAG_AMX
 void item_amx(const float* const* q, int64_t rows, const at::BFloat16* k, const at::BFloat16* v, int64_t stride,
-              int64_t w, int64_t D, float scale, Partial* part, float* const* acc, const int64_t* from) {
+              int64_t w, int64_t D, float scale, Partial* part, float* const* acc, const int64_t* from,
+              const int64_t* to) {
   const int64_t wp = (w + 63) / 64 * 64;  // keys padded to whole blocks (zeros, masked)
   Scratch& sc = scratch;
   uint32_t* kt = sc.kt;
@@ -56,7 +57,7 @@ void item_amx(const float* const* q, int64_t rows, const at::BFloat16* k, const 
       }
       _tile_stored(0, s + b * 16, CHUNK * 4);
     }
-    softmax_block(s, pb, nr, w, wp, scale, part + r0, from ? from + r0 : nullptr);
+    softmax_block(s, pb, nr, w, wp, scale, part + r0, from ? from + r0 : nullptr, to ? to + r0 : nullptr);
     for (int64_t r = nr; r < 16; r++) std::memset(pb + r * CHUNK, 0, wp * 2);
     for (int64_t d0 = 0; d0 < D; d0 += 64) {  // values: 16 rows x 64 dims (t4-t7), keys in steps of 32
       _tile_zero(4); _tile_zero(5); _tile_zero(6); _tile_zero(7);

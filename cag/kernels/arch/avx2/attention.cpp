@@ -3,7 +3,8 @@
 // one call, with the signature of the main library's `decode_attention` (arch/avx512/attention.cpp).
 //
 // Work: keys in items of C (a prefix chunk for the rows of every request on it, or a suffix chunk for one
-// request's rows, or for rows of one slot that all read the whole chunk: common/attention_plan.h), spread over torch's threads; each item (attention_item.cpp) leaves
+// request's rows, or for rows of one slot that all read the whole chunk: common/attention_plan.h),
+// spread over torch's threads; each item (attention_item.cpp) leaves
 // per row its max score m, its sum l of e^(s - m) and sum_t e^(s_t - m) v_t, merged per row in chunk order. A
 // row's result depends on its own query and keys only, in a fixed order of operations: a request's bits never
 // depend on its neighbours or on the thread count.
@@ -35,7 +36,7 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& kp, const at:
   const int64_t most = cagk::check_attention(B, H, D, kp, vp, ks, vs, slots, lens, false);  // suffix chunks of the longest suffix
   TORCH_CHECK(window >= 0, "window: 0 (none) or a sliding window's width");
   cagk::AttentionPlan plan;  // prefix items (h, c), then suffix items (rows, h, c)
-  plan.lay_out(B, H, R, D, kp.size(1), most, slots.data_ptr<int64_t>(), lens.data_ptr<int64_t>(), window);
+  plan.lay_out(B, H, R, D, kp.size(1), most, slots.data_ptr<int64_t>(), lens.data_ptr<int64_t>(), window, false);
   const int64_t n = plan.n, np = plan.np, chunks = plan.chunks, n_pre = plan.n_pre;
   const int64_t *slot = plan.slot, *len = plan.len;
   const std::vector<int64_t>& items = plan.items;
@@ -52,7 +53,7 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& kp, const at:
     std::vector<const float*> qs(B * R);
     std::vector<float*> accs(B * R);
     std::vector<Partial> ps(B * R);
-    std::vector<int64_t> fr(B * R), who(B * R);  // per row of an item: its first key (a window's), its request
+    std::vector<int64_t> fr(B * R), who(B * R), to(B * R);  // per row of an item: its keys [fr, to), its request
     for (int64_t i = i0; i < i1; i++) {
       if (i < n_pre) {  // a prefix chunk: the rows of every request that reads it (all without a window)
         const int64_t h = items[i] / np, c = items[i] % np, t0 = c * C;
@@ -69,15 +70,16 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& kp, const at:
       } else {  // a suffix chunk: one request's rows, or several on one slot that read all its keys
         const cagk::SuffixItem& it = plan.suffix[i - n_pre];
         const int64_t b0 = it.b0, nb = it.nb, h = it.h, c = it.c, t0 = c * C;
+        int64_t w = 0;  // the item's keys: its longest row's
         for (int64_t j = 0; j < nb * R; j++) {  // row r of request b0 + j / R
           qs[j] = qd + (((b0 + j / R) * H + h) * R + j % R) * D;
           accs[j] = acc.data() + at_(b0 + j / R, h, j % R, np + c) * D;
-          fr[j] = plan.from(b0 + j / R, n + t0);
+          fr[j] = plan.from(b0 + j / R, n + t0), to[j] = plan.to(b0 + j / R, c), w = std::max(w, to[j]);
         }
         const int64_t off_k = slot[b0] * ks.stride(0) + h * ks.stride(1) + t0 * ks.stride(2);
         const int64_t off_v = slot[b0] * vs.stride(0) + h * vs.stride(1) + t0 * vs.stride(2);
-        cagk::item_avx2(qs.data(), nb * R, ksd + off_k, vsd + off_v, ks.stride(2), std::min(C, len[b0] - t0), D, scale,
-                        ps.data(), accs.data(), fr.data());
+        cagk::item_avx2(qs.data(), nb * R, ksd + off_k, vsd + off_v, ks.stride(2), w, D, scale, ps.data(), accs.data(),
+                        fr.data(), to.data());
         for (int64_t j = 0; j < nb * R; j++) part[at_(b0 + j / R, h, j % R, np + c)] = ps[j];
       }
     }

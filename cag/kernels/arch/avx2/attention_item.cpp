@@ -109,14 +109,14 @@ inline void weigh2(const float* p0, const float* p1, const uint16_t* v, int64_t 
   for (int i = 0; i < NB; i++) _mm256_storeu_ps(acc0 + d0 + 8 * i, o[i]), _mm256_storeu_ps(acc1 + d0 + 8 * i, u[i]);
 }
 
-// Softmax numerators of one row's scores s[0, w) in place (e^(s - m), masked past w and before f: exactly 0);
-// its (max, sum).
-inline Partial exps(float* s, int64_t w, int64_t f) {
+// Softmax numerators of one row's scores s[0, w) in place (e^(s - m) for keys [f, e), every other key exactly 0);
+// its (max, sum). Blocks of zeros add nothing: a row's bits are the same for any w >= e.
+inline Partial exps(float* s, int64_t w, int64_t f, int64_t e_) {
   float m = -INFINITY;
-  for (int64_t t = f; t < w; t++) m = std::max(m, s[t]);
+  for (int64_t t = f; t < e_; t++) m = std::max(m, s[t]);
   __m256 l = _mm256_setzero_ps();
   for (int64_t t = 0; t < w; t += 8) {
-    const __m256i keep = _mm256_andnot_si256(lanes(std::clamp<int64_t>(f - t, 0, 8)), lanes(std::min<int64_t>(8, w - t)));
+    const __m256i keep = _mm256_andnot_si256(lanes(std::clamp<int64_t>(f - t, 0, 8)), lanes(std::clamp<int64_t>(e_ - t, 0, 8)));
     const __m256 e = _mm256_and_ps(exp8(_mm256_sub_ps(load(s + t, w - t), _mm256_set1_ps(m))), _mm256_castsi256_ps(keep));
     store(s + t, e, w - t);
     l = _mm256_add_ps(l, e);
@@ -133,20 +133,20 @@ namespace cagk {
 // on one prefix: each key and value widened once for the pair), a last odd row alone; a row's bits are the
 // same either way.
 void item_avx2(const float* const* q, int64_t rows, const uint16_t* k, const uint16_t* v, int64_t stride, int64_t w, int64_t D,
-               float scale, Partial* part, float* const* acc, const int64_t* from) {
+               float scale, Partial* part, float* const* acc, const int64_t* from, const int64_t* to) {
   alignas(32) float s[C], s1[C];
   int64_t r = 0;
   for (; r + 1 < rows; r += 2) {
     scores2(q[r], q[r + 1], k, stride, w, D, scale, s, s1);
-    part[r] = exps(s, w, from ? from[r] : 0);
-    part[r + 1] = exps(s1, w, from ? from[r + 1] : 0);
+    part[r] = exps(s, w, from ? from[r] : 0, to ? to[r] : w);
+    part[r + 1] = exps(s1, w, from ? from[r + 1] : 0, to ? to[r + 1] : w);
     int64_t d0 = 0;
     for (; d0 + 32 <= D; d0 += 32) weigh2<4>(s, s1, v, stride, w, d0, acc[r], acc[r + 1]);
     if (D - d0 == 16) weigh2<2>(s, s1, v, stride, w, d0, acc[r], acc[r + 1]);
   }
   for (; r < rows; r++) {
     scores(q[r], k, stride, w, D, scale, s);
-    part[r] = exps(s, w, from ? from[r] : 0);
+    part[r] = exps(s, w, from ? from[r] : 0, to ? to[r] : w);
     int64_t d0 = 0;
     for (; d0 + 64 <= D; d0 += 64) weigh<8>(s, v, stride, w, d0, acc[r]);
     if (D - d0 == 32) weigh<4>(s, v, stride, w, d0, acc[r]);

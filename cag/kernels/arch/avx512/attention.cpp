@@ -5,8 +5,8 @@
 // int8 snapshot's codes, and inside layer.cpp's one call.
 //
 // Work: keys are read in items of C keys (a prefix chunk for all rows of every request on it, or a
-// suffix chunk for one request's rows, or for rows of one slot that all read the whole chunk, as a
-// knowledge prefill's decode rows do: common/attention_plan.h), spread over the threads; each item leaves
+// suffix chunk for one request's rows, or for rows of one slot that read keys of it, each row as far as its own
+// length, as a knowledge prefill's decode rows do: common/attention_plan.h), spread over the threads; each item leaves
 // per row its max score m, its probability sum l and sum_t p_t v_t (unnormalized), merged per row in chunk
 // order. An item runs on AMX tiles (`decode_attention`: arch/amx/attention_item.cpp), by AVX512-BF16 dot
 // products (`decode_attention_avx512`: attention_item.cpp; the two differ in the last bits), or over int8
@@ -82,7 +82,7 @@ void Attention::work(int64_t p, int64_t nt) {
   std::vector<const float*> qs(B * R);
   std::vector<float*> accs(B * R);
   std::vector<Partial> ps(B * R);
-  std::vector<int64_t> fr(B * R), who(B * R);  // per row of an item: its first key (a window's), its request
+  std::vector<int64_t> fr(B * R), who(B * R), to(B * R);  // per row of an item: its keys [fr, to), its request
   const int64_t n_items = items_n();
   for (int64_t i = p; i < n_items; i += nt) {  // share p takes items p, p + nt, ...: prefix and suffix spread evenly
     if (i < n_pre) {
@@ -117,26 +117,26 @@ void Attention::work(int64_t p, int64_t nt) {
           nvb = (std::min(C, n - c2 * C) + 1) / 2 * D * 4;
         }
         item_avx512(qs.data(), nr, k0, v0, kp.stride(1), std::min(C, n - t0), D, scale, ps.data(), accs.data(), fr.data(),
-                    ktd ? ktd + (h * np + c) * (D / 2) * C : nullptr, vtd ? vtd + (h * ((n + 1) / 2) + t0 / 2) * D : nullptr,
+                    nullptr, ktd ? ktd + (h * np + c) * (D / 2) * C : nullptr, vtd ? vtd + (h * ((n + 1) / 2) + t0 / 2) * D : nullptr,
                     nk, nkb, nv, nvb);
       }
       for (int64_t j = 0; j < nr; j++) part[at(who[j], h, j % R, c)] = ps[j];
     } else {
       const SuffixItem& it = suffix[i - n_pre];
       const int64_t b0 = it.b0, nb = it.nb, h = it.h, c = it.c, t0 = c * C;
+      int64_t w = 0;  // the item's keys: its longest row's
       for (int64_t j = 0; j < nb * R; j++) {  // row r of request b0 + j / R
         qs[j] = qd + (((b0 + j / R) * H + h) * R + j % R) * D;
         accs[j] = acc.data() + at(b0 + j / R, h, j % R, np + c) * D;
-        fr[j] = from(b0 + j / R, n + t0);
+        fr[j] = from(b0 + j / R, n + t0), to[j] = AttentionPlan::to(b0 + j / R, c), w = std::max(w, to[j]);
       }
       const at::BFloat16* k0 = ks.data_ptr<at::BFloat16>() + slot[b0] * ks.stride(0) + h * ks.stride(1) + t0 * ks.stride(2);
       const at::BFloat16* v0 = vs.data_ptr<at::BFloat16>() + slot[b0] * vs.stride(0) + h * vs.stride(1) + t0 * vs.stride(2);
-      const int64_t w = std::min(C, len[b0] - t0);  // the same for every row of the item
 #ifdef CAG_AMX
-      if (AMX) item_amx(qs.data(), nb * R, k0, v0, ks.stride(2), w, D, scale, ps.data(), accs.data(), fr.data());
+      if (AMX) item_amx(qs.data(), nb * R, k0, v0, ks.stride(2), w, D, scale, ps.data(), accs.data(), fr.data(), to.data());
       else
 #endif
-      item_avx512(qs.data(), nb * R, k0, v0, ks.stride(2), w, D, scale, ps.data(), accs.data(), fr.data());
+      item_avx512(qs.data(), nb * R, k0, v0, ks.stride(2), w, D, scale, ps.data(), accs.data(), fr.data(), to.data());
       for (int64_t j = 0; j < nb * R; j++) part[at(b0 + j / R, h, j % R, np + c)] = ps[j];
     }
   }

@@ -33,17 +33,19 @@ using cagk::Scratch;
 using cagk::scratch;
 
 // The softmax of `nr` rows of scores s (rows C apart, keys [0, w) of wp), keys past w masked, and before
-// from[r] where `from` is given (a sliding window's): writes the probabilities rounded to bf16 to pb (rows C
-// apart) and part[r] = (max, sum of the rounded values). A masked key's probability is exactly 0.
+// from[r] (a sliding window's) and from to[r] on (a row shorter than the item) where given: writes the
+// probabilities rounded to bf16 to pb (rows C apart) and part[r] = (max, sum of the rounded values). A masked
+// key's probability is exactly 0 (e^-88 is subnormal, which the bf16 rounding flushes), so blocks of masked keys
+// add exact zeros: a row's bits are the same in an item of any w >= its keys.
 void softmax_rows(float* s, uint16_t* pb, int64_t nr, int64_t w, int64_t wp, float scale, Partial* part,
-                  const int64_t* from) {
+                  const int64_t* from, const int64_t* to) {
   const __m512 neg = _mm512_set1_ps(-INFINITY);
   for (int64_t r = 0; r < nr; r++) {
     float* sr = s + r * C;
-    const int64_t f = from ? from[r] : 0;
+    const int64_t f = from ? from[r] : 0, wr = to ? to[r] : w;
     __m512 mx = neg;
     for (int64_t b = 0; b < wp / 16; b++) {
-      const int64_t left = std::max<int64_t>(0, w - b * 16), before = std::clamp<int64_t>(f - b * 16, 0, 16);
+      const int64_t left = std::max<int64_t>(0, wr - b * 16), before = std::clamp<int64_t>(f - b * 16, 0, 16);
       __m512 x = _mm512_mul_ps(_mm512_load_ps(sr + b * 16), _mm512_set1_ps(scale));
       if (left < 16) x = _mm512_mask_blend_ps((__mmask16)((1u << left) - 1), neg, x);
       if (before) x = _mm512_mask_blend_ps((__mmask16)(0xFFFFu << before), neg, x);
@@ -105,7 +107,7 @@ inline void pair_keys(const at::BFloat16* k, int64_t stride, int64_t w, int64_t 
 // are the same, so are the bits.
 template <int64_t D>
 void item_avx512_d(const float* const* q, int64_t rows, const at::BFloat16* k, const at::BFloat16* v, int64_t stride,
-                 int64_t w, float scale, Partial* part, float* const* acc, const int64_t* from,
+                 int64_t w, float scale, Partial* part, float* const* acc, const int64_t* from, const int64_t* to,
                  const uint32_t* kpre, const uint32_t* vpre, const char* nk, int64_t nkb, const char* nv, int64_t nvb) {
   const int64_t wp = (w + 63) / 64 * 64;
   Scratch& sc = scratch;
@@ -153,7 +155,7 @@ void item_avx512_d(const float* const* q, int64_t rows, const at::BFloat16* k, c
             for (int j = 0; j < 4; j++) _mm512_store_ps(s + (g0 + g) * C + b * 16 + 16 * j, a[g][j]);
       }
     }
-    softmax_rows(s, pb, nr, w, wp, scale, part + r0, from ? from + r0 : nullptr);
+    softmax_rows(s, pb, nr, w, wp, scale, part + r0, from ? from + r0 : nullptr, to ? to + r0 : nullptr);
     for (int64_t g0 = 0; vpre && g0 < nr; g0 += 4) {  // values over pre-paired V: each zmm 16 dims of a key pair
       const int64_t ng = std::min<int64_t>(4, nr - g0);
       __m512 a[4][D / 16];
@@ -256,20 +258,21 @@ std::tuple<at::Tensor, at::Tensor> pair_kv(const at::Tensor& k, const at::Tensor
 namespace cagk {
 
 void softmax_block(float* s, uint16_t* pb, int64_t nr, int64_t w, int64_t wp, float scale, Partial* part,
-                   const int64_t* from) {
-  softmax_rows(s, pb, nr, w, wp, scale, part, from);
+                   const int64_t* from, const int64_t* to) {
+  softmax_rows(s, pb, nr, w, wp, scale, part, from, to);
 }
 
 // item_avx512_d for the head width at hand (a compile-time D keeps the accumulators in registers).
 void item_avx512(const float* const* q, int64_t rows, const at::BFloat16* k, const at::BFloat16* v, int64_t stride,
                  int64_t w, int64_t D, float scale, Partial* part, float* const* acc, const int64_t* from,
-                 const uint32_t* kpre, const uint32_t* vpre, const char* nk, int64_t nkb, const char* nv, int64_t nvb) {
+                 const int64_t* to, const uint32_t* kpre, const uint32_t* vpre, const char* nk, int64_t nkb,
+                 const char* nv, int64_t nvb) {
   switch (D) {
-    case 64: item_avx512_d<64>(q, rows, k, v, stride, w, scale, part, acc, from, kpre, vpre, nk, nkb, nv, nvb); break;
-    case 80: item_avx512_d<80>(q, rows, k, v, stride, w, scale, part, acc, from, kpre, vpre, nk, nkb, nv, nvb); break;
-    case 96: item_avx512_d<96>(q, rows, k, v, stride, w, scale, part, acc, from, kpre, vpre, nk, nkb, nv, nvb); break;
-    case 128: item_avx512_d<128>(q, rows, k, v, stride, w, scale, part, acc, from, kpre, vpre, nk, nkb, nv, nvb); break;
-    default: item_avx512_d<256>(q, rows, k, v, stride, w, scale, part, acc, from, kpre, vpre, nk, nkb, nv, nvb);
+    case 64: item_avx512_d<64>(q, rows, k, v, stride, w, scale, part, acc, from, to, kpre, vpre, nk, nkb, nv, nvb); break;
+    case 80: item_avx512_d<80>(q, rows, k, v, stride, w, scale, part, acc, from, to, kpre, vpre, nk, nkb, nv, nvb); break;
+    case 96: item_avx512_d<96>(q, rows, k, v, stride, w, scale, part, acc, from, to, kpre, vpre, nk, nkb, nv, nvb); break;
+    case 128: item_avx512_d<128>(q, rows, k, v, stride, w, scale, part, acc, from, to, kpre, vpre, nk, nkb, nv, nvb); break;
+    default: item_avx512_d<256>(q, rows, k, v, stride, w, scale, part, acc, from, to, kpre, vpre, nk, nkb, nv, nvb);
   }
 }
 

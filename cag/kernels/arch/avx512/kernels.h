@@ -36,19 +36,20 @@ void to_bf16(const float* x, int64_t n, uint16_t* y);
 
 // attention_item.cpp: the softmax of nr rows of scores s (rows CHUNK apart, keys [0, w) of wp, w <= wp <= CHUNK,
 // wp a multiple of 64), keys past w masked: the probabilities rounded to bf16 into pb (rows CHUNK apart), and
-// part[r] = (max, sum of the rounded values). Scores are multiplied by `scale` first. `from` (null: none): per
-// row, the keys before from[r] masked too (a sliding window's, common/attention_plan.h; from[r] < w).
+// part[r] = (max, sum of the rounded values). Scores are multiplied by `scale` first. `from`, `to` (null: none):
+// per row, the keys before from[r] (a sliding window's) and from to[r] on (a shorter row's) masked too, probability
+// exactly 0 (common/attention_plan.h; from[r] < to[r] <= w).
 void softmax_block(float* s, uint16_t* pb, int64_t nr, int64_t w, int64_t wp, float scale, Partial* part,
-                   const int64_t* from = nullptr);
+                   const int64_t* from = nullptr, const int64_t* to = nullptr);
 
 // attention_item.cpp: one item by AVX512-BF16 dot products: `rows` query rows (fp32, D floats at q[r]) over keys
 // [0, w) whose K and V rows (bf16, D each) start at k and v, `stride` elements apart; part[r] = (max score,
 // probability sum), acc[r] (D floats) = sum_t p_t V[t]. kpre, vpre: the item's K and V as pair_kv gives them (then
 // read in place of k's and v's rows); nk, nv (nkb, nvb bytes): the item this thread takes next, to prefetch.
-// from: per row, its first key (softmax_block), or null.
+// from, to: per row, its keys [from[r], to[r]) (softmax_block), or null.
 void item_avx512(const float* const* q, int64_t rows, const at::BFloat16* k, const at::BFloat16* v, int64_t stride,
                  int64_t w, int64_t D, float scale, Partial* part, float* const* acc, const int64_t* from = nullptr,
-                 const uint32_t* kpre = nullptr, const uint32_t* vpre = nullptr,
+                 const int64_t* to = nullptr, const uint32_t* kpre = nullptr, const uint32_t* vpre = nullptr,
                  const char* nk = nullptr, int64_t nkb = 0, const char* nv = nullptr, int64_t nvb = 0);
 
 // int8_attention.cpp: a prefix item over int8 codes (pair_kv8's layout; kc, vc the item's bytes), the
