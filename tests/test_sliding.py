@@ -135,13 +135,18 @@ def test_cag_equals_full_with_other_snapshot_dtypes(family_dirs, small_corpus, m
 
 @pytest.mark.parametrize("family", ["gemma3", "mistral"])
 def test_a_conversation_equals_full(family_dirs, small_corpus, monkeypatch, family):
-    from cag.runtime.generate import DecodeConfig
-
     engine = engine_for(monkeypatch, family_dirs[family])
     engine.ingest(str(small_corpus))
+    conversation_equals_full(engine, QUESTIONS[:3])
+
+
+def conversation_equals_full(engine: Engine, questions: list[str]) -> None:
+    """Each turn of a conversation over corpus "corpus", 10 tokens each, from the snapshot == with no cache."""
+    from cag.runtime.generate import DecodeConfig
+
     d = DecodeConfig(max_tokens=10, min_tokens=10)
     messages: list[dict] = []
-    for q in QUESTIONS[:3]:
+    for q in questions:
         messages.append({"role": "user", "content": q})
         cached = engine.answer(Query("corpus", None, messages=messages, decoding=d, max_tokens=10))
         full = engine.answer(Query("corpus", None, messages=messages, decoding=d, max_tokens=10, mode="full"))
@@ -280,7 +285,6 @@ def test_gemma3_decodes_through_the_fast_step(gemma64_dir, small_corpus, monkeyp
     attention's window): the knowledge prefilled as decode rows, cag == full alone, together and in a conversation."""
     from cag.runtime import describe
     from cag.runtime import step as lean
-    from cag.runtime.generate import DecodeConfig
 
     _kernels(monkeypatch, kernels)
     engine = engine_for(monkeypatch, gemma64_dir, weights)
@@ -293,14 +297,7 @@ def test_gemma3_decodes_through_the_fast_step(gemma64_dir, small_corpus, monkeyp
     meta = snapshots.load(snapshot_path(engine)).meta
     assert meta["prefill"].startswith("rows ") and list(meta["windows"]) == [W, None, W]
     cached_is_full_alone_and_together(engine, QUESTIONS[:3], 12)
-    d = DecodeConfig(max_tokens=10, min_tokens=10)
-    messages: list[dict] = []
-    for q in QUESTIONS[:2]:
-        messages.append({"role": "user", "content": q})
-        cached = engine.answer(Query("corpus", None, messages=messages, decoding=d, max_tokens=10))
-        full = engine.answer(Query("corpus", None, messages=messages, decoding=d, max_tokens=10, mode="full"))
-        assert cached.token_ids == full.token_ids and len(cached.token_ids) == 10
-        messages.append({"role": "assistant", "content": cached.answer})
+    conversation_equals_full(engine, QUESTIONS[:2])
 
 
 @torch.inference_mode()
