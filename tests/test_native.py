@@ -19,6 +19,7 @@ from cag.errors import ModelError
 from cag.kernels import backends, native
 from cag.model import packed
 from cag.model import weights as weights_mod
+from cag.model.stacked_products import own
 from cag.runtime import all_layers
 from cag.runtime import step as lean
 from tests.test_batch import cached_is_full_alone_and_together
@@ -68,12 +69,14 @@ def case(B, R, n, lens, D=64, H=2, S=4, room=300, seed=0):
     return q, kp, vp, ks, vs, slots, torch.tensor(lens)
 
 
-def reference(q, kp, vp, ks, vs, slots, lens, scale, rounded=True):
-    """float64 softmax attention of each request over prefix ++ its own suffix keys, q rounded to bf16 (`rounded`)."""
+def reference(q, kp, vp, ks, vs, slots, lens, scale, rounded=True, window=None):
+    """float64 softmax attention of each request over prefix ++ its own suffix keys, q rounded to bf16 (`rounded`);
+    with a `window`, request b's row (at position n + lens[b] - 1) over its last `window` keys only."""
     out = torch.empty(q.shape, dtype=torch.float64)
+    last = slice(-window, None) if window else slice(None)
     for b in range(q.shape[0]):
-        K = torch.cat([kp, ks[slots[b], :, : lens[b]]], 1).double()  # (H, n + len, D)
-        V = torch.cat([vp, vs[slots[b], :, : lens[b]]], 1).double()
+        K = torch.cat([kp, ks[slots[b], :, : lens[b]]], 1).double()[:, last]  # (H, n + len, D), or its last W
+        V = torch.cat([vp, vs[slots[b], :, : lens[b]]], 1).double()[:, last]
         s = (q[b].bfloat16() if rounded else q[b]).double() @ K.transpose(-1, -2) * scale
         out[b] = torch.softmax(s, -1) @ V
     return out
@@ -151,19 +154,8 @@ def test_rows_on_one_slot_read_chunks_together_with_their_own_bits(request, kern
         alone = kernel(q[b : b + 1].contiguous(), kp, vp, ks, vs, slots[b : b + 1], lens[b : b + 1], 0.125, **win)
         assert torch.equal(alone, together[b : b + 1]), b
     mode = request.node.callspec.params["kernel"]
-    want = (windowed_reference(q, kp, vp, ks, vs, slots, lens, 0.125, window or 10**6, rounded=mode != "avx2"))
+    want = reference(q, kp, vp, ks, vs, slots, lens, 0.125, rounded=mode != "avx2", window=window)
     assert (together.double() - want).abs().max() < (1e-5 if mode == "avx2" else 2e-2)
-
-
-def windowed_reference(q, kp, vp, ks, vs, slots, lens, scale, window, rounded=True):
-    """reference() where request b's row (at position n + lens[b] - 1) reads its last `window` keys only."""
-    out = torch.empty(q.shape, dtype=torch.float64)
-    for b in range(q.shape[0]):
-        K = torch.cat([kp, ks[slots[b], :, : lens[b]]], 1).double()[:, -window:]  # (H, <= W, D)
-        V = torch.cat([vp, vs[slots[b], :, : lens[b]]], 1).double()[:, -window:]
-        s = (q[b].bfloat16() if rounded else q[b]).double() @ K.transpose(-1, -2) * scale
-        out[b] = torch.softmax(s, -1) @ V
-    return out
 
 
 @pytest.mark.parametrize(("n", "lens", "window"), [
@@ -179,7 +171,7 @@ def test_a_window_reads_each_rows_last_keys(request, kernel, n, lens, window):
     mode = request.node.callspec.params["kernel"]
     q, kp, vp, ks, vs, slots, lens = case(len(lens), 3, n, lens, 64, room=760)
     got = kernel(q, kp, vp, ks, vs, slots, lens, 0.125, window=window)
-    want = windowed_reference(q, kp, vp, ks, vs, slots, lens, 0.125, window, rounded=mode != "avx2")
+    want = reference(q, kp, vp, ks, vs, slots, lens, 0.125, rounded=mode != "avx2", window=window)
     assert (got.double() - want).abs().max() < (1e-5 if mode == "avx2" else 2e-2)
     for b in range(len(lens)):
         one = slice(b, b + 1)
@@ -566,8 +558,8 @@ def test_decode_layers_refuses_bad_inputs(library, tiny64_model_dir, monkeypatch
     layer = engine.lm.model.model.layers[0]
     f = step.fns[0]
     qkv = all_layers._packed(f.qkv_packed, bias=True)
-    o = all_layers._packed(all_layers.own(layer.self_attn.o_proj))
-    gu, dn = all_layers._packed(f.gu_packed), all_layers._packed(all_layers.own(layer.mlp.down_proj))
+    o = all_layers._packed(own(layer.self_attn.o_proj))
+    gu, dn = all_layers._packed(f.gu_packed), all_layers._packed(own(layer.mlp.down_proj))
     named = dict(input_norm=f.norm1, input_eps=f.eps1, qkv=qkv[0], qkv_scales=qkv[1], o=o[0], o_scales=o[1],
                  post_norm=f.norm2, post_eps=f.eps2, gate_up=gu[0], gate_up_scales=gu[1], down=dn[0], down_scales=dn[1],
                  qkv_bias=torch.empty(0), q_norm=torch.empty(0), q_eps=0.0, k_norm=torch.empty(0), k_eps=0.0,

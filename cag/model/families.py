@@ -73,20 +73,22 @@ FAMILIES = {
 }
 
 
+def _modeling(model_type: str):
+    """transformers' modeling module of the family (Family.module where not the model type's)."""
+    name = FAMILIES[model_type].module or model_type
+    return importlib.import_module(f"transformers.models.{name}.modeling_{name}")
+
+
 def classes(model_type: str):
-    fam = FAMILIES[model_type]
-    name = fam.module or model_type
-    mod = importlib.import_module(f"transformers.models.{name}.modeling_{name}")
-    return tuple(getattr(mod, fam.prefix + s) for s in ("ForCausalLM", "DecoderLayer", "Attention", "MLP", "RMSNorm"))
+    mod, prefix = _modeling(model_type), FAMILIES[model_type].prefix
+    return tuple(getattr(mod, prefix + s) for s in ("ForCausalLM", "DecoderLayer", "Attention", "MLP", "RMSNorm"))
 
 
 def embedding_class(model_type: str) -> type:
     """The embedding module the family's model holds: torch's, or Gemma's scaled one."""
-    if not FAMILIES[model_type].embed_scale:
-        return torch.nn.Embedding
     fam = FAMILIES[model_type]
-    mod = importlib.import_module(f"transformers.models.{fam.module}.modeling_{fam.module}")
-    return mod.Gemma3TextScaledWordEmbedding
+    return getattr(_modeling(model_type), fam.prefix + "TextScaledWordEmbedding") if fam.embed_scale else (
+        torch.nn.Embedding)
 
 
 def eps(norm) -> float:

@@ -124,8 +124,11 @@ def group_one(mods: tuple) -> Callable | None:
     return None if st is None else (lambda x, w=st[0], b=st[1]: torch.nn.functional.linear(x, w, b))
 
 
+def own(lin):
+    """A module's own packed copy (not its share of a stacked group's), else None."""
+    return lin.packs if getattr(lin, "cols", 0) is None else None
+
+
 def group_shared(mods: tuple):
     """The packed copy a group's product reads: the members' shared one, or a fused Linear's own."""
-    if len(mods) > 1:
-        return group_of(*mods)
-    return mods[0].packs if getattr(mods[0], "cols", 0) is None else None  # a fused Linear's own copy, not a share
+    return group_of(*mods) if len(mods) > 1 else own(mods[0])

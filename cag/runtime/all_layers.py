@@ -21,6 +21,7 @@ import torch
 
 from cag.model.families import family
 from cag.model.packed import NativePacked
+from cag.model.stacked_products import own
 from cag.runtime import attention
 
 _NONE = torch.empty(0)  # the second tensor of a bf16 product (int4 has two: weights and scales)
@@ -38,11 +39,6 @@ def _packed(packs, bias: bool = False) -> tuple | None:
 
 def is_silu(act) -> bool:
     return type(act).__name__ in ("SiLU", "SiLUActivation")
-
-
-def own(lin):
-    """A module's own packed copy (not its share of a stacked group's), else None."""
-    return lin.packs if getattr(lin, "cols", 0) is None else None
 
 
 def weights(step, model):

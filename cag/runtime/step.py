@@ -128,6 +128,7 @@ class LeanStep:
         packed = True  # every layer's q/k/v and gate/up share packed copies (they take bf16 input)
         self.silu = True  # and every layer's MLP is silu(gate) x up (native glue and one-call layers); Gemma: gelu
         kinds: list[str | None] = list(families.rope_kinds(model) or ()) or [None] * config.num_hidden_layers
+        self.kinds = set(kinds)  # the rope kinds a pass tables (cos_sin)
         windows = layer_windows(config)[0] if fam.sandwich else (None,) * config.num_hidden_layers
         for layer, kind, window in zip(inner.layers[: config.num_hidden_layers], kinds, windows):
             a, m = layer.self_attn, layer.mlp
@@ -141,10 +142,8 @@ class LeanStep:
                 _shared(qkv), _shared(gu), qk_norms(a, fam, self.rms, d, self.dtype), _one(qkv),
                 tuple(nw[2:]) or None, window, kind,
             ))
-            last = self.fns[-1]
-            packed = packed and last.qkv_packed is not None and last.gu_packed is not None
+            packed = packed and self.fns[-1].qkv_packed is not None and self.fns[-1].gu_packed is not None
             self.silu = self.silu and all_layers.is_silu(act)
-        half = self.head_dim // 2
         # decode rows over bf16 K/V through the attention of the backend the model loaded with (cag.kernels.backends)
         self.backend = backends.of(model).for_heads(self.head_dim)
         self.kernel = self.backend.attention(self.head_dim)
@@ -172,6 +171,7 @@ class LeanStep:
         # window layers read their last W keys: only cag's native attention over decode rows does (and Gemma's
         # float32 norms by 1 + weight need a float32 step): elsewhere for_model leaves them to transformers' forward
         self.fits = not (fam.sandwich and not (self.flat and self.dtype == torch.float32))
+        half = self.head_dim // 2
         # rotate_half(x) = cat(-x2, x1) = roll(x, D/2) * sign, sign = (-1)*D/2 ++ (+1)*D/2
         self.sign = torch.cat([-torch.ones(half), torch.ones(half)]).to(self.device, self.dtype)  # (D,)
 
@@ -239,7 +239,7 @@ class LeanStep:
         post, mult, widths, branch_rms = s.post, s.residual, s.widths, s.branch_rms
         pos, top = torch.cat([r.pos for r in rows]), max(r.top for r in rows)
         ropes = {}  # per rope kind: cos, sin (R, 1, D)
-        for kind in {L.kind for L in fns}:
+        for kind in s.kinds:
             c, si = s.cos_sin(pos, h, top, kind)
             ropes[kind] = (c.view(R, 1, d), si.view(R, 1, d))
         rows_slot = torch.cat([r.rows_slot for r in rows])  # (R,) where each token's K/V is written
