@@ -39,16 +39,18 @@ def machine() -> str:
     return f"{os.cpu_count()} x {cpu} ({cpu_class()}), torch {torch.__version__}, {torch.get_num_threads()} threads"
 
 
-def family_config(family: str, granite: dict, **fields):
+def family_config(family: str, granite: dict, window: int | None = None, **fields):
     """A transformers config of `family` (llama, mistral, qwen2, qwen3, phi3, granite, olmo2) with every
-    layer global (no sliding window), Qwen3's head width hidden / heads, `granite` its multipliers."""
+    layer global, or (Mistral, Qwen2) every layer a sliding window of `window` keys; Qwen3's head width
+    hidden / heads, `granite` its multipliers."""
     import transformers
 
     d = fields["hidden_size"] // fields["num_attention_heads"]
     return {
         "llama": lambda: transformers.LlamaConfig(**fields),
-        "mistral": lambda: transformers.MistralConfig(sliding_window=None, **fields),
-        "qwen2": lambda: transformers.Qwen2Config(use_sliding_window=False, **fields),
+        "mistral": lambda: transformers.MistralConfig(sliding_window=window, **fields),
+        "qwen2": lambda: transformers.Qwen2Config(use_sliding_window=window is not None, sliding_window=window,
+                                                  max_window_layers=0, **fields),
         "qwen3": lambda: transformers.Qwen3Config(head_dim=d, use_sliding_window=False, **fields),
         "phi3": lambda: transformers.Phi3Config(**fields),
         "granite": lambda: transformers.GraniteConfig(**granite, **fields),

@@ -238,31 +238,28 @@ def glue_is_near_torch(model, name: str) -> None:
             step.residual = saved
 
 
-@pytest.mark.parametrize("weights", formats("int4", "bf16"))
+@pytest.mark.parametrize(("weights", "kernels"), formats(("int4", "avx512"), ("bf16", "avx512"), ("int4", "avx2")))
 @pytest.mark.parametrize("name", NEW)
-def test_layers_in_one_native_call_are_the_separate_ops(family_dirs, monkeypatch, name, weights):
-    """decode_layers computes each family's layer (Phi-3's fused q/k/v and gate/up as its own packed copies,
-    Qwen3's and OLMo-2's q/k norms, OLMo-2's post-norms, Granite's residual multiplier) and gives the
-    separate native calls' logits and K/V bit for bit (test_native's check, on each family)."""
-    from tests.test_native import test_a_fused_layer_is_the_separate_ops_bit_for_bit as same_bits
+def test_layers_in_one_native_call_are_the_separate_ops(family_dirs, monkeypatch, name, weights, kernels):
+    """decode_layers (the AVX-512 library's and the AVX2 one's) computes each family's layer (Phi-3's fused q/k/v
+    and gate/up as its own packed copies, Qwen3's and OLMo-2's q/k norms, OLMo-2's post-norms, Granite's residual
+    multiplier) and gives the separate native calls' logits and K/V bit for bit (test_native's check, on each
+    family)."""
+    from tests.test_native import fused_is_separate
 
-    if why := native.why_not():
-        pytest.skip(f"cag's kernels cannot run here: {why}")
-    same_bits(None, family_dirs[name], None, monkeypatch, 300, [0, 3, 6], [0, 1, 0], weights, name)
+    if why := native.avx2_why_not() if kernels == "avx2" else native.why_not():
+        pytest.skip(f"cag's {kernels} kernels cannot run here: {why}")
+    fused_is_separate(family_dirs[name], monkeypatch, 300, [0, 3, 6], [0, 1, 0], weights, name, kernels)
 
 
 def test_heads_of_80_in_one_native_call_are_the_separate_ops(tmp_path, monkeypatch):
     """Heads of 80 (a half group of 16 dims after two of 32): decode_layers gives the separate ops' logits and
     K/V bit for bit (test_native's check, on a Llama with heads of 80)."""
-    from tests.test_native import test_a_fused_layer_is_the_separate_ops_bit_for_bit as same_bits
+    from tests.test_native import fused_is_separate
 
     if why := native.why_not():
         pytest.skip(f"cag's kernels cannot run here: {why}")
-    same_bits(
-        None,
-        model_dir(tmp_path, "llama", hidden=320, heads=4, kv_heads=2),
-        None,
-        monkeypatch,
+    fused_is_separate(model_dir(tmp_path, "llama", hidden=320, heads=4, kv_heads=2), monkeypatch,
         300,
         [0, 3, 6],
         [0, 1, 0],
@@ -296,16 +293,16 @@ def test_heads_of_80_96_and_256_decode_through_the_native_layers(
 # heads of 64; of 80
 @pytest.mark.parametrize(("family", "hidden"), [(name, 256) for name in ["qwen2", *NEW]] + [("llama", 320)])
 def test_each_family_decodes_through_the_avx2_kernels(tmp_path, small_corpus, monkeypatch, family, hidden):
-    """Below the AVX-512 floor, the AVX2 library: int4 products, the attention and the glue (a family's q/k norms
-    and post-norms through its rms_f32, Granite's multipliers in torch between its calls): cag == full, alone
-    and together."""
+    """Below the AVX-512 floor, the AVX2 library: int4 products, the attention and the glue, all layers in one call
+    (a family's q/k norms and post-norms, Granite's residual multiplier inside it): cag == full, alone and
+    together."""
     if why := native.avx2_why_not():
         pytest.skip(f"cag's AVX2 kernels cannot run here: {why}")
     monkeypatch.setenv("CAG_MODEL", str(model_dir(tmp_path, family, hidden=hidden, heads=4, kv_heads=2)))
     monkeypatch.setenv("CAG_WEIGHTS", "int4")
     monkeypatch.setenv("CAG_DECODE_KERNELS", "avx2")
     engine = Engine(get_settings())
-    assert engine.lm.kernels == "avx2" and describe.decode_path(engine.lm)["native"] == "glue"
+    assert engine.lm.kernels == "avx2" and describe.decode_path(engine.lm)["native"] == "layers"
     with torch.inference_mode():
         glue_is_near_torch(engine.lm.model, family)
     engine.ingest(str(small_corpus))
@@ -316,7 +313,7 @@ def test_a_wide_product_decodes_as_the_separate_ops_and_cag_equals_full(tmp_path
     """A down projection of 6,400 inputs (200 groups of 32, 8 blocks of 16 outputs) is multiplied alike by the one
     call and by the separate native calls: the same logits and K/V bit for bit, and cag == full, alone and
     together."""
-    from tests.test_native import test_a_fused_layer_is_the_separate_ops_bit_for_bit as same_bits
+    from tests.test_native import fused_is_separate
 
     folder = model_dir(tmp_path, "llama", hidden=128, heads=2, kv_heads=1, intermediate_size=6400)
     engine = _engine(monkeypatch, folder, "int4", "avx512")
@@ -324,4 +321,4 @@ def test_a_wide_product_decodes_as_the_separate_ops_and_cag_equals_full(tmp_path
     assert down[0].shape == (8, 200, 256) and describe.decode_path(engine.lm)["native"] == "layers"
     engine.ingest(str(small_corpus))
     cached_is_full_alone_and_together(engine, QUESTIONS[:3], 12)
-    same_bits(None, folder, None, monkeypatch, 300, [0, 3, 6], [0, 1, 0], "int4", "llama")
+    fused_is_separate(folder, monkeypatch, 300, [0, 3, 6], [0, 1, 0], "int4", "llama")

@@ -361,12 +361,14 @@ def test_which_types_lie_on_int4s_grid(tokenizer_fields, tmp_path, qtype, on_gri
     assert on_4bit_grid(model) == on_grid
 
 
-def test_q4_0_layers_in_one_call_are_the_separate_ops(tokenizer_fields, tmp_path, monkeypatch):
-    """decode_layers over Q4_0's layout (steps alone) gives the separate products' logits and K/V bit for bit."""
-    from tests.test_native import test_a_fused_layer_is_the_separate_ops_bit_for_bit as same_bits
+@pytest.mark.parametrize("kernels", ["avx512", "avx2"])
+def test_q4_0_layers_in_one_call_are_the_separate_ops(tokenizer_fields, tmp_path, monkeypatch, kernels):
+    """decode_layers (AVX-512's and AVX2's) over Q4_0's layout (steps alone) gives the separate products' logits and
+    K/V bit for bit."""
+    from tests.test_native import fused_is_separate
 
-    if why := native.why_not():
-        pytest.skip(f"cag's kernels cannot run here: {why}")
+    if why := native.avx2_why_not() if kernels == "avx2" else native.why_not():
+        pytest.skip(f"cag's {kernels} kernels cannot run here: {why}")
     path = tmp_path / "tiny.Q4_0.gguf"
     write(path, T.Q4_0, tokenizer_fields)
-    same_bits(None, path, None, monkeypatch, 300, [0, 3, 6], [0, 1, 0], "int4", "llama")
+    fused_is_separate(path, monkeypatch, 300, [0, 3, 6], [0, 1, 0], "int4", "llama", kernels)

@@ -360,11 +360,11 @@ def test_cag_equals_full_through_the_kernels(
     engine = Engine(get_settings())
     step = lean.for_model(engine.lm.model)
     assert engine.lm.kernels == mode and step.kernel is not None and step.glue is not None
-    assert (step.fused is not None) == (mode == "avx512")  # all layers in one call
+    assert (step.fused is not None) == (mode != "amx")  # all layers in one call (not AMX's attention)
     packs = [m.packs for m in engine.lm.model.modules() if isinstance(m, weights_mod.FastLinear)]
     own = packed.Avx2Packed if mode == "avx2" else packed.NativePacked
     assert packs and all(isinstance(p, own) for p in packs)  # every product through cag's own kernel
-    assert step.native == ("layers" if mode == "avx512" else "glue")
+    assert step.native == ("glue" if mode == "amx" else "layers")
     engine.ingest(str(small_corpus))
     cached_is_full_alone_and_together(engine, QUESTIONS[:3], 16, distinct=False)
     (res,) = engine.resident._items.values()
@@ -465,10 +465,10 @@ def qwen2_64_dir(tiny64_model_dir, tmp_path_factory) -> Path:
     return out
 
 
-def _fused_engine(tiny64_model_dir, monkeypatch, weights="int4"):
+def _fused_engine(tiny64_model_dir, monkeypatch, weights="int4", kernels="avx512"):
     monkeypatch.setenv("CAG_MODEL", str(tiny64_model_dir))
     monkeypatch.setenv("CAG_WEIGHTS", weights)
-    monkeypatch.setenv("CAG_DECODE_KERNELS", "avx512")
+    monkeypatch.setenv("CAG_DECODE_KERNELS", kernels)
     engine = Engine(get_settings())
     return engine, lean.for_model(engine.lm.model)
 
@@ -479,18 +479,32 @@ def _fused_engine(tiny64_model_dir, monkeypatch, weights="int4"):
     (300, [0, 262], [0, 0]),                        # a suffix that fills more than one chunk of keys
     (300, [0, 3, 6], [0, 1, 0]),                    # requests on two prefixes (of 300 and 155 tokens)
 ])
-@pytest.mark.parametrize(("weights", "family"), [("int4", "llama"), ("bf16", "llama"), ("int4", "qwen2")])
-@torch.inference_mode()
+@pytest.mark.parametrize(("weights", "family", "kernels"), [
+    ("int4", "llama", "avx512"), ("bf16", "llama", "avx512"), ("int4", "qwen2", "avx512"), ("int4", "window", "avx512"),
+    ("int4", "llama", "avx2"), ("int4", "qwen2", "avx2"), ("int4", "window", "avx2")])
 def test_a_fused_layer_is_the_separate_ops_bit_for_bit(
-    library, tiny64_model_dir, request, monkeypatch, n, starts, which, weights, family
+    tiny64_model_dir, request, monkeypatch, n, starts, which, weights, family, kernels
 ):
-    """decode_layers (all layers in one parallel region) gives the logits and the K/V the separate ops
-    give, bit for bit, over several steps (Qwen2: with its q/k/v biases)."""
+    """decode_layers (all layers in one parallel region: the AVX-512 library's and the AVX2 library's) gives the
+    logits and the K/V the separate ops give, bit for bit, over several steps (Qwen2: with its q/k/v biases;
+    "window": Llama with a sliding window of 5 keys in its first layer, as Mistral's and Qwen2's window layers
+    read)."""
+    request.getfixturevalue("avx2_library" if kernels == "avx2" else "library")  # each skips where its CPU lacks it
+    folder = request.getfixturevalue("qwen2_64_dir") if family == "qwen2" else tiny64_model_dir
+    fused_is_separate(folder, monkeypatch, n, starts, which, weights, family, kernels)
+
+
+@torch.inference_mode()
+def fused_is_separate(folder, monkeypatch, n: int, starts: list[int], which: list[int], weights: str, family: str,
+                      kernels: str = "avx512") -> None:
+    """The check above on the model in `folder` (`family` "window": its first layer given a window of 5 keys)."""
     from cag.runtime.slots import PrefixKV, Slots
 
-    folder = request.getfixturevalue("qwen2_64_dir") if family == "qwen2" else tiny64_model_dir
-    engine, step = _fused_engine(folder, monkeypatch, weights)
-    assert step.fused is not None
+    engine, step = _fused_engine(folder, monkeypatch, weights, kernels)
+    assert step.fused is not None and step.backend.name == kernels
+    if family == "window":
+        step.fns[0] = step.fns[0]._replace(window=5)
+        step.fused = all_layers.weights(step, engine.lm.model)
     assert (step.fns[0].qkv_packed.bias is not None) == (family == "qwen2")
     cfg, D = engine.lm.model.config, engine.lm.head_dim
     g = torch.Generator().manual_seed(1)
@@ -511,6 +525,10 @@ def test_a_fused_layer_is_the_separate_ops_bit_for_bit(
 
     try:
         a, b = run(True), run(False)
+        if family == "window":  # and the window is read: without it the first layer sees every key
+            step.fns[0] = step.fns[0]._replace(window=None)
+            fused = all_layers.weights(step, engine.lm.model)
+            assert not torch.equal(run(True)[0], a[0])
     finally:
         step.fused = fused
     assert torch.equal(a[0], b[0])
@@ -579,6 +597,18 @@ def test_decode_layers_refuses_bad_inputs(library, tiny64_model_dir, monkeypatch
         built.add_layer(**{**named, "q_norm": torch.ones(64), "k_norm": torch.ones(40)})
     with pytest.raises(RuntimeError, match="float32 vectors"):
         built.add_layer(**{**named, "q_norm": torch.ones(64).double(), "k_norm": torch.ones(64)})
+    with pytest.raises(RuntimeError, match="window"):
+        built.add_layer(**{**named, "window": -1})
     with pytest.raises(RuntimeError, match="head width"):
         torch.classes.cag.DecodeWeights(heads=4, kv_heads=2, head_dim=48, hidden=64, scale=0.1)
-    assert len(built) == 1  # nothing refused was added
+    built.add_layer(**{**named, "window": 4})
+    assert len(built) == 2  # nothing refused was added
+    if not native.avx2_why_not() and native.load_avx2():  # the AVX2 library's one call: int4 products only
+        avx2 = torch.classes.cag_avx2.DecodeWeights(heads=cfg.num_attention_heads, kv_heads=cfg.num_key_value_heads,
+                                                    head_dim=64, hidden=cfg.hidden_size, scale=0.125)
+        avx2.add_layer(**named)
+        bf16 = torch.zeros((cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * 64,
+                           cfg.hidden_size, dtype=torch.bfloat16)
+        with pytest.raises(RuntimeError, match="bf16 weights, which this library's products do not take"):
+            avx2.add_layer(**{**named, "qkv": bf16, "qkv_scales": torch.empty(0)})
+        assert len(avx2) == 1

@@ -300,6 +300,63 @@ def test_gemma3_decodes_through_the_fast_step(gemma64_dir, small_corpus, monkeyp
     conversation_equals_full(engine, QUESTIONS[:2])
 
 
+@pytest.fixture(scope="module")
+def llama64_dirs(tmp_path_factory) -> dict[str, Path]:
+    """Mistral (every layer windowed) and Qwen2 (layers from max_window_layers = 1 on windowed; its q/k/v biases) with
+    heads of 64 (hidden 256, 4 heads, 2 K/V heads), 2 layers, W = 8."""
+    tok = _tokenizer()
+    common = dict(vocab_size=len(tok), hidden_size=256, intermediate_size=512, num_attention_heads=4,
+                  num_key_value_heads=2, num_hidden_layers=2, sliding_window=W, max_position_embeddings=4096,
+                  initializer_range=0.05, tie_word_embeddings=True, pad_token_id=tok.pad_token_id,
+                  bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
+    out = {}
+    for family, c in (("mistral", transformers.MistralConfig(**common)),
+                      ("qwen2", transformers.Qwen2Config(use_sliding_window=True, max_window_layers=1, **common))):
+        torch.manual_seed(3)
+        model = getattr(transformers, CLASSES[family])(c).eval()
+        folder = tmp_path_factory.mktemp(f"{family}-64")
+        model.save_pretrained(folder)
+        tok.save_pretrained(folder)
+        out[family] = folder
+    return out
+
+
+@pytest.mark.parametrize(("family", "weights", "kernels", "native"), [
+    ("mistral", "int4", "avx512", "layers"), ("qwen2", "bf16", "avx512", "layers"),
+    ("mistral", "int4", "avx2", "layers"), ("qwen2", "int4", "avx2", "layers")])
+def test_mistral_and_qwen2_windows_decode_through_the_fast_step(
+        llama64_dirs, small_corpus, monkeypatch, family, weights, kernels, native):
+    """Llama-shaped window layers in the step over cag's kernels (all layers in one call, the windows read there
+    too): the knowledge prefilled as decode rows, cag == full alone, together and in a conversation."""
+    from cag.runtime import describe
+    from cag.runtime import step as lean
+
+    _kernels(monkeypatch, kernels)
+    engine = engine_for(monkeypatch, llama64_dirs[family], weights)
+    path = describe.decode_path(engine.lm)
+    assert (path["step"], path["step_reason"], path["native"]) == ("fast", None, native)
+    step = lean.for_model(engine.lm.model)
+    want = [W, W] if family == "mistral" else [None, W]
+    assert [L.window for L in step.fns] == want
+    ing = engine.ingest(str(small_corpus))
+    assert ing.n_tokens > 4 * W
+    meta = snapshots.load(snapshot_path(engine)).meta
+    assert meta["prefill"].startswith("rows ") and list(meta["windows"]) == want
+    cached_is_full_alone_and_together(engine, QUESTIONS[:3], 12, distinct=family != "mistral")
+    conversation_equals_full(engine, QUESTIONS[:2])
+
+
+@pytest.mark.parametrize("family", ["mistral", "qwen2"])
+def test_windows_off_cags_kernels_take_the_forward(llama64_dirs, monkeypatch, family):
+    """fp32 weights (torch's GEMM, rows not all decode rows): the forward serves window layers, and `cag info` says
+    why."""
+    from cag.runtime import describe
+
+    engine = engine_for(monkeypatch, llama64_dirs[family], "fp32")
+    path = describe.decode_path(engine.lm)
+    assert path["step"] != "fast" and "sliding-window" in path["step_reason"]
+
+
 @torch.inference_mode()
 def test_the_fast_step_computes_gemma3(gemma64_dir, monkeypatch, models_dir):
     """The step's logits (bf16 products, native glue and windowed attention over bf16 K/V) stay within bf16's

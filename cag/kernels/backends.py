@@ -92,7 +92,8 @@ class Backend:
 AVX512 = Backend("avx512", "avx512", "cag", "decode_attention_avx512", all_layers=True, paired=True, int8_codes=True,
                  floor=native.FLAGS, sources=native.SOURCES)
 AMX = Backend("amx", "avx512", "cag", "decode_attention", floor=native.FLAGS + native.TILES, sources=native.SOURCES)
-AVX2 = Backend("avx2", "avx2", "cag_avx2", "decode_attention", floor=native.AVX2_FLAGS, sources=native.AVX2_SOURCES)
+AVX2 = Backend("avx2", "avx2", "cag_avx2", "decode_attention", all_layers=True, floor=native.AVX2_FLAGS,
+               sources=native.AVX2_SOURCES)
 TORCH = Backend("torch", None, None, None)
 CUDA = Backend("cuda", None, None, None)  # torch's kernels on the GPU: the step's few-kernel cascade and graphs
 BY_NAME = {b.name: b for b in (AVX512, AMX, AVX2, TORCH, CUDA)}

@@ -6,7 +6,7 @@ with the differences a Family names. Checked exactly against transformers' class
 layer, other norms or another rope are refused, and the model decodes through transformers' forward.
 
 Families (FAMILIES) and the transformers classes that take the step:
-  * LlamaForCausalLM, MistralForCausalLM (full attention), Qwen2ForCausalLM (q/k/v biases): Llama's layer;
+  * LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM (q/k/v biases): Llama's layer;
   * Qwen3ForCausalLM: RMSNorm of each head of q and k (q_norm, k_norm over D) before rope;
   * Phi3ForCausalLM: q/k/v in one qkv_proj and gate/up in one gate_up_proj (their columns in that order);
   * GraniteForCausalLM: the embedding x embedding_multiplier, each residual branch x residual_multiplier,
@@ -18,16 +18,18 @@ Families (FAMILIES) and the transformers classes that take the step:
     each branch's input and output (input_layernorm, post_attention_layernorm; pre_feedforward_layernorm,
     post_feedforward_layernorm); RMSNorm by (1 + weight) in float32; q_norm and k_norm per head; rope per layer
     type (a base for sliding-window layers, another for full ones); gelu(tanh) x up; attention scaled by
-    query_pre_attn_scalar^-1/2 (its `scaling`); window layers read their last W keys (cag.model.windows), which
-    only cag's native attention does: the step takes Gemma where every row is a decode row (LeanStep.flat).
+    query_pre_attn_scalar^-1/2 (its `scaling`); its float32 norms need a float32 step (LeanStep.fits).
     Attention logit soft-capping (Gemma 2) and bidirectional attention are refused; final logit soft-capping
     is applied (LeanStep.logits).
+Window layers in any family (Mistral's `sliding_window`, Qwen2's `use_sliding_window` from `max_window_layers`
+on, Gemma 3's) read their last W keys (cag.model.windows), which only cag's native attention does: the step
+takes such a model where every row is a decode row (LeanStep.fits), transformers' forward serves it elsewhere.
 Partial rotary embeddings (rope on part of a head) and longrope (its frequencies switch with a call's
 longest position) are refused. With cag's kernels every family decodes its attention, products, glue
 (RMSNorm to bf16, rope with the K/V write, silu x up), q/k norms and post-norms natively; with int4 or bf16
-weights on the AVX-512 kernels all layers run in one native call (cag.runtime.all_layers), which computes
-every difference above (q/k norms, post-norms, the residual multiplier; Granite's embedding and logits
-multipliers stay outside the layers).
+weights on the AVX-512 kernels (int4 on the AVX2 ones) all layers run in one native call
+(cag.runtime.all_layers), which computes every difference above (q/k norms, post-norms, the residual
+multiplier, windows; Granite's embedding and logits multipliers stay outside the layers).
 """
 
 from __future__ import annotations
@@ -169,9 +171,6 @@ def why_not(model) -> str | None:
     layers = inner.layers[: config.num_hidden_layers]
     if type(inner.embed_tokens) is not embedding_class(model_type) or type(inner.norm) is not norm_cls:
         return "embedding or final norm of another kind"
-    if not fam.sandwich and getattr(config, "sliding_window", None) is not None and getattr(
-            config, "use_sliding_window", True):
-        return "sliding-window attention"
     if fam.sandwich and (getattr(config, "attn_logit_softcapping", None) is not None
                          or getattr(config, "use_bidirectional_attention", False)):
         return "attention logit soft-capping or bidirectional attention"
@@ -187,8 +186,6 @@ def why_not(model) -> str | None:
         if (type(layer) is not layer_cls or type(a) is not attn_cls or type(layer.mlp) is not mlp_cls
                 or any(type(n) is not norm_cls for n in (*norms(layer, fam), *(after_norms(layer, fam) or ())))):
             return "a layer of another structure"
-        if not fam.sandwich and getattr(a, "sliding_window", None) is not None:
-            return "sliding-window attention"
         if a.num_key_value_groups * config.num_key_value_heads != config.num_attention_heads:
             return "query heads not a multiple of K/V heads"
         freqs = [getattr(inner.rotary_emb, "inv_freq", None)] if kinds is None else [

@@ -273,12 +273,12 @@ def _native(
     win = {} if window is None else {"window": int(window)}
     if len(r.groups) == 1:
         prefix = r.groups[0][0]
-        Kp, Vp = _bf16(prefix.kv[i])
+        Kp, Vp = bf16_kv(prefix.kv[i])
         return kernel(q, Kp[0], Vp[0], K, V, r.slots_cpu, r.lens, scale,
                       *(_pairs(prefix, i, Kp, Vp) if paired else ()), **win)
     o = torch.empty_like(q)
     for prefix, idx in r.groups:
-        Kp, Vp = _bf16(prefix.kv[i])
+        Kp, Vp = bf16_kv(prefix.kv[i])
         j = idx.cpu()
         o[idx] = kernel(
             q[idx].contiguous(),
@@ -297,7 +297,7 @@ def _native(
 
 def paired(prefix, i: int) -> list[torch.Tensor]:
     """Layer i of a prefix as cag.kernels.native's decode_layers takes it: K, V (H_kv, n, D) bf16 and their pairs."""
-    Kp, Vp = _bf16(prefix.kv[i])
+    Kp, Vp = bf16_kv(prefix.kv[i])
     return [Kp[0], Vp[0], *_pairs(prefix, i, Kp, Vp)]
 
 
@@ -316,6 +316,6 @@ def _pairs(prefix, i: int, Kp: torch.Tensor, Vp: torch.Tensor) -> tuple[torch.Te
     return pairs[i]
 
 
-def _bf16(kv: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+def bf16_kv(kv: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     k, v = kv  # (1, H_kv, n, D); a prefix built for another dtype than the engine's own is converted
     return (k, v) if k.dtype == torch.bfloat16 else (k.to(torch.bfloat16), v.to(torch.bfloat16))

@@ -22,11 +22,10 @@ Same math as transformers, op for op where it matters for the bits:
 The cache is the caller's StaticCache: the new K and V are written in place at `pos` (and each layer's
 `cumulative_length` set to pos+1): a transformers forward continues from a consistent cache.
 
-Families: cag.model.families (FAMILIES): Llama, Mistral, Qwen2, Qwen3, Phi-3, Granite, OLMo-2, and Gemma 3
-(sandwich norms, gelu, a rope per layer type, window layers: over cag's native decode rows only). With cag's
-kernels attention, products, glue, q/k norms and post-norms run natively (Granite's multipliers, Gemma's gelu
-in torch between them); with int4 or bf16 weights on the AVX-512 kernels all layers of the families up to
-OLMo-2 run in one native call (cag.runtime.all_layers).
+Families: cag.model.families (FAMILIES): Llama, Mistral, Qwen2, Qwen3, Phi-3, Granite, OLMo-2, Gemma 3; window
+layers in any of them over cag's native decode rows only. With cag's kernels attention, products, glue, q/k norms
+and post-norms run natively (Granite's multipliers, Gemma's gelu in torch between them); with int4 or bf16
+weights on the AVX-512 (int4 on the AVX2) kernels all layers up to OLMo-2's run in one native call (all_layers).
 
 `for_model(model)` returns None for anything else (other families or layer structures, hooks, training
 mode), and `why_not(model)` says why; the caller then runs the transformers forward.
@@ -129,7 +128,7 @@ class LeanStep:
         self.silu = True  # and every layer's MLP is silu(gate) x up (native glue and one-call layers); Gemma: gelu
         kinds: list[str | None] = list(families.rope_kinds(model) or ()) or [None] * config.num_hidden_layers
         self.kinds = set(kinds)  # the rope kinds a pass tables (cos_sin)
-        windows = layer_windows(config)[0] if fam.sandwich else (None,) * config.num_hidden_layers
+        windows = layer_windows(config)[0]
         for layer, kind, window in zip(inner.layers[: config.num_hidden_layers], kinds, windows):
             a, m = layer.self_attn, layer.mlp
             (n1, n2), (qkv, gu, act) = norms(layer, fam), projections(layer, fam)
@@ -160,7 +159,7 @@ class LeanStep:
         if glue and fam.qk_norm:
             self.fns = [L._replace(qk=qk_norms(layer.self_attn, fam, self.branch_rms, d, self.dtype))
                         for L, layer in zip(self.fns, inner.layers)]
-        # one-call layers compute Llama's layer with its families' pieces up to OLMo-2's: not Gemma's
+        # one-call layers compute Llama's layer with its families' pieces up to OLMo-2's (and windows): not Gemma's
         plain = self.silu and not fam.sandwich
         self.fused = all_layers.weights(self, model) if glue and plain and self.backend.all_layers else None
         # with cag's kernels on the CPU over packed products (whose kernels give a row its bits at any row
@@ -170,7 +169,8 @@ class LeanStep:
         self.flat = self.kernel is not None and self.device.type == "cpu" and packed
         # window layers read their last W keys: only cag's native attention over decode rows does (and Gemma's
         # float32 norms by 1 + weight need a float32 step): elsewhere for_model leaves them to transformers' forward
-        self.fits = not (fam.sandwich and not (self.flat and self.dtype == torch.float32))
+        self.fits = (self.flat or all(w is None for w in windows)) and not (
+            fam.sandwich and not (self.flat and self.dtype == torch.float32))
         half = self.head_dim // 2
         # rotate_half(x) = cat(-x2, x1) = roll(x, D/2) * sign, sign = (-1)*D/2 ++ (+1)*D/2
         self.sign = torch.cat([-torch.ones(half), torch.ones(half)]).to(self.device, self.dtype)  # (D,)

@@ -24,74 +24,73 @@ namespace {
 constexpr int64_t C = cagk::CHUNK;
 using cagk::Partial;
 
+}  // namespace
+
+namespace cagk::avx2 {
+
 // q (B, H, R, D) float32: request b, K/V head h, row r (the query heads sharing h); kp, vp (H, n, D) bf16:
 // the prefix the requests share (n may be 0); ks, vs (S, H, room, D) bf16: the request slots; slots (B,),
 // lens (B,) int64: request b reads keys [0, lens[b]) of slot slots[b]; window: a sliding window's W (each row
-// reads its last W keys: common/attention_plan.h), 0 for none. -> (B, H, R, D) float32.
-at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& kp, const at::Tensor& vp, const at::Tensor& ks,
-                            const at::Tensor& vs, const at::Tensor& slots, const at::Tensor& lens, double scale_,
-                            int64_t window) {
-  cagk::check_attention_q(q);
-  const int64_t B = q.size(0), H = q.size(1), R = q.size(2), D = q.size(3);
-  const int64_t most = cagk::check_attention(B, H, D, kp, vp, ks, vs, slots, lens, false);  // suffix chunks of the longest suffix
+// reads its last W keys: common/attention_plan.h), 0 for none.
+Attention::Attention(const float* q, int64_t B, int64_t H, int64_t R, int64_t D, const at::Tensor& kp_,
+                     const at::Tensor& vp_, const at::Tensor& ks_, const at::Tensor& vs_, const at::Tensor& slots,
+                     const at::Tensor& lens, double scale_, int64_t window)
+    : qd(q), kp(kp_), vp(vp_), ks(ks_), vs(vs_), scale((float)scale_) {
+  const int64_t most_ = cagk::check_attention(B, H, D, kp, vp, ks, vs, slots, lens, false);  // suffix chunks of the longest suffix
   TORCH_CHECK(window >= 0, "window: 0 (none) or a sliding window's width");
-  cagk::AttentionPlan plan;  // prefix items (h, c), then suffix items (rows, h, c)
-  plan.lay_out(B, H, R, D, kp.size(1), most, slots.data_ptr<int64_t>(), lens.data_ptr<int64_t>(), window, false);
-  const int64_t n = plan.n, np = plan.np, chunks = plan.chunks, n_pre = plan.n_pre;
-  const int64_t *slot = plan.slot, *len = plan.len;
-  const std::vector<int64_t>& items = plan.items;
-  std::vector<Partial> part(B * H * R * chunks);
-  std::vector<float> acc(B * H * R * chunks * D);
-  const float* qd = q.data_ptr<float>();
-  const float scale = (float)scale_;
-  auto at_ = [&](int64_t b, int64_t h, int64_t r, int64_t c) { return plan.at(b, h, r, c); };
+  lay_out(B, H, R, D, kp.size(1), most_, slots.data_ptr<int64_t>(), lens.data_ptr<int64_t>(), window, false);
+  part.resize(B * H * R * chunks);
+  acc.resize(B * H * R * chunks * D);
+}
+
+void Attention::work(int64_t p, int64_t nt) {
+  std::vector<const float*> qs(B * R);
+  std::vector<float*> accs(B * R);
+  std::vector<Partial> ps(B * R);
+  std::vector<int64_t> fr(B * R), who(B * R), to_(B * R);  // per row of an item: its keys [fr, to), its request
   const uint16_t* kpd = reinterpret_cast<const uint16_t*>(kp.data_ptr<at::BFloat16>());
   const uint16_t* vpd = reinterpret_cast<const uint16_t*>(vp.data_ptr<at::BFloat16>());
   const uint16_t* ksd = reinterpret_cast<const uint16_t*>(ks.data_ptr<at::BFloat16>());
   const uint16_t* vsd = reinterpret_cast<const uint16_t*>(vs.data_ptr<at::BFloat16>());
-  at::parallel_for(0, plan.items_n(), 1, [&](int64_t i0, int64_t i1) {
-    std::vector<const float*> qs(B * R);
-    std::vector<float*> accs(B * R);
-    std::vector<Partial> ps(B * R);
-    std::vector<int64_t> fr(B * R), who(B * R), to(B * R);  // per row of an item: its keys [fr, to), its request
-    for (int64_t i = i0; i < i1; i++) {
-      if (i < n_pre) {  // a prefix chunk: the rows of every request that reads it (all without a window)
-        const int64_t h = items[i] / np, c = items[i] % np, t0 = c * C;
-        int64_t nr = 0;
-        for (int64_t b = 0; b < B; b++)
-          for (int64_t r = 0; r < R && plan.sees_prefix(b, c); r++, nr++) {
-            qs[nr] = qd + ((b * H + h) * R + r) * D;
-            accs[nr] = acc.data() + at_(b, h, r, c) * D;
-            fr[nr] = plan.from(b, t0), who[nr] = b;
-          }
-        cagk::item_avx2(qs.data(), nr, kpd + h * kp.stride(0) + t0 * kp.stride(1), vpd + h * vp.stride(0) + t0 * vp.stride(1),
-                        kp.stride(1), std::min(C, n - t0), D, scale, ps.data(), accs.data(), fr.data());
-        for (int64_t j = 0; j < nr; j++) part[at_(who[j], h, j % R, c)] = ps[j];
-      } else {  // a suffix chunk: one request's rows, or several on one slot that read all its keys
-        const cagk::SuffixItem& it = plan.suffix[i - n_pre];
-        const int64_t b0 = it.b0, nb = it.nb, h = it.h, c = it.c, t0 = c * C;
-        int64_t w = 0;  // the item's keys: its longest row's
-        for (int64_t j = 0; j < nb * R; j++) {  // row r of request b0 + j / R
-          qs[j] = qd + (((b0 + j / R) * H + h) * R + j % R) * D;
-          accs[j] = acc.data() + at_(b0 + j / R, h, j % R, np + c) * D;
-          fr[j] = plan.from(b0 + j / R, n + t0), to[j] = plan.to(b0 + j / R, c), w = std::max(w, to[j]);
+  const int64_t n_items = items_n();
+  for (int64_t i = p; i < n_items; i += nt) {  // share p takes items p, p + nt, ...: prefix and suffix spread evenly
+    if (i < n_pre) {  // a prefix chunk: the rows of every request that reads it (all without a window)
+      const int64_t h = items[i] / np, c = items[i] % np, t0 = c * C;
+      int64_t nr = 0;
+      for (int64_t b = 0; b < B; b++)
+        for (int64_t r = 0; r < R && sees_prefix(b, c); r++, nr++) {
+          qs[nr] = qd + ((b * H + h) * R + r) * D;
+          accs[nr] = acc.data() + at(b, h, r, c) * D;
+          fr[nr] = from(b, t0), who[nr] = b;
         }
-        const int64_t off_k = slot[b0] * ks.stride(0) + h * ks.stride(1) + t0 * ks.stride(2);
-        const int64_t off_v = slot[b0] * vs.stride(0) + h * vs.stride(1) + t0 * vs.stride(2);
-        cagk::item_avx2(qs.data(), nb * R, ksd + off_k, vsd + off_v, ks.stride(2), w, D, scale, ps.data(), accs.data(),
-                        fr.data(), to.data());
-        for (int64_t j = 0; j < nb * R; j++) part[at_(b0 + j / R, h, j % R, np + c)] = ps[j];
+      item_avx2(qs.data(), nr, kpd + h * kp.stride(0) + t0 * kp.stride(1), vpd + h * vp.stride(0) + t0 * vp.stride(1),
+                kp.stride(1), std::min(C, n - t0), D, scale, ps.data(), accs.data(), fr.data());
+      for (int64_t j = 0; j < nr; j++) part[at(who[j], h, j % R, c)] = ps[j];
+    } else {  // a suffix chunk: one request's rows, or several on one slot that read all its keys
+      const SuffixItem& it = suffix[i - n_pre];
+      const int64_t b0 = it.b0, nb = it.nb, h = it.h, c = it.c, t0 = c * C;
+      int64_t w = 0;  // the item's keys: its longest row's
+      for (int64_t j = 0; j < nb * R; j++) {  // row r of request b0 + j / R
+        qs[j] = qd + (((b0 + j / R) * H + h) * R + j % R) * D;
+        accs[j] = acc.data() + at(b0 + j / R, h, j % R, np + c) * D;
+        fr[j] = from(b0 + j / R, n + t0), to_[j] = to(b0 + j / R, c), w = std::max(w, to_[j]);
       }
+      const int64_t off_k = slot[b0] * ks.stride(0) + h * ks.stride(1) + t0 * ks.stride(2);
+      const int64_t off_v = slot[b0] * vs.stride(0) + h * vs.stride(1) + t0 * vs.stride(2);
+      item_avx2(qs.data(), nb * R, ksd + off_k, vsd + off_v, ks.stride(2), w, D, scale, ps.data(), accs.data(), fr.data(),
+                to_.data());
+      for (int64_t j = 0; j < nb * R; j++) part[at(b0 + j / R, h, j % R, np + c)] = ps[j];
     }
-  });
-  at::Tensor out = at::empty(q.sizes(), q.options());
-  float* od = out.data_ptr<float>();
+  }
+}
+
+void Attention::merge(float* od) const {
   std::vector<float> ev(chunks);
   for (int64_t b = 0; b < B; b++)  // each row's chunks merged in a fixed order: prefix, then suffix
     for (int64_t h = 0; h < H; h++)
       for (int64_t r = 0; r < R; r++) {
-        const int64_t k0 = at_(b, h, r, plan.first_chunk(b)), kn = plan.row_chunks(b) - plan.first_chunk(b);
-        const float l = cagk::merge_weights(part.data() + k0, kn, ev.data());
+        const int64_t k0 = at(b, h, r, first_chunk(b)), kn = row_chunks(b) - first_chunk(b);
+        const float l = merge_weights(part.data() + k0, kn, ev.data());
         float* dst = od + ((b * H + h) * R + r) * D;
         for (int64_t j = 0; j < D; j += 8) {
           __m256 o = _mm256_setzero_ps();
@@ -99,6 +98,25 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& kp, const at:
           _mm256_storeu_ps(dst + j, _mm256_div_ps(o, _mm256_set1_ps(l)));
         }
       }
+}
+
+}  // namespace cagk::avx2
+
+namespace {
+
+// The op: (B, H, R, D) float32 (Attention's shapes), its items spread over torch's threads.
+at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& kp, const at::Tensor& vp, const at::Tensor& ks,
+                            const at::Tensor& vs, const at::Tensor& slots, const at::Tensor& lens, double scale,
+                            int64_t window) {
+  cagk::check_attention_q(q);
+  cagk::avx2::Attention a(q.data_ptr<float>(), q.size(0), q.size(1), q.size(2), q.size(3), kp, vp, ks, vs, slots, lens,
+                          scale, window);
+  const int64_t nt = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), a.items_n()));
+  at::parallel_for(0, nt, 1, [&](int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; p++) a.work(p, nt);
+  });
+  at::Tensor out = at::empty(q.sizes(), q.options());
+  a.merge(out.data_ptr<float>());
   return out;
 }
 

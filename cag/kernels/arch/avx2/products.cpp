@@ -21,6 +21,7 @@
 #include <cstring>
 #include <vector>
 
+#include "arch/avx2/kernels.h"
 #include "arch/avx2/vec.h"
 #include "common/product_args.h"
 
@@ -125,17 +126,33 @@ inline void blocks(int64_t M, F f) {
   for (; r < M; r++) f(std::integral_constant<int, 1>{}, r);
 }
 
+}  // namespace
+
+namespace cagk::avx2 {
+
+void int4_prepare(const uint16_t* x, int64_t M, int64_t K, int8_t* qx, float* dx, int32_t* sx) { prepare(x, M, K, qx, dx, sx); }
+
+// Outputs [n0, n1) in halves of the layout's blocks of 16, 8 outputs each.
+void int4_outputs(const uint8_t* q, const uint16_t* d, int64_t K, int64_t M, const int8_t* qx, const float* dx,
+                  const int32_t* sx, float* y, int64_t N, int64_t n0, int64_t n1, int64_t S) {
+  const int64_t G = K / 32;
+  for (int64_t n = n0; n < n1; n += 8)
+    blocks(M, [&](auto nr, int64_t r) {
+      int4_half<decltype(nr)::value>(q, d, S, G, N, n, qx + r * K, dx + r * G, sx + r * G, K, y + r * N);
+    });
+}
+
+}  // namespace cagk::avx2
+
+namespace {
+
 // x (M, K) bf16, qw (N16, K/32, 256) uint8, dm (S, K/32, N) float16 (pack_int4_native) -> (M, N) float32: halves
 // of the layout's blocks of 16, 8 outputs each, over the threads.
 at::Tensor int4_mm(const at::Tensor& x, const at::Tensor& qw, const at::Tensor& dm) {
   return cagk::int4_product(x, qw, dm, 8, prepare,
                             [](const uint8_t* q, const uint16_t* d, int64_t S, int64_t K, int64_t N, int64_t M, const int8_t* qx,
                                const float* dx, const int32_t* sx, float* y, int64_t n0, int64_t n1) {
-                              const int64_t G = K / 32;
-                              for (int64_t n = n0; n < n1; n += 8)
-                                blocks(M, [&](auto nr, int64_t r) {
-                                  int4_half<decltype(nr)::value>(q, d, S, G, N, n, qx + r * K, dx + r * G, sx + r * G, K, y + r * N);
-                                });
+                              cagk::avx2::int4_outputs(q, d, K, M, qx, dx, sx, y, N, n0, n1, S);
                             });
 }
 
