@@ -50,8 +50,9 @@ SHAPES = {
     "llama-3.2-3b": ("llama", 3072, 28, 24, 8, 8192, True),
     "llama-3-8b": ("llama", 4096, 32, 32, 8, 14336, False),
     "mistral-0.5b-window": ("mistral", 896, 24, 14, 2, 4864, True),
+    "gemma2-2b": ("gemma2", 2304, 26, 8, 4, 9216, True),  # heads of 256; window layers of 4,096 between global ones
 }
-WINDOWS = {"mistral-0.5b-window": 512}  # shapes whose every layer reads a sliding window of this many keys
+WINDOWS = {"mistral-0.5b-window": 512}  # shapes whose window layers read a sliding window of this many keys
 GROUPS = {"small": ["llama", "mistral", "qwen2", "qwen3", "phi3", "granite", "olmo2", "llama-h96"],
           "0.5b": ["qwen2.5-0.5b"], "1b": ["llama-3.2-1b"], "3b": ["llama-3.2-3b"],
           "8b": ["llama-3-8b"]}

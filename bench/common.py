@@ -40,9 +40,10 @@ def machine() -> str:
 
 
 def family_config(family: str, granite: dict, window: int | None = None, **fields):
-    """A transformers config of `family` (llama, mistral, qwen2, qwen3, phi3, granite, olmo2) with every
-    layer global, or (Mistral, Qwen2) every layer a sliding window of `window` keys; Qwen3's head width
-    hidden / heads, `granite` its multipliers."""
+    """A transformers config of `family` (llama, mistral, qwen2, qwen3, phi3, granite, olmo2, gemma2) with every
+    layer global, or (Mistral, Qwen2) every layer a sliding window of `window` keys, or (Gemma 2) every other one;
+    Qwen3's head width hidden / heads, Gemma 2's 256 and its soft caps (50 on scores, 30 on logits), `granite`
+    its multipliers."""
     import transformers
 
     d = fields["hidden_size"] // fields["num_attention_heads"]
@@ -55,6 +56,10 @@ def family_config(family: str, granite: dict, window: int | None = None, **field
         "phi3": lambda: transformers.Phi3Config(**fields),
         "granite": lambda: transformers.GraniteConfig(**granite, **fields),
         "olmo2": lambda: transformers.Olmo2Config(**fields),
+        "gemma2": lambda: transformers.Gemma2Config(
+            head_dim=256, query_pre_attn_scalar=256, sliding_window=window or 4096, attn_logit_softcapping=50.0,
+            final_logit_softcapping=30.0, hidden_activation="gelu_pytorch_tanh",
+            layer_types=["sliding_attention", "full_attention"] * (fields["num_hidden_layers"] // 2), **fields),
     }[family]()
 
 

@@ -72,7 +72,7 @@ def build(name: str, dtype=torch.float32, **kw) -> torch.nn.Module:
     return model
 
 
-def same_attention(r, q, K, V, i, scale, up, kernel=None, few=False, paired=False, window=None):
+def same_attention(r, q, K, V, i, scale, up, kernel=None, few=False, paired=False, window=None, softcap=None):
     """In place of attention.attend, for one request: the forward's own attention call (cag.model.prefill_attention's
     packed GQA over transformers' causal mask) over its prefix's keys followed by its suffix's."""
     ((prefix, _),) = r.groups

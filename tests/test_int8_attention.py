@@ -15,8 +15,8 @@ from tests.test_native import case, library  # noqa: F401 (the fixture, used by 
 pytestmark = pytest.mark.usefixtures("library")
 
 
-def op(*args):
-    return backends.AVX512.attention_kernel(*args)
+def op(*args, **kw):
+    return backends.AVX512.attention_kernel(*args, **kw)
 
 
 def int8_case(B, R, n, lens, D=64, seed=0):
@@ -40,15 +40,16 @@ def q8(q: torch.Tensor) -> torch.Tensor:
     return torch.cat(blocks, -1)
 
 
-def reference(q, kd, vd, ks, vs, slots, lens, scale):
+def reference(q, kd, vd, ks, vs, slots, lens, scale, softcap=None):
     """float64 attention of each request over the dequantized prefix (q as q8 gives it) ++ its own
-    suffix keys (q rounded to bf16, as the bf16 kernel reads them)."""
+    suffix keys (q rounded to bf16, as the bf16 kernel reads them); `softcap`: scores capped (Gemma 2)."""
     out = torch.empty(q.shape, dtype=torch.float64)
     for b in range(q.shape[0]):
         sp = q8(q[b]) @ kd.double().transpose(-1, -2)
         ss = q[b].bfloat16().double() @ ks[slots[b], :, : lens[b]].double().transpose(-1, -2)
         V = torch.cat([vd.double(), vs[slots[b], :, : lens[b]].double()], 1)
-        out[b] = torch.softmax(torch.cat([sp, ss], -1) * scale, -1) @ V
+        s = torch.cat([sp, ss], -1) * scale
+        out[b] = torch.softmax(s if softcap is None else torch.tanh(s / softcap) * softcap, -1) @ V
     return out
 
 
@@ -76,6 +77,21 @@ def test_int8_prefix_computes_attention(B, R, n, lens, D):
     if n:  # the codes are read, not the bf16 K/V beside them: zeroing those changes nothing
         zeros = (torch.zeros_like(args[1]), torch.zeros_like(args[2]))
         assert torch.equal(op(args[0], *zeros, *args[3:7], D ** -0.5, *args[7:]), got)
+
+
+@pytest.mark.parametrize("D", [64, 256])
+def test_int8_prefix_takes_soft_capped_scores(D):
+    """Gemma 2's soft cap over an int8 snapshot's codes: the float64 formula's result, a row's bits its own."""
+    (q, kp, vp, ks, vs, slots, lens, kt, vt), kd, vd = int8_case(3, 3, 700, [1, 9, 260], D)
+    q = q * 4  # scores of several units: a cap of 5 bends them
+    got = op(q, kp, vp, ks, vs, slots, lens, D ** -0.5, kt, vt, softcap=5.0)
+    want = reference(q, kd, vd, ks, vs, slots, lens, D ** -0.5, softcap=5.0)
+    assert (got.double() - want).abs().max() < 2e-2
+    assert (op(q, kp, vp, ks, vs, slots, lens, D ** -0.5, kt, vt).double() - want).abs().max() > 0.1
+    for b in range(3):
+        alone = op(q[b : b + 1].contiguous(), kp, vp, ks, vs, slots[b : b + 1], lens[b : b + 1], D ** -0.5, kt, vt,
+                   softcap=5.0)
+        assert torch.equal(alone, got[b : b + 1])
 
 
 @pytest.mark.parametrize("D", [64, 80])

@@ -69,15 +69,18 @@ def case(B, R, n, lens, D=64, H=2, S=4, room=300, seed=0):
     return q, kp, vp, ks, vs, slots, torch.tensor(lens)
 
 
-def reference(q, kp, vp, ks, vs, slots, lens, scale, rounded=True, window=None):
+def reference(q, kp, vp, ks, vs, slots, lens, scale, rounded=True, window=None, softcap=None):
     """float64 softmax attention of each request over prefix ++ its own suffix keys, q rounded to bf16 (`rounded`);
-    with a `window`, request b's row (at position n + lens[b] - 1) over its last `window` keys only."""
+    with a `window`, request b's row (at position n + lens[b] - 1) over its last `window` keys only; with a
+    `softcap`, each scaled score s as softcap * tanh(s / softcap) (Gemma 2's eager attention)."""
     out = torch.empty(q.shape, dtype=torch.float64)
     last = slice(-window, None) if window else slice(None)
     for b in range(q.shape[0]):
         K = torch.cat([kp, ks[slots[b], :, : lens[b]]], 1).double()[:, last]  # (H, n + len, D), or its last W
         V = torch.cat([vp, vs[slots[b], :, : lens[b]]], 1).double()[:, last]
         s = (q[b].bfloat16() if rounded else q[b]).double() @ K.transpose(-1, -2) * scale
+        if softcap:
+            s = torch.tanh(s / softcap) * softcap
         out[b] = torch.softmax(s, -1) @ V
     return out
 
@@ -206,6 +209,39 @@ def test_a_window_over_a_pre_paired_prefix_gives_the_same_bits(library):
     kt, vt = torch.ops.cag.pair_kv(kp, vp)
     assert torch.equal(op(q, kp, vp, ks, vs, slots, lens, 0.125, kt, vt, window=333), plain)
     assert not torch.equal(plain, op(q, kp, vp, ks, vs, slots, lens, 0.125))  # the window changed what was read
+
+
+@pytest.mark.parametrize(("n", "lens", "window", "D"), [
+    (700, [1, 9, 260, 4, 33], None, 64),  # prefix and suffixes across chunks
+    (1000, [1, 300, 17], 300, 64),        # under a sliding window, as Gemma 2's window layers read
+    (270, [1, 9], None, 256),             # Gemma 2's heads of 256
+])
+def test_soft_capped_scores(request, kernel, n, lens, window, D):
+    """Gemma 2's attention logit soft-capping (scores cap * tanh(score / cap)): the float64 formula's result, a row's
+    bits its own (alone, batched, shuffled), and not the uncapped attention."""
+    mode = request.node.callspec.params["kernel"]
+    if mode == "amx" and D % 64:
+        pytest.skip("the AMX attention takes heads of 64, 128 or 256")
+    q, kp, vp, ks, vs, slots, lens = case(len(lens), 3, n, lens, D, room=760)
+    q = q * 4  # scores of several units: a cap of 5 bends them
+    args, win = (q, kp, vp, ks, vs, slots, lens, D ** -0.5), ({} if window is None else {"window": window})
+    got = kernel(*args, softcap=5.0, **win)
+    want = reference(*args, rounded=mode != "avx2", window=window, softcap=5.0)
+    assert (got.double() - want).abs().max() < (1e-4 if mode == "avx2" else 2e-2)
+    assert (kernel(*args, **win).double() - want).abs().max() > 0.1  # the cap moved the answer
+    for b in range(len(lens)):
+        one = slice(b, b + 1)
+        alone = kernel(q[one].contiguous(), kp, vp, ks, vs, slots[one], lens[one], D ** -0.5, softcap=5.0, **win)
+        assert torch.equal(alone, got[one]), b
+    order = torch.arange(len(lens)).flip(0)
+    shuffled = kernel(q[order].contiguous(), kp, vp, ks, vs, slots[order].contiguous(), lens[order].contiguous(),
+                      D ** -0.5, softcap=5.0, **win)
+    assert torch.equal(shuffled, got[order])
+    if mode == "avx512":  # over a pre-paired prefix: the same bits
+        kt, vt = torch.ops.cag.pair_kv(kp, vp)
+        assert torch.equal(kernel(*args, kt, vt, softcap=5.0, **win), got)
+    with pytest.raises(RuntimeError, match="softcap"):
+        kernel(*args, softcap=-1.0)
 
 
 def test_bad_inputs_are_refused(kernel):

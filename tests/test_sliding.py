@@ -270,6 +270,30 @@ def gemma64_dir(tmp_path_factory) -> Path:
     return folder
 
 
+@pytest.fixture(scope="module")
+def gemma2_64_dir(tmp_path_factory) -> Path:
+    """Gemma 2 with heads of 64, layers window / global / window, W = 8, its scores soft-capped at 5 (so the cap
+    bends them) and its logits at 30."""
+    tok = _tokenizer()
+    ids = dict(pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
+    torch.manual_seed(3)
+    c = transformers.Gemma2Config(
+        vocab_size=len(tok), hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=64, num_hidden_layers=3, sliding_window=W, query_pre_attn_scalar=64, max_position_embeddings=4096,
+        initializer_range=0.02, tie_word_embeddings=True, attn_logit_softcapping=5.0, final_logit_softcapping=30.0,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"], **ids)
+    model = transformers.Gemma2ForCausalLM(c).eval()
+    for name, p in model.named_parameters():
+        if name.endswith("norm.weight"):
+            torch.nn.init.normal_(p, 0.5, 0.3)
+        if name.endswith(("q_proj.weight", "k_proj.weight")):  # scores of several units: the cap of 5 bends them
+            p.data.mul_(8.0)
+    folder = tmp_path_factory.mktemp("gemma2-64")
+    model.save_pretrained(folder)
+    tok.save_pretrained(folder)
+    return folder
+
+
 def _kernels(monkeypatch, kernels: str) -> None:
     from cag.kernels import native
 
@@ -279,23 +303,30 @@ def _kernels(monkeypatch, kernels: str) -> None:
     monkeypatch.setenv("CAG_DECODE_KERNELS", kernels)
 
 
-@pytest.mark.parametrize(("weights", "kernels"), [("int4", "avx512"), ("bf16", "avx512"), ("int4", "avx2")])
-def test_gemma3_decodes_through_the_fast_step(gemma64_dir, small_corpus, monkeypatch, weights, kernels):
-    """Gemma 3's pieces in the step over cag's kernels (gelu in torch, the rest native; window layers through the
-    attention's window): the knowledge prefilled as decode rows, cag == full alone, together and in a conversation."""
+@pytest.mark.parametrize(("family", "weights", "kernels", "kv"), [
+    ("gemma3", "int4", "avx512", "auto"), ("gemma3", "bf16", "avx512", "auto"), ("gemma3", "int4", "avx2", "auto"),
+    ("gemma2", "int4", "avx512", "auto"), ("gemma2", "int4", "avx512", "int8"), ("gemma2", "int4", "avx2", "auto")])
+def test_gemma_decodes_through_the_fast_step(request, small_corpus, monkeypatch, family, weights, kernels, kv):
+    """Gemma 3's and Gemma 2's pieces in the step over cag's kernels (gelu in torch, the rest native; window layers
+    through the attention's window, Gemma 2's soft-capped scores through its cap, over bf16 K/V or an int8
+    snapshot's codes): the knowledge prefilled as decode rows, cag == full alone, together and in a conversation."""
     from cag.runtime import describe
     from cag.runtime import step as lean
 
     _kernels(monkeypatch, kernels)
-    engine = engine_for(monkeypatch, gemma64_dir, weights)
+    monkeypatch.setenv("CAG_KV_DTYPE", kv)
+    engine = engine_for(monkeypatch, request.getfixturevalue("gemma64_dir" if family == "gemma3" else "gemma2_64_dir"),
+                        weights)
     path = describe.decode_path(engine.lm)
     assert (path["step"], path["step_reason"], path["native"]) == ("fast", None, "glue")
     step = lean.for_model(engine.lm.model)
     assert [L.window for L in step.fns] == [W, None, W] and step.fused is None and step.glue[2] is None
+    assert [L.softcap for L in step.fns] == [5.0 if family == "gemma2" else None] * 3
     ing = engine.ingest(str(small_corpus))
     assert ing.n_tokens > 4 * W
     meta = snapshots.load(snapshot_path(engine)).meta
-    assert meta["prefill"].startswith("rows ") and list(meta["windows"]) == [W, None, W]
+    # an int8 snapshot is prefilled in blocks through the forward (knowledge_kv), its codes read by decode rows
+    assert meta["prefill"].startswith("rows " if kv == "auto" else "blocks ") and list(meta["windows"]) == [W, None, W]
     cached_is_full_alone_and_together(engine, QUESTIONS[:3], 12)
     conversation_equals_full(engine, QUESTIONS[:2])
 
@@ -357,18 +388,21 @@ def test_windows_off_cags_kernels_take_the_forward(llama64_dirs, monkeypatch, fa
     assert path["step"] != "fast" and "sliding-window" in path["step_reason"]
 
 
+@pytest.mark.parametrize("family", ["gemma3", "gemma2"])
 @torch.inference_mode()
-def test_the_fast_step_computes_gemma3(gemma64_dir, monkeypatch, models_dir):
+def test_the_fast_step_computes_gemma(request, monkeypatch, models_dir, family):
     """The step's logits (bf16 products, native glue and windowed attention over bf16 K/V) stay within bf16's
-    rounding of transformers' forward over the same products, while the step with its windows taken away, or
-    Gemma's norms by the weight alone, lands far farther (so each piece is computed)."""
+    rounding of transformers' forward over the same products (its eager attention for Gemma 2's capped scores),
+    while the step with its windows taken away, Gemma's norms by the weight alone, or Gemma 2's cap on the scores
+    left out, lands far farther (so each piece is computed)."""
     from cag.model.loading import load_model
     from cag.runtime import step as lean
     from cag.runtime.slots import PrefixKV, Slots
     from tests import test_step as ts
 
     _kernels(monkeypatch, "avx512")
-    model = load_model(str(gemma64_dir), models_dir, dtype="float32", weights="bf16", device="cpu").model
+    folder = request.getfixturevalue("gemma64_dir" if family == "gemma3" else "gemma2_64_dir")
+    model = load_model(str(folder), models_dir, dtype="float32", weights="bf16", device="cpu").model
     step = lean.for_model(model)
     assert step is not None, lean.why_not(model)
     n = len(ts.PROMPT)
@@ -391,6 +425,9 @@ def test_the_fast_step_computes_gemma3(gemma64_dir, monkeypatch, models_dir):
         assert (logits() - want).abs().mean() > max(3 * apart, 0.1 * scale)
         step.fns = [L._replace(after=None) for L in saved]  # the norms on the branches' outputs left out
         assert (logits() - want).abs().mean() > max(3 * apart, 0.1 * scale)
+        if family == "gemma2":
+            step.fns = [L._replace(softcap=None) for L in saved]  # the scores uncapped
+            assert (logits() - want).abs().mean() > max(3 * apart, 0.1 * scale)
     finally:
         step.fns = saved
 

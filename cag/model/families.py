@@ -19,8 +19,9 @@ Families (FAMILIES) and the transformers classes that take the step:
     post_feedforward_layernorm); RMSNorm by (1 + weight) in float32; q_norm and k_norm per head; rope per layer
     type (a base for sliding-window layers, another for full ones); gelu(tanh) x up; attention scaled by
     query_pre_attn_scalar^-1/2 (its `scaling`); its float32 norms need a float32 step (LeanStep.fits).
-    Attention logit soft-capping (Gemma 2) and bidirectional attention are refused; final logit soft-capping
-    is applied (LeanStep.logits).
+    Bidirectional attention is refused; final logit soft-capping is applied (LeanStep.logits);
+  * Gemma2ForCausalLM: Gemma 3's layer without q/k norms, one rope for every layer, and attention logit
+    soft-capping (scores cap * tanh(score / cap), attn_logit_softcapping), which cag's native attention applies.
 Window layers in any family (Mistral's `sliding_window`, Qwen2's `use_sliding_window` from `max_window_layers`
 on, Gemma 3's) read their last W keys (cag.model.windows), which only cag's native attention does: the step
 takes such a model where every row is a decode row (LeanStep.fits), transformers' forward serves it elsewhere.
@@ -58,6 +59,7 @@ class Family(NamedTuple):
     sandwich: bool = False  # norms on each branch's input and output (Gemma 3: four a layer)
     plus_one: bool = False  # RMSNorm multiplies by 1 + weight, in float32 (Gemma)
     embed_scale: bool = False  # the embedding x its embed_scale, in the weights' dtype (Gemma)
+    rope_types: bool = False  # a rope per layer type in one rotary module (Gemma 3)
     module: str | None = None  # transformers.models.<module>.modeling_<module> where not the model type's
 
 
@@ -70,8 +72,9 @@ FAMILIES = {
     "phi3": Family("Phi3", fused_proj=True),
     "granite": Family("Granite", multipliers=True),
     "olmo2": Family("Olmo2", qk_norm="all", post_norms=True, norm_weight_fp32=True),
+    "gemma2": Family("Gemma2", norm_weight_fp32=True, sandwich=True, plus_one=True, embed_scale=True),
     "gemma3_text": Family("Gemma3", qk_norm="head", norm_weight_fp32=True, sandwich=True, plus_one=True,
-                          embed_scale=True, module="gemma3"),
+                          embed_scale=True, module="gemma3", rope_types=True),
 }
 
 
@@ -171,9 +174,8 @@ def why_not(model) -> str | None:
     layers = inner.layers[: config.num_hidden_layers]
     if type(inner.embed_tokens) is not embedding_class(model_type) or type(inner.norm) is not norm_cls:
         return "embedding or final norm of another kind"
-    if fam.sandwich and (getattr(config, "attn_logit_softcapping", None) is not None
-                         or getattr(config, "use_bidirectional_attention", False)):
-        return "attention logit soft-capping or bidirectional attention"
+    if getattr(config, "use_bidirectional_attention", False):
+        return "bidirectional attention"
     kinds = rope_kinds(model)
     rope_types = [str(getattr(inner.rotary_emb, "rope_type", ""))] if kinds is None else [
         str(inner.rotary_emb.rope_type.get(k, "")) for k in kinds]
@@ -222,6 +224,6 @@ def qk_norms(attn, fam: Family, rms: Callable, d: int, dtype: torch.dtype | None
 def rope_kinds(model) -> list[str] | None:
     """Per layer, the layer type whose rope it takes (Gemma 3: its rotary module holds one per type), or None
     where one rope serves every layer."""
-    if not family(model).sandwich:
+    if not family(model).rope_types:
         return None
     return list(model.config.layer_types[: model.config.num_hidden_layers])

@@ -209,22 +209,24 @@ def _merge_out(o: torch.Tensor, B: int, m: int, n_kv: int, rep: int, d: int, dty
 
 
 def attend(r, q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, i: int, scale: float, up: bool,
-           kernel=None, few: bool = False, paired: bool = False, window: int | None = None) -> torch.Tensor:
+           kernel=None, few: bool = False, paired: bool = False, window: int | None = None,
+           softcap: float | None = None) -> torch.Tensor:
     """One part's attention in layer i: q (B*m, H, D) roped -> (B*m, H*D), head-major as o_proj expects.
     `kernel`: the backend's decode attention (cag.kernels.backends: AVX-512, AMX or AVX2), used for decode parts (one
     token per request) over bf16 K/V, `paired` where it takes a prefix pre-paired; a part's role, not its batch,
     picks the kernel. `few`: the
     few-kernel cascade (_few; the step's on CUDA) where its kernels take the part. `window`: a window layer's W
     (each row reads its last W keys), which only the backend's kernel reads (the step takes such models only
-    where every row is a decode row)."""
+    where every row is a decode row); `softcap`: a soft cap on its scores (Gemma 2), likewise the kernel's alone."""
     B, m, M = r.B, r.m, r.M
     n_kv, d = K.shape[1], K.shape[3]
     rep = M // m
     if kernel is not None and m == 1 and not r.question and K.dtype == torch.bfloat16:
-        return (_native(kernel, r, q.view(B, n_kv, rep, d), K, V, i, scale, paired, window)
+        return (_native(kernel, r, q.view(B, n_kv, rep, d), K, V, i, scale, paired, window, softcap)
                 .reshape(B, n_kv * rep * d).to(q.dtype))
-    if window is not None:
-        raise ValueError("a window layer's rows go through the backend's attention, as decode rows over bf16 K/V")
+    if window is not None or softcap is not None:
+        raise ValueError("window layers and soft-capped scores go through the backend's attention, as decode rows "
+                         "over bf16 K/V")
     q = q.view(B, m, n_kv, rep, d).transpose(1, 2).reshape(B, n_kv, M, d)
     # (B, H_kv, L, D): only the suffix is per request
     Ks = K[r.slots, :, : r.L] if r.one is None else K[r.one, None, :, : r.L]
@@ -263,14 +265,14 @@ def attend(r, q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, i: int, scale: 
 
 def _native(
     kernel, r, q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, i: int, scale: float, paired: bool,
-    window: int | None = None
+    window: int | None = None, softcap: float | None = None
 ) -> torch.Tensor:
     """Decode rows through the native kernel: q (B, H_kv, rep, D) -> (B, H_kv, rep, D) float32, each
     request over its prefix (read once per group of requests sharing it) and its own suffix keys
     [0, r.lens[b]) in its slot, in one call per prefix; no K/V gathered or copied. A window layer's rows read
-    their last `window` keys (common/attention_plan.h)."""
+    their last `window` keys (common/attention_plan.h); `softcap`: the scores soft-capped (Gemma 2)."""
     q = q.float().contiguous()
-    win = {} if window is None else {"window": int(window)}
+    win = ({} if window is None else {"window": int(window)}) | ({} if softcap is None else {"softcap": float(softcap)})
     if len(r.groups) == 1:
         prefix = r.groups[0][0]
         Kp, Vp = bf16_kv(prefix.kv[i])

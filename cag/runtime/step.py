@@ -75,6 +75,7 @@ class Layer(NamedTuple):
     after: tuple | None = None  # ((weight, eps) x 2): the norms on the attention's and the MLP's outputs (Gemma 3)
     window: int | None = None  # its sliding window W (cag.model.windows), None: full attention
     kind: str | None = None  # the layer type whose rope it takes (Gemma 3), None: the model's one rope
+    softcap: float | None = None  # its scores' soft cap (Gemma 2's attn_logit_softcapping), None: none
 
 
 class LeanStep:
@@ -139,7 +140,7 @@ class LeanStep:
                 *nw[0], _together(qkv, self.widths), f(a.o_proj), a.scaling,
                 *nw[1], _together(gu, (inter, inter)), f(m.down_proj), act.forward,
                 _shared(qkv), _shared(gu), qk_norms(a, fam, self.rms, d, self.dtype), _one(qkv),
-                tuple(nw[2:]) or None, window, kind,
+                tuple(nw[2:]) or None, window, kind, getattr(a, "attn_logit_softcapping", None),
             ))
             packed = packed and self.fns[-1].qkv_packed is not None and self.fns[-1].gu_packed is not None
             self.silu = self.silu and all_layers.is_silu(act)
@@ -223,8 +224,7 @@ class LeanStep:
         s = self
         picks = None
         if s.flat:  # one part of single-token rows (rows.flat); each part's logits picked back at the end
-            given = parts
-            one, picks = flat_rows(parts)
+            given, (one, picks) = parts, flat_rows(parts)
             parts = [one]
         rms, n_kv, rep, d, half = s.rms, s.n_kv, s.rep, s.head_dim, s.head_dim // 2
         kernel = s.kernel if s.device.type == "cpu" else None
@@ -281,8 +281,8 @@ class LeanStep:
                 K[rows_slot, :, rows_pos] = (k * cos + k.roll(half, -1) * sin).to(K.dtype)
                 V[rows_slot, :, rows_pos] = v.view(R, n_kv, d).to(V.dtype)
                 q = (q * cos + q.roll(half, -1) * sin).to(q.dtype)  # OLMo-2 ropes in float32 (its cos, sin), then casts
-            outs = [attention.attend(r, q[r.r0 : r.r1], K, V, i, L.scale, up, kernel, s.few, s.backend.paired, L.window)
-                    for r in rows]
+            outs = [attention.attend(r, q[r.r0 : r.r1], K, V, i, L.scale, up, kernel, s.few, s.backend.paired, L.window,
+                                     L.softcap) for r in rows]
             o = outs[0] if len(outs) == 1 else torch.cat(outs)
             # with the glue: the products' bf16 input, as they round it
             y = L.o(o.to(torch.bfloat16) if glue else o, roles)

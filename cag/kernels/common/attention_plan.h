@@ -21,6 +21,13 @@ constexpr int64_t int8_blocks(int64_t D) { return D % 32 == 0 ? D / 32 : 1; }  /
 // An item's result for one row: its max score m and the sum l of its probabilities.
 struct Partial { float m, l; };
 
+// How a row's raw scores q.k become the softmax's input: times `scale`, then, where `cap` is set (Gemma 2's
+// attention logit soft-capping), cap * tanh(x / cap), elementwise (a score's value depends on itself alone).
+struct Scaling {
+  float scale, cap = 0.0f;
+  Scaling(float s, float c = 0.0f) : scale(s), cap(c) {}  // NOLINT: a plain scale converts implicitly
+};
+
 // A suffix item: rows b0 .. b0 + nb - 1 (one request's, or consecutive requests reading one slot, as a knowledge
 // prefill's decode rows do), K/V head h, suffix chunk c. Its rows share its K/V reads (and on AVX-512 its pairing
 // of K) and each row's sums run as they would alone: an item reads keys [0, w) of its chunk, w its longest row's

@@ -22,7 +22,7 @@ bool amx_permitted() {  // Linux hands out AMX tile state on request, once per p
 
 #ifdef CAG_AMX
 void item_amx(const float* const* q, int64_t rows, const at::BFloat16* k, const at::BFloat16* v, int64_t stride,
-              int64_t w, int64_t D, float scale, Partial* part, float* const* acc, const int64_t* from,
+              int64_t w, int64_t D, Scaling scale, Partial* part, float* const* acc, const int64_t* from,
               const int64_t* to) {
   const int64_t wp = (w + 63) / 64 * 64;  // keys padded to whole blocks (zeros, masked)
   Scratch& sc = scratch;

@@ -50,7 +50,7 @@ bool amx_permitted();
 // sum) and acc[r] (D floats) = sum_t p_t V[t]; the probabilities are rounded to bf16 once and both the
 // sum and the products use the rounded values. from, to: per row, its keys [from[r], to[r]) (softmax_block), or null.
 void item_amx(const float* const* q, int64_t rows, const at::BFloat16* k, const at::BFloat16* v, int64_t stride,
-              int64_t w, int64_t D, float scale, Partial* part, float* const* acc, const int64_t* from = nullptr,
+              int64_t w, int64_t D, Scaling scale, Partial* part, float* const* acc, const int64_t* from = nullptr,
               const int64_t* to = nullptr);
 #endif
 

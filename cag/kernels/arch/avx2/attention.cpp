@@ -14,6 +14,7 @@
 #include <torch/library.h>
 #include <immintrin.h>
 #include <algorithm>
+#include <cmath>
 #include <vector>
 
 #include "arch/avx2/kernels.h"
@@ -31,13 +32,15 @@ namespace cagk::avx2 {
 // q (B, H, R, D) float32: request b, K/V head h, row r (the query heads sharing h); kp, vp (H, n, D) bf16:
 // the prefix the requests share (n may be 0); ks, vs (S, H, room, D) bf16: the request slots; slots (B,),
 // lens (B,) int64: request b reads keys [0, lens[b]) of slot slots[b]; window: a sliding window's W (each row
-// reads its last W keys: common/attention_plan.h), 0 for none.
+// reads its last W keys: common/attention_plan.h), 0 for none; softcap: Gemma 2's soft cap on the scores
+// (common/attention_plan.h's Scaling), 0 for none.
 Attention::Attention(const float* q, int64_t B, int64_t H, int64_t R, int64_t D, const at::Tensor& kp_,
                      const at::Tensor& vp_, const at::Tensor& ks_, const at::Tensor& vs_, const at::Tensor& slots,
-                     const at::Tensor& lens, double scale_, int64_t window)
-    : qd(q), kp(kp_), vp(vp_), ks(ks_), vs(vs_), scale((float)scale_) {
+                     const at::Tensor& lens, double scale_, int64_t window, double softcap)
+    : qd(q), kp(kp_), vp(vp_), ks(ks_), vs(vs_), scale((float)scale_, (float)softcap) {
   const int64_t most_ = cagk::check_attention(B, H, D, kp, vp, ks, vs, slots, lens, false);  // suffix chunks of the longest suffix
   TORCH_CHECK(window >= 0, "window: 0 (none) or a sliding window's width");
+  TORCH_CHECK(softcap >= 0 && std::isfinite(softcap), "softcap: 0 (none) or a soft cap on the scores");
   lay_out(B, H, R, D, kp.size(1), most_, slots.data_ptr<int64_t>(), lens.data_ptr<int64_t>(), window, false);
   part.resize(B * H * R * chunks);
   acc.resize(B * H * R * chunks * D);
@@ -107,10 +110,10 @@ namespace {
 // The op: (B, H, R, D) float32 (Attention's shapes), its items spread over torch's threads.
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& kp, const at::Tensor& vp, const at::Tensor& ks,
                             const at::Tensor& vs, const at::Tensor& slots, const at::Tensor& lens, double scale,
-                            int64_t window) {
+                            int64_t window, double softcap) {
   cagk::check_attention_q(q);
   cagk::avx2::Attention a(q.data_ptr<float>(), q.size(0), q.size(1), q.size(2), q.size(3), kp, vp, ks, vs, slots, lens,
-                          scale, window);
+                          scale, window, softcap);
   const int64_t nt = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), a.items_n()));
   at::parallel_for(0, nt, 1, [&](int64_t p0, int64_t p1) {
     for (int64_t p = p0; p < p1; p++) a.work(p, nt);
@@ -123,7 +126,7 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& kp, const at:
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(cag_avx2, m) {
-  m.def("decode_attention(Tensor q, Tensor kp, Tensor vp, Tensor ks, Tensor vs, Tensor slots, Tensor lens, float scale, int window=0) -> Tensor");
+  m.def("decode_attention(Tensor q, Tensor kp, Tensor vp, Tensor ks, Tensor vs, Tensor slots, Tensor lens, float scale, int window=0, float softcap=0.0) -> Tensor");
 }
 TORCH_LIBRARY_IMPL(cag_avx2, CPU, m) {
   m.impl("decode_attention", decode_attention);

@@ -110,8 +110,10 @@ inline void weigh2(const float* p0, const float* p1, const uint16_t* v, int64_t 
 }
 
 // Softmax numerators of one row's scores s[0, w) in place (e^(s - m) for keys [f, e), every other key exactly 0);
-// its (max, sum). Blocks of zeros add nothing: a row's bits are the same for any w >= e.
-inline Partial exps(float* s, int64_t w, int64_t f, int64_t e_) {
+// its (max, sum). Blocks of zeros add nothing: a row's bits are the same for any w >= e. `cap`: the scores soft-capped
+// first (cap * tanh(s / cap), each its own), 0 for none.
+inline Partial exps(float* s, int64_t w, int64_t f, int64_t e_, float cap) {
+  for (int64_t t = 0; cap != 0.0f && t < w; t += 8) store(s + t, softcap8(load(s + t, w - t), cap), w - t);
   float m = -INFINITY;
   for (int64_t t = f; t < e_; t++) m = std::max(m, s[t]);
   __m256 l = _mm256_setzero_ps();
@@ -133,20 +135,20 @@ namespace cagk {
 // on one prefix: each key and value widened once for the pair), a last odd row alone; a row's bits are the
 // same either way.
 void item_avx2(const float* const* q, int64_t rows, const uint16_t* k, const uint16_t* v, int64_t stride, int64_t w, int64_t D,
-               float scale, Partial* part, float* const* acc, const int64_t* from, const int64_t* to) {
+               Scaling scale, Partial* part, float* const* acc, const int64_t* from, const int64_t* to) {
   alignas(32) float s[C], s1[C];
   int64_t r = 0;
   for (; r + 1 < rows; r += 2) {
-    scores2(q[r], q[r + 1], k, stride, w, D, scale, s, s1);
-    part[r] = exps(s, w, from ? from[r] : 0, to ? to[r] : w);
-    part[r + 1] = exps(s1, w, from ? from[r + 1] : 0, to ? to[r + 1] : w);
+    scores2(q[r], q[r + 1], k, stride, w, D, scale.scale, s, s1);
+    part[r] = exps(s, w, from ? from[r] : 0, to ? to[r] : w, scale.cap);
+    part[r + 1] = exps(s1, w, from ? from[r + 1] : 0, to ? to[r + 1] : w, scale.cap);
     int64_t d0 = 0;
     for (; d0 + 32 <= D; d0 += 32) weigh2<4>(s, s1, v, stride, w, d0, acc[r], acc[r + 1]);
     if (D - d0 == 16) weigh2<2>(s, s1, v, stride, w, d0, acc[r], acc[r + 1]);
   }
   for (; r < rows; r++) {
-    scores(q[r], k, stride, w, D, scale, s);
-    part[r] = exps(s, w, from ? from[r] : 0, to ? to[r] : w);
+    scores(q[r], k, stride, w, D, scale.scale, s);
+    part[r] = exps(s, w, from ? from[r] : 0, to ? to[r] : w, scale.cap);
     int64_t d0 = 0;
     for (; d0 + 64 <= D; d0 += 64) weigh<8>(s, v, stride, w, d0, acc[r]);
     if (D - d0 == 32) weigh<4>(s, v, stride, w, d0, acc[r]);

@@ -15,7 +15,7 @@ namespace cagk {
 // per row, the keys before from[r] (a sliding window's) and from to[r] on (a row shorter than the item) masked too,
 // probability exactly 0 (common/attention_plan.h), so a row's bits are the same in an item of any w.
 void item_avx2(const float* const* q, int64_t rows, const uint16_t* k, const uint16_t* v, int64_t stride, int64_t w, int64_t D,
-               float scale, Partial* part, float* const* acc, const int64_t* from = nullptr, const int64_t* to = nullptr);
+               Scaling scale, Partial* part, float* const* acc, const int64_t* from = nullptr, const int64_t* to = nullptr);
 
 }  // namespace cagk
 
@@ -48,13 +48,13 @@ void to_bf16(const float* x, int64_t n, uint16_t* y);
 struct Attention : AttentionPlan {
   Attention(const float* q, int64_t B, int64_t H, int64_t R, int64_t D, const at::Tensor& kp, const at::Tensor& vp,
             const at::Tensor& ks, const at::Tensor& vs, const at::Tensor& slots, const at::Tensor& lens, double scale,
-            int64_t window = 0);
+            int64_t window = 0, double softcap = 0);
   void work(int64_t p, int64_t nt);
   void merge(float* out) const;  // (B, H, R, D) float32
 
   const float* qd;
   at::Tensor kp, vp, ks, vs;
-  float scale;
+  Scaling scale;  // and Gemma 2's soft cap on the scores, where set
   std::vector<Partial> part;
   std::vector<float> acc;
 };

@@ -61,4 +61,14 @@ inline __m256 exp8(__m256 x) {
   return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
 }
 
+// cap * tanh(x / cap) (attention logit soft-capping), as the AVX-512 library's softcap16 computes it.
+inline __m256 softcap8(__m256 x, float cap) {
+  const __m256 y = _mm256_div_ps(x, _mm256_set1_ps(cap));
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  const __m256 e = exp8(_mm256_mul_ps(_mm256_andnot_ps(sign, y), _mm256_set1_ps(-2.0f)));
+  const __m256 one = _mm256_set1_ps(1.0f);
+  const __m256 t = _mm256_div_ps(_mm256_sub_ps(one, e), _mm256_add_ps(one, e));
+  return _mm256_mul_ps(_mm256_or_ps(t, _mm256_and_ps(y, sign)), _mm256_set1_ps(cap));
+}
+
 }  // namespace

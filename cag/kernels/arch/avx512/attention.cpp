@@ -44,12 +44,13 @@ namespace cagk {
 // lens (B,) int64: request b reads keys [0, lens[b]) of slot slots[b].
 // kt, vt (avx512 only): the prefix as pair_kv gives it, read in place of kp and vp's rows; or as pair_kv8 gives
 // it (uint8: an int8 snapshot's codes), kp and vp then read for their shapes only. window: a sliding window's W
-// (each row reads its last W keys: common/attention_plan.h), 0 for none.
+// (each row reads its last W keys: common/attention_plan.h), 0 for none. softcap: Gemma 2's attention logit
+// soft-capping (scores cap * tanh(score / cap), common/attention_plan.h's Scaling), 0 for none.
 Attention::Attention(const float* q, int64_t B, int64_t H, int64_t R, int64_t D, const at::Tensor& kp_,
                      const at::Tensor& vp_, const at::Tensor& ks_, const at::Tensor& vs_, const at::Tensor& slots,
                      const at::Tensor& lens, double scale_, const std::optional<at::Tensor>& kt,
-                     const std::optional<at::Tensor>& vt, bool amx, int64_t window)
-    : qd(q), kp(kp_), vp(vp_), ks(ks_), vs(vs_), scale((float)scale_) {
+                     const std::optional<at::Tensor>& vt, bool amx, int64_t window, double softcap)
+    : qd(q), kp(kp_), vp(vp_), ks(ks_), vs(vs_), scale((float)scale_, (float)softcap) {
 #ifndef CAG_AMX
   TORCH_CHECK(!amx, "this library was built for a CPU without AMX: use decode_attention_avx512");
 #endif
@@ -57,6 +58,7 @@ Attention::Attention(const float* q, int64_t B, int64_t H, int64_t R, int64_t D,
   TORCH_CHECK(!amx || D % 64 == 0, "the AMX attention takes heads of 64, 128 or 256 (it sums values 64 dims a tile group)");
   const int64_t most_ = cagk::check_attention(B, H, D, kp, vp, ks, vs, slots, lens, true);  // suffix chunks of the longest suffix
   TORCH_CHECK(window >= 0, "window: 0 (none) or a sliding window's width");
+  TORCH_CHECK(softcap >= 0 && std::isfinite(softcap), "softcap: 0 (none) or a soft cap on the scores");
   lay_out(B, H, R, D, kp.size(1), most_, slots.data_ptr<int64_t>(), lens.data_ptr<int64_t>(), window);  // its items
   TORCH_CHECK(kt.has_value() == vt.has_value() && (!kt || !amx), "kt and vt: both or neither, and for the avx512 kernel");
   if (kt && kt->scalar_type() == at::kByte) {
@@ -172,10 +174,10 @@ template <bool AMX>
 at::Tensor attend(const at::Tensor& q, const at::Tensor& kp, const at::Tensor& vp, const at::Tensor& ks,
                   const at::Tensor& vs, const at::Tensor& slots, const at::Tensor& lens, double scale,
                   const std::optional<at::Tensor>& kt = std::nullopt, const std::optional<at::Tensor>& vt = std::nullopt,
-                  int64_t window = 0) {
+                  int64_t window = 0, double softcap = 0) {
   cagk::check_attention_q(q);
   cagk::Attention a(q.data_ptr<float>(), q.size(0), q.size(1), q.size(2), q.size(3), kp, vp, ks, vs, slots, lens, scale, kt, vt, AMX,
-                    window);
+                    window, softcap);
   const int64_t nt = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), a.items_n()));
   at::parallel_for(0, nt, 1, [&](int64_t p0, int64_t p1) {
     for (int64_t p = p0; p < p1; p++) a.work<AMX>(p, nt);
@@ -187,21 +189,22 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& kp, const at::Tensor& v
 
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& kp, const at::Tensor& vpre, const at::Tensor& ks,
                             const at::Tensor& vs, const at::Tensor& slots, const at::Tensor& lens, double scale,
-                            int64_t window) {
-  return attend<true>(q, kp, vpre, ks, vs, slots, lens, scale, std::nullopt, std::nullopt, window);
+                            int64_t window, double softcap) {
+  return attend<true>(q, kp, vpre, ks, vs, slots, lens, scale, std::nullopt, std::nullopt, window, softcap);
 }
 
 at::Tensor decode_attention_avx512(const at::Tensor& q, const at::Tensor& kp, const at::Tensor& vpre, const at::Tensor& ks,
                                    const at::Tensor& vs, const at::Tensor& slots, const at::Tensor& lens, double scale,
-                                   const std::optional<at::Tensor>& kt, const std::optional<at::Tensor>& vt, int64_t window) {
-  return attend<false>(q, kp, vpre, ks, vs, slots, lens, scale, kt, vt, window);
+                                   const std::optional<at::Tensor>& kt, const std::optional<at::Tensor>& vt, int64_t window,
+                                   double softcap) {
+  return attend<false>(q, kp, vpre, ks, vs, slots, lens, scale, kt, vt, window, softcap);
 }
 
 }  // namespace
 
 TORCH_LIBRARY(cag, m) {
-  m.def("decode_attention(Tensor q, Tensor kp, Tensor vp, Tensor ks, Tensor vs, Tensor slots, Tensor lens, float scale, int window=0) -> Tensor");
-  m.def("decode_attention_avx512(Tensor q, Tensor kp, Tensor vp, Tensor ks, Tensor vs, Tensor slots, Tensor lens, float scale, Tensor? kt=None, Tensor? vt=None, int window=0) -> Tensor");
+  m.def("decode_attention(Tensor q, Tensor kp, Tensor vp, Tensor ks, Tensor vs, Tensor slots, Tensor lens, float scale, int window=0, float softcap=0.0) -> Tensor");
+  m.def("decode_attention_avx512(Tensor q, Tensor kp, Tensor vp, Tensor ks, Tensor vs, Tensor slots, Tensor lens, float scale, Tensor? kt=None, Tensor? vt=None, int window=0, float softcap=0.0) -> Tensor");
 }
 TORCH_LIBRARY_IMPL(cag, CPU, m) {
   m.impl("decode_attention", decode_attention);

@@ -29,6 +29,7 @@ namespace {
 constexpr int64_t C = cagk::CHUNK;  // keys per item: its K (transposed) and V (paired) stay in L2
 constexpr int64_t MAXD = cagk::MAXD;
 using cagk::Partial;
+using cagk::Scaling;
 using cagk::Scratch;
 using cagk::scratch;
 
@@ -37,7 +38,7 @@ using cagk::scratch;
 // probabilities rounded to bf16 to pb (rows C apart) and part[r] = (max, sum of the rounded values). A masked
 // key's probability is exactly 0 (e^-88 is subnormal, which the bf16 rounding flushes), so blocks of masked keys
 // add exact zeros: a row's bits are the same in an item of any w >= its keys.
-void softmax_rows(float* s, uint16_t* pb, int64_t nr, int64_t w, int64_t wp, float scale, Partial* part,
+void softmax_rows(float* s, uint16_t* pb, int64_t nr, int64_t w, int64_t wp, Scaling scale, Partial* part,
                   const int64_t* from, const int64_t* to) {
   const __m512 neg = _mm512_set1_ps(-INFINITY);
   for (int64_t r = 0; r < nr; r++) {
@@ -46,7 +47,8 @@ void softmax_rows(float* s, uint16_t* pb, int64_t nr, int64_t w, int64_t wp, flo
     __m512 mx = neg;
     for (int64_t b = 0; b < wp / 16; b++) {
       const int64_t left = std::max<int64_t>(0, wr - b * 16), before = std::clamp<int64_t>(f - b * 16, 0, 16);
-      __m512 x = _mm512_mul_ps(_mm512_load_ps(sr + b * 16), _mm512_set1_ps(scale));
+      __m512 x = _mm512_mul_ps(_mm512_load_ps(sr + b * 16), _mm512_set1_ps(scale.scale));
+      if (scale.cap != 0.0f) x = softcap16(x, scale.cap);
       if (left < 16) x = _mm512_mask_blend_ps((__mmask16)((1u << left) - 1), neg, x);
       if (before) x = _mm512_mask_blend_ps((__mmask16)(0xFFFFu << before), neg, x);
       _mm512_store_ps(sr + b * 16, x);
@@ -107,7 +109,7 @@ inline void pair_keys(const at::BFloat16* k, int64_t stride, int64_t w, int64_t 
 // are the same, so are the bits.
 template <int64_t D>
 void item_avx512_d(const float* const* q, int64_t rows, const at::BFloat16* k, const at::BFloat16* v, int64_t stride,
-                 int64_t w, float scale, Partial* part, float* const* acc, const int64_t* from, const int64_t* to,
+                 int64_t w, Scaling scale, Partial* part, float* const* acc, const int64_t* from, const int64_t* to,
                  const uint32_t* kpre, const uint32_t* vpre, const char* nk, int64_t nkb, const char* nv, int64_t nvb) {
   const int64_t wp = (w + 63) / 64 * 64;
   Scratch& sc = scratch;
@@ -257,14 +259,14 @@ std::tuple<at::Tensor, at::Tensor> pair_kv(const at::Tensor& k, const at::Tensor
 
 namespace cagk {
 
-void softmax_block(float* s, uint16_t* pb, int64_t nr, int64_t w, int64_t wp, float scale, Partial* part,
+void softmax_block(float* s, uint16_t* pb, int64_t nr, int64_t w, int64_t wp, Scaling scale, Partial* part,
                    const int64_t* from, const int64_t* to) {
   softmax_rows(s, pb, nr, w, wp, scale, part, from, to);
 }
 
 // item_avx512_d for the head width at hand (a compile-time D keeps the accumulators in registers).
 void item_avx512(const float* const* q, int64_t rows, const at::BFloat16* k, const at::BFloat16* v, int64_t stride,
-                 int64_t w, int64_t D, float scale, Partial* part, float* const* acc, const int64_t* from,
+                 int64_t w, int64_t D, Scaling scale, Partial* part, float* const* acc, const int64_t* from,
                  const int64_t* to, const uint32_t* kpre, const uint32_t* vpre, const char* nk, int64_t nkb,
                  const char* nv, int64_t nvb) {
   switch (D) {

@@ -63,7 +63,7 @@ void quantize_row(const float* q, int64_t D, int8_t* qc, float* qd, int32_t* qz)
 }
 
 template <int64_t D>
-void item_int8_d(const float* const* q, int64_t rows, const uint8_t* kc, const uint8_t* vc, int64_t w, float scale,
+void item_int8_d(const float* const* q, int64_t rows, const uint8_t* kc, const uint8_t* vc, int64_t w, cagk::Scaling scale,
                  cagk::Partial* part, float* const* acc, const char* nk, const char* nv, const int64_t* from) {
   constexpr int64_t QB = (D + B32 - 1) / B32;    // the query's blocks (quantize_row): of 32, the last of 32 g + 16 a half
   constexpr int64_t NB = cagk::int8_blocks(D);    // the keys' and values' blocks: of 32, or one a head of 80
@@ -190,7 +190,7 @@ std::tuple<at::Tensor, at::Tensor> pair_kv8(const at::Tensor& k, const at::Tenso
 
 namespace cagk {
 
-void item_int8(const float* const* q, int64_t rows, const uint8_t* kc, const uint8_t* vc, int64_t w, int64_t D, float scale,
+void item_int8(const float* const* q, int64_t rows, const uint8_t* kc, const uint8_t* vc, int64_t w, int64_t D, Scaling scale,
                Partial* part, float* const* acc, const char* nk, const char* nv, const int64_t* from) {
   switch (D) {
     case 64: item_int8_d<64>(q, rows, kc, vc, w, scale, part, acc, nk, nv, from); break;

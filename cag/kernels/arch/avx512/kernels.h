@@ -36,10 +36,11 @@ void to_bf16(const float* x, int64_t n, uint16_t* y);
 
 // attention_item.cpp: the softmax of nr rows of scores s (rows CHUNK apart, keys [0, w) of wp, w <= wp <= CHUNK,
 // wp a multiple of 64), keys past w masked: the probabilities rounded to bf16 into pb (rows CHUNK apart), and
-// part[r] = (max, sum of the rounded values). Scores are multiplied by `scale` first. `from`, `to` (null: none):
+// part[r] = (max, sum of the rounded values). Scores are scaled first (Scaling: times scale, then the soft cap
+// where set). `from`, `to` (null: none):
 // per row, the keys before from[r] (a sliding window's) and from to[r] on (a shorter row's) masked too, probability
 // exactly 0 (common/attention_plan.h; from[r] < to[r] <= w).
-void softmax_block(float* s, uint16_t* pb, int64_t nr, int64_t w, int64_t wp, float scale, Partial* part,
+void softmax_block(float* s, uint16_t* pb, int64_t nr, int64_t w, int64_t wp, Scaling scale, Partial* part,
                    const int64_t* from = nullptr, const int64_t* to = nullptr);
 
 // attention_item.cpp: one item by AVX512-BF16 dot products: `rows` query rows (fp32, D floats at q[r]) over keys
@@ -48,14 +49,14 @@ void softmax_block(float* s, uint16_t* pb, int64_t nr, int64_t w, int64_t wp, fl
 // read in place of k's and v's rows); nk, nv (nkb, nvb bytes): the item this thread takes next, to prefetch.
 // from, to: per row, its keys [from[r], to[r]) (softmax_block), or null.
 void item_avx512(const float* const* q, int64_t rows, const at::BFloat16* k, const at::BFloat16* v, int64_t stride,
-                 int64_t w, int64_t D, float scale, Partial* part, float* const* acc, const int64_t* from = nullptr,
+                 int64_t w, int64_t D, Scaling scale, Partial* part, float* const* acc, const int64_t* from = nullptr,
                  const int64_t* to = nullptr, const uint32_t* kpre = nullptr, const uint32_t* vpre = nullptr,
                  const char* nk = nullptr, int64_t nkb = 0, const char* nv = nullptr, int64_t nvb = 0);
 
 // int8_attention.cpp: a prefix item over int8 codes (pair_kv8's layout; kc, vc the item's bytes), the
 // unnormalized sum of p_t V_t per row into acc[r] (D floats) and (max, sum) into part[r]; nk, nv: the
 // bytes of the item this thread takes next (to prefetch) or null.
-void item_int8(const float* const* q, int64_t rows, const uint8_t* kc, const uint8_t* vc, int64_t w, int64_t D, float scale,
+void item_int8(const float* const* q, int64_t rows, const uint8_t* kc, const uint8_t* vc, int64_t w, int64_t D, Scaling scale,
                Partial* part, float* const* acc, const char* nk, const char* nv, const int64_t* from = nullptr);
 // An int8 item's K (or V: the same size) bytes in pair_kv8's layout: CHUNK keys' codes, then their float16
 // scales per block (int8_blocks).
@@ -67,13 +68,14 @@ constexpr int64_t int8_item_bytes(int64_t D) { return D * CHUNK + int8_blocks(D)
 struct Attention : AttentionPlan {
   Attention(const float* q, int64_t B, int64_t H, int64_t R, int64_t D, const at::Tensor& kp, const at::Tensor& vp,
             const at::Tensor& ks, const at::Tensor& vs, const at::Tensor& slots, const at::Tensor& lens, double scale,
-            const std::optional<at::Tensor>& kt, const std::optional<at::Tensor>& vt, bool amx, int64_t window = 0);
+            const std::optional<at::Tensor>& kt, const std::optional<at::Tensor>& vt, bool amx, int64_t window = 0,
+            double softcap = 0);
   template <bool AMX> void work(int64_t p, int64_t nt);
   void merge(float* out) const;  // (B, H, R, D) float32
 
   const float* qd;
   at::Tensor kp, vp, ks, vs;
-  float scale;
+  Scaling scale;  // and Gemma 2's soft cap on the scores, where set
   const uint32_t *ktd = nullptr, *vtd = nullptr;  // a bf16 prefix pre-paired (pair_kv)
   const uint8_t *k8 = nullptr, *v8 = nullptr;     // or an int8 prefix (pair_kv8): kp, vp then give its shape only
   std::vector<Partial> part;

@@ -23,6 +23,19 @@ inline __m512 exp16(__m512 x) {
   return _mm512_scalef_ps(p, n);
 }
 
+// cap * tanh(x / cap) (attention logit soft-capping): tanh |y| = (1 - e) / (1 + e), e = e^(-2 |y|), the sign put
+// back; |y| past 44 gives 1 exactly.
+inline __m512 softcap16(__m512 x, float cap) {
+  const __m512 y = _mm512_div_ps(x, _mm512_set1_ps(cap));
+  const __m512 a = _mm512_abs_ps(y);
+  const __m512 e = exp16(_mm512_mul_ps(a, _mm512_set1_ps(-2.0f)));
+  const __m512 one = _mm512_set1_ps(1.0f);
+  const __m512 t = _mm512_div_ps(_mm512_sub_ps(one, e), _mm512_add_ps(one, e));
+  const __m512 signed_t = _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(t),
+      _mm512_and_si512(_mm512_castps_si512(y), _mm512_set1_epi32((int)0x80000000u))));
+  return _mm512_mul_ps(signed_t, _mm512_set1_ps(cap));
+}
+
 // torch's float -> bf16: round to nearest even by adding 0x7FFF plus the lowest kept bit; NaN -> 0x7FC0.
 inline __m256i bf16_rne(__m512 v) {
   const __m512i u = _mm512_castps_si512(v);
