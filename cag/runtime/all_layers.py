@@ -13,7 +13,7 @@ one parallel region, in the same order: the same bits as the separate ops (tests
 
 `weights(step, model)` gives what the call takes, once: a torch.classes.<library>.DecodeWeights holding each
 layer's named tensors, checked when added; None where any layer lacks them (int8 or fp32, a bias
-other than q/k/v's, another activation): the step then runs the separate ops.
+other than q/k/v's, another activation, soft-capped scores): the step then runs the separate ops.
 """
 
 from __future__ import annotations
@@ -55,7 +55,8 @@ def weights(step, model):
     for f, layer in zip(step.fns, model.model.layers):
         qkv = _packed(f.qkv_packed, bias=True)
         o, gu, dn = (_packed(p) for p in (own(layer.self_attn.o_proj), f.gu_packed, own(layer.mlp.down_proj)))
-        if None in (qkv, o, gu, dn) or any(n.dtype != torch.float32 for n in (f.norm1, f.norm2)):
+        if (None in (qkv, o, gu, dn) or any(n.dtype != torch.float32 for n in (f.norm1, f.norm2))
+                or f.softcap is not None):  # soft-capped scores: the separate calls' attention takes the cap
             return None
         b = f.qkv_packed.bias  # Qwen2's q/k/v bias, widened as the separate ops' float32 add widens it
         bias = _NONE if b is None else b.detach().float().contiguous()
