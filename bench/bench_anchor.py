@@ -21,7 +21,11 @@ which both engines read (cag: `--model file.gguf`, CAG_WEIGHTS=auto, so Q4_0 on 
 
 llama.cpp comes from the optional `anchor` extra (`pip install -e '.[anchor]'`: llama-cpp-python
 builds llama.cpp from source, ~15 minutes on 2 cores); without it this prints why and exits 2.
-Writes bench/results/anchor.json and anchor.md (anchor-SHAPE.* with --model).  Run: `python -m bench.bench_anchor`,
+The results name the instruction sets the llama.cpp build uses: an AVX2-only build (CMAKE_ARGS="-DGGML_NATIVE=OFF
+-DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=OFF", installed with `pip install --target DIR` and put
+on PYTHONPATH) beside CAG_DECODE_KERNELS=avx2 compares the two AVX2 paths on one CPU.
+Writes bench/results/anchor.json and anchor.md (anchor-SHAPE.* with --model; --name: another name).
+Run: `python -m bench.bench_anchor`,
 `python -m bench.bench_anchor --model llama-3.2-1b --sizes 1000,4000`.
 """
 
@@ -126,6 +130,7 @@ def main() -> None:
     ap.add_argument("--qtype", default="Q4_0", choices=["Q4_0", "Q8_0"], help="the GGUF's matrix type with --model")
     ap.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()) / "cag-bench-models",
                     help="built models and their GGUF files are kept here")
+    ap.add_argument("--name", help="results file name under bench/results (default: anchor, or anchor-SHAPE)")
     args = ap.parse_args()
     if args.model and args.model not in SHAPES:
         print(f"unknown shape {args.model!r}: one of {', '.join(SHAPES)}", file=sys.stderr)
@@ -230,12 +235,14 @@ def main() -> None:
             print(rows[-1], flush=True)
 
     model, qtype = (f"{args.model}, random weights", args.qtype) if args.model else (lm.name, "Q4_1")
+    features = llama_features(llama_cpp)
     head = (
-        f"Machine: {machine()}; llama.cpp via llama-cpp-python {llama_cpp.__version__}, {threads} threads, built from "
-        f"source here. Model: {model} (llama.cpp: the GGUF file itself, {qtype}; cag: weights {lm.weights}, decode "
-        f"kernels {lm.kernels}, {engine.kv_name} snapshots). Same prompt token ids on both sides; TTFT median of "
-        f"{args.repeat}; decode: {n} greedy tokens, stop tokens ignored, best of {args.rounds} runs alternating the "
-        f"two engines. Load average before / after: {load_before} / {os.getloadavg()}.\n\n"
+        f"Machine: {machine()}; llama.cpp via llama-cpp-python {llama_cpp.__version__}, {threads} threads, built "
+        f"from source here (its CPU features: {features}). Model: {model} (llama.cpp: the GGUF file itself, "
+        f"{qtype}; cag: weights {lm.weights}, decode kernels {lm.kernels}, {engine.kv_name} snapshots). Same "
+        f"prompt token ids on both sides; TTFT median of {args.repeat}; decode: {n} greedy tokens, stop tokens "
+        f"ignored, best of {args.rounds} runs alternating the two engines. Load average before / after: "
+        f"{load_before} / {os.getloadavg()}.\n\n"
         "| prefix tokens | prefill tok/s cag / llama.cpp | TTFT cag: snapshot file / resident | TTFT llama.cpp: state "
         "in memory / state file | decode tok/s cag / llama.cpp | state bytes cag / llama.cpp | same leading tokens "
         "|\n|---|---|---|---|---|---|---|\n"
@@ -251,6 +258,7 @@ def main() -> None:
     payload = {
         "machine": machine(),
         "llama_cpp": llama_cpp.__version__,
+        "llama_cpp_features": features,
         "threads": threads,
         "model": model,
         "qtype": qtype,
@@ -260,7 +268,16 @@ def main() -> None:
         "load_after": os.getloadavg(),
         "rows": rows,
     }
-    write(f"anchor-{args.model}" if args.model else "anchor", payload, head + body)
+    write(args.name or (f"anchor-{args.model}" if args.model else "anchor"), payload, head + body)
+
+
+def llama_features(llama_cpp) -> str:
+    """The instruction sets the llama.cpp build uses (its system info's features set to 1), e.g. an AVX2-only build
+    beside cag's AVX2 kernels on one CPU."""
+    info = llama_cpp.llama_print_system_info()
+    text = info.decode() if isinstance(info, bytes) else str(info)
+    on = [part.split("=")[0].split(":")[-1].strip() for part in text.split("|") if part.strip().endswith("= 1")]
+    return ", ".join(on) or text.strip()
 
 
 if __name__ == "__main__":
