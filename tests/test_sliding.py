@@ -248,50 +248,39 @@ def test_the_answer_is_the_models_own(family_dirs, small_corpus, monkeypatch, fa
 
 
 # -- Gemma 3 through the fast step: heads of 64, the widths cag's native attention takes ---------------------
-@pytest.fixture(scope="module")
-def gemma64_dir(tmp_path_factory) -> Path:
-    """Gemma 3 with heads of 64 (hidden 256, 4 heads, 2 K/V heads), layers window / global / window, W = 8; weights
-    of std 0.02 (wider ones, times the embedding scale 16, answer one token over and over)."""
+def _gemma64(tmp_path_factory, family: str, scores: float = 1.0, **extra) -> Path:
+    """A Gemma of `family` (gemma3, gemma2) with heads of 64 (hidden 256, 4 heads, 2 K/V heads), layers window /
+    global / window, W = 8; weights of std 0.02 (wider ones, times the embedding scale 16, answer one token over
+    and over), q and k x `scores`; random norms around 0.5 (Gemma scales by 1 + w)."""
     tok = _tokenizer()
-    ids = dict(pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
     torch.manual_seed(3)
-    c = transformers.Gemma3TextConfig(
+    c = getattr(transformers, "Gemma3TextConfig" if family == "gemma3" else "Gemma2Config")(
         vocab_size=len(tok), hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2,
         head_dim=64, num_hidden_layers=3, sliding_window=W, query_pre_attn_scalar=64, max_position_embeddings=4096,
-        initializer_range=0.02, tie_word_embeddings=True, layer_types=["sliding_attention", "full_attention",
-                                                                       "sliding_attention"], **ids)
-    model = transformers.Gemma3ForCausalLM(c).eval()
+        initializer_range=0.02, tie_word_embeddings=True, pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id, layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        **extra)
+    model = getattr(transformers, CLASSES[family])(c).eval()
     for name, p in model.named_parameters():
         if name.endswith("norm.weight"):
             torch.nn.init.normal_(p, 0.5, 0.3)
-    folder = tmp_path_factory.mktemp("gemma3-64")
+        if name.endswith(("q_proj.weight", "k_proj.weight")):
+            p.data.mul_(scores)
+    folder = tmp_path_factory.mktemp(f"{family}-64")
     model.save_pretrained(folder)
     tok.save_pretrained(folder)
     return folder
+
+
+@pytest.fixture(scope="module")
+def gemma64_dir(tmp_path_factory) -> Path:
+    return _gemma64(tmp_path_factory, "gemma3")
 
 
 @pytest.fixture(scope="module")
 def gemma2_64_dir(tmp_path_factory) -> Path:
-    """Gemma 2 with heads of 64, layers window / global / window, W = 8, its scores soft-capped at 5 (so the cap
-    bends them) and its logits at 30."""
-    tok = _tokenizer()
-    ids = dict(pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
-    torch.manual_seed(3)
-    c = transformers.Gemma2Config(
-        vocab_size=len(tok), hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2,
-        head_dim=64, num_hidden_layers=3, sliding_window=W, query_pre_attn_scalar=64, max_position_embeddings=4096,
-        initializer_range=0.02, tie_word_embeddings=True, attn_logit_softcapping=5.0, final_logit_softcapping=30.0,
-        layer_types=["sliding_attention", "full_attention", "sliding_attention"], **ids)
-    model = transformers.Gemma2ForCausalLM(c).eval()
-    for name, p in model.named_parameters():
-        if name.endswith("norm.weight"):
-            torch.nn.init.normal_(p, 0.5, 0.3)
-        if name.endswith(("q_proj.weight", "k_proj.weight")):  # scores of several units: the cap of 5 bends them
-            p.data.mul_(8.0)
-    folder = tmp_path_factory.mktemp("gemma2-64")
-    model.save_pretrained(folder)
-    tok.save_pretrained(folder)
-    return folder
+    """Gemma 2's scores soft-capped at 5, q and k x 8 so that scores of several units meet the cap; logits at 30."""
+    return _gemma64(tmp_path_factory, "gemma2", scores=8.0, attn_logit_softcapping=5.0, final_logit_softcapping=30.0)
 
 
 def _kernels(monkeypatch, kernels: str) -> None:

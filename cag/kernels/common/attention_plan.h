@@ -96,6 +96,34 @@ struct AttentionPlan {
   // the first key request b's row reads in an item whose first key is at absolute position t0 (0: all of them)
   int64_t from(int64_t b, int64_t t0) const { return std::max<int64_t>(0, lo[b] - t0); }
 
+  // The rows of prefix item i (head h, chunk c: every request's that reads it): per row its query (q (B, H, R, D)),
+  // its accumulator (acc: D floats at each at()), its first key and its request. Returns their count.
+  int64_t prefix_rows(int64_t i, const float* q, float* acc, const float** qs, float** accs, int64_t* fr,
+                      int64_t* who) const {
+    const int64_t h = items[i] / np, c = items[i] % np;
+    int64_t nr = 0;
+    for (int64_t b = 0; b < B; b++)
+      for (int64_t r = 0; r < R && sees_prefix(b, c); r++, nr++) {
+        qs[nr] = q + ((b * H + h) * R + r) * D;
+        accs[nr] = acc + at(b, h, r, c) * D;
+        fr[nr] = from(b, c * CHUNK), who[nr] = b;
+      }
+    return nr;
+  }
+  // The nb R rows of suffix item `it` (row r of request b0 + j / R at j): their queries, accumulators and keys
+  // [fr, to) of the chunk. Returns the item's width: its longest row's keys.
+  int64_t suffix_rows(const SuffixItem& it, const float* q, float* acc, const float** qs, float** accs, int64_t* fr,
+                      int64_t* to_) const {
+    int64_t w = 0;
+    for (int64_t j = 0; j < it.nb * R; j++) {
+      const int64_t b = it.b0 + j / R;
+      qs[j] = q + ((b * H + it.h) * R + j % R) * D;
+      accs[j] = acc + at(b, it.h, j % R, np + it.c) * D;
+      fr[j] = from(b, n + it.c * CHUNK), to_[j] = to(b, it.c), w = std::max(w, to_[j]);
+    }
+    return w;
+  }
+
   int64_t B = 0, H = 0, R = 0, D = 0, n = 0, np = 0, most = 0, chunks = 0, n_pre = 0;
   const int64_t *slot = nullptr, *len = nullptr;
   std::vector<int64_t> lo;  // per request: its row's first visible key (0 without a window)

@@ -233,11 +233,13 @@ void decode_layers(at::Tensor h, const c10::intrusive_ptr<DecodeWeights<A>>& w, 
     const int64_t p = omp_get_thread_num(), nt = omp_get_num_threads();
     for (int64_t l = 0; l < L; l++) {
       const Layer& y = layers[l];
-      if (p == 0) {
+      // h normed (with post-norms: as it is) to bf16 into xb, the next product's input, prepared for int4 weights
+      const auto to_product = [&](const float* norm, float eps, const Product& next) {
         if (y.post) A::to_bf16(hd, R * hid, xb.data());
-        else A::rms_rows(hd, y.norm1, R, hid, y.eps1, xb.data());
-        if (!y.qkv.w) xq.of(xb.data(), R, hid);
-      }
+        else A::rms_rows(hd, norm, R, hid, eps, xb.data());
+        if (!next.w) xq.of(xb.data(), R, hid);
+      };
+      if (p == 0) to_product(y.norm1, y.eps1, y.qkv);
 #pragma omp barrier
       share<A>(y.qkv, R, xb.data(), xq, yqkv.data(), p, nt);
 #pragma omp barrier
@@ -272,9 +274,7 @@ void decode_layers(at::Tensor h, const c10::intrusive_ptr<DecodeWeights<A>>& w, 
 #pragma omp barrier
       if (p == 0) {
         add_branch<A>(hd, yo.data(), R, hid, y.post ? y.norm1 : nullptr, y.eps1, y.residual);
-        if (y.post) A::to_bf16(hd, R * hid, xb.data());
-        else A::rms_rows(hd, y.norm2, R, hid, y.eps2, xb.data());
-        if (!y.gu.w) xq.of(xb.data(), R, hid);
+        to_product(y.norm2, y.eps2, y.gu);
       }
 #pragma omp barrier
       share<A>(y.gu, R, xb.data(), xq, ygu.data(), p, nt);

@@ -59,25 +59,14 @@ void Attention::work(int64_t p, int64_t nt) {
   for (int64_t i = p; i < n_items; i += nt) {  // share p takes items p, p + nt, ...: prefix and suffix spread evenly
     if (i < n_pre) {  // a prefix chunk: the rows of every request that reads it (all without a window)
       const int64_t h = items[i] / np, c = items[i] % np, t0 = c * C;
-      int64_t nr = 0;
-      for (int64_t b = 0; b < B; b++)
-        for (int64_t r = 0; r < R && sees_prefix(b, c); r++, nr++) {
-          qs[nr] = qd + ((b * H + h) * R + r) * D;
-          accs[nr] = acc.data() + at(b, h, r, c) * D;
-          fr[nr] = from(b, t0), who[nr] = b;
-        }
+      const int64_t nr = prefix_rows(i, qd, acc.data(), qs.data(), accs.data(), fr.data(), who.data());
       item_avx2(qs.data(), nr, kpd + h * kp.stride(0) + t0 * kp.stride(1), vpd + h * vp.stride(0) + t0 * vp.stride(1),
                 kp.stride(1), std::min(C, n - t0), D, scale, ps.data(), accs.data(), fr.data());
       for (int64_t j = 0; j < nr; j++) part[at(who[j], h, j % R, c)] = ps[j];
     } else {  // a suffix chunk: one request's rows, or several on one slot that read all its keys
       const SuffixItem& it = suffix[i - n_pre];
       const int64_t b0 = it.b0, nb = it.nb, h = it.h, c = it.c, t0 = c * C;
-      int64_t w = 0;  // the item's keys: its longest row's
-      for (int64_t j = 0; j < nb * R; j++) {  // row r of request b0 + j / R
-        qs[j] = qd + (((b0 + j / R) * H + h) * R + j % R) * D;
-        accs[j] = acc.data() + at(b0 + j / R, h, j % R, np + c) * D;
-        fr[j] = from(b0 + j / R, n + t0), to_[j] = to(b0 + j / R, c), w = std::max(w, to_[j]);
-      }
+      const int64_t w = suffix_rows(it, qd, acc.data(), qs.data(), accs.data(), fr.data(), to_.data());
       const int64_t off_k = slot[b0] * ks.stride(0) + h * ks.stride(1) + t0 * ks.stride(2);
       const int64_t off_v = slot[b0] * vs.stride(0) + h * vs.stride(1) + t0 * vs.stride(2);
       item_avx2(qs.data(), nb * R, ksd + off_k, vsd + off_v, ks.stride(2), w, D, scale, ps.data(), accs.data(), fr.data(),

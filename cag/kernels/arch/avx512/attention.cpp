@@ -89,13 +89,8 @@ void Attention::work(int64_t p, int64_t nt) {
   for (int64_t i = p; i < n_items; i += nt) {  // share p takes items p, p + nt, ...: prefix and suffix spread evenly
     if (i < n_pre) {
       const int64_t h = items[i] / np, c = items[i] % np, t0 = c * C;
-      int64_t nr = 0;  // the rows of every request that reads this chunk (all of them without a window)
-      for (int64_t b = 0; b < B; b++)
-        for (int64_t r = 0; r < R && sees_prefix(b, c); r++, nr++) {
-          qs[nr] = qd + ((b * H + h) * R + r) * D;
-          accs[nr] = acc.data() + at(b, h, r, c) * D;
-          fr[nr] = from(b, t0), who[nr] = b;
-        }
+      // the rows of every request that reads this chunk (all of them without a window)
+      const int64_t nr = prefix_rows(i, qd, acc.data(), qs.data(), accs.data(), fr.data(), who.data());
       const at::BFloat16* k0 = kp.data_ptr<at::BFloat16>() + h * kp.stride(0) + t0 * kp.stride(1);
       const at::BFloat16* v0 = vp.data_ptr<at::BFloat16>() + h * vp.stride(0) + t0 * vp.stride(1);
 #ifdef CAG_AMX
@@ -126,12 +121,7 @@ void Attention::work(int64_t p, int64_t nt) {
     } else {
       const SuffixItem& it = suffix[i - n_pre];
       const int64_t b0 = it.b0, nb = it.nb, h = it.h, c = it.c, t0 = c * C;
-      int64_t w = 0;  // the item's keys: its longest row's
-      for (int64_t j = 0; j < nb * R; j++) {  // row r of request b0 + j / R
-        qs[j] = qd + (((b0 + j / R) * H + h) * R + j % R) * D;
-        accs[j] = acc.data() + at(b0 + j / R, h, j % R, np + c) * D;
-        fr[j] = from(b0 + j / R, n + t0), to[j] = AttentionPlan::to(b0 + j / R, c), w = std::max(w, to[j]);
-      }
+      const int64_t w = suffix_rows(it, qd, acc.data(), qs.data(), accs.data(), fr.data(), to.data());
       const at::BFloat16* k0 = ks.data_ptr<at::BFloat16>() + slot[b0] * ks.stride(0) + h * ks.stride(1) + t0 * ks.stride(2);
       const at::BFloat16* v0 = vs.data_ptr<at::BFloat16>() + slot[b0] * vs.stride(0) + h * vs.stride(1) + t0 * vs.stride(2);
 #ifdef CAG_AMX
