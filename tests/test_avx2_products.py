@@ -3,6 +3,10 @@ activations (the AVX-512 products' arithmetic, to the bit where both run) and q8
 within float32 rounding, a row's bits its own whatever the other rows and the thread count, and an engine on them
 exact: `cag` == `full`, batched == alone."""
 
+import re
+import shutil
+import subprocess
+
 import pytest
 import torch
 
@@ -21,6 +25,17 @@ pytestmark = pytest.mark.skipif(
 @pytest.fixture(autouse=True)
 def _built():
     assert native.load_avx2(), native.avx2_reason()
+
+
+@pytest.mark.skipif(shutil.which("objdump") is None, reason="needs objdump (binutils)")
+def test_the_library_holds_no_avx512_instruction():
+    """Built on an AVX-512 CPU with -march=native it held AVX-512 instructions the compiler picked (142 zmm operands
+    on a Zen 4), so an AVX2-only CPU given such code would die of SIGILL, and the AVX2 code measured on an AVX-512 CPU
+    was not the code an AVX2 CPU runs: it is compiled for AVX2, FMA and F16C only (native.ISA)."""
+    text = subprocess.run(["objdump", "-d", str(native._avx2["path"])], capture_output=True, text=True).stdout
+    assert "vfmadd" in text and "ymm" in text  # the disassembly is there, and it is AVX2 code
+    evex = re.findall(r"%zmm\d+|%ymm(?:1[6-9]|2\d|3[01])\b|%xmm(?:1[6-9]|2\d|3[01])\b|%k[1-7]\b", text)
+    assert not evex, f"AVX-512 registers in the AVX2 library: {sorted(set(evex))[:8]}"
 
 
 def _q8_reference(w: torch.Tensor) -> tuple[tuple, torch.Tensor]:

@@ -144,7 +144,9 @@ def test_no_compiler_is_said_once_on_stderr(tmp_path):
         pytest.skip(f"this CPU would not run cag's kernels anyway: {why}")
     bare = tmp_path / "bin"  # a PATH with python and no c++ or g++, CXX unset: the probe of the issue
     bare.mkdir()
-    (bare / "python").symlink_to(sys.executable)
+    # a script, not a symlink: a venv's python linked from elsewhere finds no pyvenv.cfg beside it (no torch)
+    (bare / "python").write_text(f'#!/bin/sh\nexec "{sys.executable}" "$@"\n')
+    (bare / "python").chmod(0o755)
     env = {
         **{k: v for k, v in os.environ.items() if k != "CXX"},
         "XDG_CACHE_HOME": str(tmp_path / "xdg"),

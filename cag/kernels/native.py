@@ -7,8 +7,8 @@ read. torch's kernels run well below it for one row (int4: the weights dequantiz
 attention over bf16 keys; ~30 small ops a layer between them). These run near it: bench_decode
 measures the step beside the read bound.
 
-How: compiled on first use for this machine (-march=native) with the system C++ compiler, against
-the installed torch, into ~/.cache/cag/kernels ($XDG_CACHE_HOME/cag/kernels; key: sources, torch
+How: compiled on first use for this machine (-march=native; the AVX2 library for AVX2 only: ISA) with the system
+C++ compiler, against the installed torch, into ~/.cache/cag/kernels ($XDG_CACHE_HOME/cag/kernels; key: sources, torch
 version, compiler, CPU flags), then loaded as torch.ops.cag.*. A build takes seconds, once per machine;
 concurrent first uses wait for one build (a lock file beside it). The library is loaded only once it
 is trusted: the folder and the file owned by this user (or root) and writable by no one else, and
@@ -88,6 +88,10 @@ AVX2_SOURCES = _sources("arch/avx2")
 # What each library (by its torch.ops namespace) compiles and keys: its sources and every header.
 LIBRARIES = {"cag": SOURCES + HEADERS, "cag_avx2": AVX2_SOURCES + HEADERS}
 AVX2_FLAGS = ("avx2", "fma", "f16c")
+# The instruction set each library is compiled for: the AVX-512 one for this CPU; the AVX2 one for exactly AVX2_FLAGS
+# (tuned for this CPU), so that on an AVX-512 CPU it is the code an AVX2-only CPU runs, and no AVX-512 instruction the
+# compiler would pick for -march=native there reaches a CPU without it (bench/avx2_cpu.sh runs it on an emulated one).
+ISA = {"cag_kernels": ("-march=native",), "cag_avx2": ("-mavx2", "-mfma", "-mf16c", "-mtune=native")}
 HEAD_DIMS = (64, 80, 96, 128, 256)  # the head widths the attention kernels take (common/attention_plan.h: head_dim_ok)
 # and those whose int8 snapshot codes they read (common/attention_plan.h: int8_blocks): all of them, in the snapshot's
 # blocks (store/kv_int8.py): of 32 along the head, or one a head of 80 (80 codes and one scale per key)
@@ -167,7 +171,7 @@ def _build(sources: tuple[Path, ...], stem: str) -> tuple[Path, int]:
 
     cxx, lib = _compiler(), Path(torch.__file__).parent / "lib"
     assert cxx is not None  # load() builds only where _compiler_why_not() found one
-    flags = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c++17", "-ffp-contract=off",
+    flags = ["-O3", *ISA[stem], "-fopenmp", "-fPIC", "-shared", "-std=c++17", "-ffp-contract=off",
              f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"]
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=30).stdout
     key = build_key(sources, cxx, version, flags)
@@ -262,7 +266,7 @@ def load_avx2() -> bool:
         if not _avx2:
             _avx2["cpu_ok"] = cpu_why_not(AVX2_FLAGS) is None  # else the CPU is why, and nothing to warn about
             path, _avx2["why"] = _open(avx2_why_not(), LIBRARIES["cag_avx2"], "cag_avx2")
-            _avx2["ok"] = path is not None
+            _avx2["ok"], _avx2["path"] = path is not None, path
         return bool(_avx2.get("ok"))
 
 

@@ -94,13 +94,18 @@ def applies(step, rows: list, roles, kernel) -> bool:
     return step.fused is not None and roles is None and len(rows) == 1 and kernel is not None
 
 
+def _per_layer(paired: bool) -> int:
+    """How many tensors one prefix layer gives the call: 4 pre-paired (attention.paired), else its K and V."""
+    return 4 if paired else 2
+
+
 def _flat(prefix, n_layers: int, paired: bool) -> list[torch.Tensor]:
     """A prefix's layers as decode_layers takes them ([K, V] (H_kv, n, D) bf16 a layer, and their pairs where the
     backend's attention reads them: attention.paired), kept on it where they are views of its K/V and its pairs
     (no bytes of their own)."""
     key = "layers" if paired else "layers-unpaired"
     flat = prefix.made.get(key)
-    if flat is None or len(flat) != (4 if paired else 2) * n_layers:
+    if flat is None or len(flat) != _per_layer(paired) * n_layers:
         flat = [t for i in range(n_layers) for t in (
             attention.paired(prefix, i) if paired else (kv[0] for kv in attention.bf16_kv(prefix.kv[i])))]
         if prefix.kv[0][0].dtype == torch.bfloat16:
@@ -113,7 +118,7 @@ def layers(step, r, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, buffe
     """All layers over h (R, hidden) float32 (in place; returned): cos, sin (R, D); r: the part's Rows,
     its requests in groups by prefix (each prefix read once for its requests)."""
     L, paired = len(buffers.k), step.backend.paired
-    n = 4 if paired else 2  # tensors a prefix layer
+    n = _per_layer(paired)
     flats, rows, slots, lens = [], [], [], []
     for prefix, idx in r.groups:
         j = torch.arange(r.B) if idx is None else idx.cpu()
