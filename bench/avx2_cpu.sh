@@ -4,12 +4,14 @@
 # /proc/cpuinfo's flags stripped of avx512*, amx* and the AVX-VNNI ones in a private mount namespace, so that cag
 # (which reads the flags there) and torch (which asks CPUID) both see the emulated CPU.
 #
-#   bench/avx2_cpu.sh .venv/bin/python -m bench.bench_exactness --configs auto/auto:2 --no-cost --name exactness-avx2-cpu
+#   bench/avx2_cpu.sh .venv/bin/python -m bench.bench_exactness --configs auto/auto --seed-list 9322,9361 --no-cost \
+#       --name exactness-avx2-cpu
 #   bench/avx2_cpu.sh .venv/bin/python -m pytest -q tests/test_avx2_products.py
 #
 # The command's own process is emulated; programs it starts (a test's subprocess) run on the real CPU and see only
-# the stripped flags. For correctness only: emulation runs ~20-50x slower than the CPU, so its timings mean nothing. Needs qemu-user
-# (Debian: apt-get install qemu-user) and unshare with a mount namespace (root, or unprivileged user namespaces).
+# the stripped flags. For correctness only: emulation runs ~20-50x slower than the CPU, so its timings mean nothing.
+# Needs qemu-user (Debian: apt-get install qemu-user) and unshare with a mount namespace (root, or unprivileged user
+# namespaces).
 # CAG_EMULATED_CPU picks another qemu CPU model (`qemu-x86_64 -cpu help`), e.g. Haswell. Libraries built under it
 # are keyed by the stripped flags, apart from the machine's own (cag.kernels.native.build_key).
 set -euo pipefail
@@ -24,5 +26,6 @@ sed -E -e '/^flags/ s/ (avx512[a-z0-9_]*|amx[a-z0-9_]*|avx_vnni[a-z0-9_]*|avx_ne
 as_root=(-m)
 [ "$(id -u)" -eq 0 ] || as_root=(-r -m)
 # qemu names every host feature TCG cannot give the guest once per process: not errors, left out
-unshare "${as_root[@]}" sh -c 'f=$0 cpu=$1; shift; mount --bind "$f" /proc/cpuinfo && exec qemu-x86_64 -cpu "$cpu" "$@"' \
+inside='f=$0 cpu=$1; shift; mount --bind "$f" /proc/cpuinfo && exec qemu-x86_64 -cpu "$cpu" "$@"'
+unshare "${as_root[@]}" sh -c "$inside" \
     "$flags" "$cpu" "$(command -v "$1")" "${@:2}" 2> >(grep -v "TCG doesn't support requested feature" >&2)
