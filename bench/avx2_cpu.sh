@@ -17,6 +17,7 @@
 set -euo pipefail
 [ $# -gt 0 ] || { echo "usage: bench/avx2_cpu.sh COMMAND [ARGS...]" >&2; exit 2; }
 command -v qemu-x86_64 >/dev/null || { echo "error: qemu-x86_64 not found (apt-get install qemu-user)" >&2; exit 2; }
+prog=$(type -P "$1") || { echo "error: $1 is not a program (qemu runs files, not shell builtins)" >&2; exit 2; }
 cpu=${CAG_EMULATED_CPU:-EPYC-Milan}
 flags=$(mktemp "${TMPDIR:-/tmp}/cpuinfo-avx2.XXXXXX")
 trap 'rm -f "$flags"' EXIT
@@ -28,4 +29,4 @@ as_root=(-m)
 # qemu names every host feature TCG cannot give the guest once per process: not errors, left out
 inside='f=$0 cpu=$1; shift; mount --bind "$f" /proc/cpuinfo && exec qemu-x86_64 -cpu "$cpu" "$@"'
 unshare "${as_root[@]}" sh -c "$inside" \
-    "$flags" "$cpu" "$(command -v "$1")" "${@:2}" 2> >(grep -v "TCG doesn't support requested feature" >&2)
+    "$flags" "$cpu" "$prog" "${@:2}" 2> >(grep -v "TCG doesn't support requested feature" >&2)
