@@ -140,3 +140,17 @@ def test_seed_1004_batched_on_torchs_kernels_equals_alone(models_dir, tmp_path, 
     assert s.batched and s.kv_dtype == "int8"
     out = scenarios.run(s, _engine(lm, tmp_path / "home", kv_dtype=s.kv_dtype), tmp_path / "corpus")
     assert out.checks == 9 and out.mismatches == [], out.mismatches
+
+
+def test_the_harness_skips_a_pair_it_cannot_run_and_says_why(monkeypatch, tmp_path):
+    """fp32 weights on cag's AVX-512 kernels are refused (fp32 K/V; or the library does not run here): the harness
+    names the pair and the reason and runs the others; with none left it exits 2, the skip in its results file.
+    (Its default pairs listed that one once, and the whole run ended at it with a traceback.)"""
+    import bench.common
+    from bench import bench_exactness
+
+    monkeypatch.setattr(bench.common, "RESULTS", tmp_path)
+    assert ("fp32", "avx512") not in bench_exactness.configs_here()
+    assert bench_exactness.main(["--configs", "fp32/avx512:1", "--no-cost", "--name", "skipped"]) == 2
+    table = (tmp_path / "skipped.md").read_text()
+    assert "| fp32/avx512: skipped, CAG_DECODE_KERNELS=avx512 " in table
