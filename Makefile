@@ -42,7 +42,7 @@ bench-anchor: install
 	$(PIP) install -e '.[anchor]'
 	$(PY) -m bench.bench_anchor
 
-# the "By CPU class" figures of docs/performance.md on this CPU, ~1.5-2 hours (llama.cpp's side where the
+# the "By CPU class" figures of docs/performance.md on this CPU, ~20 minutes (llama.cpp's side where the
 # anchor extra is installed: make bench-anchor first, or pip install -e '.[anchor]')
 bench-class: install
 	$(PY) -m bench.bench_class

@@ -12,7 +12,8 @@ of a class not yet measured fills its row in one command:
   * `models-8b-CLASS`: the 8B shape's ingest, TTFT, decode and memory (~15 GB of disk for its bf16 folder);
   * `exactness-CLASS`: the exactness harness, 5 generated scenarios on `auto`.
 
-About 1.5-2 hours on 2 cores (the 3B anchor at 4K tokens and the 8B shape take most of it); `--only` picks steps,
+20 minutes on 2 cores (AMD EPYC Zen 4, 2026-12-07) with the random-weight models already built under
+/tmp/cag-bench-models, more the first time (building them, the 8B's 15 GB folder most); `--only` picks steps,
 `--dry-run` prints the commands. A step that fails is reported and the others still run; the exit code is 1 if
 any failed. Run: `python -m bench.bench_class` (or `make bench-class`).
 """
