@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 from bench.bench_class import KERNELS, plan, tag
 
@@ -32,6 +33,6 @@ def test_without_llama_cpp_the_anchor_steps_say_why_and_the_rest_run():
 
 def test_a_bad_step_is_one_line_and_exit_1():
     r = subprocess.run([sys.executable, "-m", "bench.bench_class", "--only", "one-call,bogus", "--dry-run"],
-                       capture_output=True, text=True)
+                       capture_output=True, text=True, cwd=Path(__file__).parents[1])
     assert r.returncode == 1
     assert r.stderr.strip() == "error: unknown step 'bogus'; use one-call, anchor, models-8b, exactness"
