@@ -131,9 +131,10 @@ def main(argv=None) -> int:
                   else [args.first_seed, args.first_seed + max(c[2] for c in configs)]),
         "listed": bool(args.seed_list),
         "configs": {},
+        "skipped": {},
         "cost": None,
     }
-    failed, result["skipped"] = 0, {}
+    failed = 0
     for weights, kernels, seeds in configs:
         try:
             lm = load_model(model, models, weights=weights, kernels=kernels)
