@@ -26,23 +26,12 @@ import subprocess
 import sys
 import time
 
-from .common import cpu_class
+from .common import cpu_class, cpu_tag
 
 SHAPES = ("qwen2.5-0.5b", "llama-3.2-1b", "llama-3.2-3b")
 STEPS = ("one-call", "anchor", "models-8b", "exactness")
 # the decode kernels each class runs bench_one_call on: its own (`auto`'s), and AMX's attention beside AVX-512's
 KERNELS = {"avx2": "avx2", "avx512f": "avx2", "avx512": "avx512", "amx": "avx512,amx"}
-
-
-def tag(cls: str) -> str | None:
-    """bench.common.cpu_class()'s text -> the results files' suffix (None: no class with cag's kernels)."""
-    if cls.startswith("AMX"):
-        return "amx"
-    if cls.startswith("AVX-512 with BF16"):
-        return "avx512"
-    if cls.startswith("AVX-512"):  # without BF16 and VNNI: below the AVX-512 library's floor, the AVX2 library runs
-        return "avx512f"
-    return "avx2" if cls.startswith("AVX2") else None
 
 
 def plan(cls_tag: str, steps: tuple[str, ...], anchor: bool) -> list[tuple[str, list[str] | str]]:
@@ -73,10 +62,9 @@ def main() -> None:
     steps = tuple(s.strip() for s in a.only.split(",") if s.strip())
     if bad := [s for s in steps if s not in STEPS]:
         sys.exit(f"error: unknown step {bad[0]!r}; use {', '.join(STEPS)}")
-    cls = cpu_class()
-    if (t := tag(cls)) is None:
-        sys.exit(f"error: this CPU ({cls}) runs none of cag's kernels: no class row to fill")
-    print(f"CPU class: {cls} -> results named *-{t}", flush=True)
+    if (t := cpu_tag()) is None:
+        sys.exit(f"error: this CPU ({cpu_class()}) runs none of cag's kernels: no class row to fill")
+    print(f"CPU class: {cpu_class()} -> results named *-{t}", flush=True)
     failed = []
     for name, cmd in plan(t, steps, importlib.util.find_spec("llama_cpp") is not None):
         if isinstance(cmd, str):

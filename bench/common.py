@@ -18,16 +18,26 @@ ESSAYS = (
 )
 
 
-def cpu_class() -> str:
-    """The CPU class a speed depends on (the same model name covers several across clouds)."""
+# the CPU classes a speed depends on: the results files' suffix (None: no class with cag's kernels) -> the text
+CPU_CLASSES = {"amx": "AMX, AVX-512", "avx512": "AVX-512 with BF16 and VNNI, no AMX", "avx512f": "AVX-512, no AMX",
+               "avx2": "AVX2 only", None: "no AVX2"}
+
+
+def cpu_tag() -> str | None:
+    """This CPU's class as a key of CPU_CLASSES (the same model name covers several across clouds)."""
     from cag.model.auto_weights import cpu_flags
 
     flags = cpu_flags()
     if "amx_tile" in flags:
-        return "AMX, AVX-512"
-    if "avx512f" in flags:
-        return "AVX-512" + (" with BF16 and VNNI" if {"avx512_bf16", "avx512_vnni"} <= flags else "") + ", no AMX"
-    return "AVX2 only" if "avx2" in flags else "no AVX2"
+        return "amx"
+    if "avx512f" in flags:  # without BF16 and VNNI: below the AVX-512 library's floor, the AVX2 library runs
+        return "avx512" if {"avx512_bf16", "avx512_vnni"} <= flags else "avx512f"
+    return "avx2" if "avx2" in flags else None
+
+
+def cpu_class() -> str:
+    """The CPU class a speed depends on, in words."""
+    return CPU_CLASSES[cpu_tag()]
 
 
 def machine() -> str:

@@ -6,16 +6,16 @@ import subprocess
 import sys
 from pathlib import Path
 
-from bench.bench_class import KERNELS, plan, tag
-from bench.common import cpu_class
+from bench.bench_class import KERNELS, plan
+from bench.common import CPU_CLASSES, cpu_class, cpu_tag
 
 
 def test_each_class_names_its_results_and_runs_its_own_kernels(monkeypatch):
     from cag.model import auto_weights
 
-    def named(*flags: str) -> str | None:  # the tag of bench.common.cpu_class()'s own text for a CPU with `flags`
+    def named(*flags: str) -> str | None:  # the class bench.common sees on a CPU with `flags`
         monkeypatch.setattr(auto_weights, "cpu_flags", lambda: set(flags))
-        return tag(cpu_class())
+        return cpu_tag()
 
     avx2 = ("avx2", "fma", "f16c")
     assert named(*avx2) == "avx2"
@@ -23,6 +23,8 @@ def test_each_class_names_its_results_and_runs_its_own_kernels(monkeypatch):
     assert named(*avx2, "avx512f", "avx512bw", "avx512vl") == "avx512f"  # below the AVX-512 library's floor: AVX2's
     assert named(*avx2, "avx512f", "avx512_bf16", "avx512_vnni", "amx_tile", "amx_bf16") == "amx"
     assert named("sse4_2") is None
+    # the words machine() prints into every results file
+    assert cpu_class() == "no AVX2" and CPU_CLASSES["avx512"] == "AVX-512 with BF16 and VNNI, no AMX"
     steps = dict(plan("avx2", ("one-call", "anchor", "models-8b", "exactness"), anchor=True))
     assert steps["one-call"][steps["one-call"].index("--kernels") + 1] == "avx2"
     assert KERNELS["avx512f"] == "avx2" and "amx" in KERNELS["amx"].split(",")
