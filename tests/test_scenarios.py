@@ -144,8 +144,7 @@ def test_seed_1004_batched_on_torchs_kernels_equals_alone(models_dir, tmp_path, 
 
 def test_the_harness_skips_a_pair_it_cannot_run_and_says_why(monkeypatch, tmp_path):
     """fp32 weights on cag's AVX-512 kernels are refused (fp32 K/V; or the library does not run here): the harness
-    names the pair and the reason and runs the others; with none left it exits 2, the skip in its results file.
-    (Its default pairs listed that one once, and the whole run ended at it with a traceback.)"""
+    names the pair and the reason and runs the others; with none left it exits 2, the skip in its results file."""
     import bench.common
     from bench import bench_exactness
 
